@@ -1,0 +1,28 @@
+"""One home for the names several processes must agree on: task queues, workflow ids,
+search attributes. Change one here and every worker, client and test follows."""
+
+from __future__ import annotations
+
+from .ids import DeploymentId, NodeId
+
+#: Task queue polled by the control-plane worker (`modelkeeper worker`).
+CONTROL_TASK_QUEUE = "modelkeeper-control"
+
+#: Prefix of each node agent's own task queue; activities that touch a node's engines run there.
+NODE_TASK_QUEUE_PREFIX = "node/"
+
+#: Custom search attributes registered on the Temporal server (name -> type).
+SEARCH_ATTRIBUTES: dict[str, str] = {
+    "ModelkeeperModelId": "Keyword",
+    "ModelkeeperStatus": "Keyword",
+}
+
+
+def node_task_queue(node_id: NodeId) -> str:
+    """The task queue a node's agent polls."""
+    return f"{NODE_TASK_QUEUE_PREFIX}{node_id}"
+
+
+def deployment_workflow_id(deployment_id: DeploymentId) -> str:
+    """The workflow id of a deployment's keeper; one running workflow per deployment."""
+    return f"deployment/{deployment_id}"

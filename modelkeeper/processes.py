@@ -1,0 +1,142 @@
+"""Child processes that live in their own process group and die with it.
+
+Everything modelkeeper starts (servers under ``up``, engines under an agent, servers in
+tests) goes through :class:`ManagedProcess`, so stopping always reaches grandchildren
+too: a server that forks workers must not outlive the command that started it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+
+class ProcessExitedError(RuntimeError):
+    """A child exited while we were waiting for it to become ready."""
+
+
+@dataclass
+class ManagedProcess:
+    """A child process started in a new session (its own process group)."""
+
+    name: str
+    argv: Sequence[str]
+    log_path: Path
+    env: Mapping[str, str] | None = None
+    cwd: Path | None = None
+    user: str | None = None
+    popen: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    _log: IO[bytes] | None = field(default=None, init=False)
+
+    def start(self) -> None:
+        """Start the child, appending its stdout and stderr to ``log_path``."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            list(self.argv),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=dict(self.env) if self.env is not None else None,
+            cwd=self.cwd,
+            user=self.user,
+            # A new session makes the child a group leader, so killpg reaches everything
+            # it forks, and a Ctrl-C in our terminal is not delivered to it twice.
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        """The child's pid (also its process group id)."""
+        assert self.popen is not None, f"{self.name} was never started"
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        """The exit code, or None while it runs."""
+        return None if self.popen is None else self.popen.poll()
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last lines of the child's log, for error messages."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float, interval: float = 0.05) -> None:
+        """Poll ``ready`` until it is true; fail early if the child exits first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.poll()
+            if code is not None:
+                raise ProcessExitedError(
+                    f"{self.name} exited with code {code} before it was ready; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if ready():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s; log {self.log_path}")
+            time.sleep(interval)
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        """SIGTERM the whole group, then SIGKILL it after ``grace`` seconds."""
+        if self.popen is None:
+            return None
+        try:
+            if self.popen.poll() is None:
+                signal_group(self.popen.pid, signal.SIGTERM)
+                try:
+                    self.popen.wait(grace)
+                except subprocess.TimeoutExpired:
+                    signal_group(self.popen.pid, signal.SIGKILL)
+                    self.popen.wait(5)
+            # The leader may be gone while children it forked linger in the group.
+            signal_group(self.popen.pid, signal.SIGKILL)
+            return self.popen.returncode
+        finally:
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to a process group, ignoring a group that is already gone."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """True when nothing listens on host:port (we try to bind it ourselves)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the kernel says is free right now (tests and `--port 0` use this)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def tcp_accepts(host: str, port: int, timeout: float = 0.2) -> bool:
+    """True when a TCP connection to host:port succeeds."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
