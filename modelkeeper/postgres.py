@@ -7,13 +7,12 @@ server detached, while ``up`` needs a TCP port and a foreground child it can sto
 
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
-
 import importlib.util
+import os
 import pwd
 import stat
+import subprocess
+from pathlib import Path
 
 from .processes import ManagedProcess, tcp_accepts
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -84,7 +85,8 @@ class ManagedProcess:
             if ready():
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s; log {self.log_path}")
+                raise TimeoutError(
+                    f"{self.name} not ready after {timeout:.0f}s; log {self.log_path}")
             time.sleep(interval)
 
     def stop(self, grace: float = 10.0) -> int | None:
@@ -125,12 +127,29 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel says is free right now (tests and `--port 0` use this)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A free port *outside* the kernel's ephemeral range.
+
+    Ports the kernel hands out for ``bind(0)`` are also what other servers (the Temporal dev
+    server opens several) and outgoing connections get, so a port picked that way can be
+    taken between our check and the child's bind. Picking below the ephemeral range, at
+    random, makes that collision rare instead of routine.
+    """
+    low, _ = _ephemeral_range()
+    floor = 10000 if low > 11000 else 1024
+    for _ in range(200):
+        port = random.randrange(floor, low)
+        if port_is_free(host, port):
+            return port
+    raise RuntimeError(f"no free port found in {floor}..{low - 1} on {host}")
 
 
 def tcp_accepts(host: str, port: int, timeout: float = 0.2) -> bool:

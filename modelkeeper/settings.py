@@ -40,7 +40,8 @@ class Settings(BaseSettings):
         default=8432, ge=1, le=65535, description="Port of the embedded PostgreSQL (`up` only)."
     )
     temporal_port: Port = Field(
-        default=7233, ge=1, le=65535, description="gRPC port of the Temporal dev server (`up` only)."
+        default=7233, ge=1, le=65535,
+        description="gRPC port of the Temporal dev server (`up` only).",
     )
     temporal_ui_port: Port = Field(
         default=8233, ge=1, le=65535, description="Port of the Temporal web UI (`up` only)."

@@ -111,7 +111,8 @@ class Store:
                 )
                 """
             )
-            done = {row["version"] for row in await conn.fetch("SELECT version FROM schema_version")}
+            rows = await conn.fetch("SELECT version FROM schema_version")
+            done = {row["version"] for row in rows}
             for migration in todo:
                 if migration.version in done:
                     continue

@@ -1,0 +1,1 @@
+"""Temporal activities, one module per system they touch (store, agents, gateway)."""

@@ -1,0 +1,1 @@
+"""Inference engines the agent can launch, one adapter per engine kind."""

@@ -1,0 +1,95 @@
+"""SGLang's server, for nodes with NVIDIA GPUs.
+
+SGLang takes its API key only as ``--api-key`` on the command line, where every user on
+the node can read it; each plan says so in its notes. Multi-node replicas use SGLang's
+own launcher (``--nnodes``, ``--node-rank``, ``--dist-init-addr``); ranks other than 0
+join rank 0 and serve no HTTP.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import httpx
+
+from modelkeeper.shards import EngineKind, ShardSpec
+
+from .base import LaunchPlan, ReadyCheck, probe_ready, reject_unknown_args
+from .gpu import (
+    ArgKind,
+    cuda_env,
+    leader_host_port,
+    memory_fraction,
+    optional_flags,
+    parallelism,
+)
+
+#: Optional arguments and their flags; as for vLLM, nothing that loads code or moves
+#: the listener.
+_FLAGS: dict[str, tuple[str, ArgKind]] = {
+    "context_length": ("--context-length", "int"),
+    "max_running_requests": ("--max-running-requests", "int"),
+    "dtype": ("--dtype", "token"),
+    "quantization": ("--quantization", "token"),
+    "disable_cuda_graph": ("--disable-cuda-graph", "bool"),
+}
+
+ALLOWED_ARGS: frozenset[str] = frozenset(
+    {"tensor_parallel_size", "pipeline_parallel_size", *_FLAGS}
+)
+
+ENTRY_MODULE = "sglang.launch_server"
+
+KEY_ON_COMMAND_LINE = (
+    "SGLang accepts its API key only as --api-key: the key is visible on the command "
+    "line to every user of the node"
+)
+
+
+class SglangAdapter:
+    """Launches one SGLang shard."""
+
+    kind: EngineKind = EngineKind.SGLANG
+
+    def __init__(self, python: str | None = None) -> None:
+        """``python``: the interpreter SGLang is installed for; the agent's own by default."""
+        self.python = python or sys.executable
+
+    def launch_plan(self, spec: ShardSpec, *, host: str, port: int, api_key: str) -> LaunchPlan:
+        """The command line and environment that start ``spec`` on host:port."""
+        reject_unknown_args(self.kind, spec.engine_args, ALLOWED_ARGS)
+        layout = parallelism(spec)
+        argv = [
+            self.python, "-m", ENTRY_MODULE,
+            "--model-path", spec.source,
+            "--served-model-name", spec.model_id,
+            "--host", host,
+            "--port", str(port),
+            "--tp-size", str(layout.tensor),
+            "--pp-size", str(layout.pipeline),
+            # SGLang's counterpart of vLLM's --gpu-memory-utilization.
+            "--mem-fraction-static", memory_fraction(spec),
+            "--api-key", api_key,
+            *optional_flags(spec.engine_args, _FLAGS),
+        ]  # fmt: skip
+        if spec.world_size > 1:
+            leader_host, leader_port = leader_host_port(spec)
+            # Brackets keep an IPv6 address apart from the port.
+            host_part = f"[{leader_host}]" if ":" in leader_host else leader_host
+            argv += [
+                "--nnodes", str(spec.world_size),
+                "--node-rank", str(spec.rank),
+                "--dist-init-addr", f"{host_part}:{leader_port}",
+            ]  # fmt: skip
+        return LaunchPlan(
+            argv=argv,
+            env=cuda_env(spec),
+            serves_http=spec.rank == 0,
+            notes=[KEY_ON_COMMAND_LINE],
+        )
+
+    async def check_ready(
+        self, client: httpx.AsyncClient, base_url: str, api_key: str, model_name: str
+    ) -> ReadyCheck:
+        """Ready once /health answers 200 and a one-token completion succeeds."""
+        return await probe_ready(client, base_url, api_key, model_name)

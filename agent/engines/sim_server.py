@@ -1,0 +1,838 @@
+"""A simulated OpenAI-compatible inference engine, for scale and fault tests.
+
+Run it as::
+
+    python -m agent.engines.sim_server --host 127.0.0.1 --port 8000 --model NAME [options]
+
+It speaks enough of the OpenAI HTTP API for the agent, the gateway and load tests
+(``/health``, ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, streaming
+or not) and can be told to misbehave the way real engines do: load slowly, hold memory,
+generate at a set speed, fail while loading, crash later, or hang.
+
+Tests start hundreds of these at once on one machine, so the module deliberately uses
+only the standard library (asyncio streams and a minimal HTTP/1.1 parser) and nothing
+that pulls in pydantic, starlette or httpx: every imported megabyte is multiplied by
+the number of engines. Keep it that way.
+
+The API key comes from the ``MODELKEEPER_ENGINE_API_KEY`` environment variable, never
+from argv, because argv is visible to every user of the machine through ``ps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import itertools
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("agent.engines.sim_server")
+
+#: Environment variable holding the API key; empty or unset means no authentication.
+API_KEY_ENV = "MODELKEEPER_ENGINE_API_KEY"
+#: Exit code of ``--fail-at-start`` (what a real engine returns when loading fails).
+FAIL_AT_START_EXIT_CODE = 1
+#: Exit code of ``--crash-after``: not 0, 1 or a signal, so tests can tell it apart.
+CRASH_EXIT_CODE = 70
+#: ``max_tokens`` when a request gives none (OpenAI's completions default).
+DEFAULT_MAX_TOKENS = 16
+#: Largest ``max_tokens`` accepted; bounds the work one request can ask of a sim.
+MAX_TOKENS_LIMIT = 65_536
+#: Largest request head (request line and headers) and body accepted.
+MAX_HEAD_BYTES = 64 * 1024
+MAX_BODY_BYTES = 8 * 1024 * 1024
+#: Memory is held in pieces this large, yielding to the event loop between them so
+#: ``/health`` keeps answering 503 while a large ``--memory-bytes`` is being touched.
+MEMORY_CHUNK_BYTES = 64 * 1024 * 1024
+#: Stride used to touch held memory; no platform we run on has smaller pages.
+PAGE_BYTES = 4096
+
+#: The generated text cycles through these words, so output is deterministic.
+WORDS = (
+    "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog",
+    "while", "seven", "models", "keep", "serving", "requests", "all", "night",
+)  # fmt: skip
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    413: "Content Too Large",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    501: "Not Implemented",
+    503: "Service Unavailable",
+}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    431: "invalid_request_error",
+    500: "internal_error",
+    501: "not_implemented_error",
+    503: "unavailable_error",
+}
+
+SSE_DONE = b"data: [DONE]\n\n"
+LAST_CHUNK = b"0\r\n\r\n"
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+class HttpError(Exception):
+    """A request the server answers with an error status and an OpenAI-shaped body."""
+
+    def __init__(
+        self, status: int, message: str, *, code: str | None = None, close: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        #: True when the connection can't be reused (we lost track of the byte stream).
+        self.close = close
+
+
+@dataclass(frozen=True)
+class RequestHead:
+    """The request line and headers of one HTTP/1.x request."""
+
+    method: str
+    target: str
+    version: str
+    #: Header names are lower-cased; repeated headers are joined with ", ".
+    headers: Mapping[str, str]
+
+    @property
+    def path(self) -> str:
+        """The target without its query string."""
+        return self.target.partition("?")[0]
+
+
+def parse_request_head(raw: bytes) -> RequestHead:
+    """Parse a request head (everything before the blank line) or raise a 400."""
+    # Header bytes are ASCII in practice; latin-1 decodes any byte, so a stray one
+    # becomes a wrong character instead of an exception.
+    lines = raw.decode("latin-1").split("\r\n")
+    while lines and not lines[-1]:
+        lines.pop()
+    if not lines:
+        raise HttpError(400, "empty request", close=True)
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise HttpError(400, f"malformed request line {lines[0][:100]!r}", close=True)
+    method, target, version = parts
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip():
+            raise HttpError(400, f"malformed header line {line[:100]!r}", close=True)
+        key = name.lower()
+        value = value.strip()
+        headers[key] = f"{headers[key]}, {value}" if key in headers else value
+    return RequestHead(method=method, target=target, version=version, headers=headers)
+
+
+def wants_keep_alive(head: RequestHead) -> bool:
+    """Whether the client lets us reuse the connection (HTTP/1.1 does by default)."""
+    tokens = {t.strip().lower() for t in head.headers.get("connection", "").split(",")}
+    if head.version == "HTTP/1.0":
+        return "keep-alive" in tokens
+    return "close" not in tokens
+
+
+def body_length(head: RequestHead) -> int:
+    """The Content-Length of the body, validated; chunked request bodies are refused."""
+    if "transfer-encoding" in head.headers:
+        # OpenAI clients always send a Content-Length; supporting chunked uploads would
+        # only add code that no test needs.
+        raise HttpError(501, "chunked request bodies are not supported", close=True)
+    value = head.headers.get("content-length")
+    if value is None:
+        return 0
+    if not value.isdigit():
+        raise HttpError(400, f"invalid Content-Length {value!r}", close=True)
+    length = int(value)
+    if length > MAX_BODY_BYTES:
+        raise HttpError(413, f"body larger than {MAX_BODY_BYTES} bytes", close=True)
+    return length
+
+
+def json_bytes(obj: Any) -> bytes:
+    """Compact JSON, as bytes."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def error_body(status: int, message: str, code: str | None = None) -> bytes:
+    """An OpenAI-shaped error body."""
+    return json_bytes(
+        {
+            "error": {
+                "message": message,
+                "type": _ERROR_TYPES.get(status, "error"),
+                "param": None,
+                "code": code if code is not None else status,
+            }
+        }
+    )
+
+
+def render_response(
+    status: int,
+    body: bytes,
+    *,
+    keep_alive: bool = True,
+    content_type: str = "application/json",
+) -> bytes:
+    """A complete HTTP/1.1 response with a Content-Length."""
+    head = (
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"
+        f"Content-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        f"Connection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def render_stream_head(*, chunked: bool, keep_alive: bool = True) -> bytes:
+    """The head of a server-sent-events response.
+
+    HTTP/1.1 clients get a chunked body; HTTP/1.0 ones cannot parse chunks, so they get
+    a raw body delimited by closing the connection (and so never keep it alive).
+    """
+    framing = "Transfer-Encoding: chunked\r\n" if chunked else ""
+    connection = "keep-alive" if chunked and keep_alive else "close"
+    return (
+        "HTTP/1.1 200 OK\r\n"
+        "Content-Type: text/event-stream\r\n"
+        "Cache-Control: no-cache\r\n"
+        f"{framing}Connection: {connection}\r\n\r\n"
+    ).encode()
+
+
+def encode_chunk(data: bytes) -> bytes:
+    """One chunk of a chunked transfer encoding."""
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+def sse_event(payload: Any) -> bytes:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return b"data: " + json_bytes(payload) + b"\n\n"
+
+
+def is_authorized(headers: Mapping[str, str], api_key: str | None) -> bool:
+    """True when no key is required or the request carries ``Bearer <key>``."""
+    if not api_key:
+        return True
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    # compare_digest so the time taken does not reveal how much of the key matched.
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        token.strip().encode(), api_key.encode()
+    )
+
+
+# ---------------------------------------------------------------------- completions
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """What the sim needs from a completions or chat completions request."""
+
+    chat: bool
+    #: Prompt length in (whitespace-separated) tokens, one entry per choice to generate.
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    stream: bool
+    #: ``stream_options.include_usage``: send a final chunk with usage.
+    include_usage: bool
+
+
+def token_text(index: int) -> str:
+    """The ``index``-th generated token: a word, space-separated from the one before."""
+    word = WORDS[index % len(WORDS)]
+    return word if index == 0 else " " + word
+
+
+def generate_text(count: int) -> str:
+    """The first ``count`` tokens of the deterministic output."""
+    return "".join(token_text(i) for i in range(count))
+
+
+def count_tokens(text: str) -> int:
+    """A stand-in tokenizer: whitespace-separated words."""
+    return len(text.split())
+
+
+def _content_tokens(content: Any) -> int:
+    """Tokens in a chat message's content: a string or a list of parts."""
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return count_tokens(content)
+    if isinstance(content, list):
+        total = 0
+        for part in content:
+            if not isinstance(part, dict):
+                raise HttpError(400, "message content parts must be objects")
+            text = part.get("text")
+            total += count_tokens(text) if isinstance(text, str) else 0
+        return total
+    raise HttpError(400, "message content must be a string or a list of parts")
+
+
+def _prompt_tokens(prompt: Any) -> tuple[int, ...]:
+    """Token counts of a completions ``prompt``: one per prompt in a batch."""
+    if isinstance(prompt, str):
+        return (count_tokens(prompt),)
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return tuple(count_tokens(p) for p in prompt)
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return (len(prompt),)
+        if all(isinstance(p, list) for p in prompt):
+            return tuple(len(p) for p in prompt)
+    raise HttpError(
+        400, "prompt must be a string, a list of strings, or a list of token ids", code="prompt"
+    )
+
+
+def parse_completion_request(body: bytes, *, chat: bool, served_model: str) -> CompletionRequest:
+    """Validate a (chat) completions request body, raising a 400 or 404 HttpError."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HttpError(400, f"body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise HttpError(400, "body must be a JSON object")
+
+    model = data.get("model")
+    if model is not None and model != served_model:
+        # What vLLM answers, so clients that send a stale model name fail the same way.
+        raise HttpError(404, f"The model `{model}` does not exist.", code="model_not_found")
+
+    max_tokens = data.get("max_tokens")
+    if chat and data.get("max_completion_tokens") is not None:
+        max_tokens = data["max_completion_tokens"]
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    if (
+        not isinstance(max_tokens, int)
+        or isinstance(max_tokens, bool)
+        or not 1 <= max_tokens <= MAX_TOKENS_LIMIT
+    ):
+        raise HttpError(400, f"max_tokens must be an integer from 1 to {MAX_TOKENS_LIMIT}")
+
+    stream = data.get("stream") or False
+    if not isinstance(stream, bool):
+        raise HttpError(400, "stream must be a boolean")
+    options = data.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise HttpError(400, "stream_options must be an object")
+    include_usage = bool(options.get("include_usage", False))
+
+    if chat:
+        messages = data.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise HttpError(400, "messages must be a non-empty list")
+        total = 0
+        for message in messages:
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise HttpError(400, "each message must be an object with a role")
+            total += _content_tokens(message.get("content"))
+        prompt_tokens: tuple[int, ...] = (total,)
+    else:
+        if "prompt" not in data:
+            raise HttpError(400, "prompt is required")
+        prompt_tokens = _prompt_tokens(data["prompt"])
+
+    return CompletionRequest(
+        chat=chat,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def usage(req: CompletionRequest) -> dict[str, int]:
+    """The ``usage`` object of a response to ``req``."""
+    prompt = sum(req.prompt_tokens)
+    completion = req.max_tokens * len(req.prompt_tokens)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def build_response(
+    req: CompletionRequest, *, model: str, request_id: str, created: int
+) -> dict[str, Any]:
+    """The body of a non-streaming (chat) completion."""
+    text = generate_text(req.max_tokens)
+    choices: list[dict[str, Any]]
+    if req.chat:
+        choices = [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                # Every answer runs to max_tokens: the sim has no end-of-sequence token.
+                "finish_reason": "length",
+            }
+        ]
+    else:
+        choices = [
+            {"index": i, "text": text, "logprobs": None, "finish_reason": "length"}
+            for i in range(len(req.prompt_tokens))
+        ]
+    return {
+        "id": request_id,
+        "object": "chat.completion" if req.chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(req),
+    }
+
+
+def _stream_choice(chat: bool, index: int, text: str | None, finish: str | None) -> dict[str, Any]:
+    """One choice of a streamed chunk; ``text`` None means the closing (empty) delta."""
+    choice: dict[str, Any] = {"index": index}
+    if chat:
+        choice["delta"] = {} if text is None else {"content": text}
+    else:
+        choice["text"] = text or ""
+    choice["logprobs"] = None
+    choice["finish_reason"] = finish
+    return choice
+
+
+def stream_chunks(
+    req: CompletionRequest, *, model: str, request_id: str, created: int
+) -> Iterator[tuple[bool, dict[str, Any]]]:
+    """The chunks of a streamed response, each with whether a new token starts there.
+
+    The flag lets the server pace tokens without this function knowing about time.
+    The ``[DONE]`` sentinel is the caller's to send.
+    """
+    kind = "chat.completion.chunk" if req.chat else "text_completion"
+
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": request_id,
+            "object": kind,
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+
+    n = len(req.prompt_tokens)
+    if req.chat:
+        # OpenAI opens a chat stream with the role and empty content.
+        opening = {"role": "assistant", "content": ""}
+        yield (
+            False,
+            chunk([{"index": 0, "delta": opening, "logprobs": None, "finish_reason": None}]),
+        )
+    for t in range(req.max_tokens):
+        text = token_text(t)
+        for i in range(n):
+            yield i == 0, chunk([_stream_choice(req.chat, i, text, None)])
+    for i in range(n):
+        yield False, chunk([_stream_choice(req.chat, i, None, "length")])
+    if req.include_usage:
+        yield False, {**chunk([]), "usage": usage(req)}
+
+
+# ----------------------------------------------------------------------- the engine
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """How one sim engine behaves; built from the command line."""
+
+    host: str
+    port: int
+    model: str
+    load_time_s: float = 0.0
+    memory_bytes: int = 0
+    tokens_per_second: float = 0.0
+    fail_at_start: bool = False
+    crash_after_s: float | None = None
+    hang: bool = False
+    log_level: str = "INFO"
+
+
+def current_rss_bytes() -> int | None:
+    """This process's resident set size from /proc, or None where there is no /proc."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            resident_pages = int(statm.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_to_hold(target_bytes: int, rss_bytes: int | None) -> int:
+    """Bytes to allocate so the process ends up about ``target_bytes`` resident.
+
+    The interpreter itself already takes ~20 MB; holding the whole target on top of it
+    would put every sim over the allocation it was given. Without /proc we cannot tell,
+    and hold the whole target.
+    """
+    if target_bytes <= 0:
+        return 0
+    return max(0, target_bytes - (rss_bytes or 0))
+
+
+class Pacer:
+    """Spaces tokens ``1 / rate`` seconds apart on an absolute schedule.
+
+    Scheduling against the start time, instead of sleeping a fixed interval after each
+    token, keeps the rate exact when writes to a slow client take time.
+    """
+
+    def __init__(self, tokens_per_second: float) -> None:
+        self.rate = tokens_per_second
+        self.start = time.monotonic()
+
+    async def wait_for_token(self, index: int) -> None:
+        """Sleep until token ``index`` (0-based) is due."""
+        if self.rate <= 0:
+            return
+        delay = self.start + (index + 1) / self.rate - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+class SimEngine:
+    """The HTTP side of a sim engine: routes requests and tracks loading."""
+
+    def __init__(self, config: SimConfig, api_key: str | None) -> None:
+        self.config = config
+        self.api_key = api_key or None
+        self.ready = False
+        self._ids = itertools.count(1)
+        self._connections: set[asyncio.Task[None]] = set()
+        #: Memory held for --memory-bytes; kept referenced so it is never freed.
+        self._held: list[bytearray] = []
+        #: Never set: --hang waits on it.
+        self._never = asyncio.Event()
+
+    async def load(self, started: float) -> None:
+        """Grow to --memory-bytes resident, then stay "loading" until --load-time has passed."""
+        remaining = memory_to_hold(self.config.memory_bytes, current_rss_bytes())
+        while remaining > 0:
+            size = min(remaining, MEMORY_CHUNK_BYTES)
+            block = bytearray(size)
+            # Write one byte per page: an untouched allocation may be mapped lazily and
+            # would not show up in RSS, which is what the agent and the tests measure.
+            block[::PAGE_BYTES] = b"\x01" * len(range(0, size, PAGE_BYTES))
+            self._held.append(block)
+            remaining -= size
+            await asyncio.sleep(0)
+        delay = started + self.config.load_time_s - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    async def handle_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """Serve requests on one connection until the client or an error closes it."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            if self.config.hang:
+                # A wedged engine: the kernel accepts the connection, nobody answers.
+                await self._never.wait()
+            while await self._serve_one(reader, writer):
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away mid-request; nothing to answer
+        finally:
+            self._connections.discard(task)
+            writer.close()
+
+    async def close_connections(self) -> None:
+        """Cancel every open connection (used at shutdown)."""
+        tasks = list(self._connections)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Read and answer one request; return whether the connection stays open."""
+        try:
+            raw = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return False  # closed between requests: the normal end of keep-alive
+        except asyncio.LimitOverrunError:
+            body = error_body(431, "request head too large")
+            writer.write(render_response(431, body, keep_alive=False))
+            await writer.drain()
+            return False
+        keep_alive = False
+        try:
+            head = parse_request_head(raw[:-4])
+            keep_alive = wants_keep_alive(head)
+            length = body_length(head)
+            body = await reader.readexactly(length) if length else b""
+            return await self._respond(head, body, keep_alive, writer)
+        except HttpError as err:
+            keep_alive = keep_alive and not err.close
+            body = error_body(err.status, err.message, err.code)
+            writer.write(render_response(err.status, body, keep_alive=keep_alive))
+            await writer.drain()
+            return keep_alive
+        except (ConnectionError, asyncio.IncompleteReadError):
+            raise  # handled by handle_connection: nobody is left to answer
+        except Exception:  # one bad request must not take the engine down
+            logger.exception("error handling a request")
+            writer.write(render_response(500, error_body(500, "internal error"), keep_alive=False))
+            await writer.drain()
+            return False
+
+    async def _respond(
+        self, head: RequestHead, body: bytes, keep_alive: bool, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Route one parsed request; HttpErrors are rendered by the caller."""
+        path, method = head.path, head.method
+        if path == "/health":
+            if method != "GET":
+                raise HttpError(405, "use GET")
+            if not self.ready:
+                # llama.cpp's answer while loading; the agent's health probe waits on it.
+                status, payload = 503, error_body(503, "Loading model")
+            else:
+                status, payload = 200, json_bytes({"status": "ok"})
+            writer.write(render_response(status, payload, keep_alive=keep_alive))
+            await writer.drain()
+            return keep_alive
+
+        if not path.startswith("/v1/"):
+            raise HttpError(404, f"no route for {path}")
+        if not is_authorized(head.headers, self.api_key):
+            raise HttpError(401, "Invalid API key", code="invalid_api_key")
+        if not self.ready:
+            raise HttpError(503, "Loading model")
+
+        if path == "/v1/models":
+            if method != "GET":
+                raise HttpError(405, "use GET")
+            entry = {
+                "id": self.config.model,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "modelkeeper-sim",
+            }
+            payload = json_bytes({"object": "list", "data": [entry]})
+            writer.write(render_response(200, payload, keep_alive=keep_alive))
+            await writer.drain()
+            return keep_alive
+
+        if path in ("/v1/completions", "/v1/chat/completions"):
+            if method != "POST":
+                raise HttpError(405, "use POST")
+            chat = path == "/v1/chat/completions"
+            req = parse_completion_request(body, chat=chat, served_model=self.config.model)
+            request_id = f"{'chatcmpl' if chat else 'cmpl'}-sim{os.getpid()}-{next(self._ids)}"
+            created = int(time.time())
+            if req.stream:
+                return await self._stream(req, request_id, created, head, keep_alive, writer)
+            if self.config.tokens_per_second > 0:
+                # A non-streamed answer arrives when its last token would have.
+                await asyncio.sleep(req.max_tokens / self.config.tokens_per_second)
+            response = build_response(
+                req, model=self.config.model, request_id=request_id, created=created
+            )
+            writer.write(render_response(200, json_bytes(response), keep_alive=keep_alive))
+            await writer.drain()
+            return keep_alive
+
+        raise HttpError(404, f"no route for {path}")
+
+    async def _stream(
+        self,
+        req: CompletionRequest,
+        request_id: str,
+        created: int,
+        head: RequestHead,
+        keep_alive: bool,
+        writer: asyncio.StreamWriter,
+    ) -> bool:
+        """Send a streamed response as server-sent events, pacing the tokens."""
+        chunked = head.version != "HTTP/1.0"
+        frame: Callable[[bytes], bytes] = encode_chunk if chunked else bytes
+        writer.write(render_stream_head(chunked=chunked, keep_alive=keep_alive))
+        pacer = Pacer(self.config.tokens_per_second)
+        token = 0
+        for starts_token, chunk in stream_chunks(
+            req, model=self.config.model, request_id=request_id, created=created
+        ):
+            if starts_token:
+                await pacer.wait_for_token(token)
+                token += 1
+            writer.write(frame(sse_event(chunk)))
+            # drain() raises ConnectionResetError if the client left, ending the stream.
+            await writer.drain()
+        writer.write(frame(SSE_DONE))
+        if chunked:
+            writer.write(LAST_CHUNK)
+        await writer.drain()
+        return keep_alive and chunked
+
+
+async def serve(config: SimConfig, api_key: str | None, *, started: float | None = None) -> int:
+    """Run the engine until SIGTERM/SIGINT (0), a simulated load failure (1) or crash."""
+    started = time.monotonic() if started is None else started
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    engine = SimEngine(config, api_key)
+    server = await asyncio.start_server(
+        engine.handle_connection, config.host, config.port, limit=MAX_HEAD_BYTES
+    )
+    logger.info("sim engine listening on %s:%d with %s", config.host, config.port, config)
+
+    if config.crash_after_s is not None:
+        loop.call_later(config.crash_after_s, _crash, config.crash_after_s)
+
+    loading = asyncio.create_task(engine.load(started))
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if loading.done():
+            loading.result()  # re-raise a failure to allocate memory
+            if config.fail_at_start:
+                logger.error("simulated failure while loading model %r; exiting", config.model)
+                return FAIL_AT_START_EXIT_CODE
+            engine.ready = True
+            logger.info("model %r ready after %.3fs", config.model, time.monotonic() - started)
+            await stopping
+        logger.info("received a stop signal; shutting down")
+        return 0
+    finally:
+        loading.cancel()
+        stopping.cancel()
+        server.close()
+        await engine.close_connections()
+        await server.wait_closed()
+
+
+def _crash(after: float) -> None:
+    """End the process at once, the way an engine killed by a fault or the OOM killer does."""
+    logger.error("simulated crash after %.2fs; exiting with code %d", after, CRASH_EXIT_CODE)
+    # os._exit skips cleanup on purpose: a crashing engine closes nothing gracefully.
+    os._exit(CRASH_EXIT_CODE)
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
+    """Parse the command line into a :class:`SimConfig`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m agent.engines.sim_server",
+        description="A simulated OpenAI-compatible inference engine for tests.",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", required=True, help="the model name to serve")
+    parser.add_argument(
+        "--load-time",
+        type=_non_negative_float,
+        default=0.0,
+        help="seconds /health answers 503 before the model is ready",
+    )
+    parser.add_argument(
+        "--memory-bytes",
+        type=_non_negative_int,
+        default=0,
+        help="while loading, allocate and touch memory until the process is about this "
+        "many bytes resident",
+    )
+    parser.add_argument(
+        "--tokens-per-second",
+        type=_non_negative_float,
+        default=0.0,
+        help="generation speed; 0 answers at once",
+    )
+    parser.add_argument(
+        "--fail-at-start",
+        action="store_true",
+        help=f"exit {FAIL_AT_START_EXIT_CODE} when loading ends, never healthy",
+    )
+    parser.add_argument(
+        "--crash-after",
+        type=_non_negative_float,
+        default=None,
+        help=f"exit {CRASH_EXIT_CODE} this many seconds after starting",
+    )
+    parser.add_argument(
+        "--hang", action="store_true", help="accept connections but never answer, /health included"
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level")
+    args = parser.parse_args(argv)
+    return SimConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        load_time_s=args.load_time,
+        memory_bytes=args.memory_bytes,
+        tokens_per_second=args.tokens_per_second,
+        fail_at_start=args.fail_at_start,
+        crash_after_s=args.crash_after,
+        hang=args.hang,
+        log_level=args.log_level.upper(),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: parse flags, read the key from the environment, serve."""
+    started = time.monotonic()
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s sim[%(process)d] %(message)s",
+    )
+    config = parse_args(argv)
+    logging.getLogger().setLevel(config.log_level)
+    api_key = os.environ.get(API_KEY_ENV) or None
+    try:
+        return asyncio.run(serve(config, api_key, started=started))
+    except OSError as exc:
+        # Usually the port is taken; say so in one line instead of a traceback.
+        logger.error("cannot serve on %s:%d: %s", config.host, config.port, exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

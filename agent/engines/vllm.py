@@ -1,0 +1,92 @@
+"""vLLM's OpenAI-compatible server, for nodes with NVIDIA GPUs.
+
+Multi-node replicas use vLLM's multiprocessing executor, which needs no Ray cluster
+(``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``; documented for the
+mp backend since late 2025, so assumed present in the vLLM 0.33 this targets). Every
+rank runs the same command; ranks other than 0 add ``--headless`` and serve no HTTP.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import httpx
+
+from modelkeeper.shards import EngineKind, ShardSpec
+
+from .base import LaunchPlan, ReadyCheck, probe_ready, reject_unknown_args
+from .gpu import (
+    ArgKind,
+    cuda_env,
+    leader_host_port,
+    memory_fraction,
+    optional_flags,
+    parallelism,
+)
+
+#: vLLM reads ``--api-key``'s value from this variable, which keeps the key out of argv.
+API_KEY_ENV = "VLLM_API_KEY"
+
+#: Optional arguments and their flags. Nothing that loads code (trust_remote_code) or
+#: changes where the engine listens is allowed: those belong to the operator, not a model.
+_FLAGS: dict[str, tuple[str, ArgKind]] = {
+    "max_model_len": ("--max-model-len", "int"),
+    "max_num_seqs": ("--max-num-seqs", "int"),
+    "dtype": ("--dtype", "token"),
+    "quantization": ("--quantization", "token"),
+    "enforce_eager": ("--enforce-eager", "bool"),
+}
+
+ALLOWED_ARGS: frozenset[str] = frozenset(
+    {"tensor_parallel_size", "pipeline_parallel_size", *_FLAGS}
+)
+
+ENTRY_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+class VllmAdapter:
+    """Launches one vLLM shard."""
+
+    kind: EngineKind = EngineKind.VLLM
+
+    def __init__(self, python: str | None = None) -> None:
+        """``python``: the interpreter vLLM is installed for; the agent's own by default."""
+        self.python = python or sys.executable
+
+    def launch_plan(self, spec: ShardSpec, *, host: str, port: int, api_key: str) -> LaunchPlan:
+        """The command line and environment that start ``spec`` on host:port."""
+        reject_unknown_args(self.kind, spec.engine_args, ALLOWED_ARGS)
+        layout = parallelism(spec)
+        argv = [
+            self.python, "-m", ENTRY_MODULE,
+            "--model", spec.source,
+            "--served-model-name", spec.model_id,
+            "--host", host,
+            "--port", str(port),
+            "--tensor-parallel-size", str(layout.tensor),
+            "--pipeline-parallel-size", str(layout.pipeline),
+            "--gpu-memory-utilization", memory_fraction(spec),
+            *optional_flags(spec.engine_args, _FLAGS),
+        ]  # fmt: skip
+        if spec.world_size > 1:
+            leader_host, leader_port = leader_host_port(spec)
+            argv += [
+                "--distributed-executor-backend", "mp",
+                "--nnodes", str(spec.world_size),
+                "--node-rank", str(spec.rank),
+                "--master-addr", leader_host,
+                "--master-port", str(leader_port),
+            ]  # fmt: skip
+            if spec.rank > 0:
+                argv.append("--headless")
+        return LaunchPlan(
+            argv=argv,
+            env={**cuda_env(spec), API_KEY_ENV: api_key},
+            serves_http=spec.rank == 0,
+        )
+
+    async def check_ready(
+        self, client: httpx.AsyncClient, base_url: str, api_key: str, model_name: str
+    ) -> ReadyCheck:
+        """Ready once /health answers 200 and a one-token completion succeeds."""
+        return await probe_ready(client, base_url, api_key, model_name)

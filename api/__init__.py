@@ -1,0 +1,1 @@
+"""The thin HTTP API (FastAPI): deployments, models, nodes. OpenAPI at /docs."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway: routes requests to ready replicas (a later issue)."""

@@ -1,0 +1,5 @@
+"""`python -m modelkeeper` is the `modelkeeper` command."""
+
+from .cli import main
+
+main()

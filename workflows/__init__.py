@@ -1,0 +1,5 @@
+"""Temporal workflows, one module per workflow. Deterministic and thin: decisions live in
+:mod:`modelkeeper`'s pure functions, effects in :mod:`activities`."""
+
+#: Every workflow the control-plane worker runs. Later workflows are added here.
+ALL_WORKFLOWS: list[type] = []
