@@ -13,8 +13,8 @@ NODE_TASK_QUEUE_PREFIX = "node/"
 
 #: Custom search attributes registered on the Temporal server (name -> type).
 SEARCH_ATTRIBUTES: dict[str, str] = {
-    "ModelkeeperModelId": "Keyword",
-    "ModelkeeperStatus": "Keyword",
+    "ModelId": "Keyword",
+    "DeploymentStatus": "Keyword",
 }
 
 
