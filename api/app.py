@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
 from pydantic import BaseModel
 from temporalio.api.enums.v1 import TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
@@ -16,9 +17,41 @@ from temporalio.service import RPCError
 
 from modelkeeper import __version__, temporal_client
 from modelkeeper.domain import Event
-from modelkeeper.names import CONTROL_TASK_QUEUE
+from modelkeeper.names import CONTROL_TASK_QUEUE, node_task_queue
+from modelkeeper.nodes import (
+    AgentHeartbeat,
+    AgentRegistration,
+    AgentWelcome,
+    GpuInfo,
+    NodeRecord,
+    NodeState,
+    NodeUpdate,
+    node_state,
+)
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
+
+
+class NodeInfo(BaseModel):
+    """A node as `GET /nodes` shows it. Null memory means the agent does not report it."""
+
+    node_id: str
+    name: str
+    state: NodeState
+    memory_total_bytes: int | None
+    memory_claimed_bytes: int
+    memory_free_bytes: int | None
+    memory_available_bytes: int | None
+    cpu_count: int | None
+    cpu_claimed: float
+    gpus: list[GpuInfo]
+    gpus_claimed: list[int]
+    labels: dict[str, str]
+    agent_labels: dict[str, str]
+    operator_labels: dict[str, str]
+    cordoned: bool
+    cordon_reason: str | None
+    last_seen: datetime
 
 
 class Health(BaseModel):
@@ -62,6 +95,74 @@ def create_app(settings: Settings) -> FastAPI:
             response.status_code = 503
         return Health(status="ok" if ok else "degraded", version=__version__,
                       database=database_ok, temporal=temporal_ok, control_workers=workers)
+
+    def node_info(record: NodeRecord) -> NodeInfo:
+        total = record.memory_total_bytes
+        return NodeInfo(
+            node_id=record.node_id, name=record.name,
+            state=node_state(record, datetime.now(UTC),
+                             unreachable_after_s=settings.node_unreachable_after_s,
+                             lost_after_s=settings.node_lost_after_s),
+            memory_total_bytes=total, memory_claimed_bytes=record.memory_claimed_bytes,
+            memory_free_bytes=None if total is None else total - record.memory_claimed_bytes,
+            memory_available_bytes=record.memory_available_bytes,
+            cpu_count=record.cpu_count, cpu_claimed=record.cpu_claimed, gpus=record.gpus,
+            gpus_claimed=record.gpus_claimed, labels=record.labels,
+            agent_labels=record.agent_labels, operator_labels=record.operator_labels,
+            cordoned=record.cordoned, cordon_reason=record.cordon_reason,
+            last_seen=record.last_seen)
+
+    def check_join_token(authorization: str | None) -> None:
+        if settings.join_token is None:
+            return
+        if authorization != f"Bearer {settings.join_token}":
+            raise HTTPException(401, "agent registration needs the join token "
+                                     "(Authorization: Bearer <MODELKEEPER_JOIN_TOKEN>)")
+
+    @app.post("/nodes/register", response_model=AgentWelcome)
+    async def register_node(reg: AgentRegistration, store: StoreDep,
+                            authorization: Annotated[str | None, Header()] = None,
+                            ) -> AgentWelcome:
+        """An agent (re)registers; the answer says where its worker must poll."""
+        check_join_token(authorization)
+        await store.register_node(reg)
+        return AgentWelcome(
+            node_id=reg.node_id,
+            temporal_address=settings.agent_temporal_address or settings.temporal_address,
+            temporal_namespace=settings.temporal_namespace,
+            task_queue=node_task_queue(reg.node_id),
+            heartbeat_interval_s=settings.heartbeat_interval_s)
+
+    @app.post("/nodes/{node_id}/heartbeat", status_code=204)
+    async def heartbeat_node(node_id: str, beat: AgentHeartbeat, store: StoreDep,
+                             authorization: Annotated[str | None, Header()] = None,
+                             ) -> Response:
+        """An agent's periodic report; 404 tells it to register again."""
+        check_join_token(authorization)
+        if not await store.heartbeat_node(node_id, beat.inventory):
+            raise HTTPException(404, f"node {node_id!r} is not registered")
+        return Response(status_code=204)
+
+    @app.get("/nodes", response_model=list[NodeInfo])
+    async def list_nodes(store: StoreDep) -> list[NodeInfo]:
+        """Every node: state, memory total/claimed/free, CPUs, labels, last seen."""
+        return [node_info(n) for n in await store.list_nodes()]
+
+    @app.get("/nodes/{node_id}", response_model=NodeInfo)
+    async def get_node(node_id: str, store: StoreDep) -> NodeInfo:
+        """One node; 404 when unknown."""
+        record = await store.get_node(node_id)
+        if record is None:
+            raise HTTPException(404, f"node {node_id!r} is not registered")
+        return node_info(record)
+
+    @app.patch("/nodes/{node_id}", response_model=NodeInfo)
+    async def update_node(node_id: str, update: NodeUpdate, store: StoreDep) -> NodeInfo:
+        """Operator settings: labels and cordon. They outrank the agent's own."""
+        record = await store.update_node(node_id, update)
+        if record is None:
+            raise HTTPException(404, f"node {node_id!r} is not registered")
+        return node_info(record)
 
     @app.get("/events", response_model=list[Event])
     async def list_events(store: StoreDep, deployment_id: str | None = None,

@@ -52,6 +52,21 @@ def build_parser() -> argparse.ArgumentParser:
     api = sub.add_parser("api", help="run the HTTP API")
     _add_common(api, ["api_port"])
 
+    agent = sub.add_parser("agent", help="run a node agent (engines on this machine)")
+    _add_common(agent, [])
+    agent.add_argument("--api-url", help="overrides MODELKEEPER_API_URL")
+    agent.add_argument("--join-token", help="overrides MODELKEEPER_JOIN_TOKEN")
+    agent.add_argument("--name", dest="node_name", help="node name (default: host name)")
+    agent.add_argument("--label", dest="labels", action="append", default=[],
+                       metavar="KEY=VALUE", help="a node label; repeatable")
+    agent.add_argument("--memory", dest="node_memory", metavar="SIZE",
+                       help="memory the node declares, e.g. 16GiB")
+    agent.add_argument("--cpus", dest="node_cpus", type=int, help="CPUs the node declares")
+    agent.add_argument("--engine-port-range", metavar="LOW-HIGH",
+                       help="ports for engines, e.g. 20000-20999")
+    agent.add_argument("--llama-server", dest="llama_server_path", type=Path,
+                       help="native llama-server binary to use instead of xllamacpp")
+
     sub.add_parser("config-doc", help="print the configuration table (markdown)")
     return parser
 
@@ -62,6 +77,15 @@ def load_settings(args: argparse.Namespace) -> Settings:
         key: value for key, value in vars(args).items()
         if key in Settings.model_fields and value is not None
     }
+    labels = getattr(args, "labels", None)
+    if labels:
+        parsed: dict[str, str] = {}
+        for item in labels:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise UsageError(f"--label {item!r}: expected KEY=VALUE")
+            parsed[key] = value
+        overrides["node_labels"] = parsed
     try:
         return Settings(**overrides)
     except ValidationError as exc:
@@ -129,6 +153,17 @@ def _cmd_api(settings: Settings) -> int:
     return 0 if server.started else 1
 
 
+def _cmd_agent(settings: Settings) -> int:
+    from agent.main import AgentConfigError, run_agent
+
+    _configure_logging(settings)
+    try:
+        asyncio.run(_until_signalled(lambda stop: run_agent(settings, stop)))
+    except AgentConfigError as exc:
+        raise UsageError(str(exc)) from None
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Entry point of the `modelkeeper` console script."""
     args = build_parser().parse_args(argv)
@@ -140,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             settings = load_settings(args)
             commands: dict[str, Callable[[Settings], int]] = {
                 "up": _cmd_up, "worker": _cmd_worker, "api": _cmd_api,
+                "agent": _cmd_agent,
             }
             code = commands[args.command](settings)
     except UsageError as exc:

@@ -62,6 +62,68 @@ class Settings(BaseSettings):
     )
     log_level: str = Field(default="INFO", description="Python logging level.")
 
+    agent_temporal_address: str | None = Field(
+        default=None,
+        description="Temporal address the API hands to registering agents; defaults to "
+        "the API's own TEMPORAL_ADDRESS.",
+    )
+    node_unreachable_after_s: float = Field(
+        default=6.0, gt=0,
+        description="A node with no heartbeat for this long is unreachable (3 missed "
+        "heartbeats at the default 2 s).",
+    )
+    node_lost_after_s: float = Field(
+        default=60.0, gt=0,
+        description="A node with no heartbeat for this long is lost.",
+    )
+
+    # -- agent -------------------------------------------------------------------------------
+    api_url: str = Field(
+        default="http://127.0.0.1:8400",
+        description="Where an agent registers and heartbeats (the API's base URL).",
+    )
+    join_token: str | None = Field(
+        default=None,
+        description="Shared token agents present to register. Unset: registration is open "
+        "(local use only; the API warns).",
+    )
+    engine_key_secret: str | None = Field(
+        default=None,
+        description="Secret from which each replica's engine API key is derived "
+        "(HMAC of the replica id). Only agents and the gateway hold it. `up` generates one.",
+    )
+    node_name: str | None = Field(
+        default=None, description="The agent's node name; defaults to the host name.")
+    node_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description='Agent-reported node labels, as JSON (e.g. {"zone": "a"}) or flags '
+        "`--label k=v`.",
+    )
+    node_memory: str | None = Field(
+        default=None,
+        description="Memory the node declares (e.g. 16GiB); less than it has is allowed.",
+    )
+    node_cpus: int | None = Field(default=None, ge=1, description="CPUs the node declares.")
+    heartbeat_interval_s: float = Field(
+        default=2.0, gt=0, le=60, description="Seconds between an agent's heartbeats.")
+    engine_host: str = Field(
+        default="127.0.0.1",
+        description="Address engines bind to and that endpoints advertise.",
+    )
+    engine_port_range: str = Field(
+        default="20000-20999", pattern=r"^\d{1,5}-\d{1,5}$",
+        description="Ports an agent hands to engines, as LOW-HIGH.",
+    )
+    llama_server_path: Path | None = Field(
+        default=None,
+        description="A native llama-server binary to use instead of the xllamacpp wheel.",
+    )
+    orphan_grace_s: float = Field(
+        default=120.0, gt=0,
+        description="An agent stops a shard nobody has watched for this long (split-brain "
+        "guard: the control plane declared it lost and placed it elsewhere).",
+    )
+
     @property
     def postgres_dir(self) -> Path:
         """PostgreSQL's PGDATA under the data dir."""
@@ -71,6 +133,17 @@ class Settings(BaseSettings):
     def temporal_db_file(self) -> Path:
         """Temporal dev server's SQLite file; keeping it makes workflows survive a restart."""
         return self.data_dir / "temporal" / "temporal.db"
+
+    @property
+    def agent_dir(self) -> Path:
+        """An agent's identity, shard records and engine logs."""
+        return self.data_dir / "agent"
+
+    @property
+    def engine_ports(self) -> tuple[int, int]:
+        """``engine_port_range`` as (low, high)."""
+        low, high = (int(part) for part in self.engine_port_range.split("-"))
+        return low, high
 
     @property
     def log_dir(self) -> Path:

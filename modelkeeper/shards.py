@@ -3,6 +3,7 @@ control plane (which builds it) and the agent (which runs it)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
 
@@ -45,3 +46,139 @@ class ShardSpec(Frozen):
     engine_args: dict[str, Any] = Field(default_factory=dict)
     #: Seconds the start may take, load included, before the shard counts as failed.
     start_timeout_s: float = Field(default=600.0, gt=0)
+
+
+class ShardState(StrEnum):
+    """Where a shard is in its life on its node."""
+
+    STARTING = "starting"
+    READY = "ready"
+    EXITED = "exited"
+
+
+class ExitKind(StrEnum):
+    """Why an engine stopped. OOM is claimed only with evidence (see classify_exit)."""
+
+    CLEAN = "clean"  # exit code 0
+    ERROR = "error"  # non-zero exit code
+    SIGNALLED = "signalled"  # killed by a signal, no OOM evidence
+    OOM_KILLED = "oom_killed"  # SIGKILL with the cgroup's or the kernel's OOM record
+    START_TIMEOUT = "start_timeout"  # never became ready in time; we stopped it
+    STOPPED = "stopped"  # stopped on request
+    VANISHED = "vanished"  # an adopted process is gone; not our child, so no exit code
+    UNKNOWN_SHARD = "unknown_shard"  # the agent has no such shard (never started, or lost)
+
+
+class StartShardInput(Frozen):
+    """Input of the `start_shard` activity."""
+
+    spec: ShardSpec
+
+
+class ShardEndpoint(Frozen):
+    """A shard that is up: where rank 0 serves, and which process it is."""
+
+    replica_id: ReplicaId
+    node_id: NodeId
+    rank: int
+    url: str | None  # http://host:port for a rank that serves HTTP, else None
+    port: int
+    pid: int
+    adopted: bool = False
+
+
+class WatchShardInput(Frozen):
+    """Input of the `watch_shard` activity."""
+
+    replica_id: ReplicaId
+
+
+class ShardExit(Frozen):
+    """How a shard ended: exit code or signal, a classification, and its last log lines."""
+
+    replica_id: ReplicaId
+    kind: ExitKind
+    exit_code: int | None = None
+    signal: int | None = None
+    detail: str = ""
+    log_tail: list[str] = Field(default_factory=list)
+
+
+class StopShardInput(Frozen):
+    """Input of the `stop_shard` activity."""
+
+    replica_id: ReplicaId
+    grace_s: float = Field(default=10.0, ge=0)
+
+
+class ShardReport(Frozen):
+    """What an agent says it runs: sent on registration and by `list_shards`."""
+
+    replica_id: ReplicaId
+    model_id: ModelId
+    rank: int
+    state: ShardState
+    port: int
+    pid: int
+    url: str | None
+    adopted: bool
+
+
+class FetchProgress(Frozen):
+    """Heartbeat details while weights download. total is None when the size is unknown:
+    we report bytes, never an invented percentage."""
+
+    phase: str
+    bytes_done: int = 0
+    bytes_total: int | None = None
+
+
+def classify_exit(returncode: int | None, *, oom_kills_before: int | None,
+                  oom_kills_after: int | None, kernel_oom_pids: frozenset[int],
+                  pid: int) -> tuple[ExitKind, str]:
+    """Classify an engine's end from its return code and OOM evidence.
+
+    ``returncode`` follows subprocess: negative is a signal. A SIGKILL is called an OOM kill
+    only when the cgroup's ``oom_kill`` count rose while the engine ran, or the kernel's OOM
+    killer named this pid; anything else is reported as the plain signal it was.
+    """
+    import signal as _signal
+
+    if returncode is None:
+        return ExitKind.VANISHED, "process is gone; it was adopted, so its exit code is unknown"
+    if returncode == 0:
+        return ExitKind.CLEAN, "exited with code 0"
+    if returncode > 0:
+        return ExitKind.ERROR, f"exited with code {returncode}"
+    signum = -returncode
+    try:
+        name = _signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    if signum == _signal.SIGKILL:
+        if pid in kernel_oom_pids:
+            return ExitKind.OOM_KILLED, f"{name}: the kernel's OOM killer killed pid {pid}"
+        if (oom_kills_before is not None and oom_kills_after is not None
+                and oom_kills_after > oom_kills_before):
+            return ExitKind.OOM_KILLED, (
+                f"{name}: the cgroup's oom_kill count rose from {oom_kills_before} "
+                f"to {oom_kills_after}")
+    return ExitKind.SIGNALLED, f"killed by {name}"
+
+
+def choose_port(low: int, high: int, taken: set[int], is_free: Callable[[int], bool]) -> int:
+    """The first port in [low, high] that no shard of ours holds and nothing else listens on.
+
+    ``is_free`` is asked last: a stray process (an engine from a crashed agent, anything
+    else) can hold a port our own records think is free.
+    """
+    for port in range(low, high + 1):
+        if port in taken:
+            continue
+        if is_free(port):
+            return port
+    raise NoFreePortError(f"no free engine port in {low}-{high} ({len(taken)} held by shards)")
+
+
+class NoFreePortError(RuntimeError):
+    """Every port in the engine range is taken."""

@@ -68,6 +68,8 @@ def parse_bytes(value: str | int) -> int:
         if value < 0:
             raise ValueError(f"invalid byte quantity {value!r}: must not be negative")
         return value
+    if value.strip().startswith("-"):
+        raise ValueError(f"invalid byte quantity {value!r}: must not be negative")
     match = _QUANTITY.match(value)
     if match is None:
         raise ValueError(f"invalid byte quantity {value!r}: expected {_ACCEPTED}")

@@ -16,6 +16,7 @@ from typing import Any, Self
 import asyncpg
 
 from ..domain import Event, NewEvent
+from ..nodes import AgentRegistration, Inventory, NodeRecord, NodeUpdate
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
@@ -165,6 +166,97 @@ class Store:
             deployment_id, limit,
         )
         return [Event(**_record(row)) for row in rows]
+
+    # -- nodes ----------------------------------------------------------------------------
+
+    async def register_node(self, reg: AgentRegistration) -> NodeRecord:
+        """Insert or refresh a node from its agent's registration.
+
+        Operator labels and the cordon are left untouched: they outrank the agent's view
+        and survive re-registration.
+        """
+        inv = reg.inventory
+        await self._pool.execute(
+            """
+            INSERT INTO nodes (node_id, name, agent_labels, memory_total_bytes,
+                               memory_available_bytes, cpu_count, gpus)
+            VALUES ($1, $2, $3, $4, $5, $6, $7)
+            ON CONFLICT (node_id) DO UPDATE SET
+                name = EXCLUDED.name,
+                agent_labels = EXCLUDED.agent_labels,
+                memory_total_bytes = EXCLUDED.memory_total_bytes,
+                memory_available_bytes = EXCLUDED.memory_available_bytes,
+                cpu_count = EXCLUDED.cpu_count,
+                gpus = EXCLUDED.gpus,
+                registered_at = now(),
+                last_seen = now()
+            """,
+            reg.node_id, reg.name, reg.labels, inv.memory_total_bytes,
+            inv.memory_available_bytes, inv.cpu_count,
+            [g.model_dump() for g in inv.gpus],
+        )
+        node = await self.get_node(reg.node_id)
+        assert node is not None
+        return node
+
+    async def heartbeat_node(self, node_id: str, inv: Inventory) -> bool:
+        """Record a heartbeat; False when the node is unknown (the agent must register)."""
+        row = await self._pool.fetchval(
+            """
+            UPDATE nodes SET memory_total_bytes = $2, memory_available_bytes = $3,
+                             cpu_count = $4, gpus = $5, last_seen = now()
+            WHERE node_id = $1 RETURNING node_id
+            """,
+            node_id, inv.memory_total_bytes, inv.memory_available_bytes, inv.cpu_count,
+            [g.model_dump() for g in inv.gpus],
+        )
+        return row is not None
+
+    async def update_node(self, node_id: str, update: NodeUpdate) -> NodeRecord | None:
+        """Apply operator settings; None when the node is unknown."""
+        row = await self._pool.fetchval(
+            """
+            UPDATE nodes SET
+                operator_labels = COALESCE($2, operator_labels),
+                cordoned = COALESCE($3, cordoned),
+                cordon_reason = CASE WHEN $3 IS FALSE THEN NULL
+                                     ELSE COALESCE($4, cordon_reason) END
+            WHERE node_id = $1 RETURNING node_id
+            """,
+            node_id, update.labels, update.cordoned, update.cordon_reason,
+        )
+        return None if row is None else await self.get_node(node_id)
+
+    async def get_node(self, node_id: str) -> NodeRecord | None:
+        """One node with its claims; None when unknown."""
+        row = await self._pool.fetchrow(
+            _NODE_SELECT + " WHERE n.node_id = $1", node_id)
+        return None if row is None else NodeRecord(**_record(row))
+
+    async def list_nodes(self) -> list[NodeRecord]:
+        """Every node with what its replicas claim on it, by name."""
+        rows = await self._pool.fetch(_NODE_SELECT + " ORDER BY n.name, n.node_id")
+        return [NodeRecord(**_record(row)) for row in rows]
+
+
+_NODE_SELECT = """
+    SELECT n.node_id, n.name, n.agent_labels, n.operator_labels, n.cordoned, n.cordon_reason,
+           n.memory_total_bytes, n.memory_available_bytes, n.cpu_count, n.gpus, n.last_seen,
+           n.registered_at,
+           COALESCE(c.memory_claimed_bytes, 0) AS memory_claimed_bytes,
+           COALESCE(c.cpu_claimed, 0) AS cpu_claimed,
+           COALESCE(g.gpus_claimed, '{}') AS gpus_claimed
+    FROM nodes n
+    LEFT JOIN LATERAL (
+        SELECT SUM(a.memory_bytes)::bigint AS memory_claimed_bytes,
+               SUM(a.cpu_cores)::float8 AS cpu_claimed
+        FROM allocations a WHERE a.node_id = n.node_id
+    ) c ON true
+    LEFT JOIN LATERAL (
+        SELECT array_agg(i ORDER BY i) AS gpus_claimed
+        FROM allocations a, unnest(a.gpu_indices) AS i WHERE a.node_id = n.node_id
+    ) g ON true
+"""
 
 
 def _record(row: asyncpg.Record) -> dict[str, Any]:

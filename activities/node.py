@@ -1,0 +1,80 @@
+"""Activities that run on a node, on its own task queue (``node/<node_id>``), executed by
+that node's agent. They are the only code that touches engine processes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from agent.engines.base import EngineConfigError
+from agent.shards import ShardManager, ShardStartError
+from modelkeeper.shards import (
+    NoFreePortError,
+    ShardEndpoint,
+    ShardExit,
+    ShardReport,
+    StartShardInput,
+    StopShardInput,
+    WatchShardInput,
+)
+
+#: ApplicationError types these activities raise; workflows match on them.
+ERROR_SHARD_START_FAILED = "ShardStartFailed"
+ERROR_ENGINE_CONFIG = "EngineConfigError"
+ERROR_NO_FREE_PORT = "NoFreePort"
+
+#: The watch heartbeats every 0.25 s; 3 s without one means the node or agent is silent.
+#: (Measured here: T=3 s with 1 s heartbeats and throttle detects a kill -9 in 2-3 s.)
+WATCH_HEARTBEAT_TIMEOUT = timedelta(seconds=3)
+#: start_shard heartbeats through fetch, launch and load; a silent node fails it.
+START_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
+#: stop_shard waits the grace period, then SIGKILL; a minute bounds both.
+STOP_TIMEOUT = timedelta(seconds=60)
+#: Workers on nodes send heartbeats at most this often (the SDK otherwise throttles to
+#: 0.8 x heartbeat timeout, which leaves only 0.2 x T of slack against a false timeout).
+MAX_HEARTBEAT_THROTTLE = timedelta(seconds=1)
+
+
+class NodeActivities:
+    """The activities of one node, bound to its shard manager."""
+
+    def __init__(self, manager: ShardManager) -> None:
+        self._manager = manager
+
+    @activity.defn(name="start_shard")
+    async def start_shard(self, request: StartShardInput) -> ShardEndpoint:
+        """Fetch weights if needed, launch the engine, wait until it is ready."""
+        try:
+            return await self._manager.start(request.spec, activity.heartbeat)
+        except ShardStartError as exc:
+            raise ApplicationError(str(exc), exc.exit, type=ERROR_SHARD_START_FAILED,
+                                   non_retryable=True) from exc
+        except EngineConfigError as exc:
+            raise ApplicationError(str(exc), type=ERROR_ENGINE_CONFIG,
+                                   non_retryable=True) from exc
+        except NoFreePortError as exc:
+            # Retryable: ports free up as other shards stop.
+            raise ApplicationError(str(exc), type=ERROR_NO_FREE_PORT) from exc
+
+    @activity.defn(name="watch_shard")
+    async def watch_shard(self, request: WatchShardInput) -> ShardExit:
+        """Return when the engine exits: code, classification and the last 200 log lines."""
+        return await self._manager.watch(request.replica_id, activity.heartbeat)
+
+    @activity.defn(name="stop_shard")
+    async def stop_shard(self, request: StopShardInput) -> ShardExit:
+        """SIGTERM the shard's process group, SIGKILL after the grace period."""
+        return await self._manager.stop(request.replica_id, request.grace_s)
+
+    @activity.defn(name="list_shards")
+    async def list_shards(self) -> list[ShardReport]:
+        """What this node runs."""
+        return self._manager.reports()
+
+    def all(self) -> list[Callable[..., Any]]:
+        """Every activity, for the agent's worker."""
+        return [self.start_shard, self.watch_shard, self.stop_shard, self.list_shards]

@@ -1,0 +1,137 @@
+"""`modelkeeper agent`: registers the node, heartbeats, and runs the node's Temporal worker.
+
+The agent is the only part of modelkeeper that touches engine processes. It keeps engines
+running across its own restarts: stopping the agent leaves them up, and the next agent
+adopts them (see :mod:`agent.shards`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable
+
+import httpx
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Worker
+
+from activities.node import MAX_HEARTBEAT_THROTTLE, NodeActivities
+from modelkeeper import __version__
+from modelkeeper.nodes import AgentHeartbeat, AgentRegistration, AgentWelcome, Inventory
+from modelkeeper.settings import Settings
+from modelkeeper.units import parse_bytes
+
+from .identity import load_or_create_node_id
+from .inventory import read_inventory
+from .shards import ShardManager
+
+log = logging.getLogger(__name__)
+
+#: A node watches one activity per shard plus starts and stops; the SDK's default of 100
+#: concurrent activities would cap a busy node (measured fact, shared/FACTS.md).
+MAX_CONCURRENT_ACTIVITIES = 1000
+
+
+class AgentConfigError(Exception):
+    """A setting the agent cannot run with; reported as one line."""
+
+
+def _inventory_reader(settings: Settings) -> Callable[[], Inventory]:
+    try:
+        memory = parse_bytes(settings.node_memory) if settings.node_memory else None
+    except ValueError as exc:
+        raise AgentConfigError(f"--memory / MODELKEEPER_NODE_MEMORY: {exc}") from None
+    return lambda: read_inventory(declared_memory=memory, declared_cpus=settings.node_cpus)
+
+
+async def _register(http: httpx.AsyncClient, reg: Callable[[], AgentRegistration],
+                    stop: asyncio.Event) -> AgentWelcome | None:
+    """Register, retrying while the API is unreachable; None if stopped first."""
+    delay = 0.2
+    while not stop.is_set():
+        try:
+            resp = await http.post("/nodes/register", json=reg().model_dump(mode="json"))
+            if resp.status_code == 401:
+                raise AgentConfigError(f"the API refused the join token: {resp.text}")
+            resp.raise_for_status()
+            return AgentWelcome.model_validate(resp.json())
+        except httpx.HTTPError as exc:
+            log.warning("registration failed (%s); retrying in %.1fs", exc, delay)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+        delay = min(delay * 2, 5.0)
+    return None
+
+
+async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
+    """Run the agent until ``stop`` is set."""
+    if not settings.engine_key_secret:
+        raise AgentConfigError("set MODELKEEPER_ENGINE_KEY_SECRET: each engine's API key is "
+                               "derived from it, and the gateway must hold the same one")
+    inventory = _inventory_reader(settings)
+    node_id = load_or_create_node_id(settings.agent_dir)
+    name = settings.node_name or socket.gethostname()
+    manager = ShardManager(node_id=node_id, agent_dir=settings.agent_dir,
+                           engine_host=settings.engine_host,
+                           port_range=settings.engine_ports,
+                           key_secret=settings.engine_key_secret.encode(),
+                           llama_server_path=settings.llama_server_path)
+    adopted, killed = manager.recover()
+    log.info("node %s (%s): adopted %d shard(s), killed %d unidentified engine(s)",
+             node_id, name, len(adopted), len(killed))
+
+    def registration() -> AgentRegistration:
+        return AgentRegistration(node_id=node_id, name=name, labels=settings.node_labels,
+                                 inventory=inventory(), shards=manager.reports(),
+                                 agent_version=__version__)
+
+    headers = {"Authorization": f"Bearer {settings.join_token}"} if settings.join_token else {}
+    try:
+        async with httpx.AsyncClient(base_url=settings.api_url, headers=headers,
+                                     timeout=httpx.Timeout(5.0)) as http:
+            welcome = await _register(http, registration, stop)
+            if welcome is None:
+                return
+            client = await Client.connect(welcome.temporal_address,
+                                          namespace=welcome.temporal_namespace,
+                                          data_converter=pydantic_data_converter)
+            worker = Worker(client, task_queue=welcome.task_queue,
+                            activities=NodeActivities(manager).all(),
+                            max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES,
+                            max_heartbeat_throttle_interval=MAX_HEARTBEAT_THROTTLE,
+                            default_heartbeat_throttle_interval=MAX_HEARTBEAT_THROTTLE)
+            async with worker:
+                log.info("node %s registered; polling %s", node_id, welcome.task_queue)
+                await _heartbeat_loop(http, node_id, welcome, inventory, manager,
+                                      registration, settings, stop)
+    finally:
+        await manager.close()
+
+
+async def _heartbeat_loop(http: httpx.AsyncClient, node_id: str, welcome: AgentWelcome,
+                          inventory: Callable[[], Inventory], manager: ShardManager,
+                          registration: Callable[[], AgentRegistration],
+                          settings: Settings, stop: asyncio.Event) -> None:
+    interval = settings.heartbeat_interval_s
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
+        if stop.is_set():
+            return
+        beat = AgentHeartbeat(inventory=inventory(), shards=manager.reports())
+        try:
+            resp = await http.post(f"/nodes/{node_id}/heartbeat",
+                                   json=beat.model_dump(mode="json"))
+            if resp.status_code == 404:
+                # The control plane forgot us (a fresh database): register again.
+                await http.post("/nodes/register",
+                                json=registration().model_dump(mode="json"))
+            elif resp.status_code >= 400:
+                log.warning("heartbeat refused: %s %s", resp.status_code, resp.text)
+        except httpx.HTTPError as exc:
+            # The API being down must not touch engines: they keep serving.
+            log.warning("heartbeat failed: %s", exc)
+        await manager.reap_orphans(settings.orphan_grace_s)

@@ -1,0 +1,424 @@
+"""The shards an agent runs: start, watch, stop, and adoption across agent restarts.
+
+Every engine is a process group of its own. Its spec and identity (pid, start time, port)
+are written to the agent's data dir before the agent waits on it, so an agent that
+restarts can tell its own still-running engines from strangers: it adopts the first and
+kills the second. An engine nobody can describe still holds memory that placement thinks
+is free, which is worse than no engine at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import psutil
+from pydantic import Field
+
+from modelkeeper.domain import Frozen
+from modelkeeper.ids import NodeId, ReplicaId
+from modelkeeper.processes import ManagedProcess, port_is_free, signal_group
+from modelkeeper.shards import (
+    ExitKind,
+    FetchProgress,
+    ShardEndpoint,
+    ShardExit,
+    ShardReport,
+    ShardSpec,
+    ShardState,
+    choose_port,
+    classify_exit,
+)
+
+from .engines.base import EngineAdapter, adapter_for
+from .fetch import WeightFetcher, is_remote
+from .keys import derive_engine_key
+
+log = logging.getLogger(__name__)
+
+#: Environment markers on every engine: how a restarted agent recognises its own engines,
+#: including ones whose record was lost.
+NODE_ENV = "MODELKEEPER_NODE_ID"
+REPLICA_ENV = "MODELKEEPER_REPLICA_ID"
+
+#: The watch reports the end of an engine with this many of its last log lines.
+LOG_TAIL_LINES = 200
+#: How often a start polls readiness and a watch polls the process.
+POLL_INTERVAL_S = 0.25
+
+
+class ShardRecord(Frozen):
+    """What the agent writes to disk per shard, enough to adopt it after a restart."""
+
+    spec: ShardSpec
+    port: int
+    pid: int
+    create_time: float
+    log_path: str
+    url: str | None
+    state: ShardState
+    started_at: datetime
+    oom_kills_at_start: int | None = None
+    notes: list[str] = Field(default_factory=list)
+
+
+class ShardStartError(Exception):
+    """The engine could not be started; ``exit`` says how it ended."""
+
+    def __init__(self, exit: ShardExit) -> None:
+        super().__init__(f"{exit.kind}: {exit.detail}")
+        self.exit = exit
+
+
+@dataclass
+class LiveShard:
+    """A shard this agent runs now."""
+
+    record: ShardRecord
+    proc: ManagedProcess | None  # None when adopted: not our child, watched by polling
+    exit: ShardExit | None = None
+    watchers: int = 0
+    unwatched_since: float | None = field(default_factory=time.monotonic)
+
+    @property
+    def adopted(self) -> bool:
+        return self.proc is None
+
+    def endpoint(self, node_id: NodeId) -> ShardEndpoint:
+        return ShardEndpoint(replica_id=self.record.spec.replica_id, node_id=node_id,
+                             rank=self.record.spec.rank, url=self.record.url,
+                             port=self.record.port, pid=self.record.pid,
+                             adopted=self.adopted)
+
+
+def read_oom_kills() -> int | None:
+    """This cgroup's ``oom_kill`` count (cgroup v2), or None where it cannot be read."""
+    try:
+        line = Path("/proc/self/cgroup").read_text().splitlines()[0]
+        rel = line.split("::", 1)[1] if "::" in line else "/"
+        events = Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.events"
+        for entry in events.read_text().splitlines():
+            key, _, value = entry.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, IndexError, ValueError):
+        return None
+    return None
+
+
+_KERNEL_OOM = re.compile(r"Killed process (\d+)|oom-kill:.*?pid=(\d+)")
+
+
+def kernel_oom_pids() -> frozenset[int]:
+    """Pids the kernel's OOM killer named in its log, where the log is readable."""
+    try:
+        out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5,
+                             check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return frozenset()
+    pids = set()
+    for match in _KERNEL_OOM.finditer(out):
+        pids.add(int(match.group(1) or match.group(2)))
+    return frozenset(pids)
+
+
+def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            # 200 lines of engine logs rarely exceed 64 KiB; read no more than that.
+            f.seek(max(0, size - 65536))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return text.splitlines()[-lines:]
+
+
+def _process_matches(pid: int, create_time: float) -> bool:
+    """True when ``pid`` is alive and is the same process we started (not a reused pid)."""
+    try:
+        proc = psutil.Process(pid)
+        return bool(abs(proc.create_time() - create_time) < 1.0
+                    and proc.status() != psutil.STATUS_ZOMBIE)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+class ShardManager:
+    """Runs this node's engines."""
+
+    def __init__(self, *, node_id: NodeId, agent_dir: Path, engine_host: str,
+                 port_range: tuple[int, int], key_secret: bytes,
+                 llama_server_path: Path | None = None,
+                 adapter_factory: Callable[[ShardSpec], EngineAdapter] | None = None) -> None:
+        self.node_id = node_id
+        self._records = agent_dir / "shards"
+        self._logs = agent_dir / "logs"
+        self._host = engine_host
+        self._ports = port_range
+        self._secret = key_secret
+        self._fetcher = WeightFetcher(agent_dir / "weights")
+        self._adapter_factory = adapter_factory or (
+            lambda spec: adapter_for(spec.engine, llama_server_path=llama_server_path))
+        self._shards: dict[ReplicaId, LiveShard] = {}
+        self._locks: dict[ReplicaId, asyncio.Lock] = {}
+        self._port_lock = asyncio.Lock()
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+
+    async def close(self) -> None:
+        """Release the HTTP client. Engines keep running: a restarted agent adopts them."""
+        await self._http.aclose()
+
+    # -- persistence and adoption --------------------------------------------------------
+
+    def _record_path(self, replica_id: ReplicaId) -> Path:
+        return self._records / f"{replica_id}.json"
+
+    def _save(self, record: ShardRecord) -> None:
+        self._records.mkdir(parents=True, exist_ok=True)
+        path = self._record_path(record.spec.replica_id)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(record.model_dump_json())
+        tmp.replace(path)
+
+    def _forget(self, replica_id: ReplicaId) -> None:
+        self._shards.pop(replica_id, None)
+        self._record_path(replica_id).unlink(missing_ok=True)
+
+    def recover(self) -> tuple[list[ReplicaId], list[int]]:
+        """Adopt recorded engines still running; kill our engines nobody recorded.
+
+        Returns (adopted replica ids, pids killed).
+        """
+        adopted: list[ReplicaId] = []
+        for path in sorted(self._records.glob("*.json")) if self._records.exists() else []:
+            try:
+                record = ShardRecord.model_validate_json(path.read_text())
+            except ValueError:
+                log.warning("unreadable shard record %s; removing it", path)
+                path.unlink(missing_ok=True)
+                continue
+            if _process_matches(record.pid, record.create_time):
+                self._shards[record.spec.replica_id] = LiveShard(record=record, proc=None)
+                adopted.append(record.spec.replica_id)
+                log.info("adopted %s (pid %d, port %d)", record.spec.replica_id, record.pid,
+                         record.port)
+            else:
+                path.unlink(missing_ok=True)
+        known = {s.record.pid for s in self._shards.values()}
+        killed = []
+        for proc in psutil.process_iter(["pid"]):
+            try:
+                env = proc.environ()
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            if env.get(NODE_ENV) != self.node_id:
+                continue
+            try:
+                pgid = os.getpgid(proc.pid)
+            except ProcessLookupError:
+                continue
+            if proc.pid in known or pgid in known:
+                continue  # an adopted engine or one of its own children
+            log.warning("killing unidentified engine pid %d (replica %s)", proc.pid,
+                        env.get(REPLICA_ENV, "?"))
+            signal_group(pgid, signal.SIGKILL)
+            killed.append(proc.pid)
+        return adopted, killed
+
+    # -- start ---------------------------------------------------------------------------
+
+    def _lock(self, replica_id: ReplicaId) -> asyncio.Lock:
+        return self._locks.setdefault(replica_id, asyncio.Lock())
+
+    async def start(self, spec: ShardSpec,
+                    on_progress: Callable[[FetchProgress], None]) -> ShardEndpoint:
+        """Start ``spec`` and return once it is ready; idempotent per replica id.
+
+        Raises :class:`ShardStartError` when the engine exits or misses its start timeout;
+        in both cases nothing of it is left running.
+        """
+        async with self._lock(spec.replica_id):
+            live = self._shards.get(spec.replica_id)
+            if live is not None and self._poll_exit(live) is not None:
+                self._forget(spec.replica_id)
+                live = None
+            if live is None:
+                live = await self._launch(spec, on_progress)
+            try:
+                await self._wait_ready(live, on_progress)
+            except BaseException:
+                # Covers cancellation too: a start the workflow gave up on must not linger.
+                await self.stop(spec.replica_id, grace_s=5.0)
+                raise
+            return live.endpoint(self.node_id)
+
+    async def _launch(self, spec: ShardSpec,
+                      on_progress: Callable[[FetchProgress], None]) -> LiveShard:
+        if is_remote(spec.source):
+            path = await self._fetcher.fetch(spec.source, on_progress)
+            spec = spec.model_copy(update={"source": str(path)})
+        on_progress(FetchProgress(phase="launching"))
+        adapter = self._adapter_factory(spec)
+        async with self._port_lock:
+            taken = {s.record.port for s in self._shards.values()}
+            port = choose_port(*self._ports, taken,
+                               lambda p: port_is_free(self._host, p))
+            key = derive_engine_key(self._secret, spec.replica_id)
+            plan = adapter.launch_plan(spec, host=self._host, port=port, api_key=key)
+            env = {**os.environ, **plan.env, NODE_ENV: self.node_id,
+                   REPLICA_ENV: spec.replica_id}
+            log_path = self._logs / f"{spec.replica_id}.log"
+            proc = ManagedProcess(f"engine {spec.replica_id}", plan.argv, log_path, env=env)
+            oom_before = read_oom_kills()
+            proc.start()
+            record = ShardRecord(
+                spec=spec, port=port, pid=proc.pid,
+                create_time=psutil.Process(proc.pid).create_time(),
+                log_path=str(log_path),
+                url=f"http://{self._host}:{port}" if plan.serves_http else None,
+                state=ShardState.STARTING, started_at=datetime.now(UTC),
+                oom_kills_at_start=oom_before, notes=plan.notes)
+            # Written before we wait on it: if the agent dies now, its successor adopts it.
+            self._save(record)
+            live = LiveShard(record=record, proc=proc)
+            self._shards[spec.replica_id] = live
+        log.info("launched %s on port %d (pid %d): %s", spec.replica_id, port, proc.pid,
+                 " ".join(plan.argv[:4]))
+        return live
+
+    async def _wait_ready(self, live: LiveShard,
+                          on_progress: Callable[[FetchProgress], None]) -> None:
+        spec = live.record.spec
+        if live.record.state is ShardState.READY:
+            return
+        deadline = live.record.started_at.timestamp() + spec.start_timeout_s
+        adapter = self._adapter_factory(spec)
+        key = derive_engine_key(self._secret, spec.replica_id)
+        detail = "not probed yet"
+        while True:
+            ended = self._poll_exit(live)
+            if ended is not None:
+                self._forget(spec.replica_id)
+                raise ShardStartError(ended)
+            if live.record.url is None:
+                break  # a rank without HTTP: alive is all we can know
+            check = await adapter.check_ready(self._http, live.record.url, key, spec.model_id)
+            if check.ready:
+                break
+            detail = check.detail
+            if time.time() > deadline:
+                tail = _tail(Path(live.record.log_path))
+                await self.stop(spec.replica_id, grace_s=5.0)
+                raise ShardStartError(ShardExit(
+                    replica_id=spec.replica_id, kind=ExitKind.START_TIMEOUT,
+                    detail=f"not ready after {spec.start_timeout_s:.0f}s (last probe: "
+                           f"{detail})", log_tail=tail))
+            on_progress(FetchProgress(phase="loading"))
+            await asyncio.sleep(POLL_INTERVAL_S)
+        live.record = live.record.model_copy(update={"state": ShardState.READY})
+        live.unwatched_since = time.monotonic()
+        self._save(live.record)
+
+    # -- watch and stop ------------------------------------------------------------------
+
+    def _poll_exit(self, live: LiveShard) -> ShardExit | None:
+        if live.exit is not None:
+            return live.exit
+        record = live.record
+        if live.proc is not None:
+            code = live.proc.poll()
+            if code is None:
+                return None
+            # Sidecars die with the engine: the group goes, not just its leader.
+            signal_group(record.pid, signal.SIGKILL)
+        elif _process_matches(record.pid, record.create_time):
+            return None
+        else:
+            code = None
+        oom_pids = kernel_oom_pids() if code == -signal.SIGKILL else frozenset()
+        kind, detail = classify_exit(code, oom_kills_before=record.oom_kills_at_start,
+                                     oom_kills_after=read_oom_kills(),
+                                     kernel_oom_pids=oom_pids, pid=record.pid)
+        live.exit = ShardExit(
+            replica_id=record.spec.replica_id, kind=kind,
+            exit_code=code if code is not None and code >= 0 else None,
+            signal=-code if code is not None and code < 0 else None,
+            detail=detail, log_tail=_tail(Path(record.log_path)))
+        return live.exit
+
+    async def watch(self, replica_id: ReplicaId, heartbeat: Callable[[], None]) -> ShardExit:
+        """Return when the engine ends, heartbeating meanwhile."""
+        live = self._shards.get(replica_id)
+        if live is None:
+            return ShardExit(replica_id=replica_id, kind=ExitKind.UNKNOWN_SHARD,
+                             detail=f"node {self.node_id} runs no shard {replica_id}")
+        live.watchers += 1
+        live.unwatched_since = None
+        try:
+            while True:
+                ended = self._poll_exit(live)
+                if ended is not None:
+                    self._forget(replica_id)
+                    return ended
+                heartbeat()
+                await asyncio.sleep(POLL_INTERVAL_S)
+        finally:
+            live.watchers -= 1
+            if live.watchers == 0:
+                live.unwatched_since = time.monotonic()
+
+    async def stop(self, replica_id: ReplicaId, grace_s: float) -> ShardExit:
+        """SIGTERM the engine's group, SIGKILL it after ``grace_s``; harmless if gone."""
+        live = self._shards.get(replica_id)
+        if live is None:
+            return ShardExit(replica_id=replica_id, kind=ExitKind.UNKNOWN_SHARD,
+                             detail=f"node {self.node_id} runs no shard {replica_id}")
+        pgid = live.record.pid
+        if self._poll_exit(live) is None:
+            signal_group(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while self._poll_exit(live) is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            signal_group(pgid, signal.SIGKILL)
+            while self._poll_exit(live) is None:
+                await asyncio.sleep(0.05)
+        if live.proc is not None:
+            live.proc.stop(grace=0)  # reaps it and closes its log
+        ended = live.exit
+        assert ended is not None
+        self._forget(replica_id)
+        return ended.model_copy(update={"kind": ExitKind.STOPPED,
+                                        "detail": f"stopped on request ({ended.detail})"})
+
+    def reports(self) -> list[ShardReport]:
+        """What this agent runs, for registration and `list_shards`."""
+        return [
+            ShardReport(replica_id=s.record.spec.replica_id, model_id=s.record.spec.model_id,
+                        rank=s.record.spec.rank, state=s.record.state, port=s.record.port,
+                        pid=s.record.pid, url=s.record.url, adopted=s.adopted)
+            for s in self._shards.values() if self._poll_exit(s) is None
+        ]
+
+    async def reap_orphans(self, grace_s: float) -> list[ReplicaId]:
+        """Stop ready shards nobody has watched for ``grace_s``: the control plane has
+        given up on them (declared them lost and placed them elsewhere)."""
+        now = time.monotonic()
+        stale = [rid for rid, s in self._shards.items()
+                 if s.watchers == 0 and s.unwatched_since is not None
+                 and s.record.state is ShardState.READY and now - s.unwatched_since > grace_s]
+        for rid in stale:
+            log.warning("stopping %s: unwatched for over %.0fs", rid, grace_s)
+            await self.stop(rid, grace_s=5.0)
+        return stale

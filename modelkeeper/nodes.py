@@ -1,0 +1,117 @@
+"""Nodes: what agents report, what operators set, and the node state. Pure."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import Field
+
+from .domain import Frozen
+from .ids import NodeId
+from .shards import ShardReport
+
+
+class NodeState(StrEnum):
+    """A node's state as placement and the API see it."""
+
+    READY = "ready"
+    UNREACHABLE = "unreachable"
+    LOST = "lost"
+    CORDONED = "cordoned"
+
+
+class GpuInfo(Frozen):
+    """One GPU as the agent reports it."""
+
+    index: int = Field(ge=0)
+    name: str
+    memory_bytes: int = Field(ge=0)
+    healthy: bool = True
+
+
+class Inventory(Frozen):
+    """A node's capacity. ``None`` memory means unknown (an older agent), shown as "-"."""
+
+    memory_total_bytes: int | None = Field(default=None, ge=0)
+    memory_available_bytes: int | None = Field(default=None, ge=0)
+    cpu_count: int | None = Field(default=None, ge=0)
+    gpus: list[GpuInfo] = Field(default_factory=list)
+
+
+class AgentRegistration(Frozen):
+    """What an agent sends when it (re)registers."""
+
+    node_id: NodeId = Field(min_length=1, max_length=128)
+    name: str = Field(min_length=1, max_length=253)
+    labels: dict[str, str] = Field(default_factory=dict)
+    inventory: Inventory
+    shards: list[ShardReport] = Field(default_factory=list)
+    agent_version: str = ""
+
+
+class AgentHeartbeat(Frozen):
+    """An agent's periodic report."""
+
+    inventory: Inventory
+    shards: list[ShardReport] = Field(default_factory=list)
+
+
+class AgentWelcome(Frozen):
+    """The API's answer to a registration: where the agent's worker must poll."""
+
+    node_id: NodeId
+    temporal_address: str
+    temporal_namespace: str
+    task_queue: str
+    heartbeat_interval_s: float
+
+
+class NodeRecord(Frozen):
+    """A node as stored, with what its replicas claim on it."""
+
+    node_id: NodeId
+    name: str
+    agent_labels: dict[str, str]
+    operator_labels: dict[str, str]
+    cordoned: bool
+    cordon_reason: str | None
+    memory_total_bytes: int | None
+    memory_available_bytes: int | None
+    cpu_count: int | None
+    gpus: list[GpuInfo]
+    last_seen: datetime
+    registered_at: datetime
+    memory_claimed_bytes: int = 0
+    cpu_claimed: float = 0.0
+    gpus_claimed: list[int] = Field(default_factory=list)
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """Effective labels: the operator's outrank the agent's."""
+        return {**self.agent_labels, **self.operator_labels}
+
+
+class NodeUpdate(Frozen):
+    """Operator settings for a node (PATCH /nodes/{id}); both survive re-registration."""
+
+    labels: dict[str, str] | None = None
+    cordoned: bool | None = None
+    cordon_reason: str | None = Field(default=None, max_length=500)
+
+
+def node_state(record: NodeRecord, now: datetime, *, unreachable_after_s: float,
+               lost_after_s: float) -> NodeState:
+    """The node's state at ``now`` from its last heartbeat and its cordon.
+
+    Lost outranks cordoned: an operator looking at a cordoned node that stopped reporting
+    must see that it is gone, not just fenced off.
+    """
+    silent = (now - record.last_seen).total_seconds()
+    if silent >= lost_after_s:
+        return NodeState.LOST
+    if record.cordoned:
+        return NodeState.CORDONED
+    if silent >= unreachable_after_s:
+        return NodeState.UNREACHABLE
+    return NodeState.READY

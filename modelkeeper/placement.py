@@ -1,0 +1,489 @@
+"""Where a replica's shards go, and, when they can go nowhere, exactly why.
+
+A pure function of a request and a snapshot of the nodes: no I/O, no clock, no
+randomness, so the same inputs always give the same answer (workflow code can call it
+and replay it). Imports stdlib and pydantic only.
+
+Rules, in the order each node is checked (the first that fails is that node's reason):
+
+1. state: only ``ready`` nodes take new shards. A cordoned node is cordoned for a reason;
+   an unreachable one may come back, but a shard sent there now would not start.
+2. ``node_ids``: when the request names nodes, only those.
+3. ``labels``: the node must carry every requested label with the requested value.
+   Labels say things capacity cannot ("this node is for coding models").
+4. memory: the node's free memory must hold one shard, ``ceil(memory_bytes / min_nodes)``
+   (rounded up so the shards together never understate the model).
+5. CPU: when both the request and the node declare cores, the shard's cores must fit in
+   the node's unclaimed cores.
+6. GPUs: the node must have enough healthy, unclaimed GPUs; the lowest indices are taken.
+
+Then, among the nodes that fit:
+
+* one-node replicas (``min_nodes == 1``) are bin-packed onto the node left with the least
+  free memory, so partly used nodes fill up and whole nodes stay free for models too big
+  to go anywhere else;
+* multi-node replicas take the ``min_nodes`` emptiest nodes (most free memory), one shard
+  each, rank 0 on the emptiest: they are the least movable thing in the cluster
+  (rebuilding one costs every shard's load time), so they get the most headroom.
+
+A node that does not report its memory (an agent older than the field) is usable and
+counts as fitting any memory requirement: refusing it would let a control-plane upgrade
+silently empty half a fleet, a worse failure than the occasional tight fit. It is sorted
+after every node that does report memory, though, so it is only chosen when no node that
+is known to fit does. Ties are broken by node id, so the answer never depends on the order
+the nodes were listed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import StrEnum
+
+from pydantic import Field, field_validator, model_validator
+
+from .domain import Frozen
+from .ids import ModelId, NodeId
+from .units import format_gib
+
+#: Slack for comparing summed fractional CPU claims: 0.1 + 0.2 must fit in 0.3 free.
+_CPU_EPSILON = 1e-9
+
+
+class NodeState(StrEnum):
+    """A node's state as the inventory sees it. Only ``ready`` takes new shards."""
+
+    READY = "ready"
+    UNREACHABLE = "unreachable"
+    LOST = "lost"
+    CORDONED = "cordoned"
+
+
+class GpuView(Frozen):
+    """One GPU on a node, as its agent reported it."""
+
+    index: int = Field(ge=0)
+    memory_bytes: int = Field(ge=0)
+    #: False for a GPU with an ECC fault or another process on it: not free in any
+    #: useful sense, whatever the claims say.
+    healthy: bool = True
+
+
+class NodeView(Frozen):
+    """A snapshot of one node: what it has, and what allocations already claim."""
+
+    node_id: NodeId
+    name: str = Field(min_length=1)
+    state: NodeState
+    labels: dict[str, str] = Field(default_factory=dict)
+    #: None when the agent does not report memory (older agents): capacity unknown, not
+    #: zero. Placement treats such a node as fitting, but prefers nodes that report.
+    memory_total_bytes: int | None = Field(default=None, ge=0)
+    #: Sum of the memory of the shards allocated here. May exceed the total (a node that
+    #: came back reporting less memory): then nothing that needs memory fits.
+    memory_claimed_bytes: int = Field(default=0, ge=0)
+    #: None when the agent does not report CPUs: no CPU limit is applied.
+    cpu_count: int | None = Field(default=None, ge=0)
+    cpu_claimed: float = Field(default=0.0, ge=0)
+    gpus: list[GpuView] = Field(default_factory=list)
+    #: Indices of GPUs held by allocations, sorted and unique.
+    gpu_claimed: list[int] = Field(default_factory=list)
+
+    @field_validator("gpus")
+    @classmethod
+    def _unique_gpu_indices(cls, gpus: list[GpuView]) -> list[GpuView]:
+        seen: set[int] = set()
+        for gpu in gpus:
+            if gpu.index in seen:
+                raise ValueError(f"gpu index {gpu.index} reported twice")
+            seen.add(gpu.index)
+        return sorted(gpus, key=lambda g: g.index)
+
+    @field_validator("gpu_claimed")
+    @classmethod
+    def _normalise_claims(cls, claimed: list[int]) -> list[int]:
+        # Sorted and unique so two views of the same claims compare equal.
+        return sorted(set(claimed))
+
+    @property
+    def memory_free_bytes(self) -> int | None:
+        """Total minus claimed; None when the node does not report memory."""
+        if self.memory_total_bytes is None:
+            return None
+        return self.memory_total_bytes - self.memory_claimed_bytes
+
+    @property
+    def cpu_free(self) -> float | None:
+        """Cores not claimed; None when the node does not report CPUs."""
+        if self.cpu_count is None:
+            return None
+        return self.cpu_count - self.cpu_claimed
+
+    @property
+    def free_gpu_indices(self) -> list[int]:
+        """Healthy, unclaimed GPU indices, lowest first."""
+        claimed = set(self.gpu_claimed)
+        return [g.index for g in self.gpus if g.healthy and g.index not in claimed]
+
+
+class PlacementRequest(Frozen):
+    """What one replica needs. Memory is per replica; CPU and GPUs are per shard."""
+
+    model_id: ModelId
+    #: The replica's memory; each of its ``min_nodes`` shards needs an even share,
+    #: rounded up. 0 means no requirement: fits anywhere.
+    memory_bytes: int = Field(ge=0)
+    #: Cores per shard; None means no CPU requirement.
+    cpu_cores: float | None = Field(default=None, gt=0)
+    #: GPUs per shard; None or 0 means none.
+    gpus: int | None = Field(default=None, ge=0)
+    #: Nodes the replica spans: exactly this many distinct nodes, one shard each.
+    min_nodes: int = Field(default=1, ge=1)
+    #: When set, only these nodes are considered.
+    node_ids: list[NodeId] | None = None
+    #: Labels a node must carry, each with this exact value.
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def shard_memory_bytes(self) -> int:
+        """Memory one shard needs: ``ceil(memory_bytes / min_nodes)``."""
+        return -(-self.memory_bytes // self.min_nodes)
+
+    @property
+    def shard_gpus(self) -> int:
+        """GPUs one shard needs (0 when none were asked for)."""
+        return self.gpus or 0
+
+
+class ShardAssignment(Frozen):
+    """One shard of the replica: where it runs and what it claims there."""
+
+    node_id: NodeId
+    rank: int = Field(ge=0)
+    memory_bytes: int = Field(ge=0)
+    #: 0.0 when the request declared no CPU requirement: nothing is claimed.
+    cpu_cores: float = Field(ge=0)
+    gpu_indices: list[int] = Field(default_factory=list)
+    #: Total memory of ``gpu_indices`` (for an engine's utilisation fraction); None
+    #: when the shard holds no GPU.
+    gpu_memory_bytes: int | None = Field(default=None, ge=0)
+
+
+class Placement(Frozen):
+    """A successful placement: one assignment per shard, rank 0 first."""
+
+    assignments: list[ShardAssignment] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _ranks_and_nodes(self) -> Placement:
+        # Structural, so a placement that breaks these cannot exist to be acted on.
+        ranks = [a.rank for a in self.assignments]
+        if ranks != list(range(len(ranks))):
+            raise ValueError(f"ranks must be 0..{len(ranks) - 1} in order, got {ranks}")
+        node_ids = [a.node_id for a in self.assignments]
+        if len(set(node_ids)) != len(node_ids):
+            raise ValueError(f"one shard per node, got nodes {node_ids}")
+        return self
+
+    @property
+    def node_ids(self) -> list[NodeId]:
+        """The nodes used, in rank order."""
+        return [a.node_id for a in self.assignments]
+
+
+class RejectionReason(StrEnum):
+    """Why a node cannot take a shard. Stable strings: callers may match on them."""
+
+    #: A state that is not ready and has no more specific code below. Every current
+    #: NodeState has one; this is what a state added later reports until it gets its own.
+    NOT_READY = "not_ready"
+    UNREACHABLE = "unreachable"
+    LOST = "lost"
+    CORDONED = "cordoned"
+    NOT_IN_NODE_IDS = "not_in_node_ids"
+    MISSING_LABELS = "missing_labels"
+    INSUFFICIENT_MEMORY = "insufficient_memory"
+    INSUFFICIENT_CPU = "insufficient_cpu"
+    INSUFFICIENT_GPUS = "insufficient_gpus"
+
+
+_STATE_REASONS: dict[NodeState, RejectionReason] = {
+    NodeState.UNREACHABLE: RejectionReason.UNREACHABLE,
+    NodeState.LOST: RejectionReason.LOST,
+    NodeState.CORDONED: RejectionReason.CORDONED,
+}
+
+
+class Rejection(Frozen):
+    """One node that cannot take a shard, with a message an operator can act on."""
+
+    node_id: NodeId
+    node_name: str
+    reason_code: RejectionReason
+    #: e.g. "8.0 GiB free, needs 24.0 GiB", "cordoned", "missing label gpu=a100".
+    message: str
+
+
+class CantPlace(Frozen):
+    """No placement exists. Every rejected node is listed once, with its reason."""
+
+    rejections: list[Rejection]
+    #: Nodes that could each take a shard, when there were fewer than ``needed_nodes``.
+    fitting_node_ids: list[NodeId] = Field(default_factory=list)
+    needed_nodes: int = Field(ge=1)
+    #: Ids in the request's ``node_ids`` that no registered node has: usually a typo.
+    unknown_node_ids: list[NodeId] = Field(default_factory=list)
+    #: One line naming each node with its reason and numbers, e.g.
+    #: "node b: 8.0 GiB free, needs 24.0 GiB; node c: cordoned".
+    summary: str
+
+
+class NodeDecision(Frozen):
+    """The dry-run verdict on one node: it fits (with the numbers), or its rejection."""
+
+    node_id: NodeId
+    node_name: str
+    rejection: Rejection | None = None
+    #: Free memory before and after taking the shard; None when the node does not say.
+    memory_free_bytes: int | None = None
+    memory_free_after_bytes: int | None = None
+    #: Free cores before taking the shard; None when the node does not say.
+    cpu_free: float | None = None
+    #: GPUs the shard would get here (empty when rejected or none were asked for).
+    gpu_indices: list[int] = Field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        """True when this node could take one shard."""
+        return self.rejection is None
+
+    @property
+    def message(self) -> str:
+        """The rejection's message, or how the node fits."""
+        if self.rejection is not None:
+            return self.rejection.message
+        if self.memory_free_bytes is None or self.memory_free_after_bytes is None:
+            return "fits (memory not reported)"
+        return (
+            f"fits: {format_gib(self.memory_free_bytes)} free, "
+            f"{format_gib(self.memory_free_after_bytes)} left after"
+        )
+
+
+def _memory_message(free: int, need: int, per_shard: bool) -> str:
+    free_s, need_s = format_gib(free), format_gib(need)
+    if free_s == need_s:
+        # "1.5 GiB free, needs 1.5 GiB" reads as a bug; show the bytes that differ.
+        free_s, need_s = f"{free_s} ({free} bytes)", f"{need_s} ({need} bytes)"
+    return f"{free_s} free, needs {need_s}{' per shard' if per_shard else ''}"
+
+
+def _reject(node: NodeView, reason: RejectionReason, message: str) -> NodeDecision:
+    return NodeDecision(
+        node_id=node.node_id,
+        node_name=node.name,
+        rejection=Rejection(
+            node_id=node.node_id, node_name=node.name, reason_code=reason, message=message
+        ),
+        memory_free_bytes=node.memory_free_bytes,
+        cpu_free=node.cpu_free,
+    )
+
+
+def _decide(request: PlacementRequest, node: NodeView) -> NodeDecision:
+    if node.state is not NodeState.READY:
+        reason = _STATE_REASONS.get(node.state, RejectionReason.NOT_READY)
+        return _reject(node, reason, str(node.state))
+
+    if request.node_ids is not None and node.node_id not in request.node_ids:
+        return _reject(node, RejectionReason.NOT_IN_NODE_IDS, "not in node_ids")
+
+    missing = {k: v for k, v in sorted(request.labels.items()) if node.labels.get(k) != v}
+    if missing:
+        parts = []
+        for key, want in missing.items():
+            have = node.labels.get(key)
+            # Say what the node has instead: "gpu=h100" beside "gpu=a100" is the fix.
+            parts.append(f"{key}={want}" + (f" (has {key}={have})" if have is not None else ""))
+        noun = "label" if len(parts) == 1 else "labels"
+        return _reject(node, RejectionReason.MISSING_LABELS, f"missing {noun} {', '.join(parts)}")
+
+    need_mem = request.shard_memory_bytes
+    free_mem = node.memory_free_bytes
+    # No requirement fits anywhere, even on an over-claimed node; unknown memory fits too.
+    if need_mem > 0 and free_mem is not None and free_mem < need_mem:
+        return _reject(
+            node,
+            RejectionReason.INSUFFICIENT_MEMORY,
+            _memory_message(free_mem, need_mem, per_shard=request.min_nodes > 1),
+        )
+
+    cpu_free = node.cpu_free
+    if (
+        request.cpu_cores is not None
+        and cpu_free is not None
+        and cpu_free + _CPU_EPSILON < request.cpu_cores
+    ):
+        return _reject(
+            node,
+            RejectionReason.INSUFFICIENT_CPU,
+            f"{max(cpu_free, 0.0):.1f} of {node.cpu_count} CPU cores free, "
+            f"needs {request.cpu_cores:.1f}",
+        )
+
+    free_gpus = node.free_gpu_indices
+    need_gpus = request.shard_gpus
+    if len(free_gpus) < need_gpus:
+        unhealthy = sum(1 for g in node.gpus if not g.healthy)
+        detail = f"{len(free_gpus)} of {len(node.gpus)} GPUs free"
+        if node.gpus:
+            claimed = len(node.gpus) - unhealthy - len(free_gpus)
+            detail += f" ({claimed} claimed, {unhealthy} unhealthy)"
+        return _reject(node, RejectionReason.INSUFFICIENT_GPUS, f"{detail}, needs {need_gpus}")
+
+    return NodeDecision(
+        node_id=node.node_id,
+        node_name=node.name,
+        memory_free_bytes=free_mem,
+        memory_free_after_bytes=None if free_mem is None else free_mem - need_mem,
+        cpu_free=cpu_free,
+        gpu_indices=free_gpus[:need_gpus],
+    )
+
+
+def _check_unique(nodes: Sequence[NodeView]) -> None:
+    seen: set[NodeId] = set()
+    for node in nodes:
+        if node.node_id in seen:
+            raise ValueError(f"node {node.node_id!r} listed twice")
+        seen.add(node.node_id)
+
+
+def explain(request: PlacementRequest, nodes: Sequence[NodeView]) -> list[NodeDecision]:
+    """Dry-run: every node, sorted by node id, with whether one shard fits there and why.
+
+    A node either fits (with its free memory before and after, its free cores and the
+    GPUs it would give) or carries exactly one rejection: the first rule it fails, in the
+    order state, node_ids, labels, memory, CPU, GPUs. Raises ``ValueError`` if a node id
+    is listed twice, which means the snapshot itself is wrong.
+    """
+    _check_unique(nodes)
+    return [_decide(request, node) for node in sorted(nodes, key=lambda n: n.node_id)]
+
+
+def _known_memory_first(decision: NodeDecision) -> int:
+    # Nodes that report memory are known to fit; one that does not only might.
+    return 0 if decision.memory_free_bytes is not None else 1
+
+
+def _bin_pack_key(decision: NodeDecision) -> tuple[int, int, NodeId]:
+    after = decision.memory_free_after_bytes
+    return (_known_memory_first(decision), 0 if after is None else after, decision.node_id)
+
+
+def _emptiest_key(decision: NodeDecision) -> tuple[int, int, NodeId]:
+    free = decision.memory_free_bytes
+    return (_known_memory_first(decision), 0 if free is None else -free, decision.node_id)
+
+
+def _summary(
+    request: PlacementRequest,
+    decisions: Sequence[NodeDecision],
+    fitting: Sequence[NodeDecision],
+    unknown_ids: Sequence[NodeId],
+) -> str:
+    if not decisions:
+        return "no nodes registered"
+    reasons = "; ".join(f"node {d.node_name}: {d.message}" for d in decisions if not d.fits)
+    if request.min_nodes > 1:
+        head = f"needs {request.min_nodes} nodes, {len(fitting)} fit"
+        if fitting:
+            head += f" ({', '.join(d.node_name for d in fitting)})"
+        text = f"{head}: {reasons}" if reasons else head
+    else:
+        text = reasons
+    if unknown_ids:
+        text += f"; node_ids not registered: {', '.join(unknown_ids)}"
+    return text
+
+
+def place(request: PlacementRequest, nodes: Sequence[NodeView]) -> Placement | CantPlace:
+    """Place one replica on ``nodes``, or say why it cannot be placed.
+
+    Returns a ``Placement`` with exactly ``request.min_nodes`` shards on distinct nodes,
+    rank 0 first, or a ``CantPlace`` listing every node that was rejected with its reason,
+    plus the shortfall when fewer nodes fit than the replica needs. See the module
+    docstring for the rules. Deterministic: the order of ``nodes`` does not matter.
+    Raises ``ValueError`` if a node id is listed twice.
+    """
+    decisions = explain(request, nodes)
+    fitting = [d for d in decisions if d.fits]
+    if len(fitting) < request.min_nodes:
+        registered = {d.node_id for d in decisions}
+        unknown = sorted({i for i in request.node_ids or [] if i not in registered})
+        return CantPlace(
+            rejections=[d.rejection for d in decisions if d.rejection is not None],
+            fitting_node_ids=[d.node_id for d in fitting],
+            needed_nodes=request.min_nodes,
+            unknown_node_ids=unknown,
+            summary=_summary(request, decisions, fitting, unknown),
+        )
+
+    if request.min_nodes == 1:
+        chosen = [min(fitting, key=_bin_pack_key)]
+    else:
+        chosen = sorted(fitting, key=_emptiest_key)[: request.min_nodes]
+
+    gpu_memory = {n.node_id: {g.index: g.memory_bytes for g in n.gpus} for n in nodes}
+    assignments = []
+    for rank, decision in enumerate(chosen):
+        indices = decision.gpu_indices
+        assignments.append(
+            ShardAssignment(
+                node_id=decision.node_id,
+                rank=rank,
+                memory_bytes=request.shard_memory_bytes,
+                cpu_cores=request.cpu_cores or 0.0,
+                gpu_indices=indices,
+                gpu_memory_bytes=(
+                    sum(gpu_memory[decision.node_id][i] for i in indices) if indices else None
+                ),
+            )
+        )
+    return Placement(assignments=assignments)
+
+
+def apply(nodes: Sequence[NodeView], placement: Placement) -> list[NodeView]:
+    """The nodes, in the given order, with ``placement``'s claims added.
+
+    Memory and CPU claims are added as they are, even past a node's capacity: checking
+    capacity is ``place``'s job, and a simulation wants to see an over-claim, not have it
+    hidden. A GPU claim cannot be "added past capacity", so claiming a GPU that is already
+    claimed or not on the node raises ``ValueError``, as does a shard on an unknown node.
+    """
+    by_node = {a.node_id: a for a in placement.assignments}
+    known = {n.node_id for n in nodes}
+    missing = [i for i in by_node if i not in known]
+    if missing:
+        raise ValueError(f"placement uses unknown nodes: {', '.join(missing)}")
+    result = []
+    for node in nodes:
+        shard = by_node.get(node.node_id)
+        if shard is None:
+            result.append(node)
+            continue
+        present = {g.index for g in node.gpus}
+        for index in shard.gpu_indices:
+            if index in node.gpu_claimed:
+                raise ValueError(f"node {node.node_id}: gpu {index} is already claimed")
+            if index not in present:
+                raise ValueError(f"node {node.node_id}: has no gpu {index}")
+        result.append(
+            node.model_copy(
+                update={
+                    "memory_claimed_bytes": node.memory_claimed_bytes + shard.memory_bytes,
+                    "cpu_claimed": node.cpu_claimed + shard.cpu_cores,
+                    "gpu_claimed": sorted({*node.gpu_claimed, *shard.gpu_indices}),
+                }
+            )
+        )
+    return result
