@@ -66,18 +66,29 @@ async def _register(http: httpx.AsyncClient, reg: Callable[[], AgentRegistration
     return None
 
 
+def read_secret_file(settings: Settings) -> str | None:
+    """The engine key secret `up` keeps in its data dir, if there is one."""
+    try:
+        return settings.engine_key_secret_file.read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
 async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
     """Run the agent until ``stop`` is set."""
-    if not settings.engine_key_secret:
-        raise AgentConfigError("set MODELKEEPER_ENGINE_KEY_SECRET: each engine's API key is "
-                               "derived from it, and the gateway must hold the same one")
+    secret = settings.engine_key_secret or read_secret_file(settings)
+    if not secret:
+        raise AgentConfigError(
+            "set MODELKEEPER_ENGINE_KEY_SECRET (or run with the data dir of `modelkeeper up`, "
+            f"which keeps it in {settings.engine_key_secret_file}): each engine's API key is "
+            "derived from it, and the gateway must hold the same one")
     inventory = _inventory_reader(settings)
     node_id = load_or_create_node_id(settings.agent_dir)
     name = settings.node_name or socket.gethostname()
     manager = ShardManager(node_id=node_id, agent_dir=settings.agent_dir,
                            engine_host=settings.engine_host,
                            port_range=settings.engine_ports,
-                           key_secret=settings.engine_key_secret.encode(),
+                           key_secret=secret.encode(),
                            llama_server_path=settings.llama_server_path)
     adopted, killed = manager.recover()
     log.info("node %s (%s): adopted %d shard(s), killed %d unidentified engine(s)",

@@ -135,6 +135,11 @@ class Settings(BaseSettings):
         return self.data_dir / "temporal" / "temporal.db"
 
     @property
+    def engine_key_secret_file(self) -> Path:
+        """Where `up` keeps the engine key secret it generated (mode 0600)."""
+        return self.data_dir / "engine_key_secret"
+
+    @property
     def agent_dir(self) -> Path:
         """An agent's identity, shard records and engine logs."""
         return self.data_dir / "agent"

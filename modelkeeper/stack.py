@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
 import asyncpg
@@ -93,6 +95,15 @@ async def _ensure_database(admin_url: str, name: str) -> None:
         await conn.close()
 
 
+def ensure_secret_file(path: Path) -> str:
+    """The engine key secret in ``path``, created (0600) on first start."""
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+    return path.read_text().strip()
+
+
 def _api_ready(url: str) -> Callable[[], bool]:
     def ready() -> bool:
         try:
@@ -116,6 +127,7 @@ class Stack:
         s = self.settings
         s.data_dir.mkdir(parents=True, exist_ok=True)
         s.log_dir.mkdir(parents=True, exist_ok=True)
+        ensure_secret_file(s.engine_key_secret_file)
         t0 = time.monotonic()
 
         pg = postgres.start_postgres(s.postgres_dir, s.bind_host, s.postgres_port,
@@ -164,6 +176,8 @@ def banner(settings: Settings) -> str:
         f"(temporal workflow list --address {h}:{settings.temporal_port})",
         f"  PostgreSQL     {postgres.dsn(h, settings.postgres_port, DATABASE_NAME)}",
         f"  data and logs  {settings.data_dir}",
+        "Add a node: modelkeeper agent --memory 16GiB   (same data dir; elsewhere set "
+        "MODELKEEPER_ENGINE_KEY_SECRET and --data-dir)",
         "Press Ctrl-C to stop everything.",
     ])
 

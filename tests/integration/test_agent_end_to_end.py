@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import uuid
@@ -52,7 +53,8 @@ class DriveShard:
     async def run(self, args: list[Any]) -> Any:
         name, queue, payload = args
         return await workflow.execute_activity(
-            name, args=[] if payload is None else [payload], task_queue=queue, start_to_close_timeout=timedelta(seconds=60),
+            name, args=[] if payload is None else [payload], task_queue=queue,
+            start_to_close_timeout=timedelta(seconds=60),
             heartbeat_timeout=timedelta(seconds=10),
             retry_policy=RetryPolicy(maximum_attempts=1))
 
@@ -146,10 +148,8 @@ def _kill_engines_of(tmp: Path) -> None:
         if cwd_env and any((tmp / d / "agent" / "node_id").exists() and
                            (tmp / d / "agent" / "node_id").read_text().strip() == cwd_env
                            for d in os.listdir(tmp)):
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 @pytest.fixture
