@@ -29,7 +29,7 @@ def server() -> Iterator[tuple[str, Served]]:
     state = Served()
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        def do_GET(self) -> None:
             state.gets += 1
             self.send_response(200)
             if self.path != "/nolength.gguf":
