@@ -26,3 +26,7 @@ def node_task_queue(node_id: NodeId) -> str:
 def deployment_workflow_id(deployment_id: DeploymentId) -> str:
     """The workflow id of a deployment's keeper; one running workflow per deployment."""
     return f"deployment/{deployment_id}"
+
+#: PostgreSQL NOTIFY channels (see migration 0002); payload is a deployment id.
+REPLICAS_CHANNEL = "modelkeeper_replicas"
+DEPLOYMENTS_CHANNEL = "modelkeeper_deployments"
