@@ -77,6 +77,32 @@ class Settings(BaseSettings):
         description="A node with no heartbeat for this long is lost.",
     )
 
+    # -- keeper (deployment workflows) -----------------------------------------------------
+    watch_heartbeat_timeout_s: float = Field(
+        default=3.0, gt=0,
+        description="A replica whose watch misses heartbeats this long is unreachable "
+        "(routed around). 3 s with 1 s heartbeats detects a dead node in 2-3 s.",
+    )
+    replica_lost_after_s: float = Field(
+        default=15.0, gt=0,
+        description="An unreachable replica whose agent has not vouched for it this long "
+        "is lost and placed again. Outlasts an agent restart and a short network blip.",
+    )
+    start_backoff_initial_s: float = Field(
+        default=10.0, gt=0, description="Wait after the first failed start (doubles).")
+    start_backoff_max_s: float = Field(
+        default=60.0, gt=0, description="Longest wait between failed starts.")
+    park_after_failures: int = Field(
+        default=5, ge=1, description="Failed starts in a row before a deployment is parked.")
+    cant_place_retry_s: float = Field(
+        default=30.0, gt=0,
+        description="Retry an unplaceable deployment this often even if no node changes.")
+    settling_window_s: float = Field(
+        default=15.0, ge=0,
+        description="A fresh worker waits this long (or half of it with a steady node "
+        "count) before placing, so agents can reconnect and report what they run.",
+    )
+
     # -- agent -------------------------------------------------------------------------------
     api_url: str = Field(
         default="http://127.0.0.1:8400",

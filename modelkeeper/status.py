@@ -1,0 +1,30 @@
+"""The states a deployment and its replicas show to operators, the API and the gateway."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class DeploymentStatus(StrEnum):
+    """A deployment's status, as `GET /deployments` shows it."""
+
+    SERVING = "serving"  # every desired replica is ready
+    STARTING = "starting"  # replicas placed, some not ready yet
+    PLACING = "placing"  # looking for room (or waiting out a backoff)
+    CANT_PLACE = "cant_place"  # nothing fits; placement_error says why per node
+    PARKED = "parked"  # too many failed starts in a row; needs a spec change or /retry
+    DELETING = "deleting"  # stopping its replicas; the row goes when they are gone
+
+
+class ReplicaState(StrEnum):
+    """A replica's state in the store. Only READY replicas receive traffic."""
+
+    STARTING = "starting"
+    READY = "ready"
+    UNREACHABLE = "unreachable"  # its node went silent; routed around, not yet lost
+    DRAINING = "draining"  # finishing in-flight requests before a stop
+    STOPPING = "stopping"
+
+
+#: Replica states the gateway may route to.
+ROUTABLE_STATES = frozenset({ReplicaState.READY})
