@@ -1,0 +1,535 @@
+"""The keeper: what a deployment should do next, as a pure function of its state, one
+observation and the time.
+
+``decide(state, observation, now, config, jitter) -> (state, actions)`` is the whole of a
+deployment's behaviour. The workflow (``workflows/deployment.py``) only feeds it
+observations (activity results, signals, timer ticks) and carries out the actions it
+returns. Nothing here imports temporalio, httpx or asyncpg, and time is an argument, so the
+tests step it through hours of failures in milliseconds.
+
+The rules, each guarded by a test:
+
+* One placement at a time per deployment: a new replica is only placed when no other
+  placement of this deployment is in flight, so each one sees the previous one's claims.
+* A replica lost before it was ready is a failed start: the next placement waits
+  ``backoff_initial_s``, doubling to ``backoff_max_s``, with jitter. A replica lost after
+  it was ready is replaced at once and the backoff resets.
+* ``park_after`` failed starts in a row park the deployment until its spec changes or
+  a retry is asked for.
+* Nothing fits: the reason is kept (status cant_place) and placement is retried when the
+  nodes change, or every ``cant_place_retry_s``.
+* Two-stage expiry: a replica whose watch goes silent is *unreachable* (routed around),
+  and only *lost* after ``lost_after_s`` without its agent vouching for it. A blip must
+  not tear down a replica that is still serving.
+* The keeper only ever touches replicas it placed (they are the only ones in its state).
+* Deleting stops every replica, including one whose placement is still on its way.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from .domain import Frozen
+from .ids import DeploymentId, ModelId, NodeId, ReplicaId
+from .status import DeploymentStatus, ReplicaState
+
+# -- state -------------------------------------------------------------------------------
+
+
+class Phase(StrEnum):
+    """A replica's phase inside the keeper (finer than the stored ReplicaState)."""
+
+    PLACING = "placing"  # place_replica in flight; no claim may exist yet
+    STARTING = "starting"  # claims made, shards starting
+    READY = "ready"
+    UNREACHABLE = "unreachable"  # watch went silent; waiting for its agent to vouch
+    STOPPING = "stopping"  # stop in flight; claims released when it completes
+
+
+#: Phases whose replica counts toward the desired number.
+LIVE_PHASES = frozenset({Phase.PLACING, Phase.STARTING, Phase.READY, Phase.UNREACHABLE})
+
+
+class Replica(Frozen):
+    """One replica the keeper placed."""
+
+    replica_id: ReplicaId
+    phase: Phase
+    nodes: list[NodeId] = Field(default_factory=list)  # rank order
+    endpoint: str | None = None
+    ready_at: datetime | None = None
+    unreachable_since: datetime | None = None
+    probe_in_flight: bool = False
+    next_probe_at: datetime | None = None
+    stop_reason: str | None = None
+
+
+class DeploymentSpec(Frozen):
+    """What the operator asked for."""
+
+    deployment_id: DeploymentId
+    model_id: ModelId
+    replicas: int = Field(ge=0)
+    min_nodes: int = Field(default=1, ge=1)
+    node_ids: list[NodeId] | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class KeeperConfig(Frozen):
+    """Timings and limits; the defaults and their reasons live in Settings."""
+
+    lost_after_s: float = 15.0
+    probe_interval_s: float = 2.0
+    backoff_initial_s: float = 10.0
+    backoff_max_s: float = 60.0
+    #: Jitter spreads retries of many deployments failing together (a node crash takes
+    #: several down at once): each wait is scaled by a factor in [1 - j/2, 1 + j/2).
+    backoff_jitter: float = 0.2
+    park_after: int = 5
+    cant_place_retry_s: float = 30.0
+
+
+class KeeperState(Frozen):
+    """The whole state of one deployment's keeper; continue-as-new carries it as is."""
+
+    spec: DeploymentSpec
+    replicas: list[Replica] = Field(default_factory=list)
+    next_replica_seq: int = 1
+    consecutive_failures: int = 0
+    last_failure: str | None = None
+    next_attempt_at: datetime | None = None
+    placement_error: str | None = None
+    parked: bool = False
+    deleting: bool = False
+    finished: bool = False
+
+
+# -- observations ------------------------------------------------------------------------
+
+
+class Tick(Frozen):
+    """Time passed (a timer fired, or the workflow (re)started)."""
+
+    kind: Literal["tick"] = "tick"
+
+
+class Placed(Frozen):
+    """place_replica claimed room for the replica on these nodes."""
+
+    kind: Literal["placed"] = "placed"
+    replica_id: ReplicaId
+    nodes: list[NodeId]
+
+
+class CantPlace(Frozen):
+    """place_replica found no room; ``reason`` names every node and its numbers."""
+
+    kind: Literal["cant_place"] = "cant_place"
+    replica_id: ReplicaId
+    reason: str
+
+
+class PlacementCrashed(Frozen):
+    """place_replica failed unexpectedly; recorded, retried later, others unaffected."""
+
+    kind: Literal["placement_crashed"] = "placement_crashed"
+    replica_id: ReplicaId
+    error: str
+
+
+class Started(Frozen):
+    """Every shard is ready; rank 0 serves at ``endpoint``."""
+
+    kind: Literal["started"] = "started"
+    replica_id: ReplicaId
+    endpoint: str
+
+
+class StartFailed(Frozen):
+    """A shard failed to start (or missed its start timeout)."""
+
+    kind: Literal["start_failed"] = "start_failed"
+    replica_id: ReplicaId
+    error: str
+
+
+class Exited(Frozen):
+    """A watched engine ended."""
+
+    kind: Literal["exited"] = "exited"
+    replica_id: ReplicaId
+    detail: str
+
+
+class Silent(Frozen):
+    """A watch missed its heartbeats: the node or its agent went quiet."""
+
+    kind: Literal["silent"] = "silent"
+    replica_id: ReplicaId
+
+
+class ProbeResult(Frozen):
+    """The agents of an unreachable replica answered (or not) whether it still runs."""
+
+    kind: Literal["probe"] = "probe"
+    replica_id: ReplicaId
+    #: True: every shard runs; False: an agent answered and a shard is gone;
+    #: None: some agent did not answer.
+    running: bool | None
+
+
+class Stopped(Frozen):
+    """A replica's shards are stopped and its claims released."""
+
+    kind: Literal["stopped"] = "stopped"
+    replica_id: ReplicaId
+
+
+class NodesChanged(Frozen):
+    """A node joined, reported memory, freed memory or was uncordoned."""
+
+    kind: Literal["nodes_changed"] = "nodes_changed"
+
+
+class Scale(Frozen):
+    """The operator changed the replica count."""
+
+    kind: Literal["scale"] = "scale"
+    replicas: int = Field(ge=0)
+
+
+class Retry(Frozen):
+    """The operator asked to un-park (POST /deployments/{id}/retry)."""
+
+    kind: Literal["retry"] = "retry"
+
+
+class Delete(Frozen):
+    """The operator deleted the deployment."""
+
+    kind: Literal["delete"] = "delete"
+
+
+Observation = Annotated[
+    Tick | Placed | CantPlace | PlacementCrashed | Started | StartFailed | Exited | Silent
+    | ProbeResult | Stopped | NodesChanged | Scale | Retry | Delete,
+    Field(discriminator="kind"),
+]
+
+# -- actions -----------------------------------------------------------------------------
+
+
+class PlaceReplica(Frozen):
+    """Claim room for a new replica (one transaction)."""
+
+    kind: Literal["place"] = "place"
+    replica_id: ReplicaId
+
+
+class StartReplica(Frozen):
+    """Start every shard of a placed replica."""
+
+    kind: Literal["start"] = "start"
+    replica_id: ReplicaId
+
+
+class WatchReplica(Frozen):
+    """Watch every shard of a ready replica."""
+
+    kind: Literal["watch"] = "watch"
+    replica_id: ReplicaId
+
+
+class ProbeReplica(Frozen):
+    """Ask an unreachable replica's agents whether it still runs."""
+
+    kind: Literal["probe"] = "probe"
+    replica_id: ReplicaId
+
+
+class StopReplica(Frozen):
+    """Stop a replica's shards (cancelling its start or watch) and release its claims."""
+
+    kind: Literal["stop"] = "stop"
+    replica_id: ReplicaId
+    reason: str
+
+
+class Finish(Frozen):
+    """Deleted and nothing left running: remove the deployment and end."""
+
+    kind: Literal["finish"] = "finish"
+
+
+Action = PlaceReplica | StartReplica | WatchReplica | ProbeReplica | StopReplica | Finish
+
+# -- the decision ------------------------------------------------------------------------
+
+
+def backoff_s(failures: int, config: KeeperConfig, jitter: float) -> float:
+    """Wait after ``failures`` failed starts in a row: 10, 20, 40, 60, 60... with jitter.
+
+    ``jitter`` is a random number in [0, 1) supplied by the caller (the workflow's
+    deterministic random), keeping this function pure.
+    """
+    base = min(config.backoff_initial_s * 2.0 ** max(failures - 1, 0), config.backoff_max_s)
+    return base * (1 - config.backoff_jitter / 2 + config.backoff_jitter * jitter)
+
+
+def _replace(state: KeeperState, replica: Replica) -> KeeperState:
+    return state.model_copy(update={"replicas": [
+        replica if r.replica_id == replica.replica_id else r for r in state.replicas]})
+
+
+def _drop(state: KeeperState, replica_id: ReplicaId) -> KeeperState:
+    return state.model_copy(update={"replicas": [
+        r for r in state.replicas if r.replica_id != replica_id]})
+
+
+def _find(state: KeeperState, replica_id: ReplicaId) -> Replica | None:
+    return next((r for r in state.replicas if r.replica_id == replica_id), None)
+
+
+def _stop(state: KeeperState, replica: Replica, reason: str,
+          actions: list[Action]) -> KeeperState:
+    actions.append(StopReplica(replica_id=replica.replica_id, reason=reason))
+    return _replace(state, replica.model_copy(update={
+        "phase": Phase.STOPPING, "stop_reason": reason, "probe_in_flight": False}))
+
+
+def _lost_after_ready(state: KeeperState, replica: Replica, why: str,
+                      actions: list[Action]) -> KeeperState:
+    """A replica that had served is gone: replace it at once, and reset the backoff."""
+    state = _stop(state, replica, f"lost: {why}", actions)
+    return state.model_copy(update={"consecutive_failures": 0, "next_attempt_at": None,
+                                    "last_failure": why})
+
+
+def _observe(state: KeeperState, obs: Observation, now: datetime, config: KeeperConfig,
+             jitter: float, actions: list[Action]) -> KeeperState:
+    """Apply one observation. Unknown replica ids are ignored: a late result for a
+    replica already stopped (or never ours) must change nothing."""
+    if isinstance(obs, Tick | NodesChanged | Scale | Retry | Delete):
+        return _observe_deployment(state, obs)
+    replica = _find(state, obs.replica_id)
+    if replica is None:
+        return state
+    if isinstance(obs, Placed):
+        if replica.phase is not Phase.PLACING:
+            return state
+        placed = replica.model_copy(update={"phase": Phase.STARTING, "nodes": obs.nodes})
+        state = _replace(state, placed).model_copy(update={"placement_error": None})
+        if state.deleting:
+            # The deletion arrived while this placement was on its way: undo it now.
+            return _stop(state, placed, "deployment deleted", actions)
+        actions.append(StartReplica(replica_id=replica.replica_id))
+        return state
+    if isinstance(obs, CantPlace):
+        if replica.phase is not Phase.PLACING:
+            return state
+        return _drop(state, replica.replica_id).model_copy(update={
+            "placement_error": obs.reason,
+            "next_attempt_at": now + timedelta(seconds=config.cant_place_retry_s)})
+    if isinstance(obs, PlacementCrashed):
+        if replica.phase is not Phase.PLACING:
+            return state
+        return _drop(state, replica.replica_id).model_copy(update={
+            "last_failure": f"placement failed: {obs.error}",
+            "next_attempt_at": now + timedelta(seconds=config.cant_place_retry_s)})
+    if isinstance(obs, Started):
+        if replica.phase is not Phase.STARTING:
+            return state
+        ready = replica.model_copy(update={"phase": Phase.READY, "endpoint": obs.endpoint,
+                                           "ready_at": now})
+        actions.append(WatchReplica(replica_id=replica.replica_id))
+        return _replace(state, ready).model_copy(update={
+            "consecutive_failures": 0, "next_attempt_at": None})
+    if isinstance(obs, StartFailed):
+        if replica.phase is not Phase.STARTING:
+            return state
+        failures = state.consecutive_failures + 1
+        state = _stop(state, replica, "start failed", actions)
+        parked = failures >= config.park_after
+        return state.model_copy(update={
+            "consecutive_failures": failures, "last_failure": obs.error, "parked": parked,
+            "next_attempt_at": None if parked else
+            now + timedelta(seconds=backoff_s(failures, config, jitter))})
+    if isinstance(obs, Exited):
+        if replica.phase not in (Phase.READY, Phase.UNREACHABLE):
+            return state
+        return _lost_after_ready(state, replica, obs.detail, actions)
+    if isinstance(obs, Silent):
+        if replica.phase is not Phase.READY:
+            return state
+        actions.append(ProbeReplica(replica_id=replica.replica_id))
+        return _replace(state, replica.model_copy(update={
+            "phase": Phase.UNREACHABLE, "unreachable_since": now, "probe_in_flight": True}))
+    if isinstance(obs, ProbeResult):
+        if replica.phase is not Phase.UNREACHABLE:
+            return state
+        if obs.running is True:
+            # Its agent is back and the engine never stopped: adopt it, keep serving.
+            actions.append(WatchReplica(replica_id=replica.replica_id))
+            return _replace(state, replica.model_copy(update={
+                "phase": Phase.READY, "unreachable_since": None, "probe_in_flight": False,
+                "next_probe_at": None}))
+        if obs.running is False:
+            return _lost_after_ready(state, replica, "its agent no longer runs it", actions)
+        return _replace(state, replica.model_copy(update={
+            "probe_in_flight": False,
+            "next_probe_at": now + timedelta(seconds=config.probe_interval_s)}))
+    if isinstance(obs, Stopped):
+        return _drop(state, replica.replica_id)
+    raise AssertionError(f"unhandled observation {obs!r}")
+
+
+def _observe_deployment(state: KeeperState,
+                        obs: Tick | NodesChanged | Scale | Retry | Delete) -> KeeperState:
+    if isinstance(obs, NodesChanged):
+        if state.placement_error is not None:
+            return state.model_copy(update={"next_attempt_at": None})
+        return state
+    if isinstance(obs, Scale):
+        # A spec change un-parks: the operator has acted on the deployment.
+        return state.model_copy(update={
+            "spec": state.spec.model_copy(update={"replicas": obs.replicas}),
+            "parked": False, "consecutive_failures": 0 if state.parked else
+            state.consecutive_failures})
+    if isinstance(obs, Retry):
+        return state.model_copy(update={"parked": False, "consecutive_failures": 0,
+                                        "next_attempt_at": None})
+    if isinstance(obs, Delete):
+        return state.model_copy(update={"deleting": True})
+    return state
+
+
+def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
+               actions: list[Action]) -> KeeperState:
+    """Bring live replicas toward the spec, after every observation."""
+    if state.finished:
+        return state
+    if state.deleting:
+        for replica in state.replicas:
+            # A PLACING replica is stopped when its placement answers (see Placed).
+            if replica.phase in (Phase.STARTING, Phase.READY, Phase.UNREACHABLE):
+                state = _stop(state, replica, "deployment deleted", actions)
+        if not state.replicas:
+            actions.append(Finish())
+            return state.model_copy(update={"finished": True})
+        return state
+
+    # Two-stage expiry: unreachable for too long is lost; meanwhile keep probing.
+    for replica in list(state.replicas):
+        if replica.phase is not Phase.UNREACHABLE:
+            continue
+        assert replica.unreachable_since is not None
+        silent_for = (now - replica.unreachable_since).total_seconds()
+        if silent_for >= config.lost_after_s:
+            state = _lost_after_ready(
+                state, replica, f"no word from its node for {silent_for:.0f}s", actions)
+        elif (not replica.probe_in_flight and replica.next_probe_at is not None
+              and now >= replica.next_probe_at):
+            actions.append(ProbeReplica(replica_id=replica.replica_id))
+            state = _replace(state, replica.model_copy(update={"probe_in_flight": True}))
+
+    live = [r for r in state.replicas if r.phase in LIVE_PHASES]
+    desired = state.spec.replicas
+    if len(live) > desired:
+        # Retire the least useful first: not yet serving, then unreachable, then newest.
+        order = {Phase.STARTING: 0, Phase.UNREACHABLE: 1, Phase.READY: 2}
+        candidates = [r for r in live if r.phase is not Phase.PLACING]
+        candidates.sort(key=lambda r: (order[r.phase], -_seq(r.replica_id)))
+        for replica in candidates[: len(live) - desired]:
+            state = _stop(state, replica, "scaled down", actions)
+    elif len(live) < desired and not state.parked:
+        placing = any(r.phase is Phase.PLACING for r in state.replicas)
+        due = state.next_attempt_at is None or now >= state.next_attempt_at
+        if not placing and due:
+            replica_id = ReplicaId(f"{state.spec.deployment_id}-r{state.next_replica_seq}")
+            actions.append(PlaceReplica(replica_id=replica_id))
+            state = state.model_copy(update={
+                "replicas": [*state.replicas, Replica(replica_id=replica_id,
+                                                      phase=Phase.PLACING)],
+                "next_replica_seq": state.next_replica_seq + 1,
+                "next_attempt_at": None})
+    return state
+
+
+def _seq(replica_id: ReplicaId) -> int:
+    tail = replica_id.rsplit("-r", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+def decide(state: KeeperState, observation: Observation, now: datetime,
+           config: KeeperConfig, jitter: float = 0.5) -> tuple[KeeperState, list[Action]]:
+    """The keeper's next state and the actions to carry out, after ``observation``."""
+    actions: list[Action] = []
+    state = _observe(state, observation, now, config, jitter, actions)
+    state = _reconcile(state, now, config, actions)
+    return state, actions
+
+
+def resume(state: KeeperState) -> list[Action]:
+    """Actions that re-establish in-flight work after continue-as-new or a code restart:
+    watches are re-opened, probes and stops re-issued, placements and starts asked again
+    (both are idempotent per replica id)."""
+    actions: list[Action] = []
+    for r in state.replicas:
+        if r.phase is Phase.PLACING:
+            actions.append(PlaceReplica(replica_id=r.replica_id))
+        elif r.phase is Phase.STARTING:
+            actions.append(StartReplica(replica_id=r.replica_id))
+        elif r.phase is Phase.READY:
+            actions.append(WatchReplica(replica_id=r.replica_id))
+        elif r.phase is Phase.UNREACHABLE:
+            actions.append(ProbeReplica(replica_id=r.replica_id))
+        elif r.phase is Phase.STOPPING:
+            actions.append(StopReplica(replica_id=r.replica_id,
+                                       reason=r.stop_reason or "stopping"))
+    return actions
+
+
+def next_wake(state: KeeperState, config: KeeperConfig) -> datetime | None:
+    """When the keeper must be stepped again with a Tick if nothing else happens."""
+    times: list[datetime] = []
+    live = sum(1 for r in state.replicas if r.phase in LIVE_PHASES)
+    if (state.next_attempt_at is not None and live < state.spec.replicas
+            and not state.parked and not state.deleting):
+        times.append(state.next_attempt_at)
+    for r in state.replicas:
+        if r.phase is Phase.UNREACHABLE and r.unreachable_since is not None:
+            times.append(r.unreachable_since + timedelta(seconds=config.lost_after_s))
+            if r.next_probe_at is not None and not r.probe_in_flight:
+                times.append(r.next_probe_at)
+    return min(times) if times else None
+
+
+def status(state: KeeperState) -> DeploymentStatus:
+    """The deployment's status for operators."""
+    if state.deleting:
+        return DeploymentStatus.DELETING
+    if state.parked:
+        return DeploymentStatus.PARKED
+    ready = sum(1 for r in state.replicas if r.phase is Phase.READY)
+    if ready >= state.spec.replicas:
+        return DeploymentStatus.SERVING
+    if any(r.phase is Phase.STARTING for r in state.replicas):
+        return DeploymentStatus.STARTING
+    if state.placement_error is not None:
+        return DeploymentStatus.CANT_PLACE
+    return DeploymentStatus.PLACING
+
+
+def stored_state(phase: Phase) -> ReplicaState | None:
+    """How a phase is written to the store; None for PLACING (no row yet)."""
+    return {
+        Phase.PLACING: None,
+        Phase.STARTING: ReplicaState.STARTING,
+        Phase.READY: ReplicaState.READY,
+        Phase.UNREACHABLE: ReplicaState.UNREACHABLE,
+        Phase.STOPPING: ReplicaState.STOPPING,
+    }[phase]

@@ -1,0 +1,309 @@
+"""The keeper stepped at chosen times: each rule of modelkeeper.keeper."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from modelkeeper.ids import DeploymentId, ModelId, NodeId, ReplicaId
+from modelkeeper.keeper import (
+    Action,
+    CantPlace,
+    Delete,
+    DeploymentSpec,
+    Exited,
+    Finish,
+    KeeperConfig,
+    KeeperState,
+    NodesChanged,
+    Observation,
+    Phase,
+    Placed,
+    PlacementCrashed,
+    PlaceReplica,
+    ProbeReplica,
+    ProbeResult,
+    Retry,
+    Scale,
+    Silent,
+    Started,
+    StartFailed,
+    StartReplica,
+    Stopped,
+    StopReplica,
+    Tick,
+    WatchReplica,
+    backoff_s,
+    decide,
+    next_wake,
+    resume,
+    status,
+)
+from modelkeeper.status import DeploymentStatus
+
+pytestmark = pytest.mark.timeout(30)
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+CONFIG = KeeperConfig(backoff_jitter=0.0)
+
+
+class Stepper:
+    """Steps the keeper, keeping time and collecting actions."""
+
+    def __init__(self, replicas: int = 1) -> None:
+        self.now = T0
+        self.state = KeeperState(spec=DeploymentSpec(
+            deployment_id=DeploymentId("d"), model_id=ModelId("m"), replicas=replicas))
+        self.actions: list[Action] = []
+
+    def step(self, obs: Observation | None = None, at: float | None = None) -> list[Action]:
+        if at is not None:
+            self.now = T0 + timedelta(seconds=at)
+        self.state, actions = decide(self.state, obs or Tick(), self.now, CONFIG)
+        self.actions += actions
+        return actions
+
+    def serve(self, rid: str, at: float | None = None) -> None:
+        self.step(Placed(replica_id=ReplicaId(rid), nodes=[NodeId("a")]), at)
+        self.step(Started(replica_id=ReplicaId(rid), endpoint="http://e"), at)
+
+    @property
+    def status(self) -> DeploymentStatus:
+        return status(self.state)
+
+
+def rid(n: int) -> ReplicaId:
+    return ReplicaId(f"d-r{n}")
+
+
+def test_first_tick_places_one_replica_and_serving_follows() -> None:
+    k = Stepper()
+    assert k.step() == [PlaceReplica(replica_id=rid(1))]
+    assert k.status is DeploymentStatus.PLACING
+    assert k.step(Placed(replica_id=rid(1), nodes=[NodeId("a")])) == [
+        StartReplica(replica_id=rid(1))]
+    assert k.status is DeploymentStatus.STARTING
+    assert k.step(Started(replica_id=rid(1), endpoint="http://e")) == [
+        WatchReplica(replica_id=rid(1))]
+    assert k.status is DeploymentStatus.SERVING
+
+
+def test_one_placement_in_flight_at_a_time() -> None:
+    k = Stepper(replicas=3)
+    assert k.step() == [PlaceReplica(replica_id=rid(1))]
+    assert k.step() == [] and k.step(at=100) == []  # still waiting on the first
+    assert k.step(Placed(replica_id=rid(1), nodes=[NodeId("a")])) == [
+        StartReplica(replica_id=rid(1)), PlaceReplica(replica_id=rid(2))]
+
+
+def test_backoff_sequence_and_reset_after_ready() -> None:
+    assert [backoff_s(n, CONFIG, 0.5) for n in range(1, 6)] == [10, 20, 40, 60, 60]
+    k = Stepper()
+    k.step()
+    waits = []
+    for n in range(1, 4):
+        r = rid(n)
+        k.step(Placed(replica_id=r, nodes=[NodeId("a")]))
+        k.step(StartFailed(replica_id=r, error="boom"))
+        k.step(Stopped(replica_id=r))
+        assert k.state.next_attempt_at is not None
+        waits.append((k.state.next_attempt_at - k.now).total_seconds())
+        # Not a second early...
+        k.now = k.state.next_attempt_at - timedelta(seconds=1)
+        assert k.step() == []
+        # ...and placed again once due.
+        k.now += timedelta(seconds=1)
+        assert k.step() == [PlaceReplica(replica_id=rid(n + 1))]
+    assert waits == [10, 20, 40]
+    assert k.state.consecutive_failures == 3
+    k.serve("d-r4")
+    assert k.state.consecutive_failures == 0
+    # Lost after ready: replaced at once, no backoff.
+    acts = k.step(Exited(replica_id=rid(4), detail="SIGKILL"))
+    assert acts == [StopReplica(replica_id=rid(4), reason="lost: SIGKILL"),
+                    PlaceReplica(replica_id=rid(5))]
+
+
+def test_jitter_spreads_waits() -> None:
+    config = KeeperConfig(backoff_jitter=0.2)
+    assert backoff_s(1, config, 0.0) == pytest.approx(9.0)
+    assert backoff_s(1, config, 0.999) == pytest.approx(11.0, abs=0.01)
+
+
+def test_parks_after_five_failed_starts_and_retry_unparks() -> None:
+    k = Stepper()
+    k.step()
+    for n in range(1, 6):
+        k.step(Placed(replica_id=rid(n), nodes=[NodeId("a")]))
+        k.step(StartFailed(replica_id=rid(n), error=f"exit {n}"))
+        k.step(Stopped(replica_id=rid(n)))
+        if n < 5:
+            assert k.step(at=10_000 * n) == [PlaceReplica(replica_id=rid(n + 1))]
+    assert k.status is DeploymentStatus.PARKED
+    assert k.state.last_failure == "exit 5"
+    assert k.step(at=10**6) == []  # stays parked, however long
+    assert next_wake(k.state, CONFIG) is None
+    assert k.step(Retry()) == [PlaceReplica(replica_id=rid(6))]
+    assert k.state.consecutive_failures == 0
+
+
+def test_spec_change_unparks() -> None:
+    k = Stepper()
+    k.state = k.state.model_copy(update={"parked": True, "consecutive_failures": 5})
+    assert k.step() == []
+    assert k.step(Scale(replicas=2)) == [PlaceReplica(replica_id=rid(1))]
+
+
+def test_cant_place_records_reason_and_retries_on_node_change_or_timer() -> None:
+    k = Stepper()
+    k.step()
+    k.step(CantPlace(replica_id=rid(1), reason="node b: 8.0 GiB free, needs 24.0 GiB"))
+    assert k.status is DeploymentStatus.CANT_PLACE
+    assert k.state.placement_error == "node b: 8.0 GiB free, needs 24.0 GiB"
+    assert k.step(at=29) == []
+    assert k.step(at=30) == [PlaceReplica(replica_id=rid(2))]
+    k.step(CantPlace(replica_id=rid(2), reason="node b: cordoned"))
+    assert k.state.placement_error == "node b: cordoned"  # the reason follows the nodes
+    # A node change retries at once (nodes join in pieces: memory arrives after the node).
+    assert k.step(NodesChanged(), at=31) == [PlaceReplica(replica_id=rid(3))]
+    k.step(Placed(replica_id=rid(3), nodes=[NodeId("c")]))
+    assert k.state.placement_error is None
+
+
+def test_node_change_does_not_skip_a_failure_backoff() -> None:
+    k = Stepper()
+    k.step()
+    k.step(Placed(replica_id=rid(1), nodes=[NodeId("a")]))
+    k.step(StartFailed(replica_id=rid(1), error="x"))
+    k.step(Stopped(replica_id=rid(1)))
+    assert k.step(NodesChanged(), at=1) == []
+
+
+def test_crashing_placement_is_recorded_and_retried_later() -> None:
+    k = Stepper()
+    k.step()
+    k.step(PlacementCrashed(replica_id=rid(1), error="database down"))
+    assert "database down" in (k.state.last_failure or "")
+    assert k.step(at=1) == []
+    assert k.step(at=30) == [PlaceReplica(replica_id=rid(2))]
+
+
+def test_two_stage_expiry_agent_comes_back_in_time() -> None:
+    k = Stepper()
+    k.step()
+    k.serve("d-r1")
+    assert k.step(Silent(replica_id=rid(1)), at=100) == [ProbeReplica(replica_id=rid(1))]
+    assert k.state.replicas[0].phase is Phase.UNREACHABLE
+    assert k.status is not DeploymentStatus.SERVING  # routed around meanwhile
+    k.step(ProbeResult(replica_id=rid(1), running=None), at=101)
+    assert k.step(at=102) == []
+    assert k.step(at=103) == [ProbeReplica(replica_id=rid(1))]  # probing continues
+    acts = k.step(ProbeResult(replica_id=rid(1), running=True), at=110)
+    assert acts == [WatchReplica(replica_id=rid(1))]  # adopted, not rebuilt
+    assert k.status is DeploymentStatus.SERVING
+    assert not any(isinstance(a, StopReplica | PlaceReplica) for a in k.actions[3:])
+
+
+def test_two_stage_expiry_agent_never_comes_back() -> None:
+    k = Stepper()
+    k.step()
+    k.serve("d-r1")
+    k.step(Silent(replica_id=rid(1)), at=100)
+    k.step(ProbeResult(replica_id=rid(1), running=None), at=101)
+    assert next_wake(k.state, CONFIG) == T0 + timedelta(seconds=103)
+    assert not any(isinstance(a, StopReplica) for a in k.step(at=114.9))
+    acts = k.step(at=115)
+    assert StopReplica(replica_id=rid(1), reason="lost: no word from its node for 15s") in acts
+    assert PlaceReplica(replica_id=rid(2)) in acts
+
+
+def test_agent_back_without_the_engine_is_lost_at_once() -> None:
+    k = Stepper()
+    k.step()
+    k.serve("d-r1")
+    k.step(Silent(replica_id=rid(1)), at=100)
+    acts = k.step(ProbeResult(replica_id=rid(1), running=False), at=101)
+    assert acts[0] == StopReplica(replica_id=rid(1),
+                                  reason="lost: its agent no longer runs it")
+    assert acts[1] == PlaceReplica(replica_id=rid(2))
+
+
+def test_delete_stops_everything_and_finishes_once() -> None:
+    k = Stepper(replicas=2)
+    k.step()
+    k.serve("d-r1")  # places r2 meanwhile
+    assert k.state.replicas[-1].phase is Phase.PLACING
+    acts = k.step(Delete())
+    assert acts == [StopReplica(replica_id=rid(1), reason="deployment deleted")]
+    assert k.status is DeploymentStatus.DELETING
+    # The placement on its way lands after the delete: it is stopped too.
+    acts = k.step(Placed(replica_id=rid(2), nodes=[NodeId("b")]))
+    assert acts == [StopReplica(replica_id=rid(2), reason="deployment deleted")]
+    assert k.step(Delete()) == []  # a double delete is harmless
+    k.step(Stopped(replica_id=rid(1)))
+    assert k.step(Stopped(replica_id=rid(2))) == [Finish()]
+    assert k.step() == [] and k.step(Delete()) == []
+
+
+def test_delete_with_placement_that_found_no_room() -> None:
+    k = Stepper()
+    k.step()
+    k.step(Delete())
+    assert k.step(CantPlace(replica_id=rid(1), reason="no nodes registered")) == [Finish()]
+
+
+def test_scale_up_and_down_retires_least_useful_first() -> None:
+    k = Stepper(replicas=1)
+    k.step()
+    k.serve("d-r1")
+    k.step(Scale(replicas=3))
+    k.serve("d-r2")
+    k.step(Placed(replica_id=rid(3), nodes=[NodeId("c")]))  # starting, not ready
+    acts = k.step(Scale(replicas=1))
+    assert acts == [StopReplica(replica_id=rid(3), reason="scaled down"),
+                    StopReplica(replica_id=rid(2), reason="scaled down")]
+    assert [r.replica_id for r in k.state.replicas if r.phase is Phase.READY] == [rid(1)]
+
+
+def test_never_touches_replicas_it_did_not_place() -> None:
+    k = Stepper()
+    k.step()
+    k.serve("d-r1")
+    before = k.state
+    for obs in (Exited(replica_id=ReplicaId("other"), detail="x"),
+                Silent(replica_id=ReplicaId("other")),
+                Stopped(replica_id=ReplicaId("other")),
+                Started(replica_id=ReplicaId("other"), endpoint="http://x")):
+        assert k.step(obs) == []
+    assert k.state == before
+
+
+def test_late_results_for_stopped_replicas_change_nothing() -> None:
+    k = Stepper()
+    k.step()
+    k.step(Placed(replica_id=rid(1), nodes=[NodeId("a")]))
+    k.step(Scale(replicas=0))
+    assert k.state.replicas[0].phase is Phase.STOPPING
+    assert k.step(Started(replica_id=rid(1), endpoint="http://late")) == []
+    assert k.step(StartFailed(replica_id=rid(1), error="late")) == []
+    assert k.state.consecutive_failures == 0
+
+
+def test_resume_reissues_in_flight_work() -> None:
+    k = Stepper(replicas=2)
+    k.step()
+    k.serve("d-r1")
+    assert resume(k.state) == [WatchReplica(replica_id=rid(1)), PlaceReplica(replica_id=rid(2))]
+
+
+def test_state_does_not_grow_over_many_failures() -> None:
+    k = Stepper()
+    k.step()
+    for n in range(1, 200):
+        k.step(Placed(replica_id=rid(n), nodes=[NodeId("a")]))
+        k.step(Started(replica_id=rid(n), endpoint="http://e"))
+        k.step(Exited(replica_id=rid(n), detail="crash"))
+        k.step(Stopped(replica_id=rid(n)))
+    assert len(k.state.replicas) == 1
+    assert len(k.state.model_dump_json()) < 2000
