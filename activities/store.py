@@ -1,31 +1,190 @@
-"""Activities that read and write the PostgreSQL store."""
+"""Activities that read and write the PostgreSQL store (run by the control worker)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from pydantic import Field
 from temporalio import activity
+from temporalio.client import Client
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
 
-from modelkeeper.domain import Event, NewEvent
+from modelkeeper.catalog import DeploymentStatusUpdate, ReplicaStateUpdate
+from modelkeeper.domain import Event, Frozen, NewEvent
+from modelkeeper.ids import DeploymentId, ReplicaId
+from modelkeeper.keeper import DeploymentSpec
+from modelkeeper.names import SIGNAL_NODES_CHANGED, deployment_workflow_id
+from modelkeeper.nodes import NodeState
+from modelkeeper.placement import CantPlace, PlacementRequest
+from modelkeeper.settings import Settings
+from modelkeeper.settling import SettlingWindow
+from modelkeeper.shards import ShardSpec
+from modelkeeper.status import DeploymentStatus
 from modelkeeper.store import Store
 
-#: Store calls are short; a minute covers a slow database without hiding a dead one.
+log = logging.getLogger(__name__)
+
+#: Store calls are short; 30 s covers a slow database without hiding a dead one.
 STORE_ACTIVITY_TIMEOUT = timedelta(seconds=30)
+
+ERROR_UNKNOWN_MODEL = "UnknownModel"
+ERROR_SETTLING = "Settling"
+
+
+class PlaceReplicaInput(Frozen):
+    """Input of `place_replica`."""
+
+    spec: DeploymentSpec
+    replica_id: ReplicaId
+    start_timeout_s: float = Field(gt=0)
+
+
+class PlaceReplicaResult(Frozen):
+    """The shards to start, or why nothing fits (``cant_place``, naming every node)."""
+
+    shards: list[ShardSpec] = Field(default_factory=list)
+    cant_place: str | None = None
+
+
+class ReleaseReplicaInput(Frozen):
+    """Input of `release_replica`."""
+
+    replica_id: ReplicaId
+
+
+class DeleteDeploymentInput(Frozen):
+    """Input of `delete_deployment`."""
+
+    deployment_id: DeploymentId
 
 
 class StoreActivities:
-    """Activities bound to one store connection pool."""
+    """Activities bound to one store, one Temporal client and the worker's settings."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, settings: Settings, client: Client | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._store = store
+        self._settings = settings
+        self._client = client
+        self._clock = clock
+        self.settling = SettlingWindow(started_at=clock(), window_s=settings.settling_window_s)
+        self._sampler: asyncio.Task[None] | None = None
+
+    async def start_settling_sampler(self) -> None:
+        """Sample the ready-node count until settled (the window needs to see changes as
+        they happen, not only when a placement happens to ask)."""
+
+        async def sample() -> None:
+            while not self.settling.settled(self._clock()):
+                self.settling.observe(await self._ready_nodes(), self._clock())
+                await asyncio.sleep(0.5)
+
+        self._sampler = asyncio.create_task(sample())
+
+    async def stop_settling_sampler(self) -> None:
+        """Stop the sampler (worker shutdown)."""
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
+
+    async def _ready_nodes(self) -> int:
+        views = await self._store.list_node_views(
+            datetime.now(UTC), unreachable_after_s=self._settings.node_unreachable_after_s,
+            lost_after_s=self._settings.node_lost_after_s)
+        return sum(1 for v in views if v.state.value == NodeState.READY.value)
 
     @activity.defn(name="record_event")
     async def record_event(self, event: NewEvent) -> Event:
         """Append an entry to the audit log."""
         return await self._store.record_event(event)
 
+    @activity.defn(name="place_replica")
+    async def place_replica(self, request: PlaceReplicaInput) -> PlaceReplicaResult:
+        """Pick nodes and claim their resources in one transaction."""
+        now = self._clock()
+        if not self.settling.settled(now):
+            # Retryable: the workflow's retry policy brings it back once settled.
+            raise ApplicationError(
+                f"control plane settling: placement waits up to "
+                f"{self.settling.remaining_s(now):.1f}s more for agents to report in",
+                type=ERROR_SETTLING,
+                next_retry_delay=timedelta(seconds=min(1.0, self.settling.remaining_s(now))
+                                           or 0.1))
+        spec = request.spec
+        model = await self._store.get_model(spec.model_id)
+        if model is None:
+            raise ApplicationError(f"model {spec.model_id!r} is not in the catalog",
+                                   type=ERROR_UNKNOWN_MODEL, non_retryable=True)
+        placement_request = PlacementRequest(
+            model_id=spec.model_id, memory_bytes=model.memory_bytes,
+            cpu_cores=model.cpu_cores, gpus=model.gpus,
+            min_nodes=max(spec.min_nodes, model.min_nodes),
+            node_ids=spec.node_ids, labels=spec.labels)
+        result = await self._store.place_replica(
+            deployment_id=spec.deployment_id, replica_id=request.replica_id,
+            request=placement_request, model=model, now=datetime.now(UTC),
+            unreachable_after_s=self._settings.node_unreachable_after_s,
+            lost_after_s=self._settings.node_lost_after_s,
+            start_timeout_s=request.start_timeout_s)
+        if isinstance(result, CantPlace):
+            return PlaceReplicaResult(cant_place=result.summary)
+        await self._store.record_event(NewEvent(
+            kind="replica.placed", deployment_id=spec.deployment_id,
+            replica_id=request.replica_id,
+            message=f"placed on {', '.join(s.node_id for s in result)}",
+            data={"nodes": [s.node_id for s in result]}))
+        return PlaceReplicaResult(shards=result)
+
+    @activity.defn(name="record_replica_state")
+    async def record_replica_state(self, update: ReplicaStateUpdate) -> None:
+        """Write a replica's state; the gateway hears of it through NOTIFY."""
+        await self._store.record_replica_state(update)
+
+    @activity.defn(name="release_replica")
+    async def release_replica(self, request: ReleaseReplicaInput) -> None:
+        """Delete a replica's row and claims, then tell unplaceable deployments that
+        memory was freed."""
+        if await self._store.release_replica(request.replica_id):
+            await self._signal_cant_place()
+
+    @activity.defn(name="record_deployment_status")
+    async def record_deployment_status(self, update: DeploymentStatusUpdate) -> None:
+        """Write the keeper's status, and log it to the audit log."""
+        await self._store.record_deployment_status(update)
+        reason = update.placement_error if update.status is DeploymentStatus.CANT_PLACE \
+            else update.last_failure
+        await self._store.record_event(NewEvent(
+            kind=f"deployment.{update.status.value}", deployment_id=update.deployment_id,
+            message=update.status.value + (f": {reason}" if reason else ""),
+            data=update.model_dump(mode="json")))
+
+    @activity.defn(name="delete_deployment")
+    async def delete_deployment(self, request: DeleteDeploymentInput) -> None:
+        """Remove the deployment's row once nothing of it runs."""
+        await self._store.delete_deployment_row(request.deployment_id)
+        await self._store.record_event(NewEvent(
+            kind="deployment.deleted", deployment_id=request.deployment_id,
+            message="deleted; every replica it placed is stopped"))
+
+    async def _signal_cant_place(self) -> None:
+        if self._client is None:
+            return
+        for deployment_id in await self._store.deployment_ids_with_status(
+                DeploymentStatus.CANT_PLACE):
+            handle = self._client.get_workflow_handle(
+                deployment_workflow_id(DeploymentId(deployment_id)))
+            with contextlib.suppress(RPCError):  # it may have just finished
+                await handle.signal(SIGNAL_NODES_CHANGED)
+
     def all(self) -> list[Callable[..., Any]]:
         """Every activity this class defines, for the worker to register."""
-        return [self.record_event]
+        return [self.record_event, self.place_replica, self.record_replica_state,
+                self.release_replica, self.record_deployment_status, self.delete_deployment]

@@ -30,3 +30,11 @@ def deployment_workflow_id(deployment_id: DeploymentId) -> str:
 #: PostgreSQL NOTIFY channels (see migration 0002); payload is a deployment id.
 REPLICAS_CHANNEL = "modelkeeper_replicas"
 DEPLOYMENTS_CHANNEL = "modelkeeper_deployments"
+
+#: Signals, updates and queries of DeploymentWorkflow, by name, for senders that do not
+#: import the workflow class (the API and the store activities).
+SIGNAL_NODES_CHANGED = "nodes_changed"
+SIGNAL_RETRY = "retry"
+SIGNAL_DELETE = "delete"
+UPDATE_SCALE = "scale"
+QUERY_STATUS = "status"

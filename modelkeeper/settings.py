@@ -150,6 +150,55 @@ class Settings(BaseSettings):
         "guard: the control plane declared it lost and placed it elsewhere).",
     )
 
+    # -- gateway -----------------------------------------------------------------------------
+    gateway_auth: bool = Field(
+        default=True,
+        description="Require a client API key (`modelkeeper keys create`) on /v1. Off: "
+        "anyone who reaches the port is served, and the gateway warns loudly at start.",
+    )
+    gateway_workers: int = Field(
+        default=1, ge=1, le=256,
+        description="Gateway processes sharing the port (SO_REUSEPORT); one per core lets "
+        "a machine's cores all serve.",
+    )
+    gateway_wait_for_replica_s: float = Field(
+        default=10.0, ge=0,
+        description="How long a request for a known model with no ready replica waits for "
+        "one before it is answered 503.",
+    )
+    gateway_retry_after_s: int = Field(
+        default=5, ge=1,
+        description="Retry-After (seconds) of a 503 for a model that is still placing or "
+        "starting.",
+    )
+    gateway_retries: int = Field(
+        default=2, ge=0,
+        description="Further replicas a request is tried on when one refuses or resets the "
+        "connection before answering.",
+    )
+    gateway_connect_timeout_s: float = Field(
+        default=3.0, gt=0, description="Longest wait to connect to an engine.")
+    gateway_read_timeout_s: float = Field(
+        default=300.0, gt=0,
+        description="Longest silence from an engine (before its answer, or between two "
+        "streamed chunks) before the request fails.",
+    )
+    gateway_breaker_failures: int = Field(
+        default=5, ge=1,
+        description="Failures in a row (refused, reset, 5xx, cut streams) that open a "
+        "replica's circuit breaker, taking it out of routing.",
+    )
+    gateway_breaker_open_s: float = Field(
+        default=5.0, gt=0,
+        description="How long an open breaker keeps a replica out before one trial request "
+        "(doubling, up to 60 s, while trials fail).",
+    )
+    usage_flush_interval_s: float = Field(
+        default=1.0, gt=0,
+        description="How often each gateway worker writes per-replica usage (in-flight, "
+        "waiting, last used) to the store, in one batch.",
+    )
+
     @property
     def postgres_dir(self) -> Path:
         """PostgreSQL's PGDATA under the data dir."""

@@ -2,4 +2,8 @@
 :mod:`modelkeeper`'s pure functions, effects in :mod:`activities`."""
 
 #: Every workflow the control-plane worker runs. Later workflows are added here.
-ALL_WORKFLOWS: list[type] = []
+ALL_WORKFLOWS: list[type] = []  # filled below, once the modules exist
+
+from .deployment import DeploymentWorkflow  # noqa: E402 - after the list it fills
+
+ALL_WORKFLOWS.append(DeploymentWorkflow)

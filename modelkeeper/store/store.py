@@ -9,14 +9,44 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 import asyncpg
 
+from ..catalog import (
+    CatalogModel,
+    DeploymentRequest,
+    DeploymentStatusUpdate,
+    DeploymentView,
+    ReplicaStateUpdate,
+    ReplicaView,
+)
 from ..domain import Event, NewEvent
-from ..nodes import AgentRegistration, Inventory, NodeRecord, NodeUpdate
+from ..ids import DeploymentId, ModelId, NodeId, ReplicaId
+from ..nodes import AgentRegistration, Inventory, NodeRecord, NodeUpdate, node_state
+from ..placement import CantPlace, GpuView, NodeView, PlacementRequest, place
+from ..placement import NodeState as PlacementNodeState
+from ..shards import ShardSpec
+from ..status import DeploymentStatus, ReplicaState
+
+
+class ModelExistsError(Exception):
+    """A model with this id is already in the catalog."""
+
+
+class ModelInUseError(Exception):
+    """The model has a deployment; delete that first."""
+
+
+class DeploymentExistsError(Exception):
+    """The model already has a deployment (one per model)."""
+
+
+class UnknownModelError(Exception):
+    """No model with this id in the catalog."""
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
@@ -233,10 +263,218 @@ class Store:
             _NODE_SELECT + " WHERE n.node_id = $1", node_id)
         return None if row is None else NodeRecord(**_record(row))
 
+    async def list_node_views(self, now: datetime, *, unreachable_after_s: float,
+                              lost_after_s: float) -> list[NodeView]:
+        """Every node as placement sees it at ``now``."""
+        return [_node_view(n, now, unreachable_after_s, lost_after_s)
+                for n in await self.list_nodes()]
+
     async def list_nodes(self) -> list[NodeRecord]:
         """Every node with what its replicas claim on it, by name."""
         rows = await self._pool.fetch(_NODE_SELECT + " ORDER BY n.name, n.node_id")
         return [NodeRecord(**_record(row)) for row in rows]
+
+    # -- catalog --------------------------------------------------------------------------
+
+    async def create_model(self, model: CatalogModel) -> CatalogModel:
+        """Add a model; :class:`ModelExistsError` if the id is taken."""
+        try:
+            row = await self._pool.fetchrow(
+                """
+                INSERT INTO models (model_id, engine, source, memory_bytes, memory_estimated,
+                                    cpu_cores, gpus, engine_args, min_nodes)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) RETURNING created_at
+                """,
+                model.model_id, model.engine.value, model.source, model.memory_bytes,
+                model.memory_estimated, model.cpu_cores, model.gpus, model.engine_args,
+                model.min_nodes)
+        except asyncpg.UniqueViolationError:
+            raise ModelExistsError(model.model_id) from None
+        assert row is not None
+        return model.model_copy(update={"created_at": row["created_at"]})
+
+    async def get_model(self, model_id: str) -> CatalogModel | None:
+        """One catalog entry; None when unknown."""
+        row = await self._pool.fetchrow("SELECT * FROM models WHERE model_id = $1", model_id)
+        return None if row is None else _model(row)
+
+    async def list_models(self) -> list[CatalogModel]:
+        """The catalog, by id."""
+        rows = await self._pool.fetch("SELECT * FROM models ORDER BY model_id")
+        return [_model(row) for row in rows]
+
+    async def delete_model(self, model_id: str) -> bool:
+        """Remove a model; :class:`ModelInUseError` while it has a deployment."""
+        try:
+            done = await self._pool.execute("DELETE FROM models WHERE model_id = $1", model_id)
+        except asyncpg.ForeignKeyViolationError:
+            raise ModelInUseError(model_id) from None
+        return bool(done.endswith(" 1"))
+
+    # -- deployments ----------------------------------------------------------------------
+
+    async def create_deployment(self, deployment_id: DeploymentId, request: DeploymentRequest,
+                                workflow_id: str) -> None:
+        """Insert a deployment. The unique model_id index makes racing creates end with one:
+        the loser gets :class:`DeploymentExistsError`."""
+        try:
+            await self._pool.execute(
+                """
+                INSERT INTO deployments (deployment_id, model_id, replicas, min_nodes, node_ids,
+                                         labels, status, workflow_id)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                """,
+                deployment_id, request.model_id, request.replicas, request.min_nodes,
+                request.node_ids, request.labels, DeploymentStatus.PLACING.value, workflow_id)
+        except asyncpg.UniqueViolationError:
+            raise DeploymentExistsError(request.model_id) from None
+        except asyncpg.ForeignKeyViolationError:
+            raise UnknownModelError(request.model_id) from None
+
+    async def delete_deployment_row(self, deployment_id: str) -> None:
+        """Remove a deployment and (by cascade) its replicas and their claims."""
+        await self._pool.execute("DELETE FROM deployments WHERE deployment_id = $1",
+                                 deployment_id)
+
+    async def mark_deleting(self, deployment_id: str) -> bool:
+        """Show a deployment as deleting; False when it does not exist."""
+        row = await self._pool.fetchval(
+            "UPDATE deployments SET status = $2, updated_at = now() WHERE deployment_id = $1 "
+            "RETURNING deployment_id", deployment_id, DeploymentStatus.DELETING.value)
+        return row is not None
+
+    async def set_desired_replicas(self, deployment_id: str, replicas: int) -> None:
+        """Record a scale the keeper accepted."""
+        await self._pool.execute(
+            "UPDATE deployments SET replicas = $2, updated_at = now() WHERE deployment_id = $1",
+            deployment_id, replicas)
+
+    async def record_deployment_status(self, update: DeploymentStatusUpdate) -> None:
+        """Write the keeper's status; the deleting status set by the API is kept."""
+        await self._pool.execute(
+            """
+            UPDATE deployments SET
+                status = CASE WHEN status = 'deleting' THEN status ELSE $2 END,
+                placement_error = $3, consecutive_failures = $4, last_failure = $5,
+                replicas = $6, updated_at = now()
+            WHERE deployment_id = $1
+            """,
+            update.deployment_id, update.status.value, update.placement_error,
+            update.consecutive_failures, update.last_failure, update.desired_replicas)
+
+    async def get_deployment(self, deployment_id: str) -> DeploymentView | None:
+        """One deployment with its replicas; None when unknown."""
+        views = await self._deployments("WHERE d.deployment_id = $1", deployment_id)
+        return views[0] if views else None
+
+    async def get_deployment_by_model(self, model_id: str) -> DeploymentView | None:
+        """The deployment of ``model_id``, if any."""
+        views = await self._deployments("WHERE d.model_id = $1", model_id)
+        return views[0] if views else None
+
+    async def list_deployments(self) -> list[DeploymentView]:
+        """Every deployment with its replicas."""
+        return await self._deployments("")
+
+    async def deployment_ids_with_status(self, status: DeploymentStatus) -> list[str]:
+        """Deployments currently showing ``status`` (e.g. cant_place, to retry them)."""
+        rows = await self._pool.fetch(
+            "SELECT deployment_id FROM deployments WHERE status = $1", status.value)
+        return [row["deployment_id"] for row in rows]
+
+    async def _deployments(self, where: str, *args: Any) -> list[DeploymentView]:
+        rows = await self._pool.fetch(
+            f"SELECT d.* FROM deployments d {where} ORDER BY d.created_at, d.deployment_id",
+            *args)
+        if not rows:
+            return []
+        ids = [row["deployment_id"] for row in rows]
+        replica_rows = await self._pool.fetch(
+            _REPLICA_SELECT + " WHERE r.deployment_id = ANY($1::text[]) ORDER BY r.created_at",
+            ids)
+        replicas: dict[str, list[ReplicaView]] = {i: [] for i in ids}
+        for r in replica_rows:
+            replicas[r["deployment_id"]].append(ReplicaView(**_record(r)))
+        views = []
+        for row in rows:
+            reps = replicas[row["deployment_id"]]
+            views.append(DeploymentView(
+                deployment_id=row["deployment_id"], model_id=row["model_id"],
+                status=row["status"], placement_error=row["placement_error"],
+                desired_replicas=row["replicas"],
+                ready_replicas=sum(1 for r in reps if r.state is ReplicaState.READY),
+                consecutive_failures=row["consecutive_failures"],
+                last_failure=row["last_failure"], min_nodes=row["min_nodes"],
+                node_ids=row["node_ids"], labels=row["labels"], replicas=reps,
+                workflow_id=row["workflow_id"], created_at=row["created_at"],
+                updated_at=row["updated_at"]))
+        return views
+
+    # -- replicas and placement -----------------------------------------------------------
+
+    async def list_replicas(self) -> list[ReplicaView]:
+        """Every replica of every deployment."""
+        rows = await self._pool.fetch(_REPLICA_SELECT + " ORDER BY r.created_at")
+        return [ReplicaView(**_record(r)) for r in rows]
+
+    async def place_replica(self, *, deployment_id: DeploymentId, replica_id: ReplicaId,
+                            request: PlacementRequest, model: CatalogModel,
+                            now: datetime, unreachable_after_s: float, lost_after_s: float,
+                            start_timeout_s: float) -> list[ShardSpec] | CantPlace:
+        """Pick nodes and claim their memory (and CPUs, GPUs) in one transaction.
+
+        Every node row is locked first, so two placements running at once are serialized
+        and the second sees the first's claims: the same memory is never handed out twice.
+        Idempotent per replica id: a retried call returns the claims already made.
+        """
+        async with self._pool.acquire() as conn, conn.transaction():
+            existing = await conn.fetch(
+                "SELECT * FROM allocations WHERE replica_id = $1 ORDER BY rank", replica_id)
+            if existing:
+                return [_shard_spec(replica_id, model, a["node_id"], a["rank"], len(existing),
+                                    a["memory_bytes"], float(a["cpu_cores"]),
+                                    list(a["gpu_indices"]), None, start_timeout_s)
+                        for a in existing]
+            await conn.execute("SELECT node_id FROM nodes ORDER BY node_id FOR UPDATE")
+            records = [NodeRecord(**_record(row)) for row in await conn.fetch(
+                _NODE_SELECT + " ORDER BY n.node_id")]
+            views = [_node_view(n, now, unreachable_after_s, lost_after_s) for n in records]
+            result = place(request, views)
+            if isinstance(result, CantPlace):
+                return result
+            await conn.execute(
+                "INSERT INTO replicas (replica_id, deployment_id, state, started_at) "
+                "VALUES ($1, $2, $3, now())",
+                replica_id, deployment_id, ReplicaState.STARTING.value)
+            shards = []
+            for a in result.assignments:
+                await conn.execute(
+                    "INSERT INTO allocations (replica_id, node_id, rank, memory_bytes, "
+                    "cpu_cores, gpu_indices) VALUES ($1, $2, $3, $4, $5, $6)",
+                    replica_id, a.node_id, a.rank, a.memory_bytes, a.cpu_cores,
+                    a.gpu_indices)
+                shards.append(_shard_spec(replica_id, model, a.node_id, a.rank,
+                                          len(result.assignments), a.memory_bytes,
+                                          a.cpu_cores, a.gpu_indices, a.gpu_memory_bytes,
+                                          start_timeout_s))
+            return shards
+
+    async def record_replica_state(self, update: ReplicaStateUpdate) -> None:
+        """Write a replica's state (and endpoint once ready)."""
+        await self._pool.execute(
+            """
+            UPDATE replicas SET state = $2, endpoint = COALESCE($3, endpoint),
+                   ready_at = CASE WHEN $2 = 'ready' AND ready_at IS NULL THEN now()
+                                   ELSE ready_at END
+            WHERE replica_id = $1
+            """,
+            update.replica_id, update.state.value, update.endpoint)
+
+    async def release_replica(self, replica_id: str) -> bool:
+        """Delete a replica and (by cascade) its claims; True if it existed."""
+        done = await self._pool.execute("DELETE FROM replicas WHERE replica_id = $1",
+                                        replica_id)
+        return bool(done.endswith(" 1"))
 
 
 _NODE_SELECT = """
@@ -259,5 +497,46 @@ _NODE_SELECT = """
 """
 
 
+_REPLICA_SELECT = """
+    SELECT r.replica_id, r.deployment_id, d.model_id, r.state, r.endpoint, r.started_at,
+           r.ready_at,
+           COALESCE((SELECT array_agg(a.node_id ORDER BY a.rank) FROM allocations a
+                     WHERE a.replica_id = r.replica_id), '{}') AS nodes
+    FROM replicas r JOIN deployments d USING (deployment_id)
+"""
+
+
 def _record(row: asyncpg.Record) -> dict[str, Any]:
     return dict(row.items())
+
+
+def _node_view(n: NodeRecord, now: datetime, unreachable_after_s: float,
+               lost_after_s: float) -> NodeView:
+    state = node_state(n, now, unreachable_after_s=unreachable_after_s,
+                       lost_after_s=lost_after_s)
+    return NodeView(
+        node_id=n.node_id, name=n.name, state=PlacementNodeState(state.value),
+        labels=n.labels, memory_total_bytes=n.memory_total_bytes,
+        memory_claimed_bytes=n.memory_claimed_bytes, cpu_count=n.cpu_count,
+        cpu_claimed=n.cpu_claimed,
+        gpus=[GpuView(index=g.index, memory_bytes=g.memory_bytes, healthy=g.healthy)
+              for g in n.gpus],
+        gpu_claimed=n.gpus_claimed)
+
+
+def _model(row: asyncpg.Record) -> CatalogModel:
+    data = _record(row)
+    if data.get("cpu_cores") is not None:
+        data["cpu_cores"] = float(data["cpu_cores"])
+    return CatalogModel(**data)
+
+
+def _shard_spec(replica_id: ReplicaId, model: CatalogModel, node_id: NodeId, rank: int,
+                world_size: int, memory_bytes: int, cpu_cores: float, gpu_indices: list[int],
+                gpu_memory_bytes: int | None, start_timeout_s: float) -> ShardSpec:
+    return ShardSpec(
+        replica_id=replica_id, model_id=ModelId(model.model_id), node_id=node_id,
+        engine=model.engine, source=model.source, rank=rank, world_size=world_size,
+        memory_bytes=memory_bytes, gpu_memory_bytes=gpu_memory_bytes,
+        gpu_indices=gpu_indices, cpu_cores=cpu_cores or None,
+        engine_args=model.engine_args, start_timeout_s=start_timeout_s)

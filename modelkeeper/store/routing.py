@@ -1,0 +1,372 @@
+"""The gateway's SQL: routes (deployments and their ready replicas), client API keys,
+batched usage, and a LISTEN connection that survives the database going away.
+
+Kept beside :mod:`modelkeeper.store.store` so that all SQL stays in this package; the
+gateway imports this module and no asyncpg query of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import secrets
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+import asyncpg
+
+from ..names import DEPLOYMENTS_CHANNEL, REPLICAS_CHANNEL
+from ..status import ROUTABLE_STATES
+
+log = logging.getLogger(__name__)
+
+#: NOTIFY channel of migration 0003: an API key was created, revoked or deleted.
+API_KEYS_CHANNEL = "modelkeeper_api_keys"
+
+#: Client API keys look like ``mkc-`` + 43 URL-safe characters (256 random bits).
+CLIENT_KEY_PREFIX = "mkc-"
+#: Characters of a key kept in clear as its ``prefix`` (``mkc-`` and 8 random ones):
+#: 48 bits, enough to tell keys apart, far too few to guess the rest.
+PREFIX_CHARS = len(CLIENT_KEY_PREFIX) + 8
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRoute:
+    """A ready replica: where its rank 0 serves the OpenAI API."""
+
+    replica_id: str
+    #: Base URL such as ``http://127.0.0.1:20001`` (the API is under ``/v1``).
+    endpoint: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentRoute:
+    """What the gateway needs to know about one deployment."""
+
+    deployment_id: str
+    #: The name clients send as ``model``.
+    model_id: str
+    status: str
+    desired_replicas: int
+    placement_error: str | None
+    last_failure: str | None
+    consecutive_failures: int
+    created_at: datetime
+    #: Replicas in a routable state with an endpoint, in replica id order.
+    ready: tuple[ReplicaRoute, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeyRecord:
+    """A client API key as listed: never the key itself."""
+
+    key_id: str
+    name: str
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaUsage:
+    """One gateway worker's usage of one replica, as of one tick."""
+
+    replica_id: str
+    in_flight: int
+    last_used_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentUsage:
+    """One gateway worker's requests waiting for a deployment, as of one tick."""
+
+    deployment_id: str
+    waiting: int
+    last_request_at: datetime | None
+
+
+def hash_key(key: str) -> str:
+    """The stored form of a client key: SHA-256, hex."""
+    return hashlib.sha256(key.encode("utf-8", errors="surrogatepass")).hexdigest()
+
+
+def new_client_key() -> str:
+    """A fresh random client key."""
+    return CLIENT_KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+_ROUTE_SELECT = """
+    SELECT d.deployment_id, d.model_id, d.status, d.replicas, d.placement_error,
+           d.last_failure, d.consecutive_failures, d.created_at,
+           COALESCE(array_agg(r.replica_id ORDER BY r.replica_id)
+                    FILTER (WHERE r.replica_id IS NOT NULL), '{}') AS replica_ids,
+           COALESCE(array_agg(r.endpoint ORDER BY r.replica_id)
+                    FILTER (WHERE r.replica_id IS NOT NULL), '{}') AS endpoints
+    FROM deployments d
+    LEFT JOIN replicas r
+           ON r.deployment_id = d.deployment_id
+          AND r.state = ANY($1::text[])
+          AND r.endpoint IS NOT NULL
+"""
+
+
+def _route(row: asyncpg.Record) -> DeploymentRoute:
+    return DeploymentRoute(
+        deployment_id=row["deployment_id"],
+        model_id=row["model_id"],
+        status=row["status"],
+        desired_replicas=row["replicas"],
+        placement_error=row["placement_error"],
+        last_failure=row["last_failure"],
+        consecutive_failures=row["consecutive_failures"],
+        created_at=row["created_at"],
+        ready=tuple(ReplicaRoute(rid, url)
+                    for rid, url in zip(row["replica_ids"], row["endpoints"], strict=True)),
+    )
+
+
+class RoutingStore:
+    """The gateway's queries over an asyncpg pool (which the caller owns and closes)."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+        self._routable = sorted(ROUTABLE_STATES)
+
+    # -- routes ----------------------------------------------------------------------------
+
+    async def load_routes(self) -> list[DeploymentRoute]:
+        """Every deployment with its ready replicas."""
+        rows = await self._pool.fetch(
+            _ROUTE_SELECT + " GROUP BY d.deployment_id ORDER BY d.model_id", self._routable)
+        return [_route(row) for row in rows]
+
+    async def load_routes_for(self, deployment_ids: Iterable[str]) -> dict[str, DeploymentRoute]:
+        """The named deployments that still exist, by id; a missing id was deleted."""
+        rows = await self._pool.fetch(
+            _ROUTE_SELECT + " WHERE d.deployment_id = ANY($2::text[]) GROUP BY d.deployment_id",
+            self._routable, list(deployment_ids))
+        return {row["deployment_id"]: _route(row) for row in rows}
+
+    # -- client API keys ---------------------------------------------------------------------
+
+    async def create_api_key(self, name: str) -> tuple[ApiKeyRecord, str]:
+        """Store a new key's hash; return its record and the key, which exists nowhere else."""
+        key = new_client_key()
+        row = await self._pool.fetchrow(
+            """
+            INSERT INTO api_keys (key_id, name, prefix, key_sha256)
+            VALUES ($1, $2, $3, $4)
+            RETURNING key_id, name, prefix, created_at, revoked_at
+            """,
+            "key-" + secrets.token_hex(6), name, key[:PREFIX_CHARS], hash_key(key))
+        assert row is not None
+        return ApiKeyRecord(**dict(row)), key
+
+    async def list_api_keys(self) -> list[ApiKeyRecord]:
+        """Every key, revoked ones included, oldest first."""
+        rows = await self._pool.fetch(
+            "SELECT key_id, name, prefix, created_at, revoked_at FROM api_keys "
+            "ORDER BY created_at, key_id")
+        return [ApiKeyRecord(**dict(row)) for row in rows]
+
+    async def revoke_api_keys(self, id_or_prefix: str) -> list[ApiKeyRecord]:
+        """Revoke the active keys whose id or prefix is ``id_or_prefix``; return them."""
+        rows = await self._pool.fetch(
+            """
+            UPDATE api_keys SET revoked_at = now()
+            WHERE (key_id = $1 OR prefix = $1) AND revoked_at IS NULL
+            RETURNING key_id, name, prefix, created_at, revoked_at
+            """,
+            id_or_prefix)
+        return [ApiKeyRecord(**dict(row)) for row in rows]
+
+    async def active_key_hashes(self) -> dict[str, str]:
+        """SHA-256 of every unrevoked key -> its key id."""
+        rows = await self._pool.fetch(
+            "SELECT key_sha256, key_id FROM api_keys WHERE revoked_at IS NULL")
+        return {row["key_sha256"]: row["key_id"] for row in rows}
+
+    # -- usage -------------------------------------------------------------------------------
+
+    async def write_usage(self, gateway_id: str, replicas: Sequence[ReplicaUsage],
+                          deployments: Sequence[DeploymentUsage]) -> None:
+        """Upsert one worker's usage rows in one transaction (one round trip per table).
+
+        Rows of replicas or deployments deleted meanwhile are skipped by the joins, so a
+        replica that vanished does not fail the whole batch.
+        """
+        async with self._pool.acquire() as conn, conn.transaction():
+            if replicas:
+                await conn.execute(
+                    """
+                    INSERT INTO replica_usage (gateway_id, replica_id, in_flight,
+                                               last_used_at, updated_at)
+                    SELECT $1, u.replica_id, u.in_flight, u.last_used_at, now()
+                    FROM unnest($2::text[], $3::int[], $4::timestamptz[])
+                         AS u (replica_id, in_flight, last_used_at)
+                    JOIN replicas USING (replica_id)
+                    ON CONFLICT (gateway_id, replica_id) DO UPDATE
+                    SET in_flight = EXCLUDED.in_flight,
+                        last_used_at = COALESCE(EXCLUDED.last_used_at,
+                                                replica_usage.last_used_at),
+                        updated_at = now()
+                    """,
+                    gateway_id, [u.replica_id for u in replicas],
+                    [u.in_flight for u in replicas], [u.last_used_at for u in replicas])
+            if deployments:
+                await conn.execute(
+                    """
+                    INSERT INTO deployment_usage (gateway_id, deployment_id, waiting,
+                                                  last_request_at, updated_at)
+                    SELECT $1, u.deployment_id, u.waiting, u.last_request_at, now()
+                    FROM unnest($2::text[], $3::int[], $4::timestamptz[])
+                         AS u (deployment_id, waiting, last_request_at)
+                    JOIN deployments USING (deployment_id)
+                    ON CONFLICT (gateway_id, deployment_id) DO UPDATE
+                    SET waiting = EXCLUDED.waiting,
+                        last_request_at = COALESCE(EXCLUDED.last_request_at,
+                                                   deployment_usage.last_request_at),
+                        updated_at = now()
+                    """,
+                    gateway_id, [u.deployment_id for u in deployments],
+                    [u.waiting for u in deployments], [u.last_request_at for u in deployments])
+
+    async def clear_usage(self, gateway_id: str) -> None:
+        """Delete one worker's usage rows (it is stopping: it holds no requests any more)."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            await conn.execute("DELETE FROM replica_usage WHERE gateway_id = $1", gateway_id)
+            await conn.execute("DELETE FROM deployment_usage WHERE gateway_id = $1", gateway_id)
+
+    async def replica_usage(self, replica_id: str) -> list[ReplicaUsage]:
+        """Each gateway worker's row for ``replica_id`` (for readers and tests)."""
+        rows = await self._pool.fetch(
+            "SELECT replica_id, in_flight, last_used_at FROM replica_usage "
+            "WHERE replica_id = $1 ORDER BY gateway_id", replica_id)
+        return [ReplicaUsage(**dict(row)) for row in rows]
+
+    async def deployment_usage(self, deployment_id: str) -> list[DeploymentUsage]:
+        """Each gateway worker's row for ``deployment_id`` (for readers and tests)."""
+        rows = await self._pool.fetch(
+            "SELECT deployment_id, waiting, last_request_at FROM deployment_usage "
+            "WHERE deployment_id = $1 ORDER BY gateway_id", deployment_id)
+        return [DeploymentUsage(**dict(row)) for row in rows]
+
+
+#: What a listener hands each notification to: (channel, payload).
+NotifyHandler = Callable[[str, str], None]
+#: Called after every (re)connection, once LISTEN is in place: the caller reloads
+#: everything, since notifications sent while it was disconnected are lost.
+ConnectedHandler = Callable[[], Awaitable[None]]
+
+#: Channels the gateway listens on.
+GATEWAY_CHANNELS = (REPLICAS_CHANNEL, DEPLOYMENTS_CHANNEL, API_KEYS_CHANNEL)
+
+
+class ChangeListener:
+    """LISTEN on a dedicated connection, reconnecting with backoff when it drops.
+
+    A pooled connection would not do: LISTEN belongs to the session, and a pool hands
+    connections back and forth. After each (re)connection ``on_connected`` runs *after*
+    LISTEN is in place, so a change made while it reloads is still notified.
+    """
+
+    def __init__(self, dsn: str, channels: Sequence[str], on_notify: NotifyHandler,
+                 on_connected: ConnectedHandler, *, max_backoff_s: float = 5.0,
+                 ping_interval_s: float = 10.0, ping_timeout_s: float = 5.0) -> None:
+        self._dsn = dsn
+        self._channels = tuple(channels)
+        self._on_notify = on_notify
+        self._on_connected = on_connected
+        self._max_backoff_s = max_backoff_s
+        self._ping_interval_s = ping_interval_s
+        self._ping_timeout_s = ping_timeout_s
+        self._conn: asyncpg.Connection | None = None
+        self._lost = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        #: Set while a connection is up and listening; for health checks and tests.
+        self.connected = asyncio.Event()
+        #: How many times a connection was (re)established.
+        self.connections = 0
+
+    async def start(self, timeout_s: float = 30.0) -> None:
+        """Connect and run ``on_connected`` once, then keep the connection up in the
+        background. Raises if the first connection does not succeed within ``timeout_s``."""
+        await asyncio.wait_for(self._connect_with_retry(), timeout_s)
+        self._task = asyncio.create_task(self._keep_connected(), name="change-listener")
+
+    @property
+    def backend_pid(self) -> int | None:
+        """The server process id of the listening session (tests terminate it)."""
+        return None if self._conn is None else self._conn.get_server_pid()
+
+    async def close(self) -> None:
+        """Stop listening and close the connection."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._close_conn()
+
+    async def _close_conn(self) -> None:
+        conn, self._conn = self._conn, None
+        self.connected.clear()
+        if conn is not None and not conn.is_closed():
+            with contextlib.suppress(OSError, asyncpg.PostgresError, TimeoutError):
+                await conn.close(timeout=2)
+
+    def _notified(self, _conn: object, _pid: int, channel: str, payload: str) -> None:
+        self._on_notify(channel, payload)
+
+    def _terminated(self, _conn: object) -> None:
+        self._lost.set()
+
+    async def _connect_once(self) -> None:
+        conn = await asyncpg.connect(self._dsn, timeout=10)
+        try:
+            conn.add_termination_listener(self._terminated)
+            for channel in self._channels:
+                await conn.add_listener(channel, self._notified)
+            self._conn = conn
+            self._lost.clear()
+            await self._on_connected()
+        except BaseException:
+            self._conn = None
+            conn.terminate()
+            raise
+        self.connections += 1
+        self.connected.set()
+
+    async def _connect_with_retry(self) -> None:
+        delay = 0.1
+        while True:
+            try:
+                await self._connect_once()
+                return
+            except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                log.warning("cannot listen for changes (%s); retrying in %.1fs", exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._max_backoff_s)
+
+    async def _alive(self) -> bool:
+        """Whether the connection still answers; a silent network drop sends no FIN, so
+        only a query finds it."""
+        if self._conn is None or self._conn.is_closed():
+            return False
+        try:
+            await self._conn.execute("SELECT 1", timeout=self._ping_timeout_s)
+        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+            return False
+        return True
+
+    async def _keep_connected(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._lost.wait(), self._ping_interval_s)
+            if not self._lost.is_set() and await self._alive():
+                continue
+            log.warning("lost the change-listening connection; reconnecting and reloading")
+            await self._close_conn()
+            await self._connect_with_retry()

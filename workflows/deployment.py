@@ -1,0 +1,477 @@
+"""DeploymentWorkflow: one long-running workflow per deployment keeps its model served.
+
+Thin by design. It feeds observations (activity results, signals, timer ticks) to the pure
+keeper (:func:`modelkeeper.keeper.decide`) and carries out the actions it returns as
+activities: placement on the control queue, engine work on each node's own queue. Its
+whole state is one model (:class:`DeploymentWorkflowState`), which continue-as-new carries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
+
+with workflow.unsafe.imports_passed_through():
+    from pydantic import Field
+
+    from activities.store import (
+        DeleteDeploymentInput,
+        PlaceReplicaInput,
+        PlaceReplicaResult,
+        ReleaseReplicaInput,
+    )
+    from modelkeeper.catalog import DeploymentStatusUpdate, ReplicaStateUpdate, ScaleRequest
+    from modelkeeper.domain import Frozen
+    from modelkeeper.ids import ReplicaId
+    from modelkeeper.keeper import (
+        Action,
+        CantPlace,
+        Delete,
+        DeploymentSpec,
+        Exited,
+        Finish,
+        KeeperConfig,
+        KeeperState,
+        NodesChanged,
+        Observation,
+        Phase,
+        Placed,
+        PlacementCrashed,
+        PlaceReplica,
+        ProbeReplica,
+        ProbeResult,
+        Retry,
+        Scale,
+        Silent,
+        Started,
+        StartFailed,
+        StartReplica,
+        Stopped,
+        StopReplica,
+        Tick,
+        WatchReplica,
+        decide,
+        next_wake,
+        resume,
+        status,
+        stored_state,
+    )
+    from modelkeeper.names import (
+        CONTROL_TASK_QUEUE,
+        QUERY_STATUS,
+        SIGNAL_DELETE,
+        SIGNAL_NODES_CHANGED,
+        SIGNAL_RETRY,
+        UPDATE_SCALE,
+        node_task_queue,
+    )
+    from modelkeeper.shards import (
+        ShardEndpoint,
+        ShardExit,
+        ShardReport,
+        ShardSpec,
+        StartShardInput,
+        StopShardInput,
+        WatchShardInput,
+    )
+    from modelkeeper.status import DeploymentStatus
+
+MODEL_ID_KEY = SearchAttributeKey.for_keyword("ModelId")
+STATUS_KEY = SearchAttributeKey.for_keyword("DeploymentStatus")
+
+#: Store activities retry quickly and for a long time: a database restart must delay the
+#: keeper, not fail it.
+STORE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
+                          maximum_interval=timedelta(seconds=10))
+#: Node activities are not retried by Temporal: the keeper decides what a failure means.
+ONCE = RetryPolicy(maximum_attempts=1)
+
+
+class WorkflowTimings(Frozen):
+    """Activity timeouts, fixed at start so replays do not depend on a worker's env."""
+
+    watch_heartbeat_timeout_s: float = 3.0
+    #: A node queue nobody polls fails a start or watch this fast (a dead agent).
+    node_schedule_to_start_s: float = 10.0
+    probe_timeout_s: float = 2.0
+    start_timeout_s: float = 600.0
+    stop_grace_s: float = 10.0
+    #: place_replica keeps retrying through the settling window and database blips.
+    place_schedule_to_close_s: float = 300.0
+
+
+class DeploymentWorkflowState(Frozen):
+    """Everything the workflow knows; continue-as-new passes exactly this."""
+
+    keeper: KeeperState
+    config: KeeperConfig = Field(default_factory=KeeperConfig)
+    timings: WorkflowTimings = Field(default_factory=WorkflowTimings)
+    #: Shard specs of each placed replica (from place_replica), by replica id.
+    shards: dict[str, list[ShardSpec]] = Field(default_factory=dict)
+    #: What was last written to the store, so only changes are written.
+    written_status: DeploymentStatusUpdate | None = None
+    written_replicas: dict[str, str] = Field(default_factory=dict)
+    #: When false, no search attributes are upserted (the time-skipping test server
+    #: has none registered).
+    search_attributes: bool = True
+
+
+class DeploymentInput(Frozen):
+    """The workflow's input: a fresh spec, or the state carried by continue-as-new."""
+
+    state: DeploymentWorkflowState
+
+
+class DeploymentView(Frozen):
+    """What the `status` query answers."""
+
+    status: DeploymentStatus
+    keeper: KeeperState
+
+
+class NodesChangedInput(Frozen):
+    """Signal payload of `nodes_changed` (none needed yet; a model keeps it extensible)."""
+
+    reason: str = ""
+
+
+@workflow.defn(name="DeploymentWorkflow")
+class DeploymentWorkflow:
+    """Keeps one deployment's replicas placed, started and watched until it is deleted."""
+
+    def __init__(self) -> None:
+        self._inbox: list[Observation] = []
+        self._state: DeploymentWorkflowState | None = None
+        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._busy: set[str] = set()  # replicas with a place/start/stop in flight
+        self._settled = False  # set when busy work ends, to re-check finish/continue
+
+    # -- signals, updates, queries -------------------------------------------------------
+
+    @workflow.signal(name=SIGNAL_NODES_CHANGED)
+    def nodes_changed(self, _: NodesChangedInput | None = None) -> None:
+        """Nodes joined, reported memory, freed memory or were uncordoned."""
+        self._inbox.append(NodesChanged())
+
+    @workflow.signal(name=SIGNAL_RETRY)
+    def retry(self) -> None:
+        """Un-park (POST /deployments/{id}/retry)."""
+        self._inbox.append(Retry())
+
+    @workflow.signal(name=SIGNAL_DELETE)
+    def delete(self) -> None:
+        """Stop every replica this deployment placed, then end."""
+        self._inbox.append(Delete())
+
+    @workflow.update(name=UPDATE_SCALE)
+    async def scale(self, request: ScaleRequest) -> int:
+        """Change the replica count; returns the new desired count."""
+        self._inbox.append(Scale(replicas=request.replicas))
+        return request.replicas
+
+    @scale.validator
+    def _validate_scale(self, request: ScaleRequest) -> None:
+        if self._state is not None and self._state.keeper.deleting:
+            raise ApplicationError("deployment is being deleted; it cannot be scaled",
+                                   type="Deleting")
+
+    @workflow.query(name=QUERY_STATUS)
+    def status(self) -> DeploymentView:
+        """The keeper's state and the status it implies."""
+        assert self._state is not None
+        return DeploymentView(status=status(self._state.keeper), keeper=self._state.keeper)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    @workflow.run
+    async def run(self, request: DeploymentInput) -> None:
+        """Loop: decide, act, write what changed, wait for the next observation or timer."""
+        self._state = request.state
+        for action in resume(self._state.keeper):
+            self._launch(action)
+        self._inbox.append(Tick())
+        while True:
+            await self._drain_inbox()
+            await self._write_changes()
+            state = self._state
+            if state.keeper.finished and not self._busy:
+                return
+            if workflow.info().is_continue_as_new_suggested() and not self._busy:
+                await self._continue_as_new()
+            wake = next_wake(state.keeper, state.config)
+            timeout = None
+            if wake is not None:
+                timeout = max((wake - workflow.now()).total_seconds(), 0.001)
+            try:
+                await workflow.wait_condition(lambda: bool(self._inbox) or self._settled,
+                                              timeout=timeout)
+            except builtins.TimeoutError:
+                self._inbox.append(Tick())
+            # Cleared only after waking: a task may end while we write to the store, and
+            # clearing before the wait would lose that wake-up.
+            self._settled = False
+
+    async def _drain_inbox(self) -> None:
+        assert self._state is not None
+        while self._inbox:
+            observation = self._inbox.pop(0)
+            keeper, actions = decide(self._state.keeper, observation, workflow.now(),
+                                     self._state.config, workflow.random().random())
+            self._state = self._state.model_copy(update={"keeper": keeper})
+            for action in actions:
+                self._launch(action)
+
+    async def _continue_as_new(self) -> None:
+        assert self._state is not None
+        # Watches and probes are re-opened by resume() in the next run.
+        for tasks in self._tasks.values():
+            for task in tasks:
+                task.cancel()
+        workflow.continue_as_new(DeploymentInput(state=self._state))
+
+    # -- writing to the store ------------------------------------------------------------
+
+    async def _write_changes(self) -> None:
+        assert self._state is not None
+        keeper = self._state.keeper
+        written = dict(self._state.written_replicas)
+        for replica in keeper.replicas:
+            stored = stored_state(replica.phase)
+            if stored is None or written.get(replica.replica_id) == stored.value:
+                continue
+            await workflow.execute_activity(
+                "record_replica_state",
+                ReplicaStateUpdate(replica_id=replica.replica_id, state=stored,
+                                   endpoint=replica.endpoint),
+                task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=timedelta(seconds=30),
+                retry_policy=STORE_RETRY)
+            written[replica.replica_id] = stored.value
+        live = {r.replica_id for r in keeper.replicas}
+        written = {k: v for k, v in written.items() if k in live}
+        current = DeploymentStatusUpdate(
+            deployment_id=keeper.spec.deployment_id, status=status(keeper),
+            placement_error=keeper.placement_error,
+            consecutive_failures=keeper.consecutive_failures,
+            last_failure=keeper.last_failure, desired_replicas=keeper.spec.replicas)
+        previous = self._state.written_status
+        if current != previous and not keeper.finished:
+            await workflow.execute_activity(
+                "record_deployment_status", current, task_queue=CONTROL_TASK_QUEUE,
+                start_to_close_timeout=timedelta(seconds=30), retry_policy=STORE_RETRY)
+            if self._state.search_attributes and (
+                    previous is None or previous.status != current.status):
+                workflow.upsert_search_attributes([STATUS_KEY.value_set(current.status.value)])
+            previous = current
+        self._state = self._state.model_copy(update={"written_replicas": written,
+                                                     "written_status": previous})
+
+    # -- carrying out actions ------------------------------------------------------------
+
+    def _launch(self, action: Action) -> None:
+        if isinstance(action, PlaceReplica):
+            self._spawn(action.replica_id, self._place(action.replica_id), busy=True)
+        elif isinstance(action, StartReplica):
+            self._spawn(action.replica_id, self._start(action.replica_id), busy=True)
+        elif isinstance(action, WatchReplica):
+            self._spawn(action.replica_id, self._watch(action.replica_id))
+        elif isinstance(action, ProbeReplica):
+            self._spawn(action.replica_id, self._probe(action.replica_id))
+        elif isinstance(action, StopReplica):
+            # Whatever runs for this replica (a start, a watch) is superseded by the stop.
+            for task in self._tasks.pop(action.replica_id, []):
+                task.cancel()
+            self._spawn(action.replica_id, self._stop(action.replica_id), busy=True)
+        elif isinstance(action, Finish):
+            self._spawn("__finish__", self._finish(), busy=True)
+
+    def _spawn(self, key: str, coro: Any, *, busy: bool = False) -> None:
+        task: asyncio.Task[None] = asyncio.create_task(coro)
+        self._tasks.setdefault(key, []).append(task)
+        if busy:
+            self._busy.add(key)
+
+        def done(t: asyncio.Task[None]) -> None:
+            tasks = self._tasks.get(key, [])
+            if t in tasks:
+                tasks.remove(t)
+            if busy and not any(not x.done() for x in tasks if x is not t):
+                self._busy.discard(key)
+                self._settled = True
+
+        task.add_done_callback(done)
+
+    def _replica_nodes(self, replica_id: str) -> list[ShardSpec]:
+        assert self._state is not None
+        return self._state.shards.get(replica_id, [])
+
+    async def _place(self, replica_id: ReplicaId) -> None:
+        assert self._state is not None
+        try:
+            result: PlaceReplicaResult = await workflow.execute_activity(
+                "place_replica",
+                PlaceReplicaInput(spec=self._state.keeper.spec, replica_id=replica_id,
+                                  start_timeout_s=self._state.timings.start_timeout_s),
+                result_type=PlaceReplicaResult, task_queue=CONTROL_TASK_QUEUE,
+                start_to_close_timeout=timedelta(seconds=30),
+                schedule_to_close_timeout=timedelta(
+                    seconds=self._state.timings.place_schedule_to_close_s),
+                retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1),
+                                         backoff_coefficient=1.0,
+                                         non_retryable_error_types=["UnknownModel"]))
+        except ActivityError as exc:
+            self._inbox.append(PlacementCrashed(replica_id=replica_id, error=_describe(exc)))
+            return
+        if result.cant_place is not None:
+            self._inbox.append(CantPlace(replica_id=replica_id, reason=result.cant_place))
+            return
+        shards = dict(self._state.shards)
+        shards[replica_id] = result.shards
+        self._state = self._state.model_copy(update={"shards": shards})
+        self._inbox.append(Placed(replica_id=replica_id,
+                                  nodes=[s.node_id for s in result.shards]))
+
+    async def _start(self, replica_id: ReplicaId) -> None:
+        assert self._state is not None
+        timings = self._state.timings
+        specs = self._replica_nodes(replica_id)
+        # Workers before rank 0 would matter for engines whose ranks rendezvous; all
+        # start together here and rank 0 is the endpoint.
+        tasks = [asyncio.create_task(workflow.execute_activity(
+            "start_shard", StartShardInput(spec=spec), result_type=ShardEndpoint,
+            task_queue=node_task_queue(spec.node_id),
+            schedule_to_start_timeout=timedelta(seconds=timings.node_schedule_to_start_s),
+            start_to_close_timeout=timedelta(seconds=spec.start_timeout_s + 30),
+            heartbeat_timeout=timedelta(seconds=10), retry_policy=ONCE)) for spec in specs]
+        try:
+            endpoints: list[ShardEndpoint] = []
+            for task in tasks:
+                endpoints.append(await task)
+        except ActivityError as exc:
+            _cancel_all(tasks)
+            self._inbox.append(StartFailed(replica_id=replica_id, error=_describe(exc)))
+            return
+        except asyncio.CancelledError:
+            _cancel_all(tasks)
+            raise
+        rank0 = next(e for e in endpoints if e.rank == 0)
+        self._inbox.append(Started(replica_id=replica_id, endpoint=rank0.url or ""))
+
+    async def _watch(self, replica_id: ReplicaId) -> None:
+        assert self._state is not None
+        timings = self._state.timings
+        tasks = [asyncio.create_task(workflow.execute_activity(
+            "watch_shard", WatchShardInput(replica_id=replica_id), result_type=ShardExit,
+            task_queue=node_task_queue(spec.node_id),
+            schedule_to_start_timeout=timedelta(seconds=timings.node_schedule_to_start_s),
+            start_to_close_timeout=timedelta(days=3650),
+            heartbeat_timeout=timedelta(seconds=timings.watch_heartbeat_timeout_s),
+            retry_policy=ONCE)) for spec in self._replica_nodes(replica_id)]
+        if not tasks:
+            return
+        try:
+            done, pending = await workflow.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            _cancel_all(tasks)
+            raise
+        _cancel_all(list(pending))
+        first = next(iter(done))
+        try:
+            ended = first.result()
+        except ActivityError:
+            # A missed heartbeat, a queue nobody polls, an agent shutting down: the node
+            # went quiet. Not lost yet: the keeper probes before giving up on it.
+            self._inbox.append(Silent(replica_id=replica_id))
+            return
+        self._inbox.append(Exited(replica_id=replica_id,
+                                  detail=f"{ended.kind.value}: {ended.detail}"))
+
+    async def _probe(self, replica_id: ReplicaId) -> None:
+        assert self._state is not None
+        timeout = timedelta(seconds=self._state.timings.probe_timeout_s)
+        running: bool | None = True
+        for spec in self._replica_nodes(replica_id):
+            try:
+                reports: list[ShardReport] = await workflow.execute_activity(
+                    "list_shards", result_type=list[ShardReport],
+                    task_queue=node_task_queue(spec.node_id),
+                    schedule_to_start_timeout=timeout, start_to_close_timeout=timeout,
+                    retry_policy=ONCE)
+            except ActivityError:
+                running = None
+                break
+            if not any(r.replica_id == replica_id for r in reports):
+                running = False
+                break
+        self._inbox.append(ProbeResult(replica_id=replica_id, running=running))
+
+    async def _stop(self, replica_id: ReplicaId) -> None:
+        assert self._state is not None
+        timings = self._state.timings
+        stops = [asyncio.create_task(workflow.execute_activity(
+            "stop_shard", StopShardInput(replica_id=replica_id, grace_s=timings.stop_grace_s),
+            result_type=ShardExit, task_queue=node_task_queue(spec.node_id),
+            schedule_to_start_timeout=timedelta(seconds=timings.node_schedule_to_start_s),
+            start_to_close_timeout=timedelta(seconds=timings.stop_grace_s + 30),
+            retry_policy=RetryPolicy(maximum_attempts=2)))
+            for spec in self._replica_nodes(replica_id)]
+        for task in stops:
+            # A node that is gone or silent cannot answer: its agent's orphan reaper stops
+            # the engine once nobody watches it. The claim is released either way.
+            with contextlib.suppress(ActivityError):
+                await task
+        await workflow.execute_activity(
+            "release_replica", ReleaseReplicaInput(replica_id=replica_id),
+            task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=STORE_RETRY)
+        shards = {k: v for k, v in self._state.shards.items() if k != replica_id}
+        self._state = self._state.model_copy(update={"shards": shards})
+        self._inbox.append(Stopped(replica_id=replica_id))
+
+    async def _finish(self) -> None:
+        assert self._state is not None
+        await workflow.execute_activity(
+            "delete_deployment",
+            DeleteDeploymentInput(deployment_id=self._state.keeper.spec.deployment_id),
+            task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=STORE_RETRY)
+
+
+def _cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel activity tasks whose outcome no longer matters, consuming their errors so
+    a cancelled activity is not reported as an exception nobody retrieved."""
+    for task in tasks:
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+def _describe(exc: ActivityError) -> str:
+    """The innermost message of an activity failure, for last_failure and events."""
+    cause = exc.cause
+    if isinstance(cause, TimeoutError):
+        kind = {TimeoutType.SCHEDULE_TO_START: "no agent picked it up in time",
+                TimeoutType.HEARTBEAT: "its node went silent",
+                TimeoutType.START_TO_CLOSE: "it took too long",
+                TimeoutType.SCHEDULE_TO_CLOSE: "it took too long"}.get(
+                    cause.type or TimeoutType.START_TO_CLOSE, "timeout")
+        return f"{exc.activity_type} timed out: {kind}"
+    if isinstance(cause, ApplicationError):
+        return cause.message
+    return str(cause or exc)
+
+
+def initial_state(spec: DeploymentSpec, config: KeeperConfig, timings: WorkflowTimings,
+                  *, search_attributes: bool = True) -> DeploymentWorkflowState:
+    """The state a new deployment's workflow starts from."""
+    return DeploymentWorkflowState(keeper=KeeperState(spec=spec), config=config,
+                                   timings=timings, search_attributes=search_attributes)
+
+
+__all__ = ["MODEL_ID_KEY", "STATUS_KEY", "DeploymentInput", "DeploymentWorkflow",
+           "DeploymentWorkflowState", "Phase", "WorkflowTimings", "initial_state"]
