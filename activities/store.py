@@ -14,13 +14,11 @@ from pydantic import Field
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
-from temporalio.service import RPCError
 
 from modelkeeper.catalog import DeploymentStatusUpdate, ReplicaStateUpdate
 from modelkeeper.domain import Event, Frozen, NewEvent
 from modelkeeper.ids import DeploymentId, ReplicaId
 from modelkeeper.keeper import DeploymentSpec
-from modelkeeper.names import SIGNAL_NODES_CHANGED, deployment_workflow_id
 from modelkeeper.nodes import NodeState
 from modelkeeper.placement import CantPlace, PlacementRequest
 from modelkeeper.settings import Settings
@@ -28,6 +26,7 @@ from modelkeeper.settling import SettlingWindow
 from modelkeeper.shards import ShardSpec
 from modelkeeper.status import DeploymentStatus
 from modelkeeper.store import Store
+from modelkeeper.temporal_client import signal_unplaceable
 
 log = logging.getLogger(__name__)
 
@@ -177,12 +176,8 @@ class StoreActivities:
     async def _signal_cant_place(self) -> None:
         if self._client is None:
             return
-        for deployment_id in await self._store.deployment_ids_with_status(
-                DeploymentStatus.CANT_PLACE):
-            handle = self._client.get_workflow_handle(
-                deployment_workflow_id(DeploymentId(deployment_id)))
-            with contextlib.suppress(RPCError):  # it may have just finished
-                await handle.signal(SIGNAL_NODES_CHANGED)
+        await signal_unplaceable(self._client, await self._store.deployment_ids_with_status(
+            DeploymentStatus.CANT_PLACE))
 
     def all(self) -> list[Callable[..., Any]]:
         """Every activity this class defines, for the worker to register."""

@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi import FastAPI, Header, HTTPException, Response
 from pydantic import BaseModel
 from temporalio.api.enums.v1 import TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
@@ -29,7 +29,12 @@ from modelkeeper.nodes import (
     node_state,
 )
 from modelkeeper.settings import Settings
+from modelkeeper.status import DeploymentStatus
 from modelkeeper.store import Store
+from modelkeeper.temporal_client import signal_unplaceable
+
+from .deployments import add_deployment_routes
+from .deps import StoreDep, TemporalDep
 
 
 class NodeInfo(BaseModel):
@@ -120,12 +125,15 @@ def create_app(settings: Settings) -> FastAPI:
                                      "(Authorization: Bearer <MODELKEEPER_JOIN_TOKEN>)")
 
     @app.post("/nodes/register", response_model=AgentWelcome)
-    async def register_node(reg: AgentRegistration, store: StoreDep,
+    async def register_node(reg: AgentRegistration, store: StoreDep, temporal: TemporalDep,
                             authorization: Annotated[str | None, Header()] = None,
                             ) -> AgentWelcome:
         """An agent (re)registers; the answer says where its worker must poll."""
         check_join_token(authorization)
         await store.register_node(reg)
+        # A node joining is exactly when an unplaceable deployment may now fit.
+        await signal_unplaceable(temporal, await store.deployment_ids_with_status(
+            DeploymentStatus.CANT_PLACE))
         return AgentWelcome(
             node_id=reg.node_id,
             temporal_address=settings.agent_temporal_address or settings.temporal_address,
@@ -135,12 +143,19 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.post("/nodes/{node_id}/heartbeat", status_code=204)
     async def heartbeat_node(node_id: str, beat: AgentHeartbeat, store: StoreDep,
+                             temporal: TemporalDep,
                              authorization: Annotated[str | None, Header()] = None,
                              ) -> Response:
         """An agent's periodic report; 404 tells it to register again."""
         check_join_token(authorization)
-        if not await store.heartbeat_node(node_id, beat.inventory):
+        changed = await store.heartbeat_node(node_id, beat.inventory,
+                                             settings.node_unreachable_after_s)
+        if changed is None:
             raise HTTPException(404, f"node {node_id!r} is not registered")
+        if changed:
+            # Memory reported (nodes join in pieces), or the node is back: retry now.
+            await signal_unplaceable(temporal, await store.deployment_ids_with_status(
+                DeploymentStatus.CANT_PLACE))
         return Response(status_code=204)
 
     @app.get("/nodes", response_model=list[NodeInfo])
@@ -157,11 +172,15 @@ def create_app(settings: Settings) -> FastAPI:
         return node_info(record)
 
     @app.patch("/nodes/{node_id}", response_model=NodeInfo)
-    async def update_node(node_id: str, update: NodeUpdate, store: StoreDep) -> NodeInfo:
+    async def update_node(node_id: str, update: NodeUpdate, store: StoreDep,
+                          temporal: TemporalDep) -> NodeInfo:
         """Operator settings: labels and cordon. They outrank the agent's own."""
         record = await store.update_node(node_id, update)
         if record is None:
             raise HTTPException(404, f"node {node_id!r} is not registered")
+        if update.cordoned is False or update.labels is not None:
+            await signal_unplaceable(temporal, await store.deployment_ids_with_status(
+                DeploymentStatus.CANT_PLACE))
         return node_info(record)
 
     @app.get("/events", response_model=list[Event])
@@ -170,21 +189,8 @@ def create_app(settings: Settings) -> FastAPI:
         """The audit log, newest ``limit`` entries, oldest first."""
         return await store.list_events(deployment_id=deployment_id, limit=limit)
 
+    add_deployment_routes(app, settings)
     return app
-
-
-def _store(request: Request) -> Store:
-    store: Store = request.app.state.store
-    return store
-
-
-def _temporal(request: Request) -> Client:
-    client: Client = request.app.state.temporal
-    return client
-
-
-StoreDep = Annotated[Store, Depends(_store)]
-TemporalDep = Annotated[Client, Depends(_temporal)]
 
 
 async def _control_pollers(client: Client, namespace: str) -> int:

@@ -7,6 +7,7 @@ workers' values, so a scrape of any worker sees the whole gateway.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from prometheus_client import (
@@ -83,10 +84,8 @@ class GatewayMetrics:
         """Drop a replica's series once it has left the routing table."""
         for gauge, labels in ((self.in_flight, (model, replica)),
                               (self.breaker_state, (replica,))):
-            try:
+            with contextlib.suppress(KeyError):  # it never had a value
                 gauge.remove(*labels)
-            except KeyError:
-                pass  # never had a value
 
     def render(self) -> bytes:
         """The text exposition of every metric."""
@@ -94,5 +93,5 @@ class GatewayMetrics:
         if directory is None:
             return generate_latest(self.registry)
         registry = CollectorRegistry()
-        MultiProcessCollector(registry, path=directory)
+        MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
         return generate_latest(registry)

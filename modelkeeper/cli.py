@@ -67,6 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--llama-server", dest="llama_server_path", type=Path,
                        help="native llama-server binary to use instead of xllamacpp")
 
+    gateway = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
+    _add_common(gateway, ["gateway_port"])
+    gateway.add_argument("--workers", dest="gateway_workers", type=int,
+                         help="overrides MODELKEEPER_GATEWAY_WORKERS")
+    gateway.add_argument("--no-auth", dest="gateway_auth", action="store_const", const=False,
+                         help="serve without client API keys (local use only; warns)")
+
+    keys = sub.add_parser("keys", help="create, list and revoke the gateway's client API keys")
+    _add_common(keys, ["postgres_port"])
+    keys_sub = keys.add_subparsers(dest="keys_action", required=True, metavar="ACTION")
+    create = keys_sub.add_parser("create", help="create a key and print it (shown once)")
+    create.add_argument("keys_argument", metavar="NAME", help="who or what the key is for")
+    keys_sub.add_parser("ls", help="list keys (prefixes and names, never the keys)")
+    revoke = keys_sub.add_parser("revoke", help="revoke a key")
+    revoke.add_argument("keys_argument", metavar="ID_OR_PREFIX")
+
     sub.add_parser("config-doc", help="print the configuration table (markdown)")
     return parser
 
@@ -164,6 +180,23 @@ def _cmd_agent(settings: Settings) -> int:
     return 0
 
 
+def _cmd_gateway(settings: Settings) -> int:
+    from gateway.server import GatewayConfigError, run_gateway
+
+    _configure_logging(settings)
+    try:
+        return run_gateway(settings)
+    except GatewayConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _cmd_keys(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.keys_cli import run_keys_command
+
+    return run_keys_command(settings, args.keys_action, getattr(args, "keys_argument", None),
+                            out=print)
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Entry point of the `modelkeeper` console script."""
     args = build_parser().parse_args(argv)
@@ -175,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             settings = load_settings(args)
             commands: dict[str, Callable[[Settings], int]] = {
                 "up": _cmd_up, "worker": _cmd_worker, "api": _cmd_api,
-                "agent": _cmd_agent,
+                "agent": _cmd_agent, "gateway": _cmd_gateway,
+                "keys": lambda s: _cmd_keys(s, args),
             }
             code = commands[args.command](settings)
     except UsageError as exc:

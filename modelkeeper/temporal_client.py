@@ -30,3 +30,20 @@ async def connect(settings: Settings, *, wait: float = 0.0) -> Client:
             if time.monotonic() >= deadline:
                 raise
             await asyncio.sleep(0.2)
+
+
+async def signal_unplaceable(client: Client, deployment_ids: list[str]) -> int:
+    """Tell waiting (cant_place) deployments that the nodes changed, so they retry now
+    rather than at their next 30 s timer. Returns how many were signalled."""
+    from .ids import DeploymentId
+    from .names import SIGNAL_NODES_CHANGED, deployment_workflow_id
+
+    sent = 0
+    for deployment_id in deployment_ids:
+        handle = client.get_workflow_handle(deployment_workflow_id(DeploymentId(deployment_id)))
+        try:
+            await handle.signal(SIGNAL_NODES_CHANGED)
+            sent += 1
+        except RPCError:
+            continue  # it finished meanwhile (deleted): nothing to retry
+    return sent

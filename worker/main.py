@@ -25,7 +25,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
     store = await Store.connect(settings.database_url)
     try:
         client = await temporal_client.connect(settings, wait=30)
-        store_activities = StoreActivities(store)
+        store_activities = StoreActivities(store, settings, client)
+        await store_activities.start_settling_sampler()
         with ThreadPoolExecutor(max_workers=4) as executor:
             worker = Worker(
                 client,
@@ -34,8 +35,12 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
                 activities=store_activities.all(),
                 activity_executor=executor,
             )
-            async with worker:
-                log.info("worker polling %s on %s", CONTROL_TASK_QUEUE, settings.temporal_address)
-                await stop.wait()
+            try:
+                async with worker:
+                    log.info("worker polling %s on %s", CONTROL_TASK_QUEUE,
+                             settings.temporal_address)
+                    await stop.wait()
+            finally:
+                await store_activities.stop_settling_sampler()
     finally:
         await store.close()

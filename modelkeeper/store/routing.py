@@ -15,11 +15,13 @@ import secrets
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Self
 
 import asyncpg
 
 from ..names import DEPLOYMENTS_CHANNEL, REPLICAS_CHANNEL
 from ..status import ROUTABLE_STATES
+from .store import Store
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +133,28 @@ def _route(row: asyncpg.Record) -> DeploymentRoute:
 class RoutingStore:
     """The gateway's queries over an asyncpg pool (which the caller owns and closes)."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, *, owns_pool: bool = False) -> None:
         self._pool = pool
+        self._owns_pool = owns_pool
         self._routable = sorted(ROUTABLE_STATES)
+
+    @classmethod
+    async def connect(cls, dsn: str, *, max_size: int = 3, migrate: bool = True) -> Self:
+        """Open a small pool of its own and, unless told not to, apply pending migrations
+        (every component does at start; see :meth:`Store.migrate`)."""
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=max_size)
+        try:
+            if migrate:
+                await Store(pool).migrate()
+        except BaseException:
+            await pool.close()
+            raise
+        return cls(pool, owns_pool=True)
+
+    async def close(self) -> None:
+        """Close the pool if :meth:`connect` opened it."""
+        if self._owns_pool:
+            await self._pool.close()
 
     # -- routes ----------------------------------------------------------------------------
 

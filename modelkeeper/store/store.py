@@ -229,18 +229,29 @@ class Store:
         assert node is not None
         return node
 
-    async def heartbeat_node(self, node_id: str, inv: Inventory) -> bool:
-        """Record a heartbeat; False when the node is unknown (the agent must register)."""
-        row = await self._pool.fetchval(
+    async def heartbeat_node(self, node_id: str, inv: Inventory,
+                             unreachable_after_s: float) -> bool | None:
+        """Record a heartbeat. None: the node is unknown (the agent must register).
+        True: something placement uses changed (capacity, or the node is back after
+        going silent), so waiting deployments should retry now."""
+        row = await self._pool.fetchrow(
             """
+            WITH prev AS (
+                SELECT memory_total_bytes, cpu_count, gpus, last_seen FROM nodes
+                WHERE node_id = $1 FOR UPDATE
+            )
             UPDATE nodes SET memory_total_bytes = $2, memory_available_bytes = $3,
                              cpu_count = $4, gpus = $5, last_seen = now()
-            WHERE node_id = $1 RETURNING node_id
+            FROM prev WHERE nodes.node_id = $1
+            RETURNING prev.memory_total_bytes IS DISTINCT FROM $2
+                   OR prev.cpu_count IS DISTINCT FROM $4
+                   OR prev.gpus IS DISTINCT FROM $5::jsonb
+                   OR prev.last_seen < now() - make_interval(secs => $6) AS changed
             """,
             node_id, inv.memory_total_bytes, inv.memory_available_bytes, inv.cpu_count,
-            [g.model_dump() for g in inv.gpus],
+            [g.model_dump() for g in inv.gpus], unreachable_after_s,
         )
-        return row is not None
+        return None if row is None else bool(row["changed"])
 
     async def update_node(self, node_id: str, update: NodeUpdate) -> NodeRecord | None:
         """Apply operator settings; None when the node is unknown."""

@@ -139,7 +139,7 @@ EMBED = Model("embed", 2)
 GIANT = Model("giant", 400, min_nodes=2)  # 200 GiB a shard on 64 GiB nodes: never fits
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", range(1, 6))
 def test_four_hours_of_replica_and_node_loss(seed: int) -> None:
     hours = 4
     chaos_s = hours * 3600.0
@@ -151,8 +151,8 @@ def test_four_hours_of_replica_and_node_loss(seed: int) -> None:
     embed = sim.deploy(EMBED, 3)
     giant = sim.deploy(GIANT, 1)
 
-    every(sim, 120.0, chaos_s, lambda: kill_an_engine(sim))
-    every(sim, 240.0, chaos_s, lambda: lose_a_node(sim, max_down=3))
+    every(sim, 60.0, chaos_s, lambda: kill_an_engine(sim))
+    every(sim, 120.0, chaos_s, lambda: lose_a_node(sim, max_down=3))
 
     def rescale() -> None:
         dep_id = sim.rng.choice([chat, embed])
@@ -198,7 +198,7 @@ def operator(sim: Sim) -> None:
     rng = sim.rng
     active = sorted(d for d, dep in sim.deps.items() if not dep.state.deleting)
     roll = rng.random()
-    if roll < 0.45:
+    if roll < 0.5:
         model = rng.choice(CATALOG)
         replicas = rng.randint(1, 3)
         while replicas and demand(sim, model.memory_gib * replicas) > BUDGET_GIB:
@@ -208,7 +208,7 @@ def operator(sim: Sim) -> None:
             if rng.random() < 0.2:  # deleted again while its first placement is out
                 sim.at(sim.now + timedelta(seconds=rng.uniform(0.0, 15.0)),
                        sim.delete, dep_id)
-    elif roll < 0.8 and active:
+    elif roll < 0.8 and len(active) > 2:  # a few stay to be checked once settled
         sim.delete(rng.choice(active))
     elif active:
         dep_id = rng.choice(active)
@@ -224,9 +224,9 @@ def test_deployments_come_and_go_while_observations_lag(seed: int) -> None:
     chaos_s = 2 * 3600.0
     sim = Sim(random.Random(1000 + seed), FIVE_NODES,
               knobs=Knobs(lag_s=(0.0, 10.0), placement_crash_p=0.02, start_fail_p=0.1))
-    every(sim, 90.0, chaos_s, lambda: operator(sim))
-    every(sim, 300.0, chaos_s, lambda: kill_an_engine(sim))
-    every(sim, 900.0, chaos_s, lambda: lose_a_node(sim, max_down=2))
+    every(sim, 45.0, chaos_s, lambda: operator(sim))
+    every(sim, 120.0, chaos_s, lambda: kill_an_engine(sim))
+    every(sim, 600.0, chaos_s, lambda: lose_a_node(sim, max_down=2))
     sim.run_until(T0 + timedelta(seconds=chaos_s))
     stop_faults_and_settle(sim)
     sim.check_settled(fits=lambda dep: True)
@@ -237,29 +237,36 @@ def test_deployments_come_and_go_while_observations_lag(seed: int) -> None:
 # -- properties of decide over random observations ------------------------------------------
 
 CONFIG = KeeperConfig(park_after=3)
-KNOWN = [f"d-r{i}" for i in range(1, 8)]
-GARBAGE = ["", "x", "d-r", "d-rfoo", "other-r1", "d-r999", "d-r-1"]
-rids = st.sampled_from(KNOWN + GARBAGE).map(ReplicaId)
+#: Ids that are not (or no longer) any replica's: garbage, foreign, far future, reused.
+GARBAGE = ["", "x", "d-r", "d-rfoo", "other-r1", "d-r999", "d-r-1", "d-r0"]
 node_lists = st.lists(st.sampled_from(["a", "b", "c"]).map(NodeId), min_size=1, max_size=3,
                       unique=True)
-observations: st.SearchStrategy[Observation] = st.one_of(
-    st.just(Tick()),
-    st.builds(Placed, replica_id=rids, nodes=node_lists),
-    st.builds(CantPlace, replica_id=rids, reason=st.sampled_from(["full", "cordoned"])),
-    st.builds(PlacementCrashed, replica_id=rids, error=st.just("db down")),
-    st.builds(Started, replica_id=rids, endpoint=st.just("http://e")),
-    st.builds(StartFailed, replica_id=rids, error=st.just("exit 1")),
-    st.builds(Exited, replica_id=rids, detail=st.just("SIGKILL")),
-    st.builds(Silent, replica_id=rids),
-    st.builds(ProbeResult, replica_id=rids, running=st.sampled_from([True, False, None])),
-    st.builds(Stopped, replica_id=rids),
-    st.just(NodesChanged()),
-    st.builds(Scale, replicas=st.integers(0, 4)),
-    st.just(Retry()),
-    st.just(Delete()),
-)
-steps = st.lists(st.tuples(observations, st.floats(0.0, 40.0), st.floats(0.0, 0.999)),
-                 max_size=60)
+
+
+def about(rid: ReplicaId, stopped: bool = True) -> st.SearchStrategy[Observation]:
+    """Any result that may arrive for ``rid``, fitting its phase or not. ``Stopped`` only
+    where a stop was asked for (or the replica is gone): the workflow sends it for nothing
+    else (see the xfail below for what a stray one would do)."""
+    results = [
+        st.builds(Placed, replica_id=st.just(rid), nodes=node_lists),
+        st.builds(CantPlace, replica_id=st.just(rid),
+                  reason=st.sampled_from(["full", "cordoned"])),
+        st.just(PlacementCrashed(replica_id=rid, error="db down")),
+        st.just(Started(replica_id=rid, endpoint="http://e")),
+        st.just(StartFailed(replica_id=rid, error="exit 1")),
+        st.just(Exited(replica_id=rid, detail="SIGKILL")),
+        st.just(Silent(replica_id=rid)),
+        st.builds(ProbeResult, replica_id=st.just(rid),
+                  running=st.sampled_from([True, False, None])),
+    ]
+    if stopped:
+        results.append(st.just(Stopped(replica_id=rid)))
+    return st.one_of(results)
+
+
+deployment_obs: st.SearchStrategy[Observation] = st.one_of(
+    st.just(Tick()), st.just(NodesChanged()), st.builds(Scale, replicas=st.integers(0, 4)),
+    st.just(Retry()), st.just(Delete()))
 
 
 def spec(replicas: int) -> DeploymentSpec:
@@ -267,28 +274,48 @@ def spec(replicas: int) -> DeploymentSpec:
                           replicas=replicas)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(replicas=st.integers(0, 4), script=steps, peek=st.floats(0.0, 120.0))
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(replicas=st.integers(0, 4), n_steps=st.integers(1, 80), data=st.data())
 def test_random_observations_keep_the_invariants(
-        replicas: int, script: list[tuple[Observation, float, float]], peek: float) -> None:
+        replicas: int, n_steps: int, data: st.DataObject) -> None:
     """Whatever arrives, in whatever order: decide never crashes, every state keeps the
     invariants (at most one placing, no duplicate ids, live <= spec but for one placement
     already out, finished only when empty and deleted), every action matches the state it
-    leaves, unknown ids change nothing, and next_wake announces everything that comes due."""
+    leaves, unknown ids change nothing, and next_wake announces everything that comes due.
+
+    Most results are aimed at replicas the keeper has (so deep states are reached); the
+    rest at replicas it had (late results) or never had (garbage)."""
     state = KeeperState(spec=spec(replicas))
     now = T0
     finishes = 0
-    for i, (obs, dt, jitter) in enumerate(script):
-        now += timedelta(seconds=dt)
+    seen: list[ReplicaId] = []
+    for i in range(n_steps):
+        mine = [r.replica_id for r in state.replicas]
+        target = data.draw(st.sampled_from(["mine", "mine", "mine", "gone", "garbage", "dep"]))
+        if target == "mine" and mine:
+            replica = data.draw(st.sampled_from(state.replicas))
+            obs = data.draw(about(replica.replica_id, replica.phase is Phase.STOPPING))
+        elif target == "gone" and set(seen) - set(mine):
+            gone = [x for x in seen if x not in mine]
+            obs = data.draw(about(data.draw(st.sampled_from(gone))))
+        elif target == "garbage":
+            obs = data.draw(about(ReplicaId(data.draw(st.sampled_from(GARBAGE)))))
+        else:
+            obs = data.draw(deployment_obs)
+        now += timedelta(seconds=data.draw(st.sampled_from([0.0, 0.5, 2.0, 10.0, 15.0, 31.0,
+                                                             100.0])))
+        jitter = data.draw(st.floats(0.0, 0.999))
         where = f"step {i} {obs!r}"
         after, actions = decide(state, obs, now, CONFIG, jitter)
         check_step(state, obs, after, actions, where)
         rid = getattr(obs, "replica_id", None)
-        if rid is not None and rid not in {r.replica_id for r in state.replicas}:
-            # Never ours (or already gone): exactly as if time had merely passed.
+        if rid is not None and rid not in mine:
+            # Never ours, or already gone: exactly as if time had merely passed.
             assert (after, actions) == decide(state, Tick(), now, CONFIG, jitter), where
         finishes += sum(1 for a in actions if a.kind == "finish")
+        seen += [r.replica_id for r in after.replicas if r.replica_id not in seen]
         state = after
+        peek = data.draw(st.sampled_from([0.0, 1.0, 9.0, 14.9, 15.0, 29.0, 61.0]))
         check_wake(state, CONFIG, now + timedelta(seconds=peek), where)
         check_wake(state, CONFIG, now + timedelta(days=1), where)
     assert finishes <= 1
@@ -397,6 +424,17 @@ def test_node_change_with_a_cant_place_reason_does_not_skip_a_failure_backoff() 
                        (3, NodesChanged())], replicas=2)
     assert state.consecutive_failures == 1
     assert acts[-1] == []  # the 10 s backoff from t=2 is not over
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "keeper robustness gap: Stopped is the one replica result decide applies in any "
+    "phase; a stray Stopped for a PLACING or READY replica makes the keeper forget it, "
+    "and the claim made by its placement (or its running engine) leaks. The workflow "
+    "only sends Stopped after a StopReplica, so this is unreachable today"))
+def test_a_stopped_for_a_replica_that_was_not_stopping_changes_nothing() -> None:
+    state, _ = run([(0, Tick())])
+    after, actions = decide(state, Stopped(replica_id=r(1)), T0, KeeperConfig())
+    assert after == state and actions == []
 
 
 def test_status_is_cant_place_for_the_replica_that_does_not_fit() -> None:

@@ -1,0 +1,646 @@
+"""The gateway as a raw ASGI application.
+
+No web framework: a framework's routing, request objects and middleware cost more per
+request than everything the gateway itself does, and the gateway has five routes. The
+upstream client is aiohttp, whose connection pool stays cheap under concurrency (httpx's
+did not: see bench/results/gateway.md for the measured choice).
+
+Per request, on the hot path: check the key (one SHA-256 and a dict lookup), parse the
+body to find the model, pick the ready replica with the fewest requests open, send the
+body unchanged with the replica's own engine key, and pass the answer back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import aiohttp
+import asyncpg
+
+from agent.keys import derive_engine_key
+from modelkeeper.settings import Settings
+from modelkeeper.store.routing import (
+    API_KEYS_CHANNEL,
+    GATEWAY_CHANNELS,
+    ChangeListener,
+    DeploymentRoute,
+    ReplicaRoute,
+    RoutingStore,
+)
+
+from . import responses
+from .breaker import Breaker, BreakerState
+from .metrics import CONTENT_TYPE, UNKNOWN_MODEL, GatewayMetrics
+from .responses import JSON_HEADERS, ErrorReply, Headers
+from .table import Endpoint, ModelRoute, RoutingTable, TableChange
+from .usage import UsageReporter
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+#: Largest request body accepted (prompts with long contexts are large, but not this).
+MAX_BODY_BYTES = 32 * 1024 * 1024
+COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+#: HTTP status the gateway records for a request whose client went away (nginx's).
+CLIENT_CLOSED = 499
+#: Failures before the first byte that are safe to send to another replica: the engine
+#: never saw the request (refused), or dropped the connection before answering.
+RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
+             aiohttp.ClientOSError)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _error_kind(exc: BaseException) -> str:
+    """The ``kind`` label of an upstream error."""
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connect"
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
+        return "reset"
+    return "protocol"
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if isinstance(exc, aiohttp.ClientError) else f"{type(exc).__name__}: {text}"
+
+
+def _events_end(data: bytes) -> int:
+    """Where the last complete server-sent event in ``data`` ends; 0 when none does."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+class _Watch:
+    """Watches for the client going away while its request is being served.
+
+    After the body has been read, the server's ``receive`` answers only when the client
+    disconnects (or the response is complete): a task waiting on it cancels the request's
+    own task, which closes the upstream connection, so the engine stops generating for
+    nobody.
+    """
+
+    __slots__ = ("finished", "gone", "task", "watcher")
+
+    def __init__(self, receive: Receive) -> None:
+        self.finished = False
+        self.gone = False
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        message = await receive()
+        if message["type"] == "http.disconnect" and not self.finished:
+            self.gone = True
+            self.task.cancel()
+
+    def stop(self) -> None:
+        self.finished = True
+        self.watcher.cancel()
+
+
+class Gateway:
+    """The ASGI application, with its connections to the store and the engines."""
+
+    def __init__(self, settings: Settings, *, database_url: str, engine_key_secret: bytes,
+                 gateway_id: str) -> None:
+        if not engine_key_secret:
+            raise ValueError("the engine key secret must not be empty")
+        self.settings = settings
+        self.database_url = database_url
+        self.gateway_id = gateway_id
+        self._secret = engine_key_secret
+        self.metrics = GatewayMetrics()
+        self.table = RoutingTable(self._make_endpoint)
+        self._key_hashes: dict[str, str] = {}
+        self._auth = settings.gateway_auth
+        self.routes: RoutingStore | None = None
+        self.listener: ChangeListener | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._usage: UsageReporter | None = None
+        self._pending: set[str] = set()
+        self._keys_stale = False
+        self._wake_reloader = asyncio.Event()
+        self._reloader: asyncio.Task[None] | None = None
+        self._retries = settings.gateway_retries
+        self._wait_s = settings.gateway_wait_for_replica_s
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        """Connect to the store (applying pending migrations), load routes and keys, and
+        start listening for changes."""
+        if not self._auth:
+            for line in ("*" * 72,
+                         "CLIENT AUTHENTICATION IS OFF (MODELKEEPER_GATEWAY_AUTH=false).",
+                         "Anyone who can reach this port can use every model it serves.",
+                         "For local use only; create keys with `modelkeeper keys create`.",
+                         "*" * 72):
+                log.warning("%s", line)
+        self.routes = await RoutingStore.connect(self.database_url)
+        self.listener = ChangeListener(self.database_url, GATEWAY_CHANNELS, self._on_notify,
+                                       self._reload_everything)
+        await self.listener.start()
+        self._reloader = asyncio.create_task(self._reload_loop(), name="route-reloader")
+        timeout = aiohttp.ClientTimeout(total=None,
+                                        connect=self.settings.gateway_connect_timeout_s,
+                                        sock_read=self.settings.gateway_read_timeout_s)
+        self._session = aiohttp.ClientSession(
+            # No pool limit: the engines bound concurrency, and a gateway-side cap would
+            # queue requests invisibly instead of counting them as in flight.
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            timeout=timeout, auto_decompress=False,
+            # Nothing of the gateway's own: engines see the client's body, the engine key
+            # and a content type, no User-Agent or Accept-Encoding added on the way.
+            skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        self._usage = UsageReporter(self.routes, self.table, self.gateway_id,
+                                    self.settings.usage_flush_interval_s)
+        self._usage.start()
+        log.info("gateway %s ready: %d model(s), %d ready replica(s), auth %s",
+                 self.gateway_id, len(self.table.models), sum(1 for _ in self.table.endpoints()),
+                 "on" if self._auth else "OFF")
+
+    async def shutdown(self) -> None:
+        """Stop background work and close every connection."""
+        if self._usage is not None:
+            await self._usage.close()
+        if self._reloader is not None:
+            self._reloader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reloader
+        if self.listener is not None:
+            await self.listener.close()
+        if self._session is not None:
+            await self._session.close()
+        if self.routes is not None:
+            await self.routes.close()
+
+    # -- routes from the store -------------------------------------------------------------------
+
+    def _make_endpoint(self, replica: ReplicaRoute, route: DeploymentRoute) -> Endpoint:
+        key = derive_engine_key(self._secret, replica.replica_id)
+        breaker = Breaker(self.settings.gateway_breaker_failures,
+                          self.settings.gateway_breaker_open_s)
+        return Endpoint(replica.replica_id, replica.endpoint, route.deployment_id,
+                        route.model_id,
+                        {"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+                        breaker)
+
+    def _applied(self, change: TableChange) -> None:
+        for endpoint in change.added:
+            self.metrics.set_breaker(endpoint.replica_id, BreakerState.CLOSED)
+            log.info("routing %s to replica %s at %s", endpoint.model, endpoint.replica_id,
+                     endpoint.url)
+        for endpoint in change.removed:
+            self.metrics.forget_replica(endpoint.model, endpoint.replica_id)
+            log.info("replica %s of %s is out of routing", endpoint.replica_id, endpoint.model)
+
+    async def _reload_everything(self) -> None:
+        """Read every route and key (at start and after each reconnection of the listener,
+        since notifications sent while it was away are lost)."""
+        assert self.routes is not None
+        # Notifications that arrived before this full read are covered by it.
+        self._pending.clear()
+        self._keys_stale = False
+        routes = await self.routes.load_routes()
+        self._applied(self.table.replace_all(routes))
+        self._key_hashes = await self.routes.active_key_hashes()
+
+    def _on_notify(self, channel: str, payload: str) -> None:
+        if channel == API_KEYS_CHANNEL:
+            self._keys_stale = True
+        else:
+            self._pending.add(payload)
+        self._wake_reloader.set()
+
+    async def _reload_loop(self) -> None:
+        """Re-read each deployment named by a notification; a burst of notifications for
+        one deployment costs one query."""
+        assert self.routes is not None
+        while True:
+            await self._wake_reloader.wait()
+            self._wake_reloader.clear()
+            pending, self._pending = self._pending, set()
+            keys_stale, self._keys_stale = self._keys_stale, False
+            try:
+                if pending:
+                    found = await self.routes.load_routes_for(pending)
+                    for deployment_id in pending:
+                        route = found.get(deployment_id)
+                        if route is None:
+                            self._applied(self.table.remove(deployment_id))
+                        else:
+                            self._applied(self.table.apply(route))
+                if keys_stale:
+                    self._key_hashes = await self.routes.active_key_hashes()
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError,
+                    TimeoutError) as exc:
+                # Keep what we had and try again; the listener reloads everything anyway
+                # if its own connection was lost too.
+                log.warning("re-reading routes failed (%s); retrying", exc)
+                self._pending |= pending
+                self._keys_stale |= keys_stale
+                self._wake_reloader.set()
+                await asyncio.sleep(0.5)
+
+    # -- ASGI ------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """ASGI entry point."""
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError,
+                        TimeoutError, ValueError) as exc:
+                    log.error("gateway failed to start: %s", exc)
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
+        method = scope["method"]
+        if path in COMPLETION_PATHS:
+            if method != "POST":
+                await self._reply(send, ErrorReply(405, "use POST", "invalid_request_error",
+                                                   "method_not_allowed"))
+            elif not self._authorized(scope):
+                await self._unauthorized(send)
+            else:
+                await self._completion(path, receive, send)
+        elif path == "/v1/models":
+            if not self._authorized(scope):
+                await self._unauthorized(send)
+            else:
+                await self._send_json(send, 200, responses.dumps(self._models()))
+        elif path == "/metrics":
+            await self._send(send, 200, self.metrics.render(),
+                             [(b"content-type", CONTENT_TYPE.encode())])
+        elif path == "/healthz":
+            listening = self.listener is not None and self.listener.connected.is_set()
+            await self._send_json(send, 200 if listening else 503, responses.dumps(
+                {"status": "ok" if listening else "store unreachable",
+                 "models": len(self.table.models)}))
+        else:
+            await self._reply(send, ErrorReply(404, f"no route for {path}",
+                                               "invalid_request_error", "not_found"))
+
+    # -- auth ------------------------------------------------------------------------------
+
+    def _authorized(self, scope: Scope) -> bool:
+        if not self._auth:
+            return True
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() != b"bearer":
+                    return False
+                # Keys are 256-bit random strings, so a plain hash is a safe stored form
+                # and a dict of hashes is the whole check: one SHA-256, no database trip.
+                return hashlib.sha256(token.strip()).hexdigest() in self._key_hashes
+        return False
+
+    async def _unauthorized(self, send: Send) -> None:
+        self.metrics.requests.labels(UNKNOWN_MODEL, "401").inc()
+        await self._reply(send, responses.unauthorized(
+            "Missing or invalid API key: send `Authorization: Bearer <key>` with a key from "
+            "`modelkeeper keys create`."))
+
+    # -- /v1/models ------------------------------------------------------------------------
+
+    def _models(self) -> dict[str, Any]:
+        data = []
+        for model_id in sorted(self.table.models):
+            entry = self.table.models[model_id]
+            route = entry.route
+            data.append({
+                "id": model_id, "object": "model",
+                "created": int(route.created_at.timestamp()), "owned_by": "modelkeeper",
+                "status": route.status, "ready_replicas": len(entry.endpoints),
+                "desired_replicas": route.desired_replicas,
+            })
+        return {"object": "list", "data": data}
+
+    # -- completions -------------------------------------------------------------------------
+
+    async def _completion(self, path: str, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        try:
+            body = await self._read_body(receive)
+        except _TooLarge:
+            await self._reply(send, ErrorReply(413, f"body larger than {MAX_BODY_BYTES} bytes",
+                                               "invalid_request_error", "body_too_large"))
+            return
+        except _ClientGone:
+            return
+        try:
+            payload = json.loads(body)
+        except (UnicodeDecodeError, ValueError):
+            await self._finish_error(send, UNKNOWN_MODEL, started,
+                                     responses.bad_request("the body is not valid JSON"))
+            return
+        model = payload.get("model") if isinstance(payload, dict) else None
+        if not isinstance(model, str):
+            await self._finish_error(send, UNKNOWN_MODEL, started, responses.bad_request(
+                "`model` is required: the name of a deployed model", "model_required"))
+            return
+        entry = self.table.models.get(model)
+        if entry is None:
+            await self._finish_error(send, UNKNOWN_MODEL, started,
+                                     responses.unknown_model(model, self.table.models))
+            return
+        entry.last_request = time.time()
+        watch = _Watch(receive)
+        code = CLIENT_CLOSED
+        try:
+            code = await self._route(path, body, entry, send, started)
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+            # Our own watcher cancelled us: the client left. Not an error of ours.
+            task = asyncio.current_task()
+            assert task is not None
+            task.uncancel()
+        finally:
+            watch.stop()
+        self.metrics.requests.labels(model, str(code)).inc()
+        self.metrics.latency.labels(model).observe(time.perf_counter() - started)
+
+    async def _route(self, path: str, body: bytes, entry: ModelRoute, send: Send,
+                     started: float) -> int:
+        """Pick a replica (waiting for one if need be), send the request, retrying on
+        another replica when a connection fails before any byte came back. Returns the
+        HTTP status given to the client."""
+        model = entry.route.model_id
+        endpoint = entry.pick(time.monotonic())
+        if endpoint is None:
+            found = await self._wait_for_endpoint(model)
+            if isinstance(found, ErrorReply):
+                await self._reply(send, found)
+                return found.status
+            endpoint, entry = found
+        tried: list[Endpoint] = []
+        attempt = 0
+        upcoming: Endpoint | None = endpoint
+        while upcoming is not None:
+            endpoint, upcoming = upcoming, None
+            now = time.monotonic()
+            endpoint.breaker.begin(now)
+            endpoint.in_flight += 1
+            endpoint.requests += 1
+            self.metrics.in_flight.labels(model, endpoint.replica_id).inc()
+            verdict: bool | None = None
+            try:
+                try:
+                    response = await self._session_post(endpoint.url + path, body,
+                                                         endpoint.headers)
+                except RETRYABLE as exc:
+                    verdict = False
+                    self._upstream_error(endpoint, exc)
+                    tried.append(endpoint)
+                    if attempt < self._retries:
+                        # The engine never saw the request or dropped it unanswered: safe
+                        # to send elsewhere. Prefer a replica not tried yet.
+                        upcoming = entry.pick(now, tried) or entry.pick(now)
+                        if upcoming is not None:
+                            attempt += 1
+                            self.metrics.retries.labels(model).inc()
+                            continue
+                    reply = responses.upstream_failed(model, _describe(exc))
+                    await self._reply(send, reply)
+                    return reply.status
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    # Timed out or garbled before the first byte: the engine may be working
+                    # on it, so sending it again would double the load. Not retried.
+                    verdict = False
+                    self._upstream_error(endpoint, exc)
+                    status = 504 if isinstance(exc, TimeoutError) else 502
+                    reply = responses.upstream_failed(model, _describe(exc), status)
+                    await self._reply(send, reply)
+                    return reply.status
+                try:
+                    verdict, status = await self._relay(response, endpoint, send, started)
+                finally:
+                    response.close()
+                return status
+            finally:
+                self._finish_attempt(endpoint, verdict)
+        raise AssertionError("unreachable: every attempt returns or continues")
+
+    def _session_post(self, url: str, body: bytes,
+                      headers: dict[str, str]) -> Awaitable[aiohttp.ClientResponse]:
+        assert self._session is not None
+        return self._session.post(url, data=body, headers=headers)
+
+    def _finish_attempt(self, endpoint: Endpoint, verdict: bool | None) -> None:
+        endpoint.in_flight -= 1
+        endpoint.last_used = time.time()
+        self.metrics.in_flight.labels(endpoint.model, endpoint.replica_id).dec()
+        breaker = endpoint.breaker
+        before = breaker.state
+        if verdict is True:
+            breaker.success()
+        elif verdict is False:
+            breaker.failure(time.monotonic())
+        else:
+            breaker.abandon()
+        if breaker.state is not before:
+            self.metrics.set_breaker(endpoint.replica_id, breaker.state)
+            log.warning("replica %s of %s: circuit breaker %s", endpoint.replica_id,
+                        endpoint.model, breaker.state.name.lower())
+
+    def _upstream_error(self, endpoint: Endpoint, exc: BaseException) -> None:
+        kind = _error_kind(exc)
+        self.metrics.upstream_errors.labels(endpoint.replica_id, kind).inc()
+        log.warning("replica %s of %s at %s failed (%s): %s", endpoint.replica_id,
+                    endpoint.model, endpoint.url, kind, _describe(exc))
+
+    async def _relay(self, response: aiohttp.ClientResponse, endpoint: Endpoint, send: Send,
+                     started: float) -> tuple[bool, int]:
+        """Pass the engine's answer to the client; return (engine healthy?, status)."""
+        status = response.status
+        content_type = response.headers.get("Content-Type", "application/json")
+        if status == 200 and content_type.startswith("text/event-stream"):
+            return await self._relay_stream(response, endpoint, send, started)
+        try:
+            data = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self._upstream_error(endpoint, exc)
+            reply = responses.upstream_failed(endpoint.model, _describe(exc),
+                                              504 if isinstance(exc, TimeoutError) else 502)
+            await self._reply(send, reply)
+            return False, reply.status
+        if status >= 500:
+            self.metrics.upstream_errors.labels(endpoint.replica_id, "status_5xx").inc()
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", content_type.encode("latin-1")),
+            (b"content-length", str(len(data)).encode()),
+            (b"x-modelkeeper-replica", endpoint.replica_id.encode()),
+        ]})
+        await send({"type": "http.response.body", "body": data})
+        return status < 500, status
+
+    async def _relay_stream(self, response: aiohttp.ClientResponse, endpoint: Endpoint,
+                            send: Send, started: float) -> tuple[bool, int]:
+        """Relay server-sent events as they come, whole events only, so that a stream cut
+        midway can still end with a well-formed error event and ``[DONE]``."""
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream"),
+            (b"cache-control", b"no-cache"),
+            (b"x-modelkeeper-replica", endpoint.replica_id.encode()),
+        ]})
+        content = response.content
+        pending = b""
+        done = False
+        first = True
+        failure: str | None = None
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    break
+                if first:
+                    first = False
+                    self.metrics.ttft.labels(endpoint.model).observe(
+                        time.perf_counter() - started)
+                if pending:
+                    chunk = pending + chunk
+                    pending = b""
+                # Forward up to the end of the last complete event; keep the rest.
+                end = _events_end(chunk)
+                if end == 0:
+                    pending = chunk
+                    continue
+                if end < len(chunk):
+                    pending = chunk[end:]
+                    chunk = chunk[:end]
+                if not done and b"[DONE]" in chunk:
+                    done = True
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            failure = _describe(exc)
+            self._upstream_error(endpoint, exc)
+        if not done:
+            if failure is None:
+                failure = "the engine ended the stream without [DONE]"
+                self.metrics.upstream_errors.labels(endpoint.replica_id, "stream_cut").inc()
+            log.warning("stream from replica %s of %s cut midway: %s", endpoint.replica_id,
+                        endpoint.model, failure)
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": responses.sse_error_event(
+                            f"The stream from `{endpoint.model}` was cut midway: {failure}")})
+        elif pending:
+            await send({"type": "http.response.body", "body": pending, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        return done, 200
+
+    async def _wait_for_endpoint(self, model: str) -> tuple[Endpoint, ModelRoute] | ErrorReply:
+        """Wait (bounded) for a ready replica of a known model. Woken by the store's
+        notifications and by breakers coming due, never by polling."""
+        waited_from = time.monotonic()
+        deadline = waited_from + self._wait_s
+        while True:
+            entry = self.table.models.get(model)
+            if entry is None:  # deleted while we waited
+                return responses.unknown_model(model, self.table.models)
+            now = time.monotonic()
+            endpoint = entry.pick(now)
+            if endpoint is not None:
+                return endpoint, entry
+            reply = responses.hopeless(entry.route)
+            if reply is not None:
+                return reply
+            remaining = deadline - now
+            if remaining <= 0:
+                return responses.not_ready(
+                    entry.route, waited_s=now - waited_from,
+                    retry_after_s=self.settings.gateway_retry_after_s,
+                    open_breakers=entry.open_breakers())
+            trial_at = entry.next_trial_at()
+            if trial_at is not None:
+                remaining = min(remaining, max(trial_at - now, 0.0) + 0.001)
+            changed = entry.changed
+            entry.waiting += 1
+            self.metrics.waiting.labels(model).inc()
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except TimeoutError:
+                pass
+            finally:
+                entry.waiting -= 1
+                self.metrics.waiting.labels(model).dec()
+
+    # -- small helpers -------------------------------------------------------------------------
+
+    async def _read_body(self, receive: Receive) -> bytes:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        body: bytes = message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+        parts = [body]
+        size = len(body)
+        while message.get("more_body"):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            part = message.get("body", b"")
+            size += len(part)
+            if size > MAX_BODY_BYTES:
+                raise _TooLarge
+            parts.append(part)
+        return b"".join(parts)
+
+    async def _finish_error(self, send: Send, model: str, started: float,
+                            reply: ErrorReply) -> None:
+        await self._reply(send, reply)
+        self.metrics.requests.labels(model, str(reply.status)).inc()
+        self.metrics.latency.labels(model).observe(time.perf_counter() - started)
+
+    async def _reply(self, send: Send, reply: ErrorReply) -> None:
+        await self._send(send, reply.status, reply.body(), [*JSON_HEADERS, *reply.headers])
+
+    async def _send_json(self, send: Send, status: int, body: bytes) -> None:
+        await self._send(send, status, body, JSON_HEADERS)
+
+    @staticmethod
+    async def _send(send: Send, status: int, body: bytes, headers: Headers) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
