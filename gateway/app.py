@@ -425,14 +425,19 @@ class Gateway:
             endpoint.requests += 1
             self.metrics.in_flight.labels(model, endpoint.replica_id).inc()
             verdict: bool | None = None
+            settled = False
             try:
                 try:
                     response = await self._session_post(endpoint.url + path, body,
                                                          endpoint.headers)
                 except RETRYABLE as exc:
-                    verdict = False
                     self._upstream_error(endpoint, exc)
                     tried.append(endpoint)
+                    # Settle this attempt first, so that a breaker it opens already keeps
+                    # the retry away from this replica.
+                    self._finish_attempt(endpoint, False)
+                    settled = True
+                    now = time.monotonic()
                     if attempt < self._retries:
                         # The engine never saw the request or dropped it unanswered: safe
                         # to send elsewhere. Prefer a replica not tried yet.
@@ -459,7 +464,8 @@ class Gateway:
                     response.close()
                 return status
             finally:
-                self._finish_attempt(endpoint, verdict)
+                if not settled:
+                    self._finish_attempt(endpoint, verdict)
         raise AssertionError("unreachable: every attempt returns or continues")
 
     def _session_post(self, url: str, body: bytes,

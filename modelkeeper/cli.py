@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
+from .operator_cli import OPERATOR_COMMANDS, ApiError, run_operator_command
 from .settings import Settings, config_table_markdown
 
 PORT_FLAGS = {
@@ -82,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     keys_sub.add_parser("ls", help="list keys (prefixes and names, never the keys)")
     revoke = keys_sub.add_parser("revoke", help="revoke a key")
     revoke.add_argument("keys_argument", metavar="ID_OR_PREFIX")
+
+    from .operator_cli import add_operator_commands
+
+    add_operator_commands(sub, lambda p: _add_common(p, []))
 
     sub.add_parser("config-doc", help="print the configuration table (markdown)")
     return parser
@@ -204,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         if args.command == "config-doc":
             print(config_table_markdown(), end="")
             code = 0
+        elif args.command in OPERATOR_COMMANDS:
+            code = run_operator_command(args, load_settings(args).api_url, out=print)
         else:
             settings = load_settings(args)
             commands: dict[str, Callable[[Settings], int]] = {
@@ -215,6 +222,9 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     except UsageError as exc:
         print(f"modelkeeper {args.command}: {exc}", file=sys.stderr)
         code = 2
+    except ApiError as exc:
+        print(f"modelkeeper {args.command}: {exc}", file=sys.stderr)
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     # Exit without interpreter finalization: temporalio's runtime can abort at teardown

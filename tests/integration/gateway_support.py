@@ -66,7 +66,7 @@ def launch_sim(tmp_path: Path, replica_id: str, model: str, *flags: str,
     """Start a sim engine whose key is the one the gateway derives for ``replica_id``."""
     port = port or free_port()
     argv = [sys.executable, "-m", "agent.engines.sim_server", "--host", HOST,
-            "--port", str(port), "--model", model, "--log-level", "WARNING", *flags]
+            "--port", str(port), "--model", model, "--log-level", "INFO", *flags]
     env = {**os.environ, API_KEY_ENV: derive_engine_key(SECRET, replica_id)}
     process = ManagedProcess(f"sim-{replica_id}", argv, tmp_path / f"sim-{replica_id}.log",
                              env=env)

@@ -5,6 +5,7 @@ replica, watch it move, delete, and check nothing comes back."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -21,6 +22,8 @@ from temporalio.testing import WorkflowEnvironment
 
 from agent.keys import derive_engine_key
 from api.app import create_app
+from modelkeeper.cli import build_parser
+from modelkeeper.operator_cli import run_operator_command
 from modelkeeper.processes import ManagedProcess, free_port
 from modelkeeper.settings import Settings
 from worker.main import run_worker
@@ -36,6 +39,7 @@ class Stack:
         port = free_port()
         client = env.client
         self.tmp = tmp
+        self.temporal = client
         self.api_url = f"http://127.0.0.1:{port}"
         self.settings = Settings(
             database_url=database_url, api_port=port, api_url=self.api_url,
@@ -54,6 +58,12 @@ class Stack:
         self.server = uvicorn.Server(config)
         self.server_task = asyncio.create_task(self.server.serve())
         await until(lambda: self.server.started)
+
+    async def restart_worker(self) -> None:
+        self.stop_worker.set()
+        await asyncio.wait_for(self.worker, 30)
+        self.stop_worker = asyncio.Event()
+        self.worker = asyncio.create_task(run_worker(self.settings, self.stop_worker))
 
     def start_agent(self, name: str, memory: str) -> None:
         low = free_port()
@@ -146,6 +156,12 @@ async def test_deploy_survive_agent_kill_and_delete(stack: Stack) -> None:
     assert first_node == "n16"  # bin-packed: the tightest node that fits
     await _assert_serves(replica)
 
+    # Restart the worker mid-flight: nothing is placed twice, nothing is lost.
+    await stack.restart_worker()
+    await asyncio.sleep(0)
+    again_view = await _deployment(stack, deployment_id)
+    assert [r["replica_id"] for r in again_view["replicas"]] == [replica["replica_id"]]
+
     # kill -9 the agent that holds the replica: placed again on another node, and served.
     killed_at = time.monotonic()
     os.killpg(stack.agents[first_node].pid, signal.SIGKILL)
@@ -159,6 +175,10 @@ async def test_deploy_survive_agent_kill_and_delete(stack: Stack) -> None:
 
     new_replica = await until(moved, timeout=60)
     moved_in = time.monotonic() - killed_at
+    # Exactly one replacement: the deployment never held more replicas than asked.
+    placed = [e for e in await stack.get(f"/events?deployment_id={deployment_id}")
+              if e["kind"] == "replica.placed"]
+    assert len(placed) == 2, placed
     assert nodes[new_replica["nodes"][0]] == "n32"
     await _assert_serves(new_replica)
     # Detection (3 s heartbeat timeout) + lost timeout (4 s) + load + 2 s.
@@ -203,6 +223,21 @@ async def test_cant_place_names_every_node_then_places_when_a_node_joins(
     explained = await stack.get("/placement/explain?model_id=big")
     assert explained["fits"] is False and explained["nodes"][0]["reason"] == \
         "insufficient_memory"
+
+    # The CLI shows the same, as a table and as JSON.
+    lines: list[str] = []
+    args = build_parser().parse_args(["explain", "big", "--api-url", stack.api_url])
+    # In a thread: the CLI is synchronous, and the API runs on this test's event loop.
+    assert await asyncio.to_thread(run_operator_command, args, stack.api_url,
+                                   lines.append) == 0
+    assert "cannot be placed" in lines[0] and "8.0 GiB free, needs 64.0 GiB" in lines[0]
+    args = build_parser().parse_args(["ls", "--json", "--api-url", stack.api_url])
+    await asyncio.to_thread(run_operator_command, args, stack.api_url, lines.append)
+    assert json.loads(lines[-1])[0]["status"] == "cant_place"
+    # Operators filter the workflows by status with the custom search attribute.
+    found = [w.id async for w in stack.temporal.list_workflows(
+        "DeploymentStatus = 'cant_place'")]
+    assert found == [f"deployment/{deployment_id}"]
 
     joined_at = time.monotonic()
     stack.start_agent("huge", "64GiB")
