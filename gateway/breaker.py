@@ -50,7 +50,8 @@ class Breaker:
 
     def begin(self, now: float) -> None:
         """A request is being sent (after :meth:`allows` said yes)."""
-        if self.state is BreakerState.CLOSED:
+        if self.state is BreakerState.CLOSED or (
+                self.state is BreakerState.OPEN and now < self.opened_until):
             return
         # Open and due, or half-open: this request is the one trial.
         self.state = BreakerState.HALF_OPEN

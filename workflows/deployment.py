@@ -105,6 +105,9 @@ class WorkflowTimings(Frozen):
     stop_grace_s: float = 10.0
     #: place_replica keeps retrying through the settling window and database blips.
     place_schedule_to_close_s: float = 300.0
+    #: Continue-as-new past this many history events even if the server has not yet
+    #: suggested it; keeps replays fast. (Tests set it low to exercise the path.)
+    continue_as_new_after_events: int = 10_000
 
 
 class DeploymentWorkflowState(Frozen):
@@ -203,7 +206,11 @@ class DeploymentWorkflow:
             state = self._state
             if state.keeper.finished and not self._busy:
                 return
-            if workflow.info().is_continue_as_new_suggested() and not self._busy:
+            info = workflow.info()
+            if not self._busy and not state.keeper.finished and (
+                    info.is_continue_as_new_suggested()
+                    or info.get_current_history_length()
+                    >= state.timings.continue_as_new_after_events):
                 await self._continue_as_new()
             wake = next_wake(state.keeper, state.config)
             timeout = None

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio import activity
@@ -175,6 +178,19 @@ async def _run(env: WorkflowEnvironment, cluster: FakeCluster, replicas: int = 1
         yield Running(env, cluster, handle)
 
 
+HISTORIES = Path(__file__).resolve().parents[1] / "histories"
+
+
+async def record_history(handle: WorkflowHandle[Any, Any], name: str) -> None:
+    """With MODELKEEPER_RECORD_HISTORIES=1, save this run's history for replay tests
+    (tests/workflows/test_replay.py). Re-record after an intended workflow change that is
+    versioned with workflow.patched; never to make a replay failure go away."""
+    if os.environ.get("MODELKEEPER_RECORD_HISTORIES") != "1":
+        return
+    history = await handle.fetch_history()
+    (HISTORIES / f"{name}.json").write_text(history.to_json())
+
+
 @pytest.fixture
 def cluster() -> FakeCluster:
     return FakeCluster()
@@ -201,6 +217,7 @@ async def test_deploys_serves_replaces_a_crashed_engine_and_deletes(
         await asyncio.wait_for(run.handle.result(), 20)
         assert cluster.stopped == ["d1-r1", "d1-r2"]
         assert cluster.deleted == ["d1"]
+        await record_history(run.handle, "deploy_crash_replace_delete")
         assert [s.status for s in cluster.statuses][-1] is DeploymentStatus.DELETING
 
 
@@ -231,6 +248,7 @@ async def test_failed_starts_back_off_on_durable_timers_then_park(
         await run.until(DeploymentStatus.SERVING)
         await run.handle.signal(DeploymentWorkflow.delete)
         await asyncio.wait_for(run.handle.result(), 20)
+        await record_history(run.handle, "backoff_park_retry_delete")
 
 
 async def test_cant_place_reason_is_kept_and_retried_on_node_change(
@@ -276,3 +294,36 @@ async def _until_async(run: Running, check: object) -> None:
             await asyncio.sleep(0.05)
 
     await asyncio.wait_for(poll(), 20)
+
+
+async def test_continue_as_new_carries_the_whole_state(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    control, node = cluster.activities()
+    spec = DeploymentSpec(deployment_id=DeploymentId("d1"), model_id=ModelId("m"), replicas=1)
+    state = initial_state(spec, KeeperConfig(backoff_jitter=0.0),
+                          WorkflowTimings(continue_as_new_after_events=60),
+                          search_attributes=False)
+    async with Worker(time_skipping_env.client, task_queue=CONTROL_TASK_QUEUE,
+                      workflows=[DeploymentWorkflow], activities=control), \
+            Worker(time_skipping_env.client, task_queue=node_task_queue(NODE),
+                   activities=node):
+        handle = await time_skipping_env.client.start_workflow(
+            DeploymentWorkflow.run, DeploymentInput(state=state),
+            id=f"deployment/{uuid.uuid4()}", task_queue=CONTROL_TASK_QUEUE)
+        run = Running(time_skipping_env, cluster, handle)
+        first_run = (await handle.describe()).run_id
+        for n in range(1, 5):
+            await run.until(DeploymentStatus.SERVING)
+            await _until(lambda n=n: f"d1-r{n}" in cluster.crash)
+            cluster.crash[f"d1-r{n}"].set()
+            await _until(lambda n=n: f"d1-r{n + 1}" in cluster.crash)
+        view = await run.until(DeploymentStatus.SERVING)
+        latest = time_skipping_env.client.get_workflow_handle(handle.id)
+        assert (await latest.describe()).run_id != first_run  # it continued as new
+        # The carried state goes on where it left off: replica numbers keep counting.
+        assert [r.replica_id for r in view.keeper.replicas] == ["d1-r5"]
+        assert cluster.stopped == ["d1-r1", "d1-r2", "d1-r3", "d1-r4"]
+        await latest.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(latest.result(), 20)
+        assert cluster.deleted == ["d1"]
