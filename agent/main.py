@@ -119,6 +119,9 @@ async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
                 await _heartbeat_loop(http, node_id, welcome, inventory, manager,
                                       registration, settings, stop)
     finally:
+        if settings.agent_stop_engines_on_exit:
+            for report in manager.reports():
+                await manager.stop(report.replica_id, grace_s=5.0)
         await manager.close()
 
 

@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = sub.add_parser("up", help="run the whole local stack in the foreground")
+    up.add_argument("--no-demo", action="store_true",
+                    help="do not deploy the demo model (SmolLM2-135M) on a fresh install")
     _add_common(up, ["api_port", "gateway_port", "postgres_port", "temporal_port",
                      "temporal_ui_port"])
 
@@ -142,12 +144,12 @@ async def _until_signalled(run: Callable[[asyncio.Event], Any]) -> None:
     await run(stop)
 
 
-def _cmd_up(settings: Settings) -> int:
+def _cmd_up(settings: Settings, demo: bool = True) -> int:
     from .stack import StackError, run_up
 
     _configure_logging(settings)
     try:
-        return run_up(settings, out=print)
+        return run_up(settings, out=print, demo=demo)
     except StackError as exc:
         raise UsageError(str(exc)) from None
 
@@ -214,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         else:
             settings = load_settings(args)
             commands: dict[str, Callable[[Settings], int]] = {
-                "up": _cmd_up, "worker": _cmd_worker, "api": _cmd_api,
+                "up": lambda s: _cmd_up(s, demo=not args.no_demo),
+                "worker": _cmd_worker, "api": _cmd_api,
                 "agent": _cmd_agent, "gateway": _cmd_gateway,
                 "keys": lambda s: _cmd_keys(s, args),
             }

@@ -326,8 +326,9 @@ def _decide(request: PlacementRequest, node: NodeView) -> NodeDecision:
         return _reject(
             node,
             RejectionReason.INSUFFICIENT_CPU,
-            f"{max(cpu_free, 0.0):.1f} of {node.cpu_count} CPU cores free, "
-            f"needs {request.cpu_cores:.1f}",
+            # :g, not a fixed decimal: 0.25 cores must not read as "0.2".
+            f"{max(cpu_free, 0.0):g} of {node.cpu_count} CPU cores free, "
+            f"needs {request.cpu_cores:g}",
         )
 
     free_gpus = node.free_gpu_indices

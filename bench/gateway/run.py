@@ -1,0 +1,381 @@
+"""The gateway's overhead, measured against calling the same engine directly.
+
+Run it from the repository root::
+
+    .venv/bin/python -m bench.gateway.run --out bench/results/gateway.md
+
+In one run it starts an embedded PostgreSQL, one zero-latency sim engine, the real
+gateway (``modelkeeper gateway``, one worker and then several), and the bare Starlette +
+httpx passthrough the issue quotes as the reference, and measures each of them with the
+same lean load generator (:mod:`bench.gateway.loadgen`):
+
+* latency: one connection, requests back to back: p50 and p99, and what each adds to
+  calling the engine directly;
+* throughput: many connections: requests per second, and the server's CPU per request;
+* streaming: 64-token streams, one at a time: what the proxy adds per chunk.
+
+``--stacks`` also measures raw-ASGI passthroughs on different servers and clients (how
+the gateway's stack was chosen); ``--litellm PYTHON`` adds LiteLLM's proxy, run with the
+interpreter of a virtual environment where ``litellm[proxy]`` is installed.
+
+The whole machine is shared: the load generator, the engine and the proxy all run on
+the same (2) cores, as they would on a small node. Numbers are for comparison within
+one run, not absolute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncpg
+import httpx
+import psutil
+import uvloop
+
+from agent.engines.sim_server import API_KEY_ENV
+from agent.keys import derive_engine_key
+from modelkeeper.postgres import dsn, start_postgres
+from modelkeeper.processes import ManagedProcess, free_port
+from modelkeeper.store.routing import RoutingStore
+
+from . import loadgen
+
+HOST = "127.0.0.1"
+MODEL = "bench-model"
+REPLICA = "bench-r1"
+SECRET = "bench-secret"
+ROOT = Path(__file__).resolve().parents[2]
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 8}
+STREAM = {**CHAT, "max_tokens": 64, "stream": True}
+
+
+@dataclass
+class Target:
+    """A server to measure: where it listens, what to send it, which processes it is."""
+
+    name: str
+    port: int
+    headers: dict[str, str]
+    processes: list[ManagedProcess]
+    note: str = ""
+    results: dict[str, float] = field(default_factory=dict)
+
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by the target's processes and their children."""
+        total = 0.0
+        for managed in self.processes:
+            try:
+                proc = psutil.Process(managed.pid)
+                procs = [proc, *proc.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            for p in procs:
+                try:
+                    times = p.cpu_times()
+                except psutil.NoSuchProcess:
+                    continue
+                total += times.user + times.system
+        return total
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0-1) of ``values``, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def start(name: str, argv: list[str], env: dict[str, str], logs: Path) -> ManagedProcess:
+    """Start a server process in its own group, logging to ``logs``."""
+    process = ManagedProcess(name, argv, logs / f"{name}.log", env={**os.environ, **env},
+                             cwd=ROOT)
+    process.start()
+    return process
+
+
+def wait_serving(process: ManagedProcess, port: int, path: str, body: dict[str, object],
+                 headers: dict[str, str], timeout: float = 60.0) -> None:
+    """Wait until a real request through ``port`` succeeds."""
+    def ok() -> bool:
+        try:
+            resp = httpx.post(f"http://{HOST}:{port}{path}", json=body, headers=headers,
+                              timeout=2)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+    process.wait_until(ok, timeout, interval=0.2)
+
+
+async def measure(target: Target, duration: float, concurrencies: Sequence[int]) -> None:
+    """Latency, throughput and streaming for one target."""
+    chat = loadgen.build_request(HOST, target.port, "/v1/chat/completions",
+                                 json.dumps(CHAT).encode(), target.headers)
+    stream = loadgen.build_request(HOST, target.port, "/v1/chat/completions",
+                                   json.dumps(STREAM).encode(), target.headers)
+
+    latency = await loadgen.run(HOST, target.port, chat, concurrency=1, duration_s=duration)
+    _check(target, latency)
+    totals = [s.total_s for s in latency.samples]
+    target.results.update(p50_ms=percentile(totals, 0.5) * 1e3,
+                          p99_ms=percentile(totals, 0.99) * 1e3,
+                          rate_c1=latency.rate)
+
+    best = 0.0
+    for concurrency in concurrencies:
+        before = target.cpu_seconds()
+        result = await loadgen.run(HOST, target.port, chat, concurrency=concurrency,
+                                   duration_s=duration)
+        cpu = target.cpu_seconds() - before
+        _check(target, result)
+        target.results[f"rate_c{concurrency}"] = result.rate
+        if result.rate > best:
+            best = result.rate
+            target.results["rate_max"] = result.rate
+            target.results["rate_max_c"] = concurrency
+            target.results["cpu_us_per_req"] = cpu / len(result.samples) * 1e6
+
+    streamed = await loadgen.run(HOST, target.port, stream, concurrency=1,
+                                 duration_s=duration)
+    _check(target, streamed)
+    events = statistics.median(s.events for s in streamed.samples)
+    target.results.update(
+        stream_p50_ms=percentile([s.total_s for s in streamed.samples], 0.5) * 1e3,
+        stream_ttfb_ms=percentile([s.first_byte_s for s in streamed.samples], 0.5) * 1e3,
+        stream_events=events)
+
+
+def _check(target: Target, result: loadgen.Result) -> None:
+    bad = [s.status for s in result.samples if s.status != 200]
+    if bad or result.errors or not result.samples:
+        raise RuntimeError(f"{target.name}: {len(bad)} non-200 answers ({set(bad)}), "
+                           f"{result.errors} connection errors, {len(result.samples)} samples")
+
+
+async def setup_store(url: str) -> str:
+    """Schema, one deployment with one ready replica, and a client key; returns the key."""
+    admin = await asyncpg.connect(url.rsplit("/", 1)[0] + "/postgres")
+    try:
+        await admin.execute("CREATE DATABASE bench")
+    finally:
+        await admin.close()
+    routes = await RoutingStore.connect(url)
+    try:
+        _, key = await routes.create_api_key("bench")
+    finally:
+        await routes.close()
+    return key
+
+
+async def add_route(url: str, engine_url: str) -> None:
+    # Rows as the control plane would write them (benchmark fixture, like the tests').
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute("INSERT INTO models (model_id, engine, source, memory_bytes) "
+                           "VALUES ($1, 'sim', 'sim', 1)", MODEL)
+        await conn.execute("INSERT INTO deployments (deployment_id, model_id, replicas, "
+                           "status, workflow_id) VALUES ('bench-d', $1, 1, 'serving', "
+                           "'deployment/bench-d')", MODEL)
+        await conn.execute("INSERT INTO replicas (replica_id, deployment_id, state, endpoint) "
+                           "VALUES ($1, 'bench-d', 'ready', $2)", REPLICA, engine_url)
+    finally:
+        await conn.close()
+
+
+def gateway_target(name: str, workers: int, db_url: str, key: str, logs: Path) -> Target:
+    port = free_port()
+    env = {"MODELKEEPER_DATABASE_URL": db_url, "MODELKEEPER_ENGINE_KEY_SECRET": SECRET,
+           "MODELKEEPER_GATEWAY_PORT": str(port), "MODELKEEPER_BIND_HOST": HOST,
+           "MODELKEEPER_GATEWAY_WORKERS": str(workers), "MODELKEEPER_LOG_LEVEL": "WARNING"}
+    proc = start(name.replace(" ", "-"), [sys.executable, "-m", "modelkeeper", "gateway"],
+                 env, logs)
+    headers = {"Authorization": f"Bearer {key}"}
+    wait_serving(proc, port, "/v1/chat/completions", CHAT, headers)
+    return Target(name, port, headers, [proc])
+
+
+def uvicorn_target(name: str, app: str, engine_url: str, engine_key: str, logs: Path,
+                   note: str = "", server: str = "uvicorn") -> Target:
+    port = free_port()
+    env = {"PASSTHROUGH_UPSTREAM": engine_url, "PASSTHROUGH_KEY": engine_key}
+    if server == "granian":
+        argv = [sys.executable, "-m", "granian", "--interface", "asgi", "--host", HOST,
+                "--port", str(port), "--loop", "uvloop", "--log-level", "warning", app]
+    else:
+        argv = [sys.executable, "-m", "uvicorn", app, "--host", HOST, "--port", str(port),
+                "--no-access-log", "--log-level", "warning", "--loop", "uvloop",
+                "--http", "httptools"]
+    proc = start(name.replace(" ", "-").replace("+", ""), argv, env, logs)
+    wait_serving(proc, port, "/v1/chat/completions", CHAT, {})
+    return Target(name, port, {}, [proc], note)
+
+
+def litellm_target(python: str, engine_url: str, engine_key: str, logs: Path) -> Target:
+    port = free_port()
+    config = logs / "litellm.yaml"
+    config.write_text(
+        "model_list:\n"
+        f"  - model_name: {MODEL}\n"
+        "    litellm_params:\n"
+        f"      model: openai/{MODEL}\n"
+        f"      api_base: {engine_url}/v1\n"
+        f"      api_key: {engine_key}\n")
+    litellm = str(Path(python).parent / "litellm")
+    env = {"LITELLM_MASTER_KEY": "sk-bench", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+           "LITELLM_LOG": "ERROR"}
+    proc = start("litellm", [litellm, "--config", str(config), "--host", HOST,
+                             "--port", str(port), "--num_workers", "1"], env, logs)
+    headers = {"Authorization": "Bearer sk-bench"}
+    wait_serving(proc, port, "/v1/chat/completions", CHAT, headers, timeout=180)
+    version = subprocess.run([python, "-c", "import importlib.metadata as m;"
+                              "print(m.version('litellm'))"], capture_output=True, text=True,
+                             check=False).stdout.strip()
+    return Target(f"LiteLLM {version} proxy", port, headers, [proc])
+
+
+def render(targets: list[Target], direct: Target, command: str, duration: float) -> str:
+    """The results as markdown."""
+    d = direct.results
+    lines = [
+        "# Gateway overhead",
+        "",
+        f"Made with `{command}` on {time.strftime('%Y-%m-%d')}: {psutil.cpu_count()} cores, "
+        f"Python {platform.python_version()}, {duration:.0f} s per measurement. The load "
+        "generator, the zero-latency sim engine and the proxy share the machine's cores.",
+        "",
+        "| | p50 | p99 | added p50 | added p99 | req/s (1 conn) | max req/s (conns) "
+        "| server CPU per request | 64-token stream p50 | added per chunk |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in targets:
+        r = t.results
+        if t is direct:
+            added = "-", "-", "-"
+        else:
+            per_chunk = (r["stream_p50_ms"] - d["stream_p50_ms"]) / d["stream_events"]
+            added = (f"{r['p50_ms'] - d['p50_ms']:+.3f} ms", f"{r['p99_ms'] - d['p99_ms']:+.3f} ms",
+                     f"{per_chunk * 1e3:+.0f} µs")
+        lines.append(
+            f"| {t.name} | {r['p50_ms']:.3f} ms | {r['p99_ms']:.3f} ms | {added[0]} | "
+            f"{added[1]} | {r['rate_c1']:,.0f} | {r['rate_max']:,.0f} ({r['rate_max_c']:.0f}) | "
+            f"{r['cpu_us_per_req']:,.0f} µs | {r['stream_p50_ms']:.2f} ms "
+            f"({r['stream_events']:.0f} events) | {added[2]} |")
+    notes = [f"- {t.name}: {t.note}" for t in targets if t.note]
+    if notes:
+        lines += ["", *notes]
+    return "\n".join(lines) + "\n"
+
+
+async def run(args: argparse.Namespace) -> str:
+    command = "python -m bench.gateway.run " + " ".join(sys.argv[1:])
+    with tempfile.TemporaryDirectory(prefix="mk-bench-") as tmp:
+        logs = Path(tmp)
+        pg_port = free_port()
+        pg = start_postgres(logs / "pg", HOST, pg_port, logs / "postgres.log")
+        started: list[ManagedProcess] = [pg]
+        try:
+            db_url = dsn(HOST, pg_port, "bench")
+            key = await setup_store(db_url)
+            engine_key = derive_engine_key(SECRET.encode(), REPLICA)
+            sim_port = free_port()
+            sim = start("sim", [sys.executable, "-m", "agent.engines.sim_server", "--host", HOST,
+                                "--port", str(sim_port), "--model", MODEL,
+                                "--log-level", "WARNING"], {API_KEY_ENV: engine_key}, logs)
+            started.append(sim)
+            engine_url = f"http://{HOST}:{sim_port}"
+            direct_headers = {"Authorization": f"Bearer {engine_key}"}
+            wait_serving(sim, sim_port, "/v1/chat/completions", CHAT, direct_headers)
+            await add_route(db_url, engine_url)
+
+            direct = Target("direct to the sim engine", sim_port, direct_headers, [sim])
+            builders = [
+                lambda: gateway_target("modelkeeper gateway (1 worker)", 1, db_url, key, logs),
+                lambda: uvicorn_target(
+                    "bare Starlette + httpx passthrough", "bench.gateway.passthroughs:"
+                    "starlette_httpx", engine_url, engine_key, logs,
+                    note="the issue's reference: no auth, routing or metrics; uvicorn with "
+                    "httptools and uvloop"),
+                lambda: gateway_target(f"modelkeeper gateway ({args.workers} workers)",
+                                       args.workers, db_url, key, logs),
+            ]
+            if args.stacks:
+                builders += [
+                    lambda: uvicorn_target(
+                        "raw ASGI + aiohttp on uvicorn", "bench.gateway.passthroughs:"
+                        "asgi_aiohttp", engine_url, engine_key, logs,
+                        note="the gateway's stack with nothing on top: its floor"),
+                    lambda: uvicorn_target(
+                        "raw ASGI + httpx on uvicorn", "bench.gateway.passthroughs:"
+                        "asgi_httpx", engine_url, engine_key, logs,
+                        note="same server, httpx without pool limits as the client"),
+                ]
+                if _installed("granian"):
+                    builders.append(lambda: uvicorn_target(
+                        "raw ASGI + aiohttp on granian", "bench.gateway.passthroughs:"
+                        "asgi_aiohttp", engine_url, engine_key, logs, server="granian",
+                        note="granian (Rust HTTP server) instead of uvicorn"))
+            if args.litellm:
+                builders.append(lambda: litellm_target(args.litellm, engine_url, engine_key,
+                                                       logs))
+
+            targets = [direct]
+            await measure(direct, args.duration, args.concurrency)
+            print(f"{direct.name}: {direct.results}", flush=True)
+            for build in builders:
+                target = build()
+                started += target.processes
+                try:
+                    await measure(target, args.duration, args.concurrency)
+                finally:
+                    for proc in target.processes:
+                        proc.stop()
+                print(f"{target.name}: {target.results}", flush=True)
+                targets.append(target)
+            return render(targets, direct, command, args.duration)
+        finally:
+            for proc in reversed(started):
+                proc.stop()
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gateway.run",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=5.0,
+                        help="seconds per measurement (default 5)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64],
+                        help="connections for the throughput runs (default 16 64)")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="workers of the multi-worker gateway run (default 2)")
+    parser.add_argument("--stacks", action="store_true",
+                        help="also measure raw passthroughs on other server/client stacks")
+    parser.add_argument("--litellm", metavar="PYTHON",
+                        help="the python of a venv with litellm[proxy], to measure it too")
+    parser.add_argument("--out", type=Path, help="write the markdown table here")
+    args = parser.parse_args(argv)
+    markdown = uvloop.run(run(args))
+    print(markdown)
+    if args.out:
+        args.out.write_text(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
