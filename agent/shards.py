@@ -314,10 +314,20 @@ class ShardManager:
                 raise ShardStartError(ended)
             if live.record.url is None:
                 break  # a rank without HTTP: alive is all we can know
-            check = await adapter.check_ready(self._http, live.record.url, key, spec.model_id)
-            if check.ready:
+            # A hung engine accepts connections and never answers: bound each probe by
+            # what is left of the start timeout, so the timeout holds.
+            budget = max(0.2, min(10.0, deadline - time.time()))
+            try:
+                check = await asyncio.wait_for(
+                    adapter.check_ready(self._http, live.record.url, key, spec.model_id),
+                    budget)
+            except TimeoutError:
+                check = None
+                detail = f"no answer within {budget:.1f}s"
+            if check is not None and check.ready:
                 break
-            detail = check.detail
+            if check is not None:
+                detail = check.detail
             if time.time() > deadline:
                 tail = _tail(Path(live.record.log_path))
                 await self.stop(spec.replica_id, grace_s=5.0)
