@@ -98,7 +98,7 @@ class StoreActivities:
         views = await self._store.list_node_views(
             datetime.now(UTC), unreachable_after_s=self._settings.node_unreachable_after_s,
             lost_after_s=self._settings.node_lost_after_s)
-        return sum(1 for v in views if v.state.value == NodeState.READY.value)
+        return sum(1 for v in views if v.state is NodeState.READY)
 
     @activity.defn(name="record_event")
     async def record_event(self, event: NewEvent) -> Event:

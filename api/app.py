@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import FastAPI, Header, HTTPException, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 from pydantic import BaseModel
 from temporalio.api.enums.v1 import TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
@@ -16,6 +17,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 
 from modelkeeper import __version__, temporal_client
+from modelkeeper.catalog import DeploymentView
 from modelkeeper.domain import Event
 from modelkeeper.names import CONTROL_TASK_QUEUE, node_task_queue
 from modelkeeper.nodes import (
@@ -183,6 +185,12 @@ def create_app(settings: Settings) -> FastAPI:
                 DeploymentStatus.CANT_PLACE))
         return node_info(record)
 
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics(store: StoreDep) -> Response:
+        """Prometheus gauges per deployment, read from the store at scrape time."""
+        return Response(deployment_metrics(await store.list_deployments()),
+                        media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/events", response_model=list[Event])
     async def list_events(store: StoreDep, deployment_id: str | None = None,
                           limit: int = 100) -> list[Event]:
@@ -191,6 +199,34 @@ def create_app(settings: Settings) -> FastAPI:
 
     add_deployment_routes(app, settings)
     return app
+
+
+def deployment_metrics(deployments: list[DeploymentView]) -> bytes:
+    """The deployment gauges in Prometheus' text format.
+
+    Every deployment has every series, zeros included: an alert on "ready == 0 while
+    desired > 0" must be able to fire, which it cannot on a series that vanishes.
+    """
+    registry = CollectorRegistry()
+    labels = ["deployment_id", "model_id"]
+    desired = Gauge("modelkeeper_deployment_desired_replicas", "Replicas asked for.",
+                    labels, registry=registry)
+    ready = Gauge("modelkeeper_deployment_ready_replicas", "Replicas ready to serve.",
+                  labels, registry=registry)
+    parked = Gauge("modelkeeper_deployment_parked", "1 when parked after failed starts.",
+                   labels, registry=registry)
+    cant_place = Gauge("modelkeeper_deployment_cant_place", "1 when nothing fits.",
+                       labels, registry=registry)
+    failures = Gauge("modelkeeper_deployment_consecutive_failures",
+                     "Failed starts in a row.", labels, registry=registry)
+    for d in deployments:
+        key = (d.deployment_id, d.model_id)
+        desired.labels(*key).set(d.desired_replicas)
+        ready.labels(*key).set(d.ready_replicas)
+        parked.labels(*key).set(int(d.status is DeploymentStatus.PARKED))
+        cant_place.labels(*key).set(int(d.status is DeploymentStatus.CANT_PLACE))
+        failures.labels(*key).set(d.consecutive_failures)
+    return generate_latest(registry)
 
 
 async def _control_pollers(client: Client, namespace: str) -> int:

@@ -43,19 +43,11 @@ from pydantic import Field, field_validator, model_validator
 
 from .domain import Frozen
 from .ids import ModelId, NodeId
+from .nodes import NodeState
 from .units import format_gib
 
 #: Slack for comparing summed fractional CPU claims: 0.1 + 0.2 must fit in 0.3 free.
 _CPU_EPSILON = 1e-9
-
-
-class NodeState(StrEnum):
-    """A node's state as the inventory sees it. Only ``ready`` takes new shards."""
-
-    READY = "ready"
-    UNREACHABLE = "unreachable"
-    LOST = "lost"
-    CORDONED = "cordoned"
 
 
 class GpuView(Frozen):

@@ -26,7 +26,6 @@ one run, not absolute.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform

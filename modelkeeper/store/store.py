@@ -28,7 +28,6 @@ from ..domain import Event, NewEvent
 from ..ids import DeploymentId, ModelId, NodeId, ReplicaId
 from ..nodes import AgentRegistration, Inventory, NodeRecord, NodeUpdate, node_state
 from ..placement import CantPlace, GpuView, NodeView, PlacementRequest, place
-from ..placement import NodeState as PlacementNodeState
 from ..shards import ShardSpec
 from ..status import DeploymentStatus, ReplicaState
 
@@ -526,7 +525,7 @@ def _node_view(n: NodeRecord, now: datetime, unreachable_after_s: float,
     state = node_state(n, now, unreachable_after_s=unreachable_after_s,
                        lost_after_s=lost_after_s)
     return NodeView(
-        node_id=n.node_id, name=n.name, state=PlacementNodeState(state.value),
+        node_id=n.node_id, name=n.name, state=state,
         labels=n.labels, memory_total_bytes=n.memory_total_bytes,
         memory_claimed_bytes=n.memory_claimed_bytes, cpu_count=n.cpu_count,
         cpu_claimed=n.cpu_claimed,

@@ -219,6 +219,10 @@ async def test_cant_place_names_every_node_then_places_when_a_node_joins(
         return v if v["status"] == "cant_place" else None
 
     view = await until(cant_place)
+    metrics = (await stack.http.get("/metrics")).text
+    series = f'deployment_id="{deployment_id}",model_id="big"'
+    assert f"modelkeeper_deployment_cant_place{{{series}}} 1.0" in metrics
+    assert f"modelkeeper_deployment_ready_replicas{{{series}}} 0.0" in metrics
     assert "node small: 8.0 GiB free, needs 64.0 GiB" in view["placement_error"]
     explained = await stack.get("/placement/explain?model_id=big")
     assert explained["fits"] is False and explained["nodes"][0]["reason"] == \
