@@ -1,0 +1,96 @@
+"""The API's catalog and deployment routes against real PostgreSQL and Temporal
+(no worker: these check what the API itself decides)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from temporalio.testing import WorkflowEnvironment
+
+from api.app import create_app
+from modelkeeper.settings import Settings
+
+pytestmark = pytest.mark.timeout(60)
+
+SIM = {"model_id": "sim-a", "engine": "sim", "source": "sim", "memory_bytes": 1 << 30}
+
+
+@pytest.fixture
+async def api(local_temporal_env: WorkflowEnvironment,
+              database_url: str) -> AsyncIterator[httpx.AsyncClient]:
+    client = local_temporal_env.client
+    settings = Settings(database_url=database_url,
+                        temporal_address=client.service_client.config.target_host,
+                        temporal_namespace=client.namespace)
+    app = create_app(settings)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://api") as http:
+        yield http
+
+
+async def test_models_catalog(api: httpx.AsyncClient) -> None:
+    assert (await api.post("/models", json=SIM)).status_code == 201
+    assert (await api.post("/models", json=SIM)).status_code == 409
+    # The packaged SmolLM2's memory is estimated from its file, and says so.
+    smol = await api.post("/models", json={"model_id": "smol", "engine": "llamacpp",
+                                           "source": "smollm2"})
+    assert smol.status_code == 201, smol.text
+    assert smol.json()["memory_estimated"] is True
+    assert 150 << 20 < smol.json()["memory_bytes"] < 300 << 20
+    listed = [m["model_id"] for m in (await api.get("/models")).json()]
+    assert listed == ["sim-a", "smol"]
+    assert (await api.delete("/models/smol")).status_code == 204
+    assert (await api.get("/models/smol")).status_code == 404
+
+
+@pytest.mark.parametrize(("body", "field", "words"), [
+    ({**SIM, "colour": "blue"}, "colour", "Extra inputs"),
+    ({**SIM, "engine": "tgi"}, "engine", "llamacpp"),
+    ({**SIM, "memory_bytes": None}, "memory_bytes", "required for engine 'sim'"),
+    ({**SIM, "engine_args": {"rm_rf": True}}, "engine_args", "rm_rf"),
+    ({**SIM, "model_id": "bad id!"}, "model_id", "pattern"),
+])
+async def test_bad_models_name_the_field(api: httpx.AsyncClient, body: dict[str, object],
+                                         field: str, words: str) -> None:
+    resp = await api.post("/models", json=body)
+    assert resp.status_code == 422, resp.text
+    [error] = resp.json()["detail"]
+    assert error["loc"][-1] == field and words in error["msg"] + str(error.get("input"))
+    assert (await api.get("/models")).json() == []  # nothing was kept
+
+
+async def test_deployments_create_conflict_unknown_delete(api: httpx.AsyncClient) -> None:
+    await api.post("/models", json=SIM)
+    unknown = await api.post("/deployments", json={"model_id": "nope"})
+    assert unknown.status_code == 422
+    assert unknown.json()["detail"][0]["loc"] == ["body", "model_id"]
+    assert "sim-a" in unknown.json()["detail"][0]["msg"]  # lists the known models
+    bad = await api.post("/deployments", json={"model_id": "sim-a", "replicas": 1000})
+    assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "replicas"]
+
+    created = await api.post("/deployments", json={"model_id": "sim-a", "replicas": 2})
+    assert created.status_code == 201, created.text
+    view = created.json()
+    assert (view["status"], view["desired_replicas"], view["ready_replicas"]) == (
+        "placing", 2, 0)
+    assert view["workflow_id"] == f"deployment/{view['deployment_id']}"
+    assert (await api.post("/deployments", json={"model_id": "sim-a"})).status_code == 409
+    assert (await api.get(f"/deployments/{view['deployment_id']}")).status_code == 200
+    assert (await api.get("/deployments/d-missing")).status_code == 404
+    assert (await api.delete("/deployments/d-missing")).status_code == 404
+    first = await api.delete(f"/deployments/{view['deployment_id']}")
+    second = await api.delete(f"/deployments/{view['deployment_id']}")
+    assert (first.status_code, second.status_code) == (202, 202)
+    assert (await api.get(f"/deployments/{view['deployment_id']}")).json()["status"] == \
+        "deleting"
+
+
+async def test_racing_creates_leave_exactly_one_deployment(api: httpx.AsyncClient) -> None:
+    await api.post("/models", json=SIM)
+    results = await asyncio.gather(*(api.post("/deployments", json={"model_id": "sim-a"})
+                                     for _ in range(6)))
+    assert sorted(r.status_code for r in results) == [201] + [409] * 5
+    assert len((await api.get("/deployments")).json()) == 1
