@@ -18,7 +18,7 @@ from temporalio.service import RPCError
 
 from modelkeeper import __version__, temporal_client
 from modelkeeper.catalog import DeploymentView
-from modelkeeper.domain import Event
+from modelkeeper.domain import Event, NewEvent
 from modelkeeper.names import CONTROL_TASK_QUEUE, node_task_queue
 from modelkeeper.nodes import (
     AgentHeartbeat,
@@ -133,6 +133,13 @@ def create_app(settings: Settings) -> FastAPI:
         """An agent (re)registers; the answer says where its worker must poll."""
         check_join_token(authorization)
         await store.register_node(reg)
+        # What it already runs is adopted by each owning deployment's probe, and stopped by
+        # the agent itself if nobody watches it within its orphan grace; logged here so an
+        # operator can see what came back with the node.
+        await store.record_event(NewEvent(
+            kind="node.registered", node_id=reg.node_id,
+            message=f"node {reg.name} registered, running {len(reg.shards)} shard(s)",
+            data={"shards": [r.model_dump(mode="json") for r in reg.shards]}))
         # A node joining is exactly when an unplaceable deployment may now fit.
         await signal_unplaceable(temporal, await store.deployment_ids_with_status(
             DeploymentStatus.CANT_PLACE))

@@ -171,6 +171,8 @@ class Gateway:
             # No pool limit: the engines bound concurrency, and a gateway-side cap would
             # queue requests invisibly instead of counting them as in flight.
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            # Engines set no cookies worth keeping; skipping the jar saves work per request.
+            cookie_jar=aiohttp.DummyCookieJar(),
             timeout=timeout, auto_decompress=False,
             # Nothing of the gateway's own: engines see the client's body, the engine key
             # and a content type, no User-Agent or Accept-Encoding added on the way.
@@ -304,7 +306,10 @@ class Gateway:
             else:
                 await self._completion(path, receive, send)
         elif path == "/v1/models":
-            if not self._authorized(scope):
+            if method != "GET":
+                await self._reply(send, ErrorReply(405, "use GET", "invalid_request_error",
+                                                   "method_not_allowed"))
+            elif not self._authorized(scope):
                 await self._unauthorized(send)
             else:
                 await self._send_json(send, 200, responses.dumps(self._models()))
@@ -312,10 +317,14 @@ class Gateway:
             await self._send(send, 200, self.metrics.render(),
                              [(b"content-type", CONTENT_TYPE.encode())])
         elif path == "/healthz":
+            # 200 even while the store is unreachable: the gateway keeps routing with what
+            # it last read, and a load balancer pulling every gateway during a database
+            # outage would turn it into a full one.
             listening = self.listener is not None and self.listener.connected.is_set()
-            await self._send_json(send, 200 if listening else 503, responses.dumps(
-                {"status": "ok" if listening else "store unreachable",
-                 "models": len(self.table.models)}))
+            await self._send_json(send, 200, responses.dumps({
+                "status": "ok", "store": "listening" if listening else "unreachable",
+                "models": len(self.table.models),
+                "ready_replicas": sum(1 for _ in self.table.endpoints())}))
         else:
             await self._reply(send, ErrorReply(404, f"no route for {path}",
                                                "invalid_request_error", "not_found"))
@@ -336,7 +345,7 @@ class Gateway:
         return False
 
     async def _unauthorized(self, send: Send) -> None:
-        self.metrics.requests.labels(UNKNOWN_MODEL, "401").inc()
+        self.metrics.answered(UNKNOWN_MODEL, 401, 0.0)
         await self._reply(send, responses.unauthorized(
             "Missing or invalid API key: send `Authorization: Bearer <key>` with a key from "
             "`modelkeeper keys create`."))
@@ -398,8 +407,7 @@ class Gateway:
             task.uncancel()
         finally:
             watch.stop()
-        self.metrics.requests.labels(model, str(code)).inc()
-        self.metrics.latency.labels(model).observe(time.perf_counter() - started)
+        self.metrics.answered(model, code, time.perf_counter() - started)
 
     async def _route(self, path: str, body: bytes, entry: ModelRoute, send: Send,
                      started: float) -> int:
@@ -423,7 +431,7 @@ class Gateway:
             endpoint.breaker.begin(now)
             endpoint.in_flight += 1
             endpoint.requests += 1
-            self.metrics.in_flight.labels(model, endpoint.replica_id).inc()
+            self.metrics.in_flight_of(model, endpoint.replica_id).inc()
             verdict: bool | None = None
             settled = False
             try:
@@ -476,7 +484,7 @@ class Gateway:
     def _finish_attempt(self, endpoint: Endpoint, verdict: bool | None) -> None:
         endpoint.in_flight -= 1
         endpoint.last_used = time.time()
-        self.metrics.in_flight.labels(endpoint.model, endpoint.replica_id).dec()
+        self.metrics.in_flight_of(endpoint.model, endpoint.replica_id).dec()
         breaker = endpoint.breaker
         before = breaker.state
         if verdict is True:
@@ -490,8 +498,9 @@ class Gateway:
             log.warning("replica %s of %s: circuit breaker %s", endpoint.replica_id,
                         endpoint.model, breaker.state.name.lower())
 
-    def _upstream_error(self, endpoint: Endpoint, exc: BaseException) -> None:
-        kind = _error_kind(exc)
+    def _upstream_error(self, endpoint: Endpoint, exc: BaseException,
+                        kind: str | None = None) -> None:
+        kind = kind or _error_kind(exc)
         self.metrics.upstream_errors.labels(endpoint.replica_id, kind).inc()
         log.warning("replica %s of %s at %s failed (%s): %s", endpoint.replica_id,
                     endpoint.model, endpoint.url, kind, _describe(exc))
@@ -560,7 +569,7 @@ class Gateway:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, TimeoutError) as exc:
             failure = _describe(exc)
-            self._upstream_error(endpoint, exc)
+            self._upstream_error(endpoint, exc, "stream_cut")
         if not done:
             if failure is None:
                 failure = "the engine ended the stream without [DONE]"
@@ -636,8 +645,7 @@ class Gateway:
     async def _finish_error(self, send: Send, model: str, started: float,
                             reply: ErrorReply) -> None:
         await self._reply(send, reply)
-        self.metrics.requests.labels(model, str(reply.status)).inc()
-        self.metrics.latency.labels(model).observe(time.perf_counter() - started)
+        self.metrics.answered(model, reply.status, time.perf_counter() - started)
 
     async def _reply(self, send: Send, reply: ErrorReply) -> None:
         await self._send(send, reply.status, reply.body(), [*JSON_HEADERS, *reply.headers])

@@ -87,6 +87,9 @@ def uvicorn_config(app: Gateway, settings: Settings) -> uvicorn.Config:
         # OpenAI clients keep connections open between requests; closing them after 5 s
         # idle (uvicorn's default) would make them reconnect all the time.
         timeout_keep_alive=75, backlog=2048,
+        # Client addresses are not used, so X-Forwarded-For need not be parsed per request;
+        # and no Server header advertising the software.
+        proxy_headers=False, server_header=False,
         # On SIGTERM, streams in progress get this long to finish before they are cut.
         timeout_graceful_shutdown=30,
     )
@@ -159,6 +162,10 @@ def _supervise(settings: Settings, secret: bytes) -> int:
     try:
         while not stopping:
             time.sleep(0.2)
+            if stopping:
+                # A signal to the whole group reaches the workers too; their exits are
+                # part of stopping, not failures to restart.
+                break
             for index, (process, started) in enumerate(workers):
                 if process.is_alive():
                     continue

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -291,7 +291,10 @@ async def run(args: argparse.Namespace) -> str:
             sim_port = free_port()
             sim = start("sim", [sys.executable, "-m", "agent.engines.sim_server", "--host", HOST,
                                 "--port", str(sim_port), "--model", MODEL,
-                                "--log-level", "WARNING"], {API_KEY_ENV: engine_key}, logs)
+                                "--log-level", "WARNING"],
+                        # A data dir of its own tells test clean-ups (which kill leftover
+                        # engines by environment) that this engine is not theirs.
+                        {API_KEY_ENV: engine_key, "MODELKEEPER_DATA_DIR": str(logs)}, logs)
             started.append(sim)
             engine_url = f"http://{HOST}:{sim_port}"
             direct_headers = {"Authorization": f"Bearer {engine_key}"}
@@ -299,7 +302,7 @@ async def run(args: argparse.Namespace) -> str:
             await add_route(db_url, engine_url)
 
             direct = Target("direct to the sim engine", sim_port, direct_headers, [sim])
-            builders = [
+            builders: list[Callable[[], Target]] = [
                 lambda: gateway_target("modelkeeper gateway (1 worker)", 1, db_url, key, logs),
                 lambda: uvicorn_target(
                     "bare Starlette + httpx passthrough", "bench.gateway.passthroughs:"

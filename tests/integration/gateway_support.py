@@ -67,7 +67,10 @@ def launch_sim(tmp_path: Path, replica_id: str, model: str, *flags: str,
     port = port or free_port()
     argv = [sys.executable, "-m", "agent.engines.sim_server", "--host", HOST,
             "--port", str(port), "--model", model, "--log-level", "INFO", *flags]
-    env = {**os.environ, API_KEY_ENV: derive_engine_key(SECRET, replica_id)}
+    # MODELKEEPER_DATA_DIR marks the sim as this test's: other tests' clean-ups kill
+    # leftover engines by their environment, and must be able to tell ours apart.
+    env = {**os.environ, API_KEY_ENV: derive_engine_key(SECRET, replica_id),
+           "MODELKEEPER_DATA_DIR": str(tmp_path)}
     process = ManagedProcess(f"sim-{replica_id}", argv, tmp_path / f"sim-{replica_id}.log",
                              env=env)
     process.start()

@@ -146,8 +146,9 @@ async def test_stream_cut_midway_ends_with_an_error_event_and_done(
             return tokens, None
 
         raw, (tokens, sdk_error) = await asyncio.gather(raw_stream(), sdk_stream())
-        # Least-outstanding routing put the two streams on different replicas.
-        assert one.process.poll() is not None and two.process.poll() is not None
+        # Least-outstanding routing put the two streams on different replicas: both crashed.
+        await until(lambda: one.process.poll() is not None and two.process.poll() is not None,
+                    timeout=5, what="both sims to have crashed")
 
         events = [e for e in raw.split("\n\n") if e]
         assert len(events) > 5, "tokens flowed before the cut"
@@ -158,6 +159,10 @@ async def test_stream_cut_midway_ends_with_an_error_event_and_done(
         assert 0 < len(tokens) < 100
         assert isinstance(sdk_error, openai.APIError), "the SDK must see an error, not an end"
         assert "cut midway" in str(sdk_error)
+        text = (await http.get(server.url + "/metrics")).text
+        for replica in ("r-c1", "r-c2"):
+            assert metric(text, "modelkeeper_gateway_upstream_errors_total", replica=replica,
+                          kind="stream_cut") == 1
 
 
 async def test_client_that_leaves_cancels_its_upstream_request(
@@ -170,16 +175,15 @@ async def test_client_that_leaves_cancels_its_upstream_request(
         endpoint = server.gateway.table.models[MODEL].endpoints[0]
 
         # A stream: read two events, then hang up (a 10-second stream).
-        async with httpx.AsyncClient(timeout=30) as http:
-            async with http.stream("POST", server.url + "/v1/completions", json={
-                    "model": MODEL, "prompt": "x", "max_tokens": 100, "stream": True}) as resp:
-                lines = resp.aiter_lines()
-                seen = 0
-                async for line in lines:
-                    seen += line.startswith("data:")
-                    if seen == 2:
-                        break
-                assert endpoint.in_flight == 1
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 100, "stream": True}
+        async with httpx.AsyncClient(timeout=30) as http, \
+                http.stream("POST", server.url + "/v1/completions", json=body) as resp:
+            seen = 0
+            async for line in resp.aiter_lines():
+                seen += line.startswith("data:")
+                if seen == 2:
+                    break
+            assert endpoint.in_flight == 1
         left = time.monotonic()
         await until(lambda: endpoint.in_flight == 0, timeout=3, what="upstream cancelled")
         assert time.monotonic() - left < 3

@@ -123,7 +123,9 @@ async def test_no_ready_replica_waits_then_503_with_retry_after_and_reason(
 async def test_parked_or_unplaceable_is_answered_at_once_with_why(
         database_url: str, db: asyncpg.Connection, status: str, field: str, reason: str,
         code: str) -> None:
-    await add_deployment(db, "stuck", status=status, consecutive_failures=5, **{field: reason})
+    await add_deployment(db, "stuck", status=status, consecutive_failures=5,
+                         placement_error=reason if field == "placement_error" else None,
+                         last_failure=reason if field == "last_failure" else None)
     async with running_gateway(database_url, gateway_wait_for_replica_s=10) as server, \
             httpx.AsyncClient() as http:
         started = time.monotonic()

@@ -123,6 +123,11 @@ def test_ties_are_spread_round_robin() -> None:
     assert [e.replica_id for e in picked if e] == ["a", "b", "c", "a", "b", "c"]
 
 
+def state(breaker: Breaker) -> BreakerState:
+    """The state, read through a call so type checkers do not narrow it between steps."""
+    return breaker.state
+
+
 def test_breaker_opens_allows_one_trial_and_backs_off() -> None:
     breaker = Breaker(failures_to_open=3, open_s=1.0, max_open_s=3.0)
     breaker.failure(0.0)
@@ -131,16 +136,16 @@ def test_breaker_opens_allows_one_trial_and_backs_off() -> None:
         breaker.failure(0.0)
     assert breaker.state is BreakerState.CLOSED, "failures must be in a row"
     breaker.failure(10.0)
-    assert breaker.state is BreakerState.OPEN and breaker.next_trial_at() == 11.0
+    assert state(breaker) is BreakerState.OPEN and breaker.next_trial_at() == 11.0
     assert not breaker.allows(10.5)
     breaker.begin(10.5)  # not due: no trial starts
-    assert breaker.state is BreakerState.OPEN
+    assert state(breaker) is BreakerState.OPEN
     assert breaker.allows(11.0)
     breaker.begin(11.0)
-    assert breaker.state is BreakerState.HALF_OPEN
+    assert state(breaker) is BreakerState.HALF_OPEN
     assert not breaker.allows(11.0), "only one trial at a time"
     breaker.failure(11.1)
-    assert breaker.state is BreakerState.OPEN and breaker.opened_until == pytest.approx(13.1)
+    assert state(breaker) is BreakerState.OPEN and breaker.opened_until == pytest.approx(13.1)
     breaker.begin(13.1)
     breaker.failure(13.2)
     assert breaker.opened_until == pytest.approx(16.2), "capped at max_open_s"
@@ -149,7 +154,7 @@ def test_breaker_opens_allows_one_trial_and_backs_off() -> None:
     assert breaker.allows(16.3)
     breaker.begin(16.3)
     breaker.success()
-    assert breaker.state is BreakerState.CLOSED and breaker.failures == 0
+    assert state(breaker) is BreakerState.CLOSED and breaker.failures == 0
     for _ in range(3):
         breaker.failure(20.0)
     assert breaker.opened_until == 21.0, "a success resets the back-off"
