@@ -15,8 +15,10 @@ same lean load generator (:mod:`bench.gateway.loadgen`):
 * streaming: 64-token streams, one at a time: what the proxy adds per chunk.
 
 ``--stacks`` also measures raw-ASGI passthroughs on different servers and clients (how
-the gateway's stack was chosen); ``--litellm PYTHON`` adds LiteLLM's proxy, run with the
-interpreter of a virtual environment where ``litellm[proxy]`` is installed.
+the gateway's stack was chosen; the granian row only where ``granian`` is installed, e.g.
+``pip install granian==2.8.9``, which the project does not depend on); ``--litellm PYTHON``
+adds LiteLLM's proxy, run with the interpreter of a virtual environment where
+``litellm[proxy]`` is installed (it took 83 s to install here).
 
 The whole machine is shared: the load generator, the engine and the proxy all run on
 the same (2) cores, as they would on a small node. Numbers are for comparison within
@@ -146,14 +148,19 @@ async def measure(target: Target, duration: float, concurrencies: Sequence[int])
             target.results["rate_max_c"] = concurrency
             target.results["cpu_us_per_req"] = cpu / len(result.samples) * 1e6
 
+    before = target.cpu_seconds()
     streamed = await loadgen.run(HOST, target.port, stream, concurrency=1,
                                  duration_s=duration)
+    cpu = target.cpu_seconds() - before
     _check(target, streamed)
     events = statistics.median(s.events for s in streamed.samples)
     target.results.update(
         stream_p50_ms=percentile([s.total_s for s in streamed.samples], 0.5) * 1e3,
         stream_ttfb_ms=percentile([s.first_byte_s for s in streamed.samples], 0.5) * 1e3,
-        stream_events=events)
+        stream_events=events,
+        # The proxy's CPU per relayed event: what each chunk costs it, however the
+        # chunks happen to be coalesced on the way.
+        cpu_us_per_chunk=cpu / max(1, sum(s.events for s in streamed.samples)) * 1e6)
 
 
 def _check(target: Target, result: loadgen.Result) -> None:
@@ -241,7 +248,9 @@ def litellm_target(python: str, engine_url: str, engine_key: str, logs: Path) ->
     version = subprocess.run([python, "-c", "import importlib.metadata as m;"
                               "print(m.version('litellm'))"], capture_output=True, text=True,
                              check=False).stdout.strip()
-    return Target(f"LiteLLM {version} proxy", port, headers, [proc])
+    return Target(f"LiteLLM {version} proxy", port, headers, [proc],
+                  "`pip install 'litellm[proxy]'` in a venv of its own; one worker, "
+                  "LITELLM_MASTER_KEY set, LITELLM_LOCAL_MODEL_COST_MAP=True")
 
 
 def render(targets: list[Target], direct: Target, command: str, duration: float) -> str:
@@ -255,8 +264,9 @@ def render(targets: list[Target], direct: Target, command: str, duration: float)
         "generator, the zero-latency sim engine and the proxy share the machine's cores.",
         "",
         "| | p50 | p99 | added p50 | added p99 | req/s (1 conn) | max req/s (conns) "
-        "| server CPU per request | 64-token stream p50 | added per chunk |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| server CPU per request | 64-token stream p50 | stream: first byte "
+        "| stream: added per chunk | stream: server CPU per chunk |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in targets:
         r = t.results
@@ -270,8 +280,17 @@ def render(targets: list[Target], direct: Target, command: str, duration: float)
             f"| {t.name} | {r['p50_ms']:.3f} ms | {r['p99_ms']:.3f} ms | {added[0]} | "
             f"{added[1]} | {r['rate_c1']:,.0f} | {r['rate_max']:,.0f} ({r['rate_max_c']:.0f}) | "
             f"{r['cpu_us_per_req']:,.0f} µs | {r['stream_p50_ms']:.2f} ms "
-            f"({r['stream_events']:.0f} events) | {added[2]} |")
-    notes = [f"- {t.name}: {t.note}" for t in targets if t.note]
+            f"({r['stream_events']:.0f} events) | {r['stream_ttfb_ms']:.2f} ms | {added[2]} | "
+            f"{r['cpu_us_per_chunk']:.1f} µs |")
+    notes = [
+        f"- {direct.name}: `python -m agent.engines.sim_server`, zero latency; the client "
+        "sends its engine key itself.",
+        "- modelkeeper gateway: `modelkeeper gateway` with client auth on (a key from the "
+        "store), routing from PostgreSQL, metrics and usage as in production.",
+        "- added per chunk: (stream p50 through the proxy - direct) / events. A proxy that "
+        "relays while the engine still writes hides its cost here; the CPU column shows it.",
+        *(f"- {t.name}: {t.note}" for t in targets if t.note),
+    ]
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n"
