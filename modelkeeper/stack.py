@@ -48,6 +48,7 @@ class PortUse:
 
 PORTS = [
     PortUse("the API", "api_port", "--api-port"),
+    PortUse("the gateway", "gateway_port", "--gateway-port"),
     PortUse("PostgreSQL", "postgres_port", "--postgres-port"),
     PortUse("Temporal", "temporal_port", "--temporal-port"),
     PortUse("the Temporal web UI", "temporal_ui_port", "--temporal-ui-port"),
@@ -80,6 +81,9 @@ def component_env(settings: Settings, database_url: str) -> dict[str, str]:
         "MODELKEEPER_ENGINE_KEY_SECRET": settings.engine_key_secret
         or settings.engine_key_secret_file.read_text().strip(),
         "MODELKEEPER_AGENT_STOP_ENGINES_ON_EXIT": "true",
+        # Local use: the gateway serves without client keys, and says so loudly (its log,
+        # and the banner). Production sets MODELKEEPER_GATEWAY_AUTH=true and issues keys.
+        "MODELKEEPER_GATEWAY_AUTH": "false",
         "MODELKEEPER_DATA_DIR": str(settings.data_dir),
         "MODELKEEPER_BIND_HOST": settings.bind_host,
         "MODELKEEPER_API_PORT": str(settings.api_port),
@@ -160,6 +164,16 @@ def _node_registered(api_url: str, agent_dir: Path) -> Callable[[], bool]:
     return ready
 
 
+def _http_ok(url: str) -> Callable[[], bool]:
+    def ready() -> bool:
+        try:
+            return httpx.get(url, timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return ready
+
+
 def _api_ready(url: str) -> Callable[[], bool]:
     def ready() -> bool:
         try:
@@ -210,12 +224,19 @@ class Stack:
         api_url = f"http://{s.bind_host}:{s.api_port}"
         api.wait_until(_api_ready(f"{api_url}/healthz"), timeout=90, interval=0.2)
 
+        gateway = ManagedProcess("gateway", [sys.executable, "-m", "modelkeeper", "gateway"],
+                                 s.log_dir / "gateway.log", env=env)
+        gateway.start()
+        self.processes.append(gateway)
+
         # One local agent for this machine, in its own folder of the data dir.
         agent = ManagedProcess("agent", [sys.executable, "-m", "modelkeeper", "agent"],
                                s.log_dir / "agent.log", env=env)
         agent.start()
         self.processes.append(agent)
         agent.wait_until(_node_registered(api_url, s.agent_dir), timeout=60, interval=0.2)
+        gateway.wait_until(_http_ok(f"http://{s.bind_host}:{s.gateway_port}/healthz"),
+                           timeout=60, interval=0.2)
         log.info("stack ready in %.1fs", time.monotonic() - t0)
         if self.demo:
             self.demo_status = deploy_demo(api_url, s.data_dir / ".demo-deployed")
@@ -236,6 +257,8 @@ def banner(settings: Settings, demo_status: str = "") -> str:
     h = settings.bind_host
     lines = [
         "modelkeeper is up.",
+        f"  gateway        http://{h}:{settings.gateway_port}/v1   (OpenAI-compatible; "
+        "AUTH OFF for local use: anyone who can reach this port is served)",
         f"  API            http://{h}:{settings.api_port}   (OpenAPI docs: "
         f"http://{h}:{settings.api_port}/docs)",
         f"  Temporal UI    http://{h}:{settings.temporal_ui_port}",

@@ -5,6 +5,7 @@ replica, watch it move, delete, and check nothing comes back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -91,18 +92,19 @@ class Stack:
         self.stop_worker.set()
         await asyncio.wait_for(asyncio.gather(self.server_task, self.worker), 30)
         await self.http.aclose()
-        # Engines outlive their agents by design; the test owns their cleanup.
+        # Engines outlive their agents by design; the test owns their cleanup. Only engines
+        # of this test's agents: other tests' engines may be running beside it.
+        ours = {(self.tmp / name / "agent" / "node_id").read_text().strip()
+                for name in self.agents
+                if (self.tmp / name / "agent" / "node_id").exists()}
         for proc in psutil.process_iter(["pid"]):
             try:
-                env = proc.environ()
+                node = proc.environ().get("MODELKEEPER_NODE_ID")
             except psutil.Error:
                 continue
-            if env.get("MODELKEEPER_ENGINE_API_KEY", "").startswith("mk-") and \
-                    str(self.tmp) in env.get("MODELKEEPER_DATA_DIR", str(self.tmp)):
-                try:
+            if node in ours:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    continue
 
 
 async def until(check: Any, timeout: float = 60, interval: float = 0.1) -> Any:

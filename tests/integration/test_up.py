@@ -100,10 +100,18 @@ def test_up_serves_persists_and_stops_cleanly(up: Up) -> None:
     assert f"{api}/docs" in banner
     assert f"http://127.0.0.1:{up.ports['temporal-ui']}" in banner
 
-    # The demo model is deployed on a fresh install and served by real llama.cpp.
+    # The demo model is deployed on a fresh install and served by real llama.cpp, through
+    # the gateway, exactly as the README's quick start asks it.
     assert "demo model     smollm2-135m: serving" in banner, banner + up.logs()
     [demo] = httpx.get(f"{api}/deployments", timeout=5).json()
     assert (demo["model_id"], demo["ready_replicas"]) == ("smollm2-135m", 1)
+    assert "AUTH OFF" in banner
+    answer = httpx.post(
+        f"http://127.0.0.1:{up.ports['gateway']}/v1/chat/completions", timeout=60,
+        json={"model": "smollm2-135m", "max_tokens": 16,
+              "messages": [{"role": "user", "content": "hi"}]})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"]
 
     health = httpx.get(f"{api}/healthz", timeout=5).json()
     assert health["status"] == "ok" and health["control_workers"] >= 1
