@@ -25,9 +25,9 @@ import aiohttp
 import asyncpg
 
 from agent.keys import derive_engine_key
+from modelkeeper.names import API_KEYS_CHANNEL
 from modelkeeper.settings import Settings
 from modelkeeper.store.routing import (
-    API_KEYS_CHANNEL,
     GATEWAY_CHANNELS,
     ChangeListener,
     DeploymentRoute,

@@ -30,6 +30,8 @@ def deployment_workflow_id(deployment_id: DeploymentId) -> str:
 #: PostgreSQL NOTIFY channels (see migration 0002); payload is a deployment id.
 REPLICAS_CHANNEL = "modelkeeper_replicas"
 DEPLOYMENTS_CHANNEL = "modelkeeper_deployments"
+#: NOTIFY channel for client API key changes (migration 0003); payload is a key prefix.
+API_KEYS_CHANNEL = "modelkeeper_api_keys"
 
 #: Signals, updates and queries of DeploymentWorkflow, by name, for senders that do not
 #: import the workflow class (the API and the store activities).

@@ -1,5 +1,6 @@
-"""The PostgreSQL store. :mod:`modelkeeper.store.store` is the only module that holds SQL
-besides the versioned migrations in ``migrations/``."""
+"""The PostgreSQL store. :mod:`modelkeeper.store.store` (the control plane's queries) and
+:mod:`modelkeeper.store.routing` (the gateway's reads, keys and usage) are the only modules
+that hold SQL, besides the versioned migrations in ``migrations/``."""
 
 from .store import MIGRATIONS_DIR, Migration, Store, load_migrations
 

@@ -19,14 +19,11 @@ from typing import Self
 
 import asyncpg
 
-from ..names import DEPLOYMENTS_CHANNEL, REPLICAS_CHANNEL
+from ..names import API_KEYS_CHANNEL, DEPLOYMENTS_CHANNEL, REPLICAS_CHANNEL
 from ..status import ROUTABLE_STATES
 from .store import Store
 
 log = logging.getLogger(__name__)
-
-#: NOTIFY channel of migration 0003: an API key was created, revoked or deleted.
-API_KEYS_CHANNEL = "modelkeeper_api_keys"
 
 #: Client API keys look like ``mkc-`` + 43 URL-safe characters (256 random bits).
 CLIENT_KEY_PREFIX = "mkc-"
