@@ -66,6 +66,8 @@ class Replica(Frozen):
     probe_in_flight: bool = False
     next_probe_at: datetime | None = None
     stop_reason: str | None = None
+    #: Scaled away while its placement was in flight: stopped as soon as it lands.
+    retiring: bool = False
 
 
 class DeploymentSpec(Frozen):
@@ -101,7 +103,11 @@ class KeeperState(Frozen):
     next_replica_seq: int = 1
     consecutive_failures: int = 0
     last_failure: str | None = None
+    #: Failed-start backoff: no placement before this. Node changes do not shorten it.
     next_attempt_at: datetime | None = None
+    #: After cant_place or a crashed placement: retry at this time, or sooner when the
+    #: nodes change.
+    placement_retry_at: datetime | None = None
     placement_error: str | None = None
     parked: bool = False
     deleting: bool = False
@@ -322,10 +328,13 @@ def _observe(state: KeeperState, obs: Observation, now: datetime, config: Keeper
         if replica.phase is not Phase.PLACING:
             return state
         placed = replica.model_copy(update={"phase": Phase.STARTING, "nodes": obs.nodes})
-        state = _replace(state, placed).model_copy(update={"placement_error": None})
+        state = _replace(state, placed).model_copy(update={"placement_error": None,
+                                                           "placement_retry_at": None})
         if state.deleting:
             # The deletion arrived while this placement was on its way: undo it now.
             return _stop(state, placed, "deployment deleted", actions)
+        if replica.retiring:
+            return _stop(state, placed, "scaled down", actions)
         actions.append(StartReplica(replica_id=replica.replica_id))
         return state
     if isinstance(obs, CantPlace):
@@ -333,13 +342,13 @@ def _observe(state: KeeperState, obs: Observation, now: datetime, config: Keeper
             return state
         return _drop(state, replica.replica_id).model_copy(update={
             "placement_error": obs.reason,
-            "next_attempt_at": now + timedelta(seconds=config.cant_place_retry_s)})
+            "placement_retry_at": now + timedelta(seconds=config.cant_place_retry_s)})
     if isinstance(obs, PlacementCrashed):
         if replica.phase is not Phase.PLACING:
             return state
         return _drop(state, replica.replica_id).model_copy(update={
             "last_failure": f"placement failed: {obs.error}",
-            "next_attempt_at": now + timedelta(seconds=config.cant_place_retry_s)})
+            "placement_retry_at": now + timedelta(seconds=config.cant_place_retry_s)})
     if isinstance(obs, Started):
         if replica.phase is not Phase.STARTING:
             return state
@@ -383,6 +392,10 @@ def _observe(state: KeeperState, obs: Observation, now: datetime, config: Keeper
             "probe_in_flight": False,
             "next_probe_at": now + timedelta(seconds=config.probe_interval_s)}))
     if isinstance(obs, Stopped):
+        if replica.phase is not Phase.STOPPING:
+            # Only a stop we asked for ends a replica: forgetting a placed or running one
+            # would leak its claim or its engine.
+            return state
         return _drop(state, replica.replica_id)
     raise AssertionError(f"unhandled observation {obs!r}")
 
@@ -390,9 +403,8 @@ def _observe(state: KeeperState, obs: Observation, now: datetime, config: Keeper
 def _observe_deployment(state: KeeperState,
                         obs: Tick | NodesChanged | Scale | Retry | Delete) -> KeeperState:
     if isinstance(obs, NodesChanged):
-        if state.placement_error is not None:
-            return state.model_copy(update={"next_attempt_at": None})
-        return state
+        # Retry an unplaceable deployment now; a failed-start backoff still holds.
+        return state.model_copy(update={"placement_retry_at": None})
     if isinstance(obs, Scale):
         # A spec change un-parks: the operator has acted on the deployment.
         return state.model_copy(update={
@@ -401,7 +413,7 @@ def _observe_deployment(state: KeeperState,
             state.consecutive_failures})
     if isinstance(obs, Retry):
         return state.model_copy(update={"parked": False, "consecutive_failures": 0,
-                                        "next_attempt_at": None})
+                                        "next_attempt_at": None, "placement_retry_at": None})
     if isinstance(obs, Delete):
         return state.model_copy(update={"deleting": True})
     return state
@@ -436,27 +448,51 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
             actions.append(ProbeReplica(replica_id=replica.replica_id))
             state = _replace(state, replica.model_copy(update={"probe_in_flight": True}))
 
-    live = [r for r in state.replicas if r.phase in LIVE_PHASES]
+    live = _live(state)
     desired = state.spec.replicas
     if len(live) > desired:
-        # Retire the least useful first: not yet serving, then unreachable, then newest.
-        order = {Phase.STARTING: 0, Phase.UNREACHABLE: 1, Phase.READY: 2}
-        candidates = [r for r in live if r.phase is not Phase.PLACING]
-        candidates.sort(key=lambda r: (order[r.phase], -_seq(r.replica_id)))
+        # Retire the least useful first: not yet placed, not yet serving, unreachable,
+        # then the newest ready one.
+        order = {Phase.PLACING: 0, Phase.STARTING: 1, Phase.UNREACHABLE: 2, Phase.READY: 3}
+        candidates = sorted(live, key=lambda r: (order[r.phase], -_seq(r.replica_id)))
         for replica in candidates[: len(live) - desired]:
-            state = _stop(state, replica, "scaled down", actions)
+            if replica.phase is Phase.PLACING:
+                # Its placement is in flight: stop it when it lands (see Placed).
+                state = _replace(state, replica.model_copy(update={"retiring": True}))
+            else:
+                state = _stop(state, replica, "scaled down", actions)
     elif len(live) < desired and not state.parked:
+        retiring = [r for r in state.replicas if r.retiring]
+        if retiring:
+            # Wanted again (a scale-up, or a replica lost) while its placement is still in
+            # flight: keep it rather than stop it on landing and place another.
+            return _replace(state, retiring[0].model_copy(update={"retiring": False}))
         placing = any(r.phase is Phase.PLACING for r in state.replicas)
-        due = state.next_attempt_at is None or now >= state.next_attempt_at
-        if not placing and due:
+        if not placing and _placement_due(state, now):
             replica_id = ReplicaId(f"{state.spec.deployment_id}-r{state.next_replica_seq}")
             actions.append(PlaceReplica(replica_id=replica_id))
             state = state.model_copy(update={
                 "replicas": [*state.replicas, Replica(replica_id=replica_id,
                                                       phase=Phase.PLACING)],
                 "next_replica_seq": state.next_replica_seq + 1,
-                "next_attempt_at": None})
+                "next_attempt_at": None, "placement_retry_at": None})
     return state
+
+
+def _live(state: KeeperState) -> list[Replica]:
+    """Replicas that count toward the desired number."""
+    return [r for r in state.replicas if r.phase in LIVE_PHASES and not r.retiring]
+
+
+def _next_attempt(state: KeeperState) -> datetime | None:
+    """The earliest time a new placement may start (both timers must have passed)."""
+    times = [t for t in (state.next_attempt_at, state.placement_retry_at) if t is not None]
+    return max(times) if times else None
+
+
+def _placement_due(state: KeeperState, now: datetime) -> bool:
+    due = _next_attempt(state)
+    return due is None or now >= due
 
 
 def _seq(replica_id: ReplicaId) -> int:
@@ -496,10 +532,10 @@ def resume(state: KeeperState) -> list[Action]:
 def next_wake(state: KeeperState, config: KeeperConfig) -> datetime | None:
     """When the keeper must be stepped again with a Tick if nothing else happens."""
     times: list[datetime] = []
-    live = sum(1 for r in state.replicas if r.phase in LIVE_PHASES)
-    if (state.next_attempt_at is not None and live < state.spec.replicas
+    attempt = _next_attempt(state)
+    if (attempt is not None and len(_live(state)) < state.spec.replicas
             and not state.parked and not state.deleting):
-        times.append(state.next_attempt_at)
+        times.append(attempt)
     for r in state.replicas:
         if r.phase is Phase.UNREACHABLE and r.unreachable_since is not None:
             times.append(r.unreachable_since + timedelta(seconds=config.lost_after_s))

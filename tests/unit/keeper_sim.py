@@ -79,7 +79,7 @@ from modelkeeper.units import GIB
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 #: Scale-down retires the least useful first: not yet serving, then unreachable, then ready.
-RETIRE_ORDER = {Phase.STARTING: 0, Phase.UNREACHABLE: 1, Phase.READY: 2}
+RETIRE_ORDER = {Phase.PLACING: -1, Phase.STARTING: 0, Phase.UNREACHABLE: 1, Phase.READY: 2}
 
 
 class InvariantError(AssertionError):
@@ -96,7 +96,9 @@ def seq(replica_id: str) -> int:
 
 
 def live(state: KeeperState) -> list[keeper.Replica]:
-    return [r for r in state.replicas if r.phase in LIVE_PHASES]
+    # A replica scaled away while its placement was in flight is already on its way out
+    # (it is stopped the moment it lands), like a STOPPING one.
+    return [r for r in state.replicas if r.phase in LIVE_PHASES and not r.retiring]
 
 
 def count(state: KeeperState, *phases: Phase) -> int:
@@ -227,7 +229,7 @@ def check_step(before: KeeperState, obs: Observation, after: KeeperState,
     # than one retired.
     retired = [old[a.replica_id] for a in actions
                if isinstance(a, StopReplica) and a.reason == "scaled down"]
-    kept = [r for r in after.replicas if r.phase in RETIRE_ORDER]
+    kept = [r for r in after.replicas if r.phase in RETIRE_ORDER and not r.retiring]
     for gone in retired:
         for r in kept:
             if (RETIRE_ORDER[r.phase], -seq(r.replica_id)) < (
@@ -687,7 +689,10 @@ class Sim:
                           f"{self.claims[rid].node_ids}")
             placing = count(state, Phase.PLACING)
             stopping = count(state, Phase.STOPPING)
-            if len(held) > max(state.spec.replicas, placing) + stopping:
+            # A placement still in flight when scaled away may land (and claim) before it
+            # is stopped: it counts like a stopping one.
+            retiring = sum(1 for r in state.replicas if r.retiring)
+            if len(held) > max(state.spec.replicas, placing) + stopping + retiring:
                 _fail(f"{where}: {dep_id} holds {len(held)} claims, spec "
                       f"{state.spec.replicas}, {stopping} stopping")
             if count(state, Phase.READY) > state.spec.replicas:

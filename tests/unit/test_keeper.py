@@ -307,3 +307,22 @@ def test_state_does_not_grow_over_many_failures() -> None:
         k.step(Stopped(replica_id=rid(n)))
     assert len(k.state.replicas) == 1
     assert len(k.state.model_dump_json()) < 2000
+
+
+def test_scaled_away_placement_is_stopped_on_landing_or_kept_if_wanted_again() -> None:
+    k = Stepper(replicas=2)
+    k.step()
+    k.serve("d-r1")  # r2's placement is now in flight
+    assert k.step(Scale(replicas=1)) == []  # the serving replica is kept
+    assert k.state.replicas[1].retiring
+    assert k.step(Placed(replica_id=rid(2), nodes=[NodeId("b")])) == [
+        StopReplica(replica_id=rid(2), reason="scaled down")]
+    # Same again, but the serving one dies before the placement lands: keep the new one.
+    k.step(Stopped(replica_id=rid(2)))
+    k.step(Scale(replicas=2))
+    k.step(Scale(replicas=1))
+    assert k.state.replicas[-1].retiring
+    k.step(Exited(replica_id=rid(1), detail="crash"))
+    assert not k.state.replicas[-1].retiring
+    assert k.step(Placed(replica_id=rid(3), nodes=[NodeId("b")])) == [
+        StartReplica(replica_id=rid(3))]

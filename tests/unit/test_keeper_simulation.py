@@ -14,7 +14,9 @@ exactly its replicas and nothing is left over (``Sim.check_settled``).
 
 Then a property test feeds decide random observations (garbage ids, late and duplicate
 results) and checks the same invariants, and that next_wake announces everything that
-comes due; and two known bugs, each pinned by a strict xfail.
+comes due; and regression tests for three keeper bugs these simulations found (scale-down
+stopping a serving replica over one still placing, a node change skipping a failed-start
+backoff, a stray Stopped making the keeper forget a live replica).
 """
 
 from __future__ import annotations
@@ -264,7 +266,7 @@ def results(rid: ReplicaId) -> list[st.SearchStrategy[Observation]]:
 def about(rid: ReplicaId, stopped: bool = True) -> st.SearchStrategy[Observation]:
     """Any result that may arrive for ``rid``, fitting its phase or not. ``Stopped`` only
     where a stop was asked for (or the replica is gone): the workflow sends it for nothing
-    else (see the xfail below for what a stray one would do)."""
+    else (a stray one is covered by its own regression test below)."""
     every_kind = results(rid)
     return st.one_of(every_kind if stopped else every_kind[:-1])
 
@@ -418,10 +420,6 @@ def test_parked_deployment_is_not_unparked_by_node_changes() -> None:
 # -- known bugs ------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "keeper bug: scale-down never retires a PLACING replica, so with one ready and one "
-    "placing, Scale(1) stops the ready one (the docstring says not-yet-serving goes first): "
-    "the deployment stops serving until the new placement starts"))
 def test_scale_down_keeps_the_serving_replica_over_one_still_placing() -> None:
     state, acts = run([(0, Tick()), (0, Placed(replica_id=r(1), nodes=[NodeId("a")])),
                        (1, Started(replica_id=r(1), endpoint="http://e")),
@@ -430,11 +428,6 @@ def test_scale_down_keeps_the_serving_replica_over_one_still_placing() -> None:
     assert [x.phase for x in state.replicas if x.replica_id == r(1)] == [Phase.READY]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "keeper bug: NodesChanged clears next_attempt_at whenever placement_error is set, even "
-    "when next_attempt_at holds a failed-start backoff; with a second replica that cannot "
-    "be placed, the failed replica's own stop (memory freed -> NodesChanged) re-places at "
-    "once, so a crash-looping replica gets no backoff"))
 def test_node_change_with_a_cant_place_reason_does_not_skip_a_failure_backoff() -> None:
     state, acts = run([(0, Tick()), (0, Placed(replica_id=r(1), nodes=[NodeId("a")])),
                        (1, CantPlace(replica_id=r(2), reason="full")),
@@ -445,11 +438,6 @@ def test_node_change_with_a_cant_place_reason_does_not_skip_a_failure_backoff() 
     assert acts[-1] == []  # the 10 s backoff from t=2 is not over
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "keeper robustness gap: Stopped is the one replica result decide applies in any "
-    "phase; a stray Stopped for a PLACING or READY replica makes the keeper forget it, "
-    "and the claim made by its placement (or its running engine) leaks. The workflow "
-    "only sends Stopped after a StopReplica, so this is unreachable today"))
 def test_a_stopped_for_a_replica_that_was_not_stopping_changes_nothing() -> None:
     state, _ = run([(0, Tick())])
     after, actions = decide(state, Stopped(replica_id=r(1)), T0, KeeperConfig())
