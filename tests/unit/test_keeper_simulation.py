@@ -63,9 +63,11 @@ from .keeper_sim import (
     Knobs,
     Model,
     Sim,
+    check_no_spin,
     check_state,
     check_step,
     check_wake,
+    unretired_a_stopping,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -170,7 +172,7 @@ def test_four_hours_of_replica_and_node_loss(seed: int) -> None:
     # It really was chaos: every kind of fault, many replacements, adoptions and losses.
     s = sim.stats
     assert s.faults["engine_killed"] > 50 and s.faults["node_crashed"] > 10
-    assert s.faults["node_cut_off"] > 10
+    assert s.faults["node_cut_off"] > 5 and s.lost > 100 and s.adopted > 3
     assert s.exited > 30 and s.silent > 20 and s.start_failed > 20 and s.cant_place > 300
     # The one that never fits kept trying: every cant_place_retry_s at least, and never
     # more often than that plus once per node change.
@@ -311,6 +313,7 @@ def test_random_observations_keep_the_invariants(
     now = T0
     finishes = 0
     seen: list[ReplicaId] = []
+    before = state
     for i in range(n_steps):
         mine = [r.replica_id for r in state.replicas]
         target = data.draw(st.sampled_from(["mine", "mine", "mine", "gone", "garbage", "dep"]))
@@ -335,10 +338,12 @@ def test_random_observations_keep_the_invariants(
             assert (after, actions) == decide(state, Tick(), now, CONFIG, jitter), where
         finishes += sum(1 for a in actions if a.kind == "finish")
         seen += [r.replica_id for r in after.replicas if r.replica_id not in seen]
-        state = after
+        before, state = state, after
         peek = data.draw(st.sampled_from([0.0, 1.0, 9.0, 14.9, 15.0, 29.0, 61.0]))
-        check_wake(state, CONFIG, now + timedelta(seconds=peek), where)
-        check_wake(state, CONFIG, now + timedelta(days=1), where)
+        check_no_spin(state, now, CONFIG, where)
+        if not unretired_a_stopping(before, state):  # the known stall: see its xfail
+            check_wake(state, CONFIG, now + timedelta(seconds=peek), where)
+            check_wake(state, CONFIG, now + timedelta(days=1), where)
     assert finishes <= 1
     check_state(state)
 
@@ -417,6 +422,42 @@ def test_parked_deployment_is_not_unparked_by_node_changes() -> None:
     assert state.parked and acts[-1] == [] and acts[-2] == []
 
 
+def test_a_ready_replica_lost_during_a_failed_start_backoff_is_replaced_at_once() -> None:
+    """The backoff is for replicas that never served: losing one that did resets it, even
+    while another replica's failed start is backing off."""
+    state, acts = run([(0, Tick()), (0, Placed(replica_id=r(1), nodes=[NodeId("a")])),
+                       (1, Started(replica_id=r(1), endpoint="http://e")),
+                       (2, Placed(replica_id=r(2), nodes=[NodeId("b")])),
+                       (3, StartFailed(replica_id=r(2), error="exit 1")),
+                       (4, Stopped(replica_id=r(2))),
+                       (5, Exited(replica_id=r(1), detail="SIGKILL"))], replicas=2)
+    assert acts[-2] == []  # still backing off from r2's failed start
+    assert acts[-1] == [StopReplica(replica_id=r(1), reason="lost: SIGKILL"),
+                        PlaceReplica(replica_id=r(3))]
+    assert state.consecutive_failures == 0
+
+
+def test_scale_down_retires_an_unreachable_replica_before_a_newer_ready_one() -> None:
+    _, acts = run([(0, Tick()), (0, Placed(replica_id=r(1), nodes=[NodeId("a")])),
+                   (1, Started(replica_id=r(1), endpoint="http://e")),
+                   (1, Placed(replica_id=r(2), nodes=[NodeId("b")])),
+                   (2, Started(replica_id=r(2), endpoint="http://e")),
+                   (3, Silent(replica_id=r(1))), (4, Scale(replicas=1))], replicas=2)
+    assert acts[-1] == [StopReplica(replica_id=r(1), reason="scaled down")]
+
+
+def test_a_parked_deployment_with_a_late_cant_place_does_not_wake() -> None:
+    """Parked while another replica's placement was out: its CantPlace arms a retry timer
+    that must not wake a parked keeper (which would wake in a loop, doing nothing)."""
+    config = KeeperConfig(backoff_jitter=0.0, park_after=1)
+    state, _ = run([(0, Tick()), (0, Placed(replica_id=r(1), nodes=[NodeId("a")])),
+                    (1, StartFailed(replica_id=r(1), error="exit 1")),
+                    (2, CantPlace(replica_id=r(2), reason="full"))],
+                   replicas=2, config=config)
+    assert state.parked
+    assert next_wake(state, config) is None
+
+
 # -- known bugs ------------------------------------------------------------------------------
 
 
@@ -442,6 +483,39 @@ def test_a_stopped_for_a_replica_that_was_not_stopping_changes_nothing() -> None
     state, _ = run([(0, Tick())])
     after, actions = decide(state, Stopped(replica_id=r(1)), T0, KeeperConfig())
     assert after == state and actions == []
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "keeper bug: next_wake returns a placement timer (failed-start backoff or cant-place "
+    "retry) that has passed while a placement is in flight, since live < desired; a tick "
+    "then does nothing (one placement at a time) and next_wake stays in the past. The "
+    "workflow sleeps max(wake - now, 1 ms), so it wakes in a loop, a timer and a workflow "
+    "task each time, until the placement answers (place_replica may take up to 300 s)"))
+def test_next_wake_is_not_in_the_past_while_a_placement_is_out() -> None:
+    config = KeeperConfig(backoff_jitter=0.0)
+    state, _ = run([(0, Tick()), (0, Placed(replica_id=r(1), nodes=[NodeId("a")])),
+                    (1, StartFailed(replica_id=r(1), error="exit 1")),
+                    (2, Stopped(replica_id=r(1)))], replicas=2)
+    # r2's placement is still out when r1's 10 s backoff ends.
+    later = T0 + timedelta(seconds=20)
+    after, actions = decide(state, Tick(), later, config)
+    assert actions == []
+    wake = next_wake(after, config)
+    assert wake is None or wake > later
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "keeper bug: a placement retired by a scale-down keeps retiring=True after it lands "
+    "and is stopped; a scale-up then 'keeps' that STOPPING replica (clears its flag and "
+    "returns) instead of placing, and next_wake is None: nothing is placed until its "
+    "Stopped arrives. If a retiring placement is also still in flight, that one is not "
+    "kept and is stopped on landing. The unretire should only pick PLACING replicas"))
+def test_scale_up_after_a_retired_placement_landed_places_again() -> None:
+    _, acts = run([(0, Tick()), (1, Scale(replicas=0)),
+                   (2, Placed(replica_id=r(1), nodes=[NodeId("a")])),
+                   (3, Scale(replicas=1))])
+    assert acts[2] == [StopReplica(replica_id=r(1), reason="scaled down")]
+    assert acts[3] == [PlaceReplica(replica_id=r(2))]
 
 
 def test_status_is_cant_place_for_the_replica_that_does_not_fit() -> None:

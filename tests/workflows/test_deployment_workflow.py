@@ -203,14 +203,16 @@ async def test_deploys_serves_replaces_a_crashed_engine_and_deletes(
         view = await run.until(DeploymentStatus.SERVING)
         [replica] = view.keeper.replicas
         assert replica.endpoint == "http://engine/d1-r1"
-        assert ("d1-r1", "ready") in cluster.replica_states
+        await asyncio.wait_for(_until(lambda: ("d1-r1", "ready") in cluster.replica_states), 20)
 
         # The engine dies after serving: replaced at once, no backoff.
         cluster.crash["d1-r1"].set()
         await asyncio.wait_for(_until(lambda: "d1-r2" in cluster.crash), 20)
         view = await run.until(DeploymentStatus.SERVING)
+        await asyncio.wait_for(_until(lambda: cluster.released == ["d1-r1"]), 20)
+        view = await run.view()
         assert [r.replica_id for r in view.keeper.replicas] == ["d1-r2"]
-        assert cluster.stopped == ["d1-r1"] and cluster.released == ["d1-r1"]
+        assert cluster.stopped == ["d1-r1"]
         assert view.keeper.consecutive_failures == 0
 
         await run.handle.signal(DeploymentWorkflow.delete)
@@ -239,7 +241,9 @@ async def test_failed_starts_back_off_on_durable_timers_then_park(
         assert waited >= 130
         assert len(cluster.started) == 5
         assert view.keeper.last_failure == "engine exited with code 1"
-        assert cluster.statuses[-1].status is DeploymentStatus.PARKED
+        # The query answers from memory at once; the store write follows it.
+        await asyncio.wait_for(_until(
+            lambda: cluster.statuses[-1].status is DeploymentStatus.PARKED), 20)
         assert cluster.statuses[-1].consecutive_failures == 5
 
         # Un-park: the next start succeeds.
@@ -258,7 +262,9 @@ async def test_cant_place_reason_is_kept_and_retried_on_node_change(
     async for run in _run(time_skipping_env, cluster):
         view = await run.until(DeploymentStatus.CANT_PLACE)
         assert view.keeper.placement_error == "node a: 8.0 GiB free, needs 24.0 GiB"
-        assert cluster.statuses[-1].placement_error == view.keeper.placement_error
+        reason = view.keeper.placement_error
+        await asyncio.wait_for(_until(
+            lambda: cluster.statuses[-1].placement_error == reason), 20)
         tries = len(cluster.placements)
         cluster.cant_place = None
         await run.handle.signal(DeploymentWorkflow.nodes_changed)
@@ -318,6 +324,8 @@ async def test_continue_as_new_carries_the_whole_state(
             await _until(lambda n=n: f"d1-r{n}" in cluster.crash)
             cluster.crash[f"d1-r{n}"].set()
             await _until(lambda n=n: f"d1-r{n + 1}" in cluster.crash)
+        await _until_async(run, lambda v: [r.replica_id for r in v.keeper.replicas] ==
+                           ["d1-r5"])  # r4's stop may still be in flight a moment
         view = await run.until(DeploymentStatus.SERVING)
         latest = time_skipping_env.client.get_workflow_handle(handle.id)
         assert (await latest.describe()).run_id != first_run  # it continued as new
