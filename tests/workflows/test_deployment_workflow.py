@@ -264,7 +264,7 @@ async def test_cant_place_reason_is_kept_and_retried_on_node_change(
         assert view.keeper.placement_error == "node a: 8.0 GiB free, needs 24.0 GiB"
         reason = view.keeper.placement_error
         await asyncio.wait_for(_until(
-            lambda: cluster.statuses[-1].placement_error == reason), 20)
+            lambda reason=reason: cluster.statuses[-1].placement_error == reason), 20)
         tries = len(cluster.placements)
         cluster.cant_place = None
         await run.handle.signal(DeploymentWorkflow.nodes_changed)
