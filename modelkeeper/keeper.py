@@ -304,7 +304,8 @@ def _stop(state: KeeperState, replica: Replica, reason: str,
           actions: list[Action]) -> KeeperState:
     actions.append(StopReplica(replica_id=replica.replica_id, reason=reason))
     return _replace(state, replica.model_copy(update={
-        "phase": Phase.STOPPING, "stop_reason": reason, "probe_in_flight": False}))
+        "phase": Phase.STOPPING, "stop_reason": reason, "probe_in_flight": False,
+        "retiring": False}))
 
 
 def _lost_after_ready(state: KeeperState, replica: Replica, why: str,
@@ -462,7 +463,7 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
             else:
                 state = _stop(state, replica, "scaled down", actions)
     elif len(live) < desired and not state.parked:
-        retiring = [r for r in state.replicas if r.retiring]
+        retiring = [r for r in state.replicas if r.retiring and r.phase is Phase.PLACING]
         if retiring:
             # Wanted again (a scale-up, or a replica lost) while its placement is still in
             # flight: keep it rather than stop it on landing and place another.
@@ -533,7 +534,10 @@ def next_wake(state: KeeperState, config: KeeperConfig) -> datetime | None:
     """When the keeper must be stepped again with a Tick if nothing else happens."""
     times: list[datetime] = []
     attempt = _next_attempt(state)
-    if (attempt is not None and len(_live(state)) < state.spec.replicas
+    placing = any(r.phase is Phase.PLACING for r in state.replicas)
+    # While a placement is out, its answer (not a timer) is what wakes the keeper; a timer
+    # already past would otherwise wake the workflow in a loop until it lands.
+    if (attempt is not None and not placing and len(_live(state)) < state.spec.replicas
             and not state.parked and not state.deleting):
         times.append(attempt)
     for r in state.replicas:
