@@ -116,13 +116,11 @@ def check_state(state: KeeperState, where: str = "") -> None:
     placing = count(state, Phase.PLACING)
     if placing > 1:
         _fail(f"{where}: {placing} replicas placing at once")
-    # Live replicas never exceed the spec, except that a placement already on its way
-    # when the spec shrank cannot be stopped until it answers: it may be one over.
+    # Live replicas never exceed the spec. (A placement on its way when the spec shrank
+    # cannot be stopped before it lands; it is marked retiring and no longer counts.)
     n_live, desired = len(live(state)), state.spec.replicas
-    if n_live > max(desired, placing):
+    if n_live > desired:
         _fail(f"{where}: {n_live} live replicas, spec asks {desired} ({placing} placing)")
-    if n_live - placing > desired:
-        _fail(f"{where}: {n_live - placing} placed live replicas, spec asks {desired}")
     if state.finished and state.replicas:
         _fail(f"{where}: finished with replicas {ids}")
     if state.finished and not state.deleting:
@@ -134,29 +132,16 @@ def check_state(state: KeeperState, where: str = "") -> None:
             _fail(f"{where}: {r.replica_id} unreachable without unreachable_since")
         if r.phase in (Phase.STARTING, Phase.READY, Phase.UNREACHABLE) and not r.nodes:
             _fail(f"{where}: {r.replica_id} {r.phase} without nodes")
-        if r.retiring and r.phase not in (Phase.PLACING, Phase.STOPPING):
-            # Scaled away in flight: stopped the moment it lands, never left running
-            # uncounted.
+        if r.retiring and r.phase is not Phase.PLACING:
+            # Scaled away in flight: stopped the moment it lands (and then no longer
+            # retiring), never left running uncounted.
             _fail(f"{where}: {r.replica_id} retiring in phase {r.phase}")
 
 
-def start_then_stop(obs: Observation, actions: list[Action]) -> bool:
-    """A quirk let through: a placement that answers after the spec shrank below the live
-    count is started and stopped ("scaled down") in the same decide, where a deletion in
-    the same race stops it without starting it. Harmless in the workflow, whose stop
-    cancels the replica's start task before that task has scheduled anything."""
-    if not isinstance(obs, Placed):
-        return False
-    mine = [a for a in actions if not isinstance(a, Finish) and a.replica_id == obs.replica_id]
-    return (len(mine) == 2 and isinstance(mine[0], StartReplica)
-            and isinstance(mine[1], StopReplica) and mine[1].reason == "scaled down")
-
-
 def check_step(before: KeeperState, obs: Observation, after: KeeperState,
-               actions: list[Action], where: str = "", strict: bool = False) -> None:
+               actions: list[Action], where: str = "") -> None:
     """What must hold of one decide: the state's invariants, and every action matching
-    the state it leaves (so the cluster and the keeper never disagree about a replica).
-    Unless ``strict``, the ``start_then_stop`` quirk is let through."""
+    the state it leaves (so the cluster and the keeper never disagree about a replica)."""
     check_state(after, where)
     if before.finished:
         if actions or after.replicas or not after.finished:
@@ -164,8 +149,6 @@ def check_step(before: KeeperState, obs: Observation, after: KeeperState,
         return
     old = {r.replica_id: r for r in before.replicas}
     new = {r.replica_id: r for r in after.replicas}
-    if not strict and start_then_stop(obs, actions):
-        actions = [a for a in actions if not isinstance(a, StartReplica)]
     touched = [a.replica_id for a in actions if not isinstance(a, Finish)]
     if len(set(touched)) != len(touched):
         _fail(f"{where}: two actions for one replica: {actions}")
@@ -254,35 +237,14 @@ def check_wake(state: KeeperState, config: KeeperConfig, later: datetime,
         _fail(f"{where}: a tick at {later} acts ({actions}) but next_wake says {wake}")
 
 
-def unretired_a_stopping(before: KeeperState, after: KeeperState) -> bool:
-    """The known stall (strict xfail ``test_scale_up_after_a_retired_placement_landed_
-    places_again``): a retired placement that landed is stopped but keeps its ``retiring``
-    flag, and a later scale-up "keeps" that stopping replica instead of placing, so
-    nothing is placed (and nothing wakes the keeper) until its Stopped arrives."""
-    was = {r.replica_id: r for r in before.replicas}
-    return any(r.phase is Phase.STOPPING and not r.retiring and r.replica_id in was
-               and was[r.replica_id].retiring for r in after.replicas)
-
-
-def spin_while_placing(state: KeeperState) -> bool:
-    """The known busy loop (strict xfail ``test_next_wake_is_not_in_the_past_while_a_
-    placement_is_out``): a placement timer that passed while a placement was in flight
-    stays in ``next_wake`` until that placement answers. Tolerated only in that case."""
-    return any(r.phase is Phase.PLACING for r in state.replicas)
-
-
 def check_no_spin(state: KeeperState, now: datetime, config: KeeperConfig,
-                  where: str = "") -> bool:
+                  where: str = "") -> None:
     """After a decide at ``now`` everything due by ``now`` is done, so ``next_wake`` must
     lie in the future: the workflow sleeps ``max(wake - now, 1 ms)``, and a wake that has
-    passed wakes it in a loop. Returns True for the tolerated known case."""
+    passed would wake it in a loop (as one did while a placement was out)."""
     wake = next_wake(state, config)
-    if state.finished or wake is None or wake > now:
-        return False
-    if spin_while_placing(state):
-        return True
-    _fail(f"{where}: next_wake {wake} is not after now {now}: the workflow would spin")
-    return False
+    if not state.finished and wake is not None and wake <= now:
+        _fail(f"{where}: next_wake {wake} is not after now {now}: the workflow would spin")
 
 
 # -- the cluster --------------------------------------------------------------------------
@@ -373,8 +335,6 @@ class Stats:
     stopped: int = 0
     finished: int = 0
     parked: int = 0
-    spins: int = 0  # next_wake in the past while a placement was out (the known bug)
-    stalls: int = 0  # scale-up "kept" a stopping replica instead of placing (known bug)
     faults: dict[str, int] = field(default_factory=dict)
 
 
@@ -467,8 +427,6 @@ class Sim:
         if isinstance(obs, NodesChanged):
             dep.node_changes += 1
         self._count(before, obs, after, actions)
-        if unretired_a_stopping(before, after):
-            self.stats.stalls += 1
         for action in actions:
             self._carry_out(dep, action)
         if dep_id in self.deps:
@@ -492,13 +450,8 @@ class Sim:
 
     def _schedule_wake(self, dep: Dep) -> None:
         wake = next_wake(dep.state, self.config)
-        if check_no_spin(dep.state, self.now, self.config, f"t={self.elapsed():.1f}s "
-                         f"{dep.deployment_id}"):
-            # The known busy loop: the workflow would tick every millisecond until the
-            # placement answers, to no effect. Its answer steps the keeper anyway.
-            self.stats.spins += 1
-            dep.wake = None
-            return
+        check_no_spin(dep.state, self.now, self.config,
+                      f"t={self.elapsed():.1f}s {dep.deployment_id}")
         if wake is not None and wake != dep.wake:
             dep.wake = wake
             self.at(wake, self._tick, dep.deployment_id, wake)
@@ -739,12 +692,11 @@ class Sim:
                 elif r.phase is not Phase.PLACING and r.nodes != self.claims[rid].node_ids:
                     _fail(f"{where}: {rid} keeper says {r.nodes}, claims "
                           f"{self.claims[rid].node_ids}")
-            placing = count(state, Phase.PLACING)
             stopping = count(state, Phase.STOPPING)
             # A placement still in flight when scaled away may land (and claim) before it
             # is stopped: it counts like a stopping one.
             retiring = sum(1 for r in state.replicas if r.retiring)
-            if len(held) > max(state.spec.replicas, placing) + stopping + retiring:
+            if len(held) > state.spec.replicas + stopping + retiring:
                 _fail(f"{where}: {dep_id} holds {len(held)} claims, spec "
                       f"{state.spec.replicas}, {stopping} stopping")
             if count(state, Phase.READY) > state.spec.replicas:

@@ -13,10 +13,14 @@ once faults stop and the cluster has had 10 min to settle, every deployment that
 exactly its replicas and nothing is left over (``Sim.check_settled``).
 
 Then a property test feeds decide random observations (garbage ids, late and duplicate
-results) and checks the same invariants, and that next_wake announces everything that
-comes due; and regression tests for three keeper bugs these simulations found (scale-down
-stopping a serving replica over one still placing, a node change skipping a failed-start
-backoff, a stray Stopped making the keeper forget a live replica).
+results) and checks the same invariants, that next_wake announces everything that comes
+due and never lies in the past (the workflow would wake in a loop). Deterministic tests
+pin rules the simulations reach only by chance (several added because a mutation of
+keeper.py survived without them); regression tests cover the five keeper bugs these
+tests found: scale-down stopping a serving replica over one still placing, a node change
+skipping a failed-start backoff, a stray Stopped making the keeper forget a live replica,
+next_wake staying in the past while a placement was out (a wake loop), and a scale-up
+"keeping" an already stopped retired placement instead of placing.
 """
 
 from __future__ import annotations
@@ -67,7 +71,6 @@ from .keeper_sim import (
     check_state,
     check_step,
     check_wake,
-    unretired_a_stopping,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -303,9 +306,10 @@ def spec(replicas: int) -> DeploymentSpec:
 def test_random_observations_keep_the_invariants(
         replicas: int, n_steps: int, data: st.DataObject) -> None:
     """Whatever arrives, in whatever order: decide never crashes, every state keeps the
-    invariants (at most one placing, no duplicate ids, live <= spec but for one placement
-    already out, finished only when empty and deleted), every action matches the state it
-    leaves, unknown ids change nothing, and next_wake announces everything that comes due.
+    invariants (at most one placing, no duplicate ids, live <= spec with a placement
+    scaled away in flight marked retiring, finished only when empty and deleted), every
+    action matches the state it leaves, unknown ids change nothing, and next_wake
+    announces everything that comes due and never lies in the past.
 
     Most results are aimed at replicas the keeper has (so deep states are reached); the
     rest at replicas it had (late results) or never had (garbage)."""
@@ -313,7 +317,6 @@ def test_random_observations_keep_the_invariants(
     now = T0
     finishes = 0
     seen: list[ReplicaId] = []
-    before = state
     for i in range(n_steps):
         mine = [r.replica_id for r in state.replicas]
         target = data.draw(st.sampled_from(["mine", "mine", "mine", "gone", "garbage", "dep"]))
@@ -338,12 +341,11 @@ def test_random_observations_keep_the_invariants(
             assert (after, actions) == decide(state, Tick(), now, CONFIG, jitter), where
         finishes += sum(1 for a in actions if a.kind == "finish")
         seen += [r.replica_id for r in after.replicas if r.replica_id not in seen]
-        before, state = state, after
+        state = after
         peek = data.draw(st.sampled_from([0.0, 1.0, 9.0, 14.9, 15.0, 29.0, 61.0]))
         check_no_spin(state, now, CONFIG, where)
-        if not unretired_a_stopping(before, state):  # the known stall: see its xfail
-            check_wake(state, CONFIG, now + timedelta(seconds=peek), where)
-            check_wake(state, CONFIG, now + timedelta(days=1), where)
+        check_wake(state, CONFIG, now + timedelta(seconds=peek), where)
+        check_wake(state, CONFIG, now + timedelta(days=1), where)
     assert finishes <= 1
     check_state(state)
 
@@ -458,7 +460,39 @@ def test_a_parked_deployment_with_a_late_cant_place_does_not_wake() -> None:
     assert next_wake(state, config) is None
 
 
-# -- known bugs ------------------------------------------------------------------------------
+def test_results_that_do_not_fit_a_replica_phase_change_nothing() -> None:
+    """A placement result for a replica already placed (or a start result for one already
+    serving) is stale: acting on it would restart a serving replica or forget its claim."""
+    state, _ = run([(0, Tick()), (0, Placed(replica_id=r(1), nodes=[NodeId("a")])),
+                    (1, Started(replica_id=r(1), endpoint="http://e"))])
+    for obs in (Placed(replica_id=r(1), nodes=[NodeId("b")]),
+                CantPlace(replica_id=r(1), reason="full"),
+                PlacementCrashed(replica_id=r(1), error="db down"),
+                Started(replica_id=r(1), endpoint="http://other"),
+                StartFailed(replica_id=r(1), error="late"),
+                ProbeResult(replica_id=r(1), running=False)):
+        assert decide(state, obs, T0 + timedelta(seconds=2), KeeperConfig()) == (state, [])
+
+
+def test_a_placement_waits_for_both_the_backoff_and_the_cant_place_retry() -> None:
+    """A failed start's backoff and a cant-place retry timer both hold: the later wins."""
+    state, acts = run([(0, Tick()), (0, Placed(replica_id=r(1), nodes=[NodeId("a")])),
+                       (1, CantPlace(replica_id=r(2), reason="full")),  # retry at 31
+                       (2, StartFailed(replica_id=r(1), error="exit 1")),  # backoff to 12
+                       (3, Stopped(replica_id=r(1))),
+                       (12, Tick()), (31, Tick())], replicas=2)
+    assert acts[-2] == []
+    assert acts[-1] == [PlaceReplica(replica_id=r(3))]
+    assert state.consecutive_failures == 1
+
+
+def test_retry_places_at_once_despite_a_cant_place_timer() -> None:
+    _, acts = run([(0, Tick()), (0, CantPlace(replica_id=r(1), reason="full")),
+                   (1, Retry())])
+    assert acts[-1] == [PlaceReplica(replica_id=r(2))]
+
+
+# -- regressions: keeper bugs these tests found ---------------------------------------
 
 
 def test_scale_down_keeps_the_serving_replica_over_one_still_placing() -> None:
@@ -485,13 +519,10 @@ def test_a_stopped_for_a_replica_that_was_not_stopping_changes_nothing() -> None
     assert after == state and actions == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "keeper bug: next_wake returns a placement timer (failed-start backoff or cant-place "
-    "retry) that has passed while a placement is in flight, since live < desired; a tick "
-    "then does nothing (one placement at a time) and next_wake stays in the past. The "
-    "workflow sleeps max(wake - now, 1 ms), so it wakes in a loop, a timer and a workflow "
-    "task each time, until the placement answers (place_replica may take up to 300 s)"))
 def test_next_wake_is_not_in_the_past_while_a_placement_is_out() -> None:
+    """A placement timer that passes while a placement is out must not stay in next_wake:
+    a tick then does nothing (one placement at a time), and the workflow, sleeping
+    max(wake - now, 1 ms), would wake in a loop until the placement lands (up to 300 s)."""
     config = KeeperConfig(backoff_jitter=0.0)
     state, _ = run([(0, Tick()), (0, Placed(replica_id=r(1), nodes=[NodeId("a")])),
                     (1, StartFailed(replica_id=r(1), error="exit 1")),
@@ -504,13 +535,9 @@ def test_next_wake_is_not_in_the_past_while_a_placement_is_out() -> None:
     assert wake is None or wake > later
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "keeper bug: a placement retired by a scale-down keeps retiring=True after it lands "
-    "and is stopped; a scale-up then 'keeps' that STOPPING replica (clears its flag and "
-    "returns) instead of placing, and next_wake is None: nothing is placed until its "
-    "Stopped arrives. If a retiring placement is also still in flight, that one is not "
-    "kept and is stopped on landing. The unretire should only pick PLACING replicas"))
 def test_scale_up_after_a_retired_placement_landed_places_again() -> None:
+    """A retired placement that landed is stopped; a scale-up then places anew rather
+    than "keep" the stopping replica (which placed nothing, with nothing to wake it)."""
     _, acts = run([(0, Tick()), (1, Scale(replicas=0)),
                    (2, Placed(replica_id=r(1), nodes=[NodeId("a")])),
                    (3, Scale(replicas=1))])
