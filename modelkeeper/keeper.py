@@ -427,9 +427,12 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
         return state
     if state.deleting:
         for replica in state.replicas:
-            # A PLACING replica is stopped when its placement answers (see Placed).
             if replica.phase in (Phase.STARTING, Phase.READY, Phase.UNREACHABLE):
                 state = _stop(state, replica, "deployment deleted", actions)
+            elif replica.phase is Phase.PLACING and not replica.retiring:
+                # Its placement is in flight: it is stopped when it lands (see Placed), and
+                # no longer counts as wanted meanwhile.
+                state = _replace(state, replica.model_copy(update={"retiring": True}))
         if not state.replicas:
             actions.append(Finish())
             return state.model_copy(update={"finished": True})

@@ -326,3 +326,13 @@ def test_scaled_away_placement_is_stopped_on_landing_or_kept_if_wanted_again() -
     assert not k.state.replicas[-1].retiring
     assert k.step(Placed(replica_id=rid(3), nodes=[NodeId("b")])) == [
         StartReplica(replica_id=rid(3))]
+
+
+def test_delete_marks_an_in_flight_placement_as_on_its_way_out() -> None:
+    k = Stepper(replicas=1)
+    k.step()
+    k.step(Delete())
+    assert k.state.replicas[0].retiring  # not wanted, whatever the spec says after
+    k.step(Scale(replicas=0))
+    assert k.step(Placed(replica_id=rid(1), nodes=[NodeId("a")])) == [
+        StopReplica(replica_id=rid(1), reason="deployment deleted")]
