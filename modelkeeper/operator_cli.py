@@ -167,12 +167,22 @@ def _engine_args(items: Sequence[str]) -> dict[str, Any]:
     return parsed
 
 
+def _reason(deployment: dict[str, Any]) -> str:
+    """Why a deployment is not serving; a serving one shows its last failure only as
+    history, marked so, rather than as a reason."""
+    if deployment["status"] == "cant_place":
+        return str(deployment["placement_error"] or "")
+    if deployment["status"] == "serving":
+        last = deployment["last_failure"]
+        return f"(last failure: {last})" if last else ""
+    return str(deployment["last_failure"] or "")
+
+
 def _render(args: argparse.Namespace, result: Any) -> str:
     if args.command in ("ls",):
         return table([[d["deployment_id"], d["model_id"], d["status"],
                        f"{d['ready_replicas']}/{d['desired_replicas']}",
-                       str(d["consecutive_failures"]),
-                       d["placement_error"] or d["last_failure"] or ""] for d in result],
+                       str(d["consecutive_failures"]), _reason(d)] for d in result],
                      ["id", "model", "status", "ready", "failures", "reason"])
     if args.command == "deploy":
         return (f"deployment {result['deployment_id']} of {result['model_id']}: "
