@@ -5,18 +5,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from agent.engines.base import EngineConfigError
-from agent.shards import ShardManager, ShardStartError
-from modelkeeper.shards import (
+from modelkeeper.domain.engine_args import EngineConfigError
+from modelkeeper.domain.ids import ReplicaId
+from modelkeeper.domain.shards import (
+    FetchProgress,
     NoFreePortError,
     ShardEndpoint,
     ShardExit,
     ShardReport,
+    ShardSpec,
+    ShardStartError,
     StartShardInput,
     StopShardInput,
     WatchShardInput,
@@ -39,10 +42,27 @@ STOP_TIMEOUT = timedelta(seconds=60)
 MAX_HEARTBEAT_THROTTLE = timedelta(seconds=1)
 
 
+class ShardRunner(Protocol):
+    """What the node activities need from the agent's shard manager.
+
+    A protocol rather than the agent's class: activities sit below the agent, which
+    imports them to build its worker.
+    """
+
+    async def start(self, spec: ShardSpec,
+                    on_progress: Callable[[FetchProgress], None]) -> ShardEndpoint: ...
+
+    async def watch(self, replica_id: ReplicaId, heartbeat: Callable[[], None]) -> ShardExit: ...
+
+    async def stop(self, replica_id: ReplicaId, grace_s: float) -> ShardExit: ...
+
+    def reports(self) -> list[ShardReport]: ...
+
+
 class NodeActivities:
     """The activities of one node, bound to its shard manager."""
 
-    def __init__(self, manager: ShardManager) -> None:
+    def __init__(self, manager: ShardRunner) -> None:
         self._manager = manager
 
     @activity.defn(name="start_shard")

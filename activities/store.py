@@ -10,23 +10,25 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from pydantic import Field
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
-from modelkeeper.catalog import DeploymentStatusUpdate, ReplicaStateUpdate
-from modelkeeper.domain import Event, Frozen, NewEvent
-from modelkeeper.ids import DeploymentId, ReplicaId
-from modelkeeper.keeper import DeploymentSpec
-from modelkeeper.nodes import NodeState
-from modelkeeper.placement import CantPlace, PlacementRequest
+from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdate
+from modelkeeper.domain.control import (
+    DeleteDeploymentInput,
+    PlaceReplicaInput,
+    PlaceReplicaResult,
+    ReleaseReplicaInput,
+)
+from modelkeeper.domain.events import Event, NewEvent
+from modelkeeper.domain.nodes import NodeState
+from modelkeeper.domain.placement import CantPlace, PlacementRequest
+from modelkeeper.domain.settling import SettlingWindow
+from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.infra.temporal import signal_unplaceable
 from modelkeeper.settings import Settings
-from modelkeeper.settling import SettlingWindow
-from modelkeeper.shards import ShardSpec
-from modelkeeper.status import DeploymentStatus
 from modelkeeper.store import Store
-from modelkeeper.temporal_client import signal_unplaceable
 
 log = logging.getLogger(__name__)
 
@@ -35,33 +37,6 @@ STORE_ACTIVITY_TIMEOUT = timedelta(seconds=30)
 
 ERROR_UNKNOWN_MODEL = "UnknownModel"
 ERROR_SETTLING = "Settling"
-
-
-class PlaceReplicaInput(Frozen):
-    """Input of `place_replica`."""
-
-    spec: DeploymentSpec
-    replica_id: ReplicaId
-    start_timeout_s: float = Field(gt=0)
-
-
-class PlaceReplicaResult(Frozen):
-    """The shards to start, or why nothing fits (``cant_place``, naming every node)."""
-
-    shards: list[ShardSpec] = Field(default_factory=list)
-    cant_place: str | None = None
-
-
-class ReleaseReplicaInput(Frozen):
-    """Input of `release_replica`."""
-
-    replica_id: ReplicaId
-
-
-class DeleteDeploymentInput(Frozen):
-    """Input of `delete_deployment`."""
-
-    deployment_id: DeploymentId
 
 
 class StoreActivities:

@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from modelkeeper.shards import FetchProgress
+from modelkeeper.domain.shards import FetchProgress
 
 ProgressCallback = Callable[[FetchProgress], None]
 

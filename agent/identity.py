@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-from modelkeeper.ids import NodeId
+from modelkeeper.domain.ids import NodeId
 
 
 def load_or_create_node_id(agent_dir: Path) -> NodeId:

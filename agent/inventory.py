@@ -11,7 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from modelkeeper.nodes import GpuInfo, Inventory
+from modelkeeper.domain.nodes import GpuInfo, Inventory
 
 MEMINFO = Path("/proc/meminfo")
 

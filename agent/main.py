@@ -14,15 +14,15 @@ import socket
 from collections.abc import Callable
 
 import httpx
-from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 
 from activities.node import MAX_HEARTBEAT_THROTTLE, NodeActivities
 from modelkeeper import __version__
-from modelkeeper.nodes import AgentHeartbeat, AgentRegistration, AgentWelcome, Inventory
+from modelkeeper.domain.nodes import AgentHeartbeat, AgentRegistration, AgentWelcome, Inventory
+from modelkeeper.domain.units import parse_bytes
+from modelkeeper.infra import temporal
+from modelkeeper.infra.secrets import read_engine_key_secret
 from modelkeeper.settings import Settings
-from modelkeeper.units import parse_bytes
 
 from .identity import load_or_create_node_id
 from .inventory import read_inventory
@@ -66,17 +66,9 @@ async def _register(http: httpx.AsyncClient, reg: Callable[[], AgentRegistration
     return None
 
 
-def read_secret_file(settings: Settings) -> str | None:
-    """The engine key secret `up` keeps in its data dir, if there is one."""
-    try:
-        return settings.engine_key_secret_file.read_text().strip() or None
-    except FileNotFoundError:
-        return None
-
-
 async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
     """Run the agent until ``stop`` is set."""
-    secret = settings.engine_key_secret or read_secret_file(settings)
+    secret = read_engine_key_secret(settings)
     if not secret:
         raise AgentConfigError(
             "set MODELKEEPER_ENGINE_KEY_SECRET (or run with the data dir of `modelkeeper up`, "
@@ -106,9 +98,8 @@ async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
             welcome = await _register(http, registration, stop)
             if welcome is None:
                 return
-            client = await Client.connect(welcome.temporal_address,
-                                          namespace=welcome.temporal_namespace,
-                                          data_converter=pydantic_data_converter)
+            client = await temporal.connect(welcome.temporal_address,
+                                            welcome.temporal_namespace)
             worker = Worker(client, task_queue=welcome.task_queue,
                             activities=NodeActivities(manager).all(),
                             max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES,

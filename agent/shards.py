@@ -25,24 +25,25 @@ import httpx
 import psutil
 from pydantic import Field
 
-from modelkeeper.domain import Frozen
-from modelkeeper.ids import NodeId, ReplicaId
-from modelkeeper.processes import ManagedProcess, port_is_free, signal_group
-from modelkeeper.shards import (
+from modelkeeper.domain.base import Frozen
+from modelkeeper.domain.engine_keys import derive_engine_key
+from modelkeeper.domain.ids import NodeId, ReplicaId
+from modelkeeper.domain.shards import (
     ExitKind,
     FetchProgress,
     ShardEndpoint,
     ShardExit,
     ShardReport,
     ShardSpec,
+    ShardStartError,
     ShardState,
     choose_port,
     classify_exit,
 )
+from modelkeeper.infra.processes import ManagedProcess, port_is_free, signal_group
 
 from .engines.base import EngineAdapter, adapter_for
 from .fetch import WeightFetcher, is_remote
-from .keys import derive_engine_key
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +71,6 @@ class ShardRecord(Frozen):
     started_at: datetime
     oom_kills_at_start: int | None = None
     notes: list[str] = Field(default_factory=list)
-
-
-class ShardStartError(Exception):
-    """The engine could not be started; ``exit`` says how it ended."""
-
-    def __init__(self, exit: ShardExit) -> None:
-        super().__init__(f"{exit.kind}: {exit.detail}")
-        self.exit = exit
 
 
 @dataclass

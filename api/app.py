@@ -16,11 +16,10 @@ from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from modelkeeper import __version__, temporal_client
-from modelkeeper.catalog import DeploymentView
-from modelkeeper.domain import Event, NewEvent
-from modelkeeper.names import CONTROL_TASK_QUEUE, node_task_queue
-from modelkeeper.nodes import (
+from modelkeeper import __version__
+from modelkeeper.domain.catalog import DeploymentView
+from modelkeeper.domain.events import Event, NewEvent
+from modelkeeper.domain.nodes import (
     AgentHeartbeat,
     AgentRegistration,
     AgentWelcome,
@@ -30,10 +29,12 @@ from modelkeeper.nodes import (
     NodeUpdate,
     node_state,
 )
+from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.infra import temporal as temporal_client
+from modelkeeper.infra.temporal import signal_unplaceable
+from modelkeeper.names import CONTROL_TASK_QUEUE, node_task_queue
 from modelkeeper.settings import Settings
-from modelkeeper.status import DeploymentStatus
 from modelkeeper.store import Store
-from modelkeeper.temporal_client import signal_unplaceable
 
 from .deployments import add_deployment_routes
 from .deps import StoreDep, TemporalDep
@@ -81,7 +82,8 @@ def create_app(settings: Settings) -> FastAPI:
         store = await Store.connect(settings.database_url)
         try:
             app.state.store = store
-            app.state.temporal = await temporal_client.connect(settings, wait=30)
+            app.state.temporal = await temporal_client.connect(
+                settings.temporal_address, settings.temporal_namespace, wait=30)
             yield
         finally:
             await store.close()

@@ -13,10 +13,7 @@ from temporalio.client import WorkflowUpdateFailedError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError, RPCStatusCode
 
-from agent.engines.allowed import check_engine_arg_names
-from agent.engines.base import EngineConfigError
-from agent.engines.llamacpp import resolve_model_path
-from modelkeeper.catalog import (
+from modelkeeper.domain.catalog import (
     CatalogModel,
     DeploymentRequest,
     DeploymentView,
@@ -25,8 +22,13 @@ from modelkeeper.catalog import (
     ScaleRequest,
     estimate_memory_bytes,
 )
-from modelkeeper.ids import DeploymentId, NodeId
-from modelkeeper.keeper import DeploymentSpec, KeeperConfig
+from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
+from modelkeeper.domain.ids import DeploymentId, NodeId
+from modelkeeper.domain.keeper import DeploymentSpec, KeeperConfig
+from modelkeeper.domain.placement import PlacementRequest, explain, place
+from modelkeeper.domain.shards import EngineKind
+from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.infra.model_files import resolve_model_path
 from modelkeeper.names import (
     CONTROL_TASK_QUEUE,
     SIGNAL_DELETE,
@@ -34,12 +36,9 @@ from modelkeeper.names import (
     UPDATE_SCALE,
     deployment_workflow_id,
 )
-from modelkeeper.placement import PlacementRequest, explain, place
 from modelkeeper.settings import Settings
-from modelkeeper.shards import EngineKind
-from modelkeeper.status import DeploymentStatus
 from modelkeeper.store import Store
-from modelkeeper.store.store import (
+from modelkeeper.store.control import (
     DeploymentExistsError,
     ModelExistsError,
     ModelInUseError,

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import asyncpg
 
-from agent.keys import derive_engine_key
+from modelkeeper.domain.engine_keys import derive_engine_key
 from modelkeeper.names import API_KEYS_CHANNEL
 from modelkeeper.settings import Settings
 from modelkeeper.store.routing import (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from modelkeeper.names import local_database_url
 from modelkeeper.settings import Settings
 from modelkeeper.store.routing import ApiKeyRecord, RoutingStore
 
@@ -13,10 +14,7 @@ def database_url(settings: Settings) -> str:
     """MODELKEEPER_DATABASE_URL, or else the database of a local `modelkeeper up`."""
     if settings.database_url:
         return settings.database_url
-    from modelkeeper.postgres import dsn
-    from modelkeeper.stack import DATABASE_NAME
-
-    return dsn(settings.bind_host, settings.postgres_port, DATABASE_NAME)
+    return local_database_url(settings.bind_host, settings.postgres_port)
 
 
 def _row(key: ApiKeyRecord) -> str:

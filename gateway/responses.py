@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelkeeper.status import DeploymentStatus
+from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.store.routing import DeploymentRoute
 
 #: What ASGI wants for headers.

@@ -25,7 +25,8 @@ from types import FrameType
 
 import uvicorn
 
-from modelkeeper.processes import port_is_free
+from modelkeeper.infra.processes import port_is_free
+from modelkeeper.infra.secrets import read_engine_key_secret
 from modelkeeper.settings import Settings
 
 from .app import Gateway
@@ -44,10 +45,8 @@ class GatewayConfigError(Exception):
 
 def engine_key_secret(settings: Settings) -> bytes:
     """The secret engine keys derive from: the setting, or the file `up` keeps."""
-    # The agent's own reader, so the two cannot disagree on where the secret lives.
-    from agent.main import read_secret_file
-
-    secret = settings.engine_key_secret or read_secret_file(settings)
+    # The agent's reader too, so the two cannot disagree on where the secret lives.
+    secret = read_engine_key_secret(settings)
     if not secret:
         raise GatewayConfigError(
             "set MODELKEEPER_ENGINE_KEY_SECRET (or run with the data dir of `modelkeeper up`, "

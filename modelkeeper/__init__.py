@@ -1,9 +1,16 @@
 """modelkeeper: keeps self-hosted LLM deployments served.
 
-This package holds what every component shares: settings, ids and names, the
-domain models and pure decision logic, the PostgreSQL store, the CLI and the
-local stack launcher. Its pure modules import none of temporalio, httpx or
-asyncpg; those live in ``store``, ``stack`` and the top-level component packages.
+The package is in rooms, each importing only what lies below it (the import-linter
+contract in pyproject.toml checks this):
+
+- ``launcher``: the `modelkeeper` command, `up` and the operator CLI;
+- ``store``: PostgreSQL (migrations, control and routing queries), and ``infra``: shared
+  I/O such as connecting to Temporal and managed processes;
+- ``settings`` and ``names``: the one home of every setting and shared name;
+- ``domain``: pure models and decisions (the keeper, placement), no I/O.
+
+The components (``api``, ``worker``, ``gateway``, ``agent``) and the Temporal code
+(``workflows``, ``activities``) are top-level packages beside this one.
 """
 
 __version__ = "0.1.0"

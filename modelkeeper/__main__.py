@@ -1,5 +1,5 @@
 """`python -m modelkeeper` is the `modelkeeper` command."""
 
-from .cli import main
+from .launcher.cli import main
 
 main()

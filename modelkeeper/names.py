@@ -3,7 +3,7 @@ search attributes. Change one here and every worker, client and test follows."""
 
 from __future__ import annotations
 
-from .ids import DeploymentId, NodeId
+from .domain.ids import DeploymentId, NodeId
 
 #: Task queue polled by the control-plane worker (`modelkeeper worker`).
 CONTROL_TASK_QUEUE = "modelkeeper-control"
@@ -26,6 +26,17 @@ def node_task_queue(node_id: NodeId) -> str:
 def deployment_workflow_id(deployment_id: DeploymentId) -> str:
     """The workflow id of a deployment's keeper; one running workflow per deployment."""
     return f"deployment/{deployment_id}"
+
+#: The database `up` creates inside its embedded PostgreSQL, and the superuser initdb
+#: makes there (trust auth on loopback only; see docs/architecture.md).
+LOCAL_DATABASE_NAME = "modelkeeper"
+LOCAL_DATABASE_USER = "postgres"
+
+
+def local_database_url(host: str, port: int, database: str = LOCAL_DATABASE_NAME) -> str:
+    """A libpq/asyncpg DSN for the embedded server of a local `modelkeeper up`."""
+    return f"postgresql://{LOCAL_DATABASE_USER}@{host}:{port}/{database}"
+
 
 #: PostgreSQL NOTIFY channels (see migration 0002); payload is a deployment id.
 REPLICAS_CHANNEL = "modelkeeper_replicas"

@@ -22,10 +22,10 @@ import asyncpg
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
-from modelkeeper import binaries
+from modelkeeper.launcher import binaries
+from modelkeeper.infra.processes import ManagedProcess, free_port
+from modelkeeper.launcher.postgres import dsn, start_postgres
 from modelkeeper.names import SEARCH_ATTRIBUTES
-from modelkeeper.postgres import dsn, start_postgres
-from modelkeeper.processes import ManagedProcess, free_port
 from modelkeeper.store import Store
 
 TEMPLATE_DB = "modelkeeper_template"

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from temporalio.worker import Worker
 
 from activities.store import StoreActivities
-from modelkeeper import temporal_client
+from modelkeeper.infra import temporal as temporal_client
 from modelkeeper.names import CONTROL_TASK_QUEUE
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
@@ -24,7 +24,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
         raise SystemExit("modelkeeper worker: set MODELKEEPER_DATABASE_URL")
     store = await Store.connect(settings.database_url)
     try:
-        client = await temporal_client.connect(settings, wait=30)
+        client = await temporal_client.connect(
+            settings.temporal_address, settings.temporal_namespace, wait=30)
         store_activities = StoreActivities(store, settings, client)
         await store_activities.start_settling_sampler()
         with ThreadPoolExecutor(max_workers=4) as executor:

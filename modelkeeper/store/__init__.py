@@ -1,7 +1,11 @@
-"""The PostgreSQL store. :mod:`modelkeeper.store.store` (the control plane's queries) and
-:mod:`modelkeeper.store.routing` (the gateway's reads, keys and usage) are the only modules
-that hold SQL, besides the versioned migrations in ``migrations/``."""
+"""The PostgreSQL store, the only room that holds SQL:
 
-from .store import MIGRATIONS_DIR, Migration, Store, load_migrations
+- :mod:`.schema`: the versioned migrations in ``migrations/`` and their runner;
+- :mod:`.control`: the control plane's queries (catalog, nodes, deployments, placement);
+- :mod:`.routing`: the gateway's reads, client keys and usage.
+"""
+
+from .control import Store
+from .schema import MIGRATIONS_DIR, Migration, load_migrations
 
 __all__ = ["MIGRATIONS_DIR", "Migration", "Store", "load_migrations"]

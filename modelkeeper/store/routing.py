@@ -1,7 +1,7 @@
 """The gateway's SQL: routes (deployments and their ready replicas), client API keys,
 batched usage, and a LISTEN connection that survives the database going away.
 
-Kept beside :mod:`modelkeeper.store.store` so that all SQL stays in this package; the
+Kept beside :mod:`modelkeeper.store.control` so that all SQL stays in this package; the
 gateway imports this module and no asyncpg query of its own.
 """
 
@@ -19,9 +19,9 @@ from typing import Self
 
 import asyncpg
 
+from ..domain.status import ROUTABLE_STATES
 from ..names import API_KEYS_CHANNEL, DEPLOYMENTS_CHANNEL, REPLICAS_CHANNEL
-from ..status import ROUTABLE_STATES
-from .store import Store
+from .control import Store
 
 log = logging.getLogger(__name__)
 

@@ -21,16 +21,16 @@ from temporalio.common import RetryPolicy
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from agent.keys import derive_engine_key
 from agent.main import run_agent
 from api.app import create_app
+from modelkeeper.domain.engine_keys import derive_engine_key
+from modelkeeper.infra.processes import free_port
 from modelkeeper.names import node_task_queue
-from modelkeeper.processes import free_port
 from modelkeeper.settings import Settings
 
 with workflow.unsafe.imports_passed_through():
-    from modelkeeper.ids import ModelId, NodeId, ReplicaId
-    from modelkeeper.shards import (
+    from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
+    from modelkeeper.domain.shards import (
         EngineKind,
         ShardEndpoint,
         ShardExit,

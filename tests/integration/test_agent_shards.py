@@ -16,11 +16,18 @@ import httpx
 import psutil
 import pytest
 
-from agent.keys import derive_engine_key
-from agent.shards import ShardManager, ShardStartError
-from modelkeeper.ids import ModelId, NodeId, ReplicaId
-from modelkeeper.processes import free_port
-from modelkeeper.shards import EngineKind, ExitKind, FetchProgress, ShardSpec, ShardState
+from agent.shards import ShardManager
+from modelkeeper.domain.engine_keys import derive_engine_key
+from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
+from modelkeeper.domain.shards import (
+    EngineKind,
+    ExitKind,
+    FetchProgress,
+    ShardSpec,
+    ShardStartError,
+    ShardState,
+)
+from modelkeeper.infra.processes import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

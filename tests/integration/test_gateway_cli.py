@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 
-from modelkeeper.processes import ManagedProcess, free_port
+from modelkeeper.infra.processes import ManagedProcess, free_port
 
-from .gateway_support import HOST, SECRET, add_deployment, add_replica, metric, sims
+from tests.support.gateway_support import HOST, SECRET, add_deployment, add_replica, metric, sims
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 

@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 
-from modelkeeper.processes import free_port
+from modelkeeper.infra.processes import free_port
 
-from .gateway_support import (
+from tests.support.gateway_support import (
     HOST,
     add_deployment,
     add_replica,

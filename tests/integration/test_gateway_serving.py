@@ -17,7 +17,7 @@ import pytest
 from gateway.server import GatewayServer
 from modelkeeper.store.routing import RoutingStore
 
-from .gateway_support import (
+from tests.support.gateway_support import (
     add_deployment,
     add_replica,
     ready_replicas,

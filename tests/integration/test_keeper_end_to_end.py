@@ -21,11 +21,11 @@ import pytest
 import uvicorn
 from temporalio.testing import WorkflowEnvironment
 
-from agent.keys import derive_engine_key
 from api.app import create_app
-from modelkeeper.cli import build_parser
-from modelkeeper.operator_cli import run_operator_command
-from modelkeeper.processes import ManagedProcess, free_port
+from modelkeeper.domain.engine_keys import derive_engine_key
+from modelkeeper.infra.processes import ManagedProcess, free_port
+from modelkeeper.launcher.cli import build_parser
+from modelkeeper.launcher.operator_cli import run_operator_command
 from modelkeeper.settings import Settings
 from worker.main import run_worker
 

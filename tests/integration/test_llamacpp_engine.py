@@ -13,10 +13,10 @@ import pytest
 from agent.engines.base import ReadyCheck
 from agent.engines.llamacpp import API_KEY_ENV, LlamaCppAdapter
 from agent.engines.llamacpp_main import EXIT_USAGE
-from agent.keys import derive_engine_key
-from modelkeeper.ids import ModelId, NodeId, ReplicaId
-from modelkeeper.processes import ManagedProcess, ProcessExitedError, free_port
-from modelkeeper.shards import EngineKind, ShardSpec
+from modelkeeper.domain.engine_keys import derive_engine_key
+from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
+from modelkeeper.domain.shards import EngineKind, ShardSpec
+from modelkeeper.infra.processes import ManagedProcess, ProcessExitedError, free_port
 
 pytestmark = pytest.mark.timeout(90)
 

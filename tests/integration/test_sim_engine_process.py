@@ -20,9 +20,9 @@ import pytest
 
 from agent.engines.sim import SimAdapter
 from agent.engines.sim_server import CRASH_EXIT_CODE, FAIL_AT_START_EXIT_CODE
-from modelkeeper.ids import ModelId, NodeId, ReplicaId
-from modelkeeper.processes import ManagedProcess, ProcessExitedError, free_port, tcp_accepts
-from modelkeeper.shards import EngineKind, ShardSpec
+from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
+from modelkeeper.domain.shards import EngineKind, ShardSpec
+from modelkeeper.infra.processes import ManagedProcess, ProcessExitedError, free_port, tcp_accepts
 
 pytestmark = pytest.mark.timeout(60)
 

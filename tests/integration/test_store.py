@@ -7,8 +7,8 @@ import asyncio
 import asyncpg
 import pytest
 
-from modelkeeper.domain import NewEvent
-from modelkeeper.ids import DeploymentId
+from modelkeeper.domain.events import NewEvent
+from modelkeeper.domain.ids import DeploymentId
 from modelkeeper.store import Migration, Store, load_migrations
 
 pytestmark = pytest.mark.timeout(60)

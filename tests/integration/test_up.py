@@ -18,8 +18,8 @@ import httpx
 import psutil
 import pytest
 
-from modelkeeper import binaries
-from modelkeeper.processes import free_port
+from modelkeeper.launcher import binaries
+from modelkeeper.infra.processes import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -132,7 +132,7 @@ def test_up_serves_persists_and_stops_cleanly(up: Up) -> None:
     # A row written through the store must survive as well.
     import asyncio
 
-    from modelkeeper.domain import NewEvent
+    from modelkeeper.domain.events import NewEvent
     from modelkeeper.store import Store
 
     dsn = f"postgresql://postgres@127.0.0.1:{up.ports['postgres']}/modelkeeper"

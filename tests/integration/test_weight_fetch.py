@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from agent.fetch import WeightFetcher
-from modelkeeper.shards import FetchProgress
+from modelkeeper.domain.shards import FetchProgress
 
 pytestmark = pytest.mark.timeout(30)
 

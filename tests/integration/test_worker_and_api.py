@@ -18,7 +18,7 @@ from modelkeeper.settings import Settings
 from worker.main import run_worker
 
 with workflow.unsafe.imports_passed_through():
-    from modelkeeper.domain import Event, NewEvent
+    from modelkeeper.domain.events import Event, NewEvent
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -9,8 +9,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from agent.inventory import parse_meminfo, parse_nvidia_smi, read_inventory
-from modelkeeper.nodes import NodeRecord, NodeState, node_state
-from modelkeeper.shards import ExitKind, NoFreePortError, choose_port, classify_exit
+from modelkeeper.domain.nodes import NodeRecord, NodeState, node_state
+from modelkeeper.domain.shards import ExitKind, NoFreePortError, choose_port, classify_exit
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -10,12 +10,12 @@ from typing import Any
 import httpx
 import pytest
 
-from agent.engines.allowed import ALLOWED_ENGINE_ARGS, check_engine_arg_names
 from agent.engines.base import EngineConfigError, LaunchPlan, adapter_for, probe_ready
 from agent.engines.llamacpp import LlamaCppAdapter
 from agent.engines.sglang import SglangAdapter
 from agent.engines.vllm import VllmAdapter
-from modelkeeper.shards import EngineKind
+from modelkeeper.domain.engine_args import ALLOWED_ENGINE_ARGS, check_engine_arg_names
+from modelkeeper.domain.shards import EngineKind
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -130,6 +130,16 @@ def test_every_engine_has_an_allow_list() -> None:
     for kind in (EngineKind.VLLM, EngineKind.SGLANG):
         assert {"tensor_parallel_size", "pipeline_parallel_size"} <= ALLOWED_ENGINE_ARGS[kind]
         assert "trust_remote_code" not in ALLOWED_ENGINE_ARGS[kind]
+
+
+def test_flag_tables_match_the_domain_allow_lists() -> None:
+    # The allow-lists live in the domain (the API validates with them); each adapter maps
+    # every name but the parallelism pair to a flag. A name on one side only is a bug.
+    from agent.engines import sglang, vllm
+
+    parallelism = {"tensor_parallel_size", "pipeline_parallel_size"}
+    assert parallelism | set(vllm._FLAGS) == ALLOWED_ENGINE_ARGS[EngineKind.VLLM]
+    assert parallelism | set(sglang._FLAGS) == ALLOWED_ENGINE_ARGS[EngineKind.SGLANG]
 
 
 def test_unknown_argument_names_itself_and_the_allowed_ones() -> None:

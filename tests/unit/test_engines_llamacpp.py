@@ -18,8 +18,8 @@ from agent.engines.llamacpp import (
     LlamaCppAdapter,
     resolve_model_path,
 )
-from modelkeeper.ids import ModelId, NodeId, ReplicaId
-from modelkeeper.shards import EngineKind, ShardSpec
+from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
+from modelkeeper.domain.shards import EngineKind, ShardSpec
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,8 +9,8 @@ import pytest
 from agent.engines.base import EngineConfigError, LaunchPlan
 from agent.engines.sglang import KEY_ON_COMMAND_LINE, SglangAdapter
 from agent.engines.vllm import VllmAdapter
-from modelkeeper.ids import ModelId, NodeId, ReplicaId
-from modelkeeper.shards import EngineKind, ShardSpec
+from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
+from modelkeeper.domain.shards import EngineKind, ShardSpec
 
 pytestmark = pytest.mark.timeout(30)
 

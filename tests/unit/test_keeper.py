@@ -1,4 +1,4 @@
-"""The keeper stepped at chosen times: each rule of modelkeeper.keeper."""
+"""The keeper stepped at chosen times: each rule of modelkeeper.domain.keeper."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from modelkeeper.ids import DeploymentId, ModelId, NodeId, ReplicaId
-from modelkeeper.keeper import (
+from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
+from modelkeeper.domain.keeper import (
     Action,
     CantPlace,
     Delete,
@@ -40,7 +40,7 @@ from modelkeeper.keeper import (
     resume,
     status,
 )
-from modelkeeper.status import DeploymentStatus
+from modelkeeper.domain.status import DeploymentStatus
 
 pytestmark = pytest.mark.timeout(30)
 

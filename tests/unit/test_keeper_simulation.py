@@ -32,8 +32,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from modelkeeper.ids import DeploymentId, ModelId, NodeId, ReplicaId
-from modelkeeper.keeper import (
+from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
+from modelkeeper.domain.keeper import (
     CantPlace,
     Delete,
     DeploymentSpec,
@@ -59,10 +59,10 @@ from modelkeeper.keeper import (
     decide,
     next_wake,
 )
-from modelkeeper.placement import NodeState
-from modelkeeper.status import DeploymentStatus
+from modelkeeper.domain.placement import NodeState
+from modelkeeper.domain.status import DeploymentStatus
 
-from .keeper_sim import (
+from tests.support.keeper_sim import (
     T0,
     Knobs,
     Model,
@@ -546,7 +546,7 @@ def test_scale_up_after_a_retired_placement_landed_places_again() -> None:
 
 
 def test_status_is_cant_place_for_the_replica_that_does_not_fit() -> None:
-    from modelkeeper.keeper import status
+    from modelkeeper.domain.keeper import status
 
     state, _ = run([(0, Tick()), (0, Placed(replica_id=r(1), nodes=[NodeId("a")])),
                     (1, Started(replica_id=r(1), endpoint="http://e")),

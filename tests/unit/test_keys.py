@@ -8,7 +8,7 @@ import string
 
 import pytest
 
-from agent.keys import KEY_PREFIX, derive_engine_key, verify_engine_key
+from modelkeeper.domain.engine_keys import KEY_PREFIX, derive_engine_key, verify_engine_key
 
 pytestmark = pytest.mark.timeout(30)
 

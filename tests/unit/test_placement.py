@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from modelkeeper.ids import ModelId, NodeId
-from modelkeeper.placement import (
+from modelkeeper.domain.ids import ModelId, NodeId
+from modelkeeper.domain.placement import (
     CantPlace,
     GpuView,
     NodeState,
@@ -26,7 +26,7 @@ from modelkeeper.placement import (
     explain,
     place,
 )
-from modelkeeper.units import GIB
+from modelkeeper.domain.units import GIB
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from modelkeeper.cli import build_parser, load_settings
+from modelkeeper.launcher.cli import build_parser, load_settings
 from modelkeeper.settings import Settings, config_table_markdown
 
 pytestmark = pytest.mark.timeout(10)
@@ -42,7 +42,7 @@ def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 
 
 def test_bad_port_names_field_value_and_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    from modelkeeper.cli import UsageError
+    from modelkeeper.launcher.cli import UsageError
 
     args = build_parser().parse_args(["up", "--temporal-ui-port", "70000"])
     with pytest.raises(UsageError) as info:

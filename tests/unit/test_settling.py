@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from modelkeeper.settling import SettlingWindow
+from modelkeeper.domain.settling import SettlingWindow
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -38,8 +38,8 @@ from agent.engines.sim_server import (
     stream_chunks,
     wants_keep_alive,
 )
-from modelkeeper.ids import ModelId, NodeId, ReplicaId
-from modelkeeper.shards import EngineKind, ShardSpec
+from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
+from modelkeeper.domain.shards import EngineKind, ShardSpec
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from modelkeeper.units import GIB, KIB, MIB, format_gib, parse_bytes
+from modelkeeper.domain.units import GIB, KIB, MIB, format_gib, parse_bytes
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,18 +17,17 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from activities.store import (
+from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdate, ScaleRequest
+from modelkeeper.domain.control import (
     DeleteDeploymentInput,
     PlaceReplicaInput,
     PlaceReplicaResult,
     ReleaseReplicaInput,
 )
-from modelkeeper.catalog import DeploymentStatusUpdate, ReplicaStateUpdate, ScaleRequest
-from modelkeeper.domain import Event, NewEvent
-from modelkeeper.ids import DeploymentId, ModelId, NodeId
-from modelkeeper.keeper import DeploymentSpec, KeeperConfig
-from modelkeeper.names import CONTROL_TASK_QUEUE, node_task_queue
-from modelkeeper.shards import (
+from modelkeeper.domain.events import Event, NewEvent
+from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId
+from modelkeeper.domain.keeper import DeploymentSpec, KeeperConfig
+from modelkeeper.domain.shards import (
     EngineKind,
     ExitKind,
     ShardEndpoint,
@@ -39,7 +38,8 @@ from modelkeeper.shards import (
     StopShardInput,
     WatchShardInput,
 )
-from modelkeeper.status import DeploymentStatus
+from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.names import CONTROL_TASK_QUEUE, node_task_queue
 from workflows.deployment import (
     DeploymentInput,
     DeploymentView,

@@ -12,7 +12,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 with workflow.unsafe.imports_passed_through():
-    from modelkeeper.domain import Event, NewEvent
+    from modelkeeper.domain.events import Event, NewEvent
 
 pytestmark = pytest.mark.timeout(60)
 

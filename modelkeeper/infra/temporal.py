@@ -9,11 +9,15 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
 
-from .settings import Settings
+from ..domain.ids import DeploymentId
+from ..names import SIGNAL_NODES_CHANGED, deployment_workflow_id
 
 
-async def connect(settings: Settings, *, wait: float = 0.0) -> Client:
-    """A client for the configured address and namespace, using the pydantic converter.
+async def connect(address: str, namespace: str, *, wait: float = 0.0) -> Client:
+    """A client for ``address`` and ``namespace``, using the pydantic converter.
+
+    Every component connects through here (the agent with the address the API hands it),
+    so none can forget the converter and send payloads the others cannot read.
 
     ``wait`` retries a refused connection for that many seconds: under ``up`` and in
     compose the server may still be starting when a component starts.
@@ -22,8 +26,8 @@ async def connect(settings: Settings, *, wait: float = 0.0) -> Client:
     while True:
         try:
             return await Client.connect(
-                settings.temporal_address,
-                namespace=settings.temporal_namespace,
+                address,
+                namespace=namespace,
                 data_converter=pydantic_data_converter,
             )
         except (RPCError, RuntimeError, OSError):
@@ -35,9 +39,6 @@ async def connect(settings: Settings, *, wait: float = 0.0) -> Client:
 async def signal_unplaceable(client: Client, deployment_ids: list[str]) -> int:
     """Tell waiting (cant_place) deployments that the nodes changed, so they retry now
     rather than at their next 30 s timer. Returns how many were signalled."""
-    from .ids import DeploymentId
-    from .names import SIGNAL_NODES_CHANGED, deployment_workflow_id
-
     sent = 0
     for deployment_id in deployment_ids:
         handle = client.get_workflow_handle(deployment_workflow_id(DeploymentId(deployment_id)))

@@ -20,9 +20,9 @@ import asyncpg
 import httpx
 
 from agent.engines.sim_server import API_KEY_ENV
-from agent.keys import derive_engine_key
 from gateway.server import GatewayServer
-from modelkeeper.processes import ManagedProcess, free_port
+from modelkeeper.domain.engine_keys import derive_engine_key
+from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.settings import Settings
 
 SECRET = b"gateway-test-secret"

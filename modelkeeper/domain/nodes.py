@@ -7,7 +7,7 @@ from enum import StrEnum
 
 from pydantic import Field
 
-from .domain import Frozen
+from .base import Frozen
 from .ids import NodeId
 from .shards import ShardReport
 

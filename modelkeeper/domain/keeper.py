@@ -33,7 +33,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from .domain import Frozen
+from .base import Frozen
 from .ids import DeploymentId, ModelId, NodeId, ReplicaId
 from .status import DeploymentStatus, ReplicaState
 

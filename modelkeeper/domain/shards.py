@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import Field
 
-from .domain import Frozen
+from .base import Frozen
 from .ids import ModelId, NodeId, ReplicaId
 
 
@@ -182,3 +182,14 @@ def choose_port(low: int, high: int, taken: set[int], is_free: Callable[[int], b
 
 class NoFreePortError(RuntimeError):
     """Every port in the engine range is taken."""
+
+
+class ShardStartError(Exception):
+    """The engine could not be started; ``exit`` says how it ended.
+
+    Raised by the agent's shard manager and turned into an activity failure by the node
+    activities, which sit below the agent and so cannot import its classes."""
+
+    def __init__(self, exit: ShardExit) -> None:
+        super().__init__(f"{exit.kind}: {exit.detail}")
+        self.exit = exit

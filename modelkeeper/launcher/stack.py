@@ -23,14 +23,14 @@ from types import FrameType
 import asyncpg
 import httpx
 
+from ..infra.processes import ManagedProcess, port_is_free
+from ..names import LOCAL_DATABASE_NAME
+from ..settings import Settings, env_var_names
 from . import postgres, temporal_server
-from .processes import ManagedProcess, port_is_free
-from .settings import Settings, env_var_names
 
 log = logging.getLogger(__name__)
 
-#: Name of the database `up` creates for modelkeeper inside its embedded server.
-DATABASE_NAME = "modelkeeper"
+DATABASE_NAME = LOCAL_DATABASE_NAME
 
 
 class StackError(Exception):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..infra.processes import ManagedProcess, tcp_accepts
+from ..names import SEARCH_ATTRIBUTES
 from . import binaries
-from .names import SEARCH_ATTRIBUTES
-from .processes import ManagedProcess, tcp_accepts
 
 
 def dev_server_argv(*, host: str, port: int, ui_port: int | None, db_file: Path,

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from modelkeeper import keeper
-from modelkeeper.ids import DeploymentId, ModelId, NodeId, ReplicaId
-from modelkeeper.keeper import (
+from modelkeeper.domain import keeper
+from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
+from modelkeeper.domain.keeper import (
     LIVE_PHASES,
     Action,
     CantPlace,
@@ -72,9 +72,9 @@ from modelkeeper.keeper import (
     decide,
     next_wake,
 )
-from modelkeeper.placement import NodeState, NodeView, Placement, PlacementRequest, place
-from modelkeeper.status import DeploymentStatus
-from modelkeeper.units import GIB
+from modelkeeper.domain.placement import NodeState, NodeView, Placement, PlacementRequest, place
+from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.domain.units import GIB
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from .units import format_gib, parse_bytes
+from ..domain.units import format_gib, parse_bytes
 
 Out = Callable[[str], None]
 

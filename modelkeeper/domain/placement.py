@@ -41,7 +41,7 @@ from enum import StrEnum
 
 from pydantic import Field, field_validator, model_validator
 
-from .domain import Frozen
+from .base import Frozen
 from .ids import ModelId, NodeId
 from .nodes import NodeState
 from .units import format_gib

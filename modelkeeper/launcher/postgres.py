@@ -14,7 +14,8 @@ import stat
 import subprocess
 from pathlib import Path
 
-from .processes import ManagedProcess, tcp_accepts
+from ..infra.processes import ManagedProcess, tcp_accepts
+from ..names import LOCAL_DATABASE_USER, local_database_url
 
 
 def _bin_path() -> Path:
@@ -28,8 +29,7 @@ def _bin_path() -> Path:
 
 POSTGRES_BIN_PATH = _bin_path()
 
-#: Superuser created by initdb; trust auth on loopback only (see docs/architecture.md).
-SUPERUSER = "postgres"
+SUPERUSER = LOCAL_DATABASE_USER
 #: OS account the server runs as when we are root; initdb refuses to run as root.
 SYSTEM_USER_WHEN_ROOT = "embedded_postgres"
 
@@ -132,4 +132,4 @@ def _is_ready(host: str, port: int) -> bool:
 
 def dsn(host: str, port: int, database: str) -> str:
     """A libpq/asyncpg DSN for the embedded server."""
-    return f"postgresql://{SUPERUSER}@{host}:{port}/{database}"
+    return local_database_url(host, port, database)

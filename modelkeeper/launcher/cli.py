@@ -14,8 +14,8 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
+from ..settings import Settings, config_table_markdown
 from .operator_cli import OPERATOR_COMMANDS, ApiError, run_operator_command
-from .settings import Settings, config_table_markdown
 
 PORT_FLAGS = {
     "api_port": "--api-port",
@@ -117,7 +117,7 @@ def load_settings(args: argparse.Namespace) -> Settings:
 
 def describe_validation_error(exc: ValidationError) -> str:
     """One line per problem, naming the field, the value given and what is allowed."""
-    from .settings import env_var_names
+    from ..settings import env_var_names
 
     parts = []
     for err in exc.errors():

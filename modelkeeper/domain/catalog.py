@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field
 
-from .domain import Frozen
+from .base import Frozen
 from .ids import DeploymentId, ModelId, NodeId, ReplicaId
 from .shards import EngineKind
 from .status import DeploymentStatus, ReplicaState

@@ -1,22 +1,20 @@
-"""All of modelkeeper's SQL: the migration runner and the queries.
+"""The control plane's SQL: catalog, nodes, deployments, replicas, placement, events.
 
-Nothing else in the code base writes a query; components call methods here (activities
-and the API through it), so a schema change touches one module and its migration.
+Nothing outside the store writes a query; the API and the store activities call methods
+here, so a schema change touches the store and its migration only. The migration runner
+is :mod:`.schema`; the gateway's reads are :mod:`.routing`.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 import asyncpg
 
-from ..catalog import (
+from ..domain.catalog import (
     CatalogModel,
     DeploymentRequest,
     DeploymentStatusUpdate,
@@ -24,12 +22,13 @@ from ..catalog import (
     ReplicaStateUpdate,
     ReplicaView,
 )
-from ..domain import Event, NewEvent
-from ..ids import DeploymentId, ModelId, NodeId, ReplicaId
-from ..nodes import AgentRegistration, Inventory, NodeRecord, NodeUpdate, node_state
-from ..placement import CantPlace, GpuView, NodeView, PlacementRequest, place
-from ..shards import ShardSpec
-from ..status import DeploymentStatus, ReplicaState
+from ..domain.events import Event, NewEvent
+from ..domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
+from ..domain.nodes import AgentRegistration, Inventory, NodeRecord, NodeUpdate, node_state
+from ..domain.placement import CantPlace, GpuView, NodeView, PlacementRequest, place
+from ..domain.shards import ShardSpec
+from ..domain.status import DeploymentStatus, ReplicaState
+from .schema import Migration, apply_migrations
 
 
 class ModelExistsError(Exception):
@@ -46,41 +45,6 @@ class DeploymentExistsError(Exception):
 
 class UnknownModelError(Exception):
     """No model with this id in the catalog."""
-
-MIGRATIONS_DIR = Path(__file__).parent / "migrations"
-
-#: Advisory-lock key that serializes migration runs across processes. Any constant works as
-#: long as nothing else uses it; this is b"mkschema" read as a big-endian int64.
-_MIGRATION_LOCK_KEY = int.from_bytes(b"mkschema", "big", signed=True)
-
-_MIGRATION_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
-
-
-@dataclass(frozen=True)
-class Migration:
-    """One versioned SQL file: ``NNNN_description.sql``."""
-
-    version: int
-    name: str
-    sql: str
-
-
-def load_migrations(folder: Path = MIGRATIONS_DIR) -> list[Migration]:
-    """The migrations in ``folder``, in version order; versions must run 1, 2, 3... with no gap."""
-    found: list[Migration] = []
-    for path in sorted(folder.glob("*.sql")):
-        match = _MIGRATION_NAME.match(path.name)
-        if match is None:
-            raise ValueError(f"migration file {path.name!r} is not named NNNN_description.sql")
-        found.append(Migration(int(match.group(1)), match.group(2), path.read_text()))
-    for expected, migration in enumerate(found, start=1):
-        if migration.version != expected:
-            raise ValueError(
-                f"migration versions must be consecutive from 1: expected {expected:04d}, "
-                f"found {migration.version:04d}_{migration.name}.sql"
-            )
-    return found
-
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
     # jsonb columns come back as Python objects, not strings.
@@ -125,34 +89,9 @@ class Store:
     async def migrate(self, migrations: list[Migration] | None = None) -> list[int]:
         """Apply the migrations not yet applied; return the versions this call applied.
 
-        Safe to run from several processes at once: a transaction-scoped advisory lock makes
-        the second wait for the first and then find nothing left to do.
+        Safe to run from several processes at once (see :func:`.schema.apply_migrations`).
         """
-        todo = load_migrations() if migrations is None else migrations
-        applied_now: list[int] = []
-        async with self._pool.acquire() as conn, conn.transaction():
-            await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK_KEY)
-            await conn.execute(
-                """
-                CREATE TABLE IF NOT EXISTS schema_version (
-                    version     integer PRIMARY KEY,
-                    name        text NOT NULL,
-                    applied_at  timestamptz NOT NULL DEFAULT now()
-                )
-                """
-            )
-            rows = await conn.fetch("SELECT version FROM schema_version")
-            done = {row["version"] for row in rows}
-            for migration in todo:
-                if migration.version in done:
-                    continue
-                await conn.execute(migration.sql)
-                await conn.execute(
-                    "INSERT INTO schema_version (version, name) VALUES ($1, $2)",
-                    migration.version, migration.name,
-                )
-                applied_now.append(migration.version)
-        return applied_now
+        return await apply_migrations(self._pool, migrations)
 
     async def schema_versions(self) -> list[int]:
         """The migration versions recorded as applied."""

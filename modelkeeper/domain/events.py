@@ -1,19 +1,14 @@
-"""Domain models shared by every component. Pure: no temporalio, httpx or asyncpg here."""
+"""The append-only audit log's entries, before and after the store numbers them."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from .base import Frozen
 from .ids import DeploymentId, NodeId, ReplicaId
-
-
-class Frozen(BaseModel):
-    """Base for value objects: immutable, and strict about unknown keys."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class NewEvent(Frozen):

@@ -1,0 +1,42 @@
+"""Inputs and results of the control worker's store activities.
+
+They are the contract between a deployment workflow and the activities it calls, so they
+live in the domain: the workflow names the activities (``modelkeeper.names``) and imports
+these, and never imports the activities' module, which holds the store.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from .base import Frozen
+from .ids import DeploymentId, ReplicaId
+from .keeper import DeploymentSpec
+from .shards import ShardSpec
+
+
+class PlaceReplicaInput(Frozen):
+    """Input of `place_replica`."""
+
+    spec: DeploymentSpec
+    replica_id: ReplicaId
+    start_timeout_s: float = Field(gt=0)
+
+
+class PlaceReplicaResult(Frozen):
+    """The shards to start, or why nothing fits (``cant_place``, naming every node)."""
+
+    shards: list[ShardSpec] = Field(default_factory=list)
+    cant_place: str | None = None
+
+
+class ReleaseReplicaInput(Frozen):
+    """Input of `release_replica`."""
+
+    replica_id: ReplicaId
+
+
+class DeleteDeploymentInput(Frozen):
+    """Input of `delete_deployment`."""
+
+    deployment_id: DeploymentId
