@@ -32,7 +32,7 @@ with workflow.unsafe.imports_passed_through():
     from modelkeeper.domain.ids import ReplicaId
     from modelkeeper.domain.keeper import (
         Action,
-        CantPlace,
+        Unplaceable,
         Delete,
         DeploymentSpec,
         Exited,
@@ -132,7 +132,7 @@ class DeploymentInput(Frozen):
     state: DeploymentWorkflowState
 
 
-class DeploymentView(Frozen):
+class WorkflowStatus(Frozen):
     """What the `status` query answers."""
 
     status: DeploymentStatus
@@ -186,10 +186,10 @@ class DeploymentWorkflow:
                                    type="Deleting")
 
     @workflow.query(name=QUERY_STATUS)
-    def status(self) -> DeploymentView:
+    def status(self) -> WorkflowStatus:
         """The keeper's state and the status it implies."""
         assert self._state is not None
-        return DeploymentView(status=status(self._state.keeper), keeper=self._state.keeper)
+        return WorkflowStatus(status=status(self._state.keeper), keeper=self._state.keeper)
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -336,7 +336,7 @@ class DeploymentWorkflow:
             self._inbox.append(PlacementCrashed(replica_id=replica_id, error=_describe(exc)))
             return
         if result.cant_place is not None:
-            self._inbox.append(CantPlace(replica_id=replica_id, reason=result.cant_place))
+            self._inbox.append(Unplaceable(replica_id=replica_id, reason=result.cant_place))
             return
         shards = dict(self._state.shards)
         shards[replica_id] = result.shards

@@ -131,7 +131,7 @@ class Placed(Frozen):
     nodes: list[NodeId]
 
 
-class CantPlace(Frozen):
+class Unplaceable(Frozen):
     """place_replica found no room; ``reason`` names every node and its numbers."""
 
     kind: Literal["cant_place"] = "cant_place"
@@ -221,7 +221,7 @@ class Delete(Frozen):
 
 
 Observation = Annotated[
-    Tick | Placed | CantPlace | PlacementCrashed | Started | StartFailed | Exited | Silent
+    Tick | Placed | Unplaceable | PlacementCrashed | Started | StartFailed | Exited | Silent
     | ProbeResult | Stopped | NodesChanged | Scale | Retry | Delete,
     Field(discriminator="kind"),
 ]
@@ -338,7 +338,7 @@ def _observe(state: KeeperState, obs: Observation, now: datetime, config: Keeper
             return _stop(state, placed, "scaled down", actions)
         actions.append(StartReplica(replica_id=replica.replica_id))
         return state
-    if isinstance(obs, CantPlace):
+    if isinstance(obs, Unplaceable):
         if replica.phase is not Phase.PLACING:
             return state
         return _drop(state, replica.replica_id).model_copy(update={

@@ -7,7 +7,7 @@ way the real system does, with delays:
 * ``PlaceReplica``: after a short delay, ``placement.place`` runs over the nodes and every
   claim in the cluster (a stopping replica's claims included, until its stop completes).
   A placement makes its claim at that instant, in one step, like the real one-transaction
-  placement; the ``Placed`` (or ``CantPlace``) reaches the keeper later.
+  placement; the ``Placed`` (or ``Unplaceable``) reaches the keeper later.
 * ``StartReplica``: the engine loads for a while, then ``Started``, or ``StartFailed``
   (sometimes at random; always when a node of the replica went away meanwhile).
 * ``WatchReplica``: the watch reports ``Exited`` when the engine dies, ``Silent`` when a
@@ -44,7 +44,7 @@ from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import (
     LIVE_PHASES,
     Action,
-    CantPlace,
+    Unplaceable,
     Delete,
     DeploymentSpec,
     Exited,
@@ -201,7 +201,7 @@ def check_step(before: KeeperState, obs: Observation, after: KeeperState,
         if r is None:
             # Only a stop that completed, or a placement that claimed nothing, may go.
             gone_ok = (was.phase is Phase.STOPPING and isinstance(obs, Stopped)) or (
-                was.phase is Phase.PLACING and isinstance(obs, CantPlace | PlacementCrashed))
+                was.phase is Phase.PLACING and isinstance(obs, Unplaceable | PlacementCrashed))
             if not (gone_ok and obs_rid == rid):
                 _fail(f"{where}: {rid} ({was.phase}) forgotten on {obs!r}")
         elif r.phase is Phase.STOPPING and was.phase is not Phase.STOPPING and rid not in acted:
@@ -518,7 +518,7 @@ class Sim:
         else:
             dep.cant_places += 1
             self.stats.cant_place += 1
-            self.deliver(dep_id, CantPlace(replica_id=rid, reason=result.summary))
+            self.deliver(dep_id, Unplaceable(replica_id=rid, reason=result.summary))
 
     def _reachable(self, nodes: Iterable[NodeId]) -> bool:
         return all(self.nodes[n].state is NodeState.READY for n in nodes)

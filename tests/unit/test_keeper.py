@@ -9,7 +9,7 @@ import pytest
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import (
     Action,
-    CantPlace,
+    Unplaceable,
     Delete,
     DeploymentSpec,
     Exited,
@@ -158,12 +158,12 @@ def test_spec_change_unparks() -> None:
 def test_cant_place_records_reason_and_retries_on_node_change_or_timer() -> None:
     k = Stepper()
     k.step()
-    k.step(CantPlace(replica_id=rid(1), reason="node b: 8.0 GiB free, needs 24.0 GiB"))
+    k.step(Unplaceable(replica_id=rid(1), reason="node b: 8.0 GiB free, needs 24.0 GiB"))
     assert k.status is DeploymentStatus.CANT_PLACE
     assert k.state.placement_error == "node b: 8.0 GiB free, needs 24.0 GiB"
     assert k.step(at=29) == []
     assert k.step(at=30) == [PlaceReplica(replica_id=rid(2))]
-    k.step(CantPlace(replica_id=rid(2), reason="node b: cordoned"))
+    k.step(Unplaceable(replica_id=rid(2), reason="node b: cordoned"))
     assert k.state.placement_error == "node b: cordoned"  # the reason follows the nodes
     # A node change retries at once (nodes join in pieces: memory arrives after the node).
     assert k.step(NodesChanged(), at=31) == [PlaceReplica(replica_id=rid(3))]
@@ -250,7 +250,7 @@ def test_delete_with_placement_that_found_no_room() -> None:
     k = Stepper()
     k.step()
     k.step(Delete())
-    assert k.step(CantPlace(replica_id=rid(1), reason="no nodes registered")) == [Finish()]
+    assert k.step(Unplaceable(replica_id=rid(1), reason="no nodes registered")) == [Finish()]
 
 
 def test_scale_up_and_down_retires_least_useful_first() -> None:

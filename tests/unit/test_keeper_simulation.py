@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import (
-    CantPlace,
+    Unplaceable,
     Delete,
     DeploymentSpec,
     Exited,
@@ -255,7 +255,7 @@ def results(rid: ReplicaId) -> list[st.SearchStrategy[Observation]]:
     """Every kind of result for ``rid``, in the order EXPECTED indexes them."""
     return [
         st.builds(Placed, replica_id=st.just(rid), nodes=node_lists),
-        st.builds(CantPlace, replica_id=st.just(rid),
+        st.builds(Unplaceable, replica_id=st.just(rid),
                   reason=st.sampled_from(["full", "cordoned"])),
         st.just(PlacementCrashed(replica_id=rid, error="db down")),
         st.just(Started(replica_id=rid, endpoint="http://e")),
@@ -382,7 +382,7 @@ def test_next_wake_announces_a_backoff_and_a_cant_place_retry() -> None:
     state, _ = run([(0, Tick()), (0, Placed(replica_id=r(1), nodes=[NodeId("a")])),
                     (1, StartFailed(replica_id=r(1), error="x"))])
     assert next_wake(state, KeeperConfig(backoff_jitter=0.0)) == T0 + timedelta(seconds=11)
-    state, _ = run([(0, Tick()), (2, CantPlace(replica_id=r(1), reason="full"))])
+    state, _ = run([(0, Tick()), (2, Unplaceable(replica_id=r(1), reason="full"))])
     assert next_wake(state, KeeperConfig()) == T0 + timedelta(seconds=32)
 
 
@@ -449,12 +449,12 @@ def test_scale_down_retires_an_unreachable_replica_before_a_newer_ready_one() ->
 
 
 def test_a_parked_deployment_with_a_late_cant_place_does_not_wake() -> None:
-    """Parked while another replica's placement was out: its CantPlace arms a retry timer
+    """Parked while another replica's placement was out: its Unplaceable arms a retry timer
     that must not wake a parked keeper (which would wake in a loop, doing nothing)."""
     config = KeeperConfig(backoff_jitter=0.0, park_after=1)
     state, _ = run([(0, Tick()), (0, Placed(replica_id=r(1), nodes=[NodeId("a")])),
                     (1, StartFailed(replica_id=r(1), error="exit 1")),
-                    (2, CantPlace(replica_id=r(2), reason="full"))],
+                    (2, Unplaceable(replica_id=r(2), reason="full"))],
                    replicas=2, config=config)
     assert state.parked
     assert next_wake(state, config) is None
@@ -466,7 +466,7 @@ def test_results_that_do_not_fit_a_replica_phase_change_nothing() -> None:
     state, _ = run([(0, Tick()), (0, Placed(replica_id=r(1), nodes=[NodeId("a")])),
                     (1, Started(replica_id=r(1), endpoint="http://e"))])
     for obs in (Placed(replica_id=r(1), nodes=[NodeId("b")]),
-                CantPlace(replica_id=r(1), reason="full"),
+                Unplaceable(replica_id=r(1), reason="full"),
                 PlacementCrashed(replica_id=r(1), error="db down"),
                 Started(replica_id=r(1), endpoint="http://other"),
                 StartFailed(replica_id=r(1), error="late"),
@@ -477,7 +477,7 @@ def test_results_that_do_not_fit_a_replica_phase_change_nothing() -> None:
 def test_a_placement_waits_for_both_the_backoff_and_the_cant_place_retry() -> None:
     """A failed start's backoff and a cant-place retry timer both hold: the later wins."""
     state, acts = run([(0, Tick()), (0, Placed(replica_id=r(1), nodes=[NodeId("a")])),
-                       (1, CantPlace(replica_id=r(2), reason="full")),  # retry at 31
+                       (1, Unplaceable(replica_id=r(2), reason="full")),  # retry at 31
                        (2, StartFailed(replica_id=r(1), error="exit 1")),  # backoff to 12
                        (3, Stopped(replica_id=r(1))),
                        (12, Tick()), (31, Tick())], replicas=2)
@@ -487,7 +487,7 @@ def test_a_placement_waits_for_both_the_backoff_and_the_cant_place_retry() -> No
 
 
 def test_retry_places_at_once_despite_a_cant_place_timer() -> None:
-    _, acts = run([(0, Tick()), (0, CantPlace(replica_id=r(1), reason="full")),
+    _, acts = run([(0, Tick()), (0, Unplaceable(replica_id=r(1), reason="full")),
                    (1, Retry())])
     assert acts[-1] == [PlaceReplica(replica_id=r(2))]
 
@@ -505,7 +505,7 @@ def test_scale_down_keeps_the_serving_replica_over_one_still_placing() -> None:
 
 def test_node_change_with_a_cant_place_reason_does_not_skip_a_failure_backoff() -> None:
     state, acts = run([(0, Tick()), (0, Placed(replica_id=r(1), nodes=[NodeId("a")])),
-                       (1, CantPlace(replica_id=r(2), reason="full")),
+                       (1, Unplaceable(replica_id=r(2), reason="full")),
                        (2, StartFailed(replica_id=r(1), error="exit 1")),
                        (3, Stopped(replica_id=r(1))),
                        (3, NodesChanged())], replicas=2)
@@ -550,6 +550,6 @@ def test_status_is_cant_place_for_the_replica_that_does_not_fit() -> None:
 
     state, _ = run([(0, Tick()), (0, Placed(replica_id=r(1), nodes=[NodeId("a")])),
                     (1, Started(replica_id=r(1), endpoint="http://e")),
-                    (1, CantPlace(replica_id=r(2), reason="full"))], replicas=2)
+                    (1, Unplaceable(replica_id=r(2), reason="full"))], replicas=2)
     assert status(state) is DeploymentStatus.CANT_PLACE
 

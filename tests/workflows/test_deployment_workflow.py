@@ -42,7 +42,7 @@ from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.names import CONTROL_TASK_QUEUE, node_task_queue
 from workflows.deployment import (
     DeploymentInput,
-    DeploymentView,
+    WorkflowStatus,
     DeploymentWorkflow,
     WorkflowTimings,
     initial_state,
@@ -141,15 +141,15 @@ class Running:
     cluster: FakeCluster
     handle: WorkflowHandle[DeploymentWorkflow, None]
 
-    async def view(self) -> DeploymentView:
+    async def view(self) -> WorkflowStatus:
         return await self.handle.query(DeploymentWorkflow.status)
 
     async def until(self, status: DeploymentStatus, timeout: float = 20,
-                    skip_s: float = 0.0) -> DeploymentView:
+                    skip_s: float = 0.0) -> WorkflowStatus:
         """Poll the status query; with ``skip_s``, let that much test time pass between
         polls (queries alone do not make the test server skip time)."""
 
-        async def poll() -> DeploymentView:
+        async def poll() -> WorkflowStatus:
             while True:
                 view = await self.view()
                 if view.status is status:
