@@ -22,8 +22,8 @@ import asyncpg
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
-from modelkeeper.launcher import binaries
 from modelkeeper.infra.processes import ManagedProcess, free_port
+from modelkeeper.launcher import binaries
 from modelkeeper.launcher.postgres import dsn, start_postgres
 from modelkeeper.names import SEARCH_ATTRIBUTES
 from modelkeeper.store import Store

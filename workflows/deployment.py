@@ -32,7 +32,6 @@ with workflow.unsafe.imports_passed_through():
     from modelkeeper.domain.ids import ReplicaId
     from modelkeeper.domain.keeper import (
         Action,
-        Unplaceable,
         Delete,
         DeploymentSpec,
         Exited,
@@ -56,6 +55,7 @@ with workflow.unsafe.imports_passed_through():
         Stopped,
         StopReplica,
         Tick,
+        Unplaceable,
         WatchReplica,
         decide,
         next_wake,

@@ -14,7 +14,6 @@ import openai
 import pytest
 
 from modelkeeper.infra.processes import ManagedProcess, free_port
-
 from tests.support.gateway_support import HOST, SECRET, add_deployment, add_replica, metric, sims
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]

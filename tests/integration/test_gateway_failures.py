@@ -14,7 +14,6 @@ import openai
 import pytest
 
 from modelkeeper.infra.processes import free_port
-
 from tests.support.gateway_support import (
     HOST,
     add_deployment,

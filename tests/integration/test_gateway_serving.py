@@ -16,7 +16,6 @@ import pytest
 
 from gateway.server import GatewayServer
 from modelkeeper.store.routing import RoutingStore
-
 from tests.support.gateway_support import (
     add_deployment,
     add_replica,

@@ -44,7 +44,6 @@ from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import (
     LIVE_PHASES,
     Action,
-    Unplaceable,
     Delete,
     DeploymentSpec,
     Exited,
@@ -68,6 +67,7 @@ from modelkeeper.domain.keeper import (
     Stopped,
     StopReplica,
     Tick,
+    Unplaceable,
     WatchReplica,
     decide,
     next_wake,

@@ -9,7 +9,6 @@ import pytest
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import (
     Action,
-    Unplaceable,
     Delete,
     DeploymentSpec,
     Exited,
@@ -33,6 +32,7 @@ from modelkeeper.domain.keeper import (
     Stopped,
     StopReplica,
     Tick,
+    Unplaceable,
     WatchReplica,
     backoff_s,
     decide,

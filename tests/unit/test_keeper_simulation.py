@@ -34,7 +34,6 @@ from hypothesis import strategies as st
 
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import (
-    Unplaceable,
     Delete,
     DeploymentSpec,
     Exited,
@@ -56,12 +55,12 @@ from modelkeeper.domain.keeper import (
     Stopped,
     StopReplica,
     Tick,
+    Unplaceable,
     decide,
     next_wake,
 )
 from modelkeeper.domain.placement import NodeState
 from modelkeeper.domain.status import DeploymentStatus
-
 from tests.support.keeper_sim import (
     T0,
     Knobs,

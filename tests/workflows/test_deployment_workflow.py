@@ -42,8 +42,8 @@ from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.names import CONTROL_TASK_QUEUE, node_task_queue
 from workflows.deployment import (
     DeploymentInput,
-    WorkflowStatus,
     DeploymentWorkflow,
+    WorkflowStatus,
     WorkflowTimings,
     initial_state,
 )
