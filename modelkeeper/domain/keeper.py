@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Literal, assert_never
 
 from pydantic import Field
 
@@ -316,108 +316,193 @@ def _lost_after_ready(state: KeeperState, replica: Replica, why: str,
                                     "last_failure": why})
 
 
-def _observe(state: KeeperState, obs: Observation, now: datetime, config: KeeperConfig,
+def _observe(state: KeeperState, obs: Observation, *, now: datetime, config: KeeperConfig,
              jitter: float, actions: list[Action]) -> KeeperState:
-    """Apply one observation. Unknown replica ids are ignored: a late result for a
-    replica already stopped (or never ours) must change nothing."""
-    if isinstance(obs, Tick | NodesChanged | Scale | Retry | Delete):
-        return _observe_deployment(state, obs)
-    replica = _find(state, obs.replica_id)
+    """Apply one observation: one handler per type, each with its own rule."""
+    match obs:
+        case Tick():
+            return _on_tick(state)
+        case NodesChanged():
+            return _on_nodes_changed(state)
+        case Scale():
+            return _on_scale(state, obs)
+        case Retry():
+            return _on_retry(state)
+        case Delete():
+            return _on_delete(state)
+        case Placed():
+            return _on_placed(state, obs, actions=actions)
+        case Unplaceable():
+            return _on_unplaceable(state, obs, now=now, config=config)
+        case PlacementCrashed():
+            return _on_placement_crashed(state, obs, now=now, config=config)
+        case Started():
+            return _on_started(state, obs, now=now, actions=actions)
+        case StartFailed():
+            return _on_start_failed(state, obs, now=now, config=config, jitter=jitter,
+                                    actions=actions)
+        case Exited():
+            return _on_exited(state, obs, actions=actions)
+        case Silent():
+            return _on_silent(state, obs, now=now, actions=actions)
+        case ProbeResult():
+            return _on_probe_result(state, obs, now=now, config=config, actions=actions)
+        case Stopped():
+            return _on_stopped(state, obs)
+        case _:
+            # mypy proves this unreachable; a new observation type fails the type check.
+            assert_never(obs)
+
+
+# -- deployment observations -------------------------------------------------------------
+
+
+def _on_tick(state: KeeperState) -> KeeperState:
+    # Time alone changes no fact; _reconcile acts on the new ``now``.
+    return state
+
+
+def _on_nodes_changed(state: KeeperState) -> KeeperState:
+    # Retry an unplaceable deployment now; a failed-start backoff still holds.
+    return state.model_copy(update={"placement_retry_at": None})
+
+
+def _on_scale(state: KeeperState, obs: Scale) -> KeeperState:
+    # A spec change un-parks: the operator has acted on the deployment.
+    return state.model_copy(update={
+        "spec": state.spec.model_copy(update={"replicas": obs.replicas}),
+        "parked": False, "consecutive_failures": 0 if state.parked else
+        state.consecutive_failures})
+
+
+def _on_retry(state: KeeperState) -> KeeperState:
+    return state.model_copy(update={"parked": False, "consecutive_failures": 0,
+                                    "next_attempt_at": None, "placement_retry_at": None})
+
+
+def _on_delete(state: KeeperState) -> KeeperState:
+    # Only marks it: _reconcile stops the replicas and finishes once none is left.
+    return state.model_copy(update={"deleting": True})
+
+
+# -- replica observations ----------------------------------------------------------------
+
+
+def _replica_in(state: KeeperState, replica_id: ReplicaId, *phases: Phase) -> Replica | None:
+    """The replica, if it is ours and in one of ``phases``; else None, and the observation
+    is ignored: a late result for a replica already stopped (or never ours), or one from a
+    phase it has left, must change nothing."""
+    replica = _find(state, replica_id)
+    return replica if replica is not None and replica.phase in phases else None
+
+
+def _on_placed(state: KeeperState, obs: Placed, *, actions: list[Action]) -> KeeperState:
+    replica = _replica_in(state, obs.replica_id, Phase.PLACING)
     if replica is None:
         return state
-    if isinstance(obs, Placed):
-        if replica.phase is not Phase.PLACING:
-            return state
-        placed = replica.model_copy(update={"phase": Phase.STARTING, "nodes": obs.nodes})
-        state = _replace(state, placed).model_copy(update={"placement_error": None,
-                                                           "placement_retry_at": None})
-        if state.deleting:
-            # The deletion arrived while this placement was on its way: undo it now.
-            return _stop(state, placed, "deployment deleted", actions)
-        if replica.retiring:
-            return _stop(state, placed, "scaled down", actions)
-        actions.append(StartReplica(replica_id=replica.replica_id))
-        return state
-    if isinstance(obs, Unplaceable):
-        if replica.phase is not Phase.PLACING:
-            return state
-        return _drop(state, replica.replica_id).model_copy(update={
-            "placement_error": obs.reason,
-            "placement_retry_at": now + timedelta(seconds=config.cant_place_retry_s)})
-    if isinstance(obs, PlacementCrashed):
-        if replica.phase is not Phase.PLACING:
-            return state
-        return _drop(state, replica.replica_id).model_copy(update={
-            "last_failure": f"placement failed: {obs.error}",
-            "placement_retry_at": now + timedelta(seconds=config.cant_place_retry_s)})
-    if isinstance(obs, Started):
-        if replica.phase is not Phase.STARTING:
-            return state
-        ready = replica.model_copy(update={"phase": Phase.READY, "endpoint": obs.endpoint,
-                                           "ready_at": now})
-        actions.append(WatchReplica(replica_id=replica.replica_id))
-        return _replace(state, ready).model_copy(update={
-            "consecutive_failures": 0, "next_attempt_at": None})
-    if isinstance(obs, StartFailed):
-        if replica.phase is not Phase.STARTING:
-            return state
-        failures = state.consecutive_failures + 1
-        state = _stop(state, replica, "start failed", actions)
-        parked = failures >= config.park_after
-        return state.model_copy(update={
-            "consecutive_failures": failures, "last_failure": obs.error, "parked": parked,
-            "next_attempt_at": None if parked else
-            now + timedelta(seconds=backoff_s(failures, config, jitter))})
-    if isinstance(obs, Exited):
-        if replica.phase not in (Phase.READY, Phase.UNREACHABLE):
-            return state
-        return _lost_after_ready(state, replica, obs.detail, actions)
-    if isinstance(obs, Silent):
-        if replica.phase is not Phase.READY:
-            return state
-        actions.append(ProbeReplica(replica_id=replica.replica_id))
-        return _replace(state, replica.model_copy(update={
-            "phase": Phase.UNREACHABLE, "unreachable_since": now, "probe_in_flight": True}))
-    if isinstance(obs, ProbeResult):
-        if replica.phase is not Phase.UNREACHABLE:
-            return state
-        if obs.running is True:
-            # Its agent is back and the engine never stopped: adopt it, keep serving.
-            actions.append(WatchReplica(replica_id=replica.replica_id))
-            return _replace(state, replica.model_copy(update={
-                "phase": Phase.READY, "unreachable_since": None, "probe_in_flight": False,
-                "next_probe_at": None}))
-        if obs.running is False:
-            return _lost_after_ready(state, replica, "its agent no longer runs it", actions)
-        return _replace(state, replica.model_copy(update={
-            "probe_in_flight": False,
-            "next_probe_at": now + timedelta(seconds=config.probe_interval_s)}))
-    if isinstance(obs, Stopped):
-        if replica.phase is not Phase.STOPPING:
-            # Only a stop we asked for ends a replica: forgetting a placed or running one
-            # would leak its claim or its engine.
-            return state
-        return _drop(state, replica.replica_id)
-    raise AssertionError(f"unhandled observation {obs!r}")
-
-
-def _observe_deployment(state: KeeperState,
-                        obs: Tick | NodesChanged | Scale | Retry | Delete) -> KeeperState:
-    if isinstance(obs, NodesChanged):
-        # Retry an unplaceable deployment now; a failed-start backoff still holds.
-        return state.model_copy(update={"placement_retry_at": None})
-    if isinstance(obs, Scale):
-        # A spec change un-parks: the operator has acted on the deployment.
-        return state.model_copy(update={
-            "spec": state.spec.model_copy(update={"replicas": obs.replicas}),
-            "parked": False, "consecutive_failures": 0 if state.parked else
-            state.consecutive_failures})
-    if isinstance(obs, Retry):
-        return state.model_copy(update={"parked": False, "consecutive_failures": 0,
-                                        "next_attempt_at": None, "placement_retry_at": None})
-    if isinstance(obs, Delete):
-        return state.model_copy(update={"deleting": True})
+    placed = replica.model_copy(update={"phase": Phase.STARTING, "nodes": obs.nodes})
+    state = _replace(state, placed).model_copy(update={"placement_error": None,
+                                                       "placement_retry_at": None})
+    if state.deleting:
+        # The deletion arrived while this placement was on its way: undo it now.
+        return _stop(state, placed, "deployment deleted", actions)
+    if replica.retiring:
+        return _stop(state, placed, "scaled down", actions)
+    actions.append(StartReplica(replica_id=replica.replica_id))
     return state
+
+
+def _on_unplaceable(state: KeeperState, obs: Unplaceable, *, now: datetime,
+                    config: KeeperConfig) -> KeeperState:
+    replica = _replica_in(state, obs.replica_id, Phase.PLACING)
+    if replica is None:
+        return state
+    return _drop(state, replica.replica_id).model_copy(update={
+        "placement_error": obs.reason,
+        "placement_retry_at": now + timedelta(seconds=config.cant_place_retry_s)})
+
+
+def _on_placement_crashed(state: KeeperState, obs: PlacementCrashed, *, now: datetime,
+                          config: KeeperConfig) -> KeeperState:
+    replica = _replica_in(state, obs.replica_id, Phase.PLACING)
+    if replica is None:
+        return state
+    return _drop(state, replica.replica_id).model_copy(update={
+        "last_failure": f"placement failed: {obs.error}",
+        "placement_retry_at": now + timedelta(seconds=config.cant_place_retry_s)})
+
+
+def _on_started(state: KeeperState, obs: Started, *, now: datetime,
+                actions: list[Action]) -> KeeperState:
+    replica = _replica_in(state, obs.replica_id, Phase.STARTING)
+    if replica is None:
+        return state
+    ready = replica.model_copy(update={"phase": Phase.READY, "endpoint": obs.endpoint,
+                                       "ready_at": now})
+    actions.append(WatchReplica(replica_id=replica.replica_id))
+    return _replace(state, ready).model_copy(update={
+        "consecutive_failures": 0, "next_attempt_at": None})
+
+
+def _on_start_failed(state: KeeperState, obs: StartFailed, *, now: datetime,
+                     config: KeeperConfig, jitter: float,
+                     actions: list[Action]) -> KeeperState:
+    replica = _replica_in(state, obs.replica_id, Phase.STARTING)
+    if replica is None:
+        return state
+    failures = state.consecutive_failures + 1
+    state = _stop(state, replica, "start failed", actions)
+    parked = failures >= config.park_after
+    return state.model_copy(update={
+        "consecutive_failures": failures, "last_failure": obs.error, "parked": parked,
+        "next_attempt_at": None if parked else
+        now + timedelta(seconds=backoff_s(failures, config, jitter))})
+
+
+def _on_exited(state: KeeperState, obs: Exited, *, actions: list[Action]) -> KeeperState:
+    replica = _replica_in(state, obs.replica_id, Phase.READY, Phase.UNREACHABLE)
+    if replica is None:
+        return state
+    return _lost_after_ready(state, replica, obs.detail, actions)
+
+
+def _on_silent(state: KeeperState, obs: Silent, *, now: datetime,
+               actions: list[Action]) -> KeeperState:
+    replica = _replica_in(state, obs.replica_id, Phase.READY)
+    if replica is None:
+        return state
+    # Only unreachable, not lost: a blip must not tear down a replica still serving.
+    actions.append(ProbeReplica(replica_id=replica.replica_id))
+    return _replace(state, replica.model_copy(update={
+        "phase": Phase.UNREACHABLE, "unreachable_since": now, "probe_in_flight": True}))
+
+
+def _on_probe_result(state: KeeperState, obs: ProbeResult, *, now: datetime,
+                     config: KeeperConfig, actions: list[Action]) -> KeeperState:
+    replica = _replica_in(state, obs.replica_id, Phase.UNREACHABLE)
+    if replica is None:
+        return state
+    if obs.running is True:
+        # Its agent is back and the engine never stopped: adopt it, keep serving.
+        actions.append(WatchReplica(replica_id=replica.replica_id))
+        return _replace(state, replica.model_copy(update={
+            "phase": Phase.READY, "unreachable_since": None, "probe_in_flight": False,
+            "next_probe_at": None}))
+    if obs.running is False:
+        return _lost_after_ready(state, replica, "its agent no longer runs it", actions)
+    # No answer either way: ask again later; _reconcile declares it lost at lost_after_s.
+    return _replace(state, replica.model_copy(update={
+        "probe_in_flight": False,
+        "next_probe_at": now + timedelta(seconds=config.probe_interval_s)}))
+
+
+def _on_stopped(state: KeeperState, obs: Stopped) -> KeeperState:
+    # Only a stop we asked for ends a replica: forgetting a placed or running one would
+    # leak its claim or its engine.
+    replica = _replica_in(state, obs.replica_id, Phase.STOPPING)
+    if replica is None:
+        return state
+    return _drop(state, replica.replica_id)
 
 
 def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
@@ -430,8 +515,8 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
             if replica.phase in (Phase.STARTING, Phase.READY, Phase.UNREACHABLE):
                 state = _stop(state, replica, "deployment deleted", actions)
             elif replica.phase is Phase.PLACING and not replica.retiring:
-                # Its placement is in flight: it is stopped when it lands (see Placed), and
-                # no longer counts as wanted meanwhile.
+                # Its placement is in flight: it is stopped when it lands (see
+                # _on_placed), and no longer counts as wanted meanwhile.
                 state = _replace(state, replica.model_copy(update={"retiring": True}))
         if not state.replicas:
             actions.append(Finish())
@@ -461,7 +546,7 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
         candidates = sorted(live, key=lambda r: (order[r.phase], -_seq(r.replica_id)))
         for replica in candidates[: len(live) - desired]:
             if replica.phase is Phase.PLACING:
-                # Its placement is in flight: stop it when it lands (see Placed).
+                # Its placement is in flight: stop it when it lands (see _on_placed).
                 state = _replace(state, replica.model_copy(update={"retiring": True}))
             else:
                 state = _stop(state, replica, "scaled down", actions)
@@ -508,7 +593,8 @@ def decide(state: KeeperState, observation: Observation, now: datetime,
            config: KeeperConfig, jitter: float = 0.5) -> tuple[KeeperState, list[Action]]:
     """The keeper's next state and the actions to carry out, after ``observation``."""
     actions: list[Action] = []
-    state = _observe(state, observation, now, config, jitter, actions)
+    state = _observe(state, observation, now=now, config=config, jitter=jitter,
+                     actions=actions)
     state = _reconcile(state, now, config, actions)
     return state, actions
 
