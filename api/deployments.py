@@ -6,7 +6,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 from temporalio.client import WorkflowUpdateFailedError
@@ -53,7 +53,9 @@ from workflows.deployment import (
     initial_state,
 )
 
-from .deps import StoreDep, TemporalDep
+from .deps import SettingsDep, StoreDep, TemporalDep
+
+router = APIRouter()
 
 
 class Accepted(BaseModel):
@@ -125,167 +127,176 @@ def catalog_entry(spec: ModelSpec) -> CatalogModel:
                            "memory_estimated": True})
 
 
-def add_deployment_routes(app: FastAPI, settings: Settings) -> None:
-    """Register the catalog, deployment, replica and placement routes on ``app``."""
+# -- catalog ---------------------------------------------------------------------------
 
-    # -- catalog ---------------------------------------------------------------------------
+@router.post("/models", status_code=201, response_model=CatalogModel)
+async def create_model(spec: ModelSpec, store: StoreDep) -> CatalogModel:
+    """Add a model to the catalog. Memory is estimated from the file when absent."""
+    entry = catalog_entry(spec)
+    try:
+        return await store.create_model(entry)
+    except ModelExistsError:
+        raise HTTPException(409, f"model {spec.model_id!r} is already in the catalog") \
+            from None
 
-    @app.post("/models", status_code=201, response_model=CatalogModel)
-    async def create_model(spec: ModelSpec, store: StoreDep) -> CatalogModel:
-        """Add a model to the catalog. Memory is estimated from the file when absent."""
-        entry = catalog_entry(spec)
-        try:
-            return await store.create_model(entry)
-        except ModelExistsError:
-            raise HTTPException(409, f"model {spec.model_id!r} is already in the catalog") \
-                from None
 
-    @app.get("/models", response_model=list[CatalogModel])
-    async def list_models(store: StoreDep) -> list[CatalogModel]:
-        """The catalog."""
-        return await store.list_models()
+@router.get("/models", response_model=list[CatalogModel])
+async def list_models(store: StoreDep) -> list[CatalogModel]:
+    """The catalog."""
+    return await store.list_models()
 
-    @app.get("/models/{model_id:path}", response_model=CatalogModel)
-    async def get_model(model_id: str, store: StoreDep) -> CatalogModel:
-        """One catalog entry; 404 when unknown."""
-        model = await store.get_model(model_id)
-        if model is None:
+
+@router.get("/models/{model_id:path}", response_model=CatalogModel)
+async def get_model(model_id: str, store: StoreDep) -> CatalogModel:
+    """One catalog entry; 404 when unknown."""
+    model = await store.get_model(model_id)
+    if model is None:
+        raise HTTPException(404, f"model {model_id!r} is not in the catalog")
+    return model
+
+
+@router.delete("/models/{model_id:path}", status_code=204)
+async def delete_model(model_id: str, store: StoreDep) -> None:
+    """Remove a model; 409 while it is deployed."""
+    try:
+        if not await store.delete_model(model_id):
             raise HTTPException(404, f"model {model_id!r} is not in the catalog")
-        return model
+    except ModelInUseError:
+        raise HTTPException(409, f"model {model_id!r} has a deployment; delete it first") \
+            from None
 
-    @app.delete("/models/{model_id:path}", status_code=204)
-    async def delete_model(model_id: str, store: StoreDep) -> None:
-        """Remove a model; 409 while it is deployed."""
-        try:
-            if not await store.delete_model(model_id):
-                raise HTTPException(404, f"model {model_id!r} is not in the catalog")
-        except ModelInUseError:
-            raise HTTPException(409, f"model {model_id!r} has a deployment; delete it first") \
-                from None
 
-    # -- deployments -----------------------------------------------------------------------
+# -- deployments -----------------------------------------------------------------------
 
-    @app.post("/deployments", status_code=201, response_model=DeploymentView)
-    async def create_deployment(request: DeploymentRequest, store: StoreDep,
-                                temporal: TemporalDep) -> DeploymentView:
-        """Keep a model served. 409 if it already has a deployment (also under a race)."""
-        model = await store.get_model(request.model_id)
-        if model is None:
-            known = ", ".join(m.model_id for m in await store.list_models()) or "none"
-            raise field_error("model_id", request.model_id,
-                              f"unknown model_id; known models: {known}")
-        deployment_id = DeploymentId(f"d-{uuid.uuid4().hex[:10]}")
-        workflow_id = deployment_workflow_id(deployment_id)
-        try:
-            await store.create_deployment(deployment_id, request, workflow_id)
-        except DeploymentExistsError:
-            raise HTTPException(409, f"model {request.model_id!r} already has a deployment") \
-                from None
-        except UnknownModelError:
-            raise field_error("model_id", request.model_id, "unknown model_id") from None
-        spec = DeploymentSpec(deployment_id=deployment_id, model_id=request.model_id,
-                              replicas=request.replicas,
-                              min_nodes=max(request.min_nodes, model.min_nodes),
-                              node_ids=request.node_ids, labels=request.labels)
-        state = initial_state(spec, keeper_config(settings), workflow_timings(settings))
-        try:
-            await temporal.start_workflow(
-                DeploymentWorkflow.run, DeploymentInput(state=state), id=workflow_id,
-                task_queue=CONTROL_TASK_QUEUE,
-                search_attributes=TypedSearchAttributes([
-                    SearchAttributePair(MODEL_ID_KEY, request.model_id),
-                    SearchAttributePair(STATUS_KEY, DeploymentStatus.PLACING.value)]))
-        except RPCError as exc:
-            # Nothing keeps the row without its workflow: remove it, report the outage.
-            await store.delete_deployment_row(deployment_id)
-            raise HTTPException(503, f"could not start the deployment's workflow: {exc}") \
-                from None
-        view = await store.get_deployment(deployment_id)
-        assert view is not None
-        return view
+@router.post("/deployments", status_code=201, response_model=DeploymentView)
+async def create_deployment(request: DeploymentRequest, store: StoreDep,
+                            temporal: TemporalDep, *, settings: SettingsDep,
+                            ) -> DeploymentView:
+    """Keep a model served. 409 if it already has a deployment (also under a race)."""
+    model = await store.get_model(request.model_id)
+    if model is None:
+        known = ", ".join(m.model_id for m in await store.list_models()) or "none"
+        raise field_error("model_id", request.model_id,
+                          f"unknown model_id; known models: {known}")
+    deployment_id = DeploymentId(f"d-{uuid.uuid4().hex[:10]}")
+    workflow_id = deployment_workflow_id(deployment_id)
+    try:
+        await store.create_deployment(deployment_id, request, workflow_id)
+    except DeploymentExistsError:
+        raise HTTPException(409, f"model {request.model_id!r} already has a deployment") \
+            from None
+    except UnknownModelError:
+        raise field_error("model_id", request.model_id, "unknown model_id") from None
+    spec = DeploymentSpec(deployment_id=deployment_id, model_id=request.model_id,
+                          replicas=request.replicas,
+                          min_nodes=max(request.min_nodes, model.min_nodes),
+                          node_ids=request.node_ids, labels=request.labels)
+    state = initial_state(spec, keeper_config(settings), workflow_timings(settings))
+    try:
+        await temporal.start_workflow(
+            DeploymentWorkflow.run, DeploymentInput(state=state), id=workflow_id,
+            task_queue=CONTROL_TASK_QUEUE,
+            search_attributes=TypedSearchAttributes([
+                SearchAttributePair(MODEL_ID_KEY, request.model_id),
+                SearchAttributePair(STATUS_KEY, DeploymentStatus.PLACING.value)]))
+    except RPCError as exc:
+        # Nothing keeps the row without its workflow: remove it, report the outage.
+        await store.delete_deployment_row(deployment_id)
+        raise HTTPException(503, f"could not start the deployment's workflow: {exc}") \
+            from None
+    view = await store.get_deployment(deployment_id)
+    assert view is not None
+    return view
 
-    @app.get("/deployments", response_model=list[DeploymentView])
-    async def list_deployments(store: StoreDep) -> list[DeploymentView]:
-        """Every deployment, with status, reasons and replicas."""
-        return await store.list_deployments()
 
-    @app.get("/deployments/{deployment_id}", response_model=DeploymentView)
-    async def get_deployment(deployment_id: str, store: StoreDep) -> DeploymentView:
-        """One deployment; 404 when unknown."""
-        return await _existing(store, deployment_id)
+@router.get("/deployments", response_model=list[DeploymentView])
+async def list_deployments(store: StoreDep) -> list[DeploymentView]:
+    """Every deployment, with status, reasons and replicas."""
+    return await store.list_deployments()
 
-    @app.delete("/deployments/{deployment_id}", status_code=202, response_model=Accepted)
-    async def delete_deployment(deployment_id: str, store: StoreDep,
-                                temporal: TemporalDep) -> Accepted:
-        """Stop and delete the replicas this deployment placed; repeating it is harmless."""
-        if not await store.mark_deleting(deployment_id):
-            raise HTTPException(404, f"deployment {deployment_id!r} does not exist")
-        handle = temporal.get_workflow_handle(
-            deployment_workflow_id(DeploymentId(deployment_id)))
-        try:
-            await handle.signal(SIGNAL_DELETE)
-        except RPCError as exc:
-            if exc.status is not RPCStatusCode.NOT_FOUND:
-                raise
-            # Its workflow is gone (it finished, or was terminated by hand): the row is all
-            # that is left.
-            await store.delete_deployment_row(deployment_id)
-        return Accepted(deployment_id=deployment_id, status=DeploymentStatus.DELETING.value)
 
-    @app.post("/deployments/{deployment_id}/retry", status_code=202, response_model=Accepted)
-    async def retry_deployment(deployment_id: str, store: StoreDep,
-                               temporal: TemporalDep) -> Accepted:
-        """Un-park a parked deployment."""
-        view = await _existing(store, deployment_id)
-        await temporal.get_workflow_handle(view.workflow_id).signal(SIGNAL_RETRY)
-        return Accepted(deployment_id=deployment_id, status=view.status.value)
+@router.get("/deployments/{deployment_id}", response_model=DeploymentView)
+async def get_deployment(deployment_id: str, store: StoreDep) -> DeploymentView:
+    """One deployment; 404 when unknown."""
+    return await _existing(store, deployment_id)
 
-    @app.patch("/deployments/{deployment_id}", response_model=DeploymentView)
-    async def scale_deployment(deployment_id: str, request: ScaleRequest, store: StoreDep,
-                               temporal: TemporalDep) -> DeploymentView:
-        """Change the replica count (a Temporal update, validated by the workflow)."""
-        view = await _existing(store, deployment_id)
-        try:
-            await temporal.get_workflow_handle(view.workflow_id).execute_update(
-                UPDATE_SCALE, request, result_type=int)
-        except WorkflowUpdateFailedError as exc:
-            raise HTTPException(409, str(exc.cause or exc)) from None
-        await store.set_desired_replicas(deployment_id, request.replicas)
-        return await _existing(store, deployment_id)
 
-    # -- replicas and placement ------------------------------------------------------------
+@router.delete("/deployments/{deployment_id}", status_code=202, response_model=Accepted)
+async def delete_deployment(deployment_id: str, store: StoreDep,
+                            temporal: TemporalDep) -> Accepted:
+    """Stop and delete the replicas this deployment placed; repeating it is harmless."""
+    if not await store.mark_deleting(deployment_id):
+        raise HTTPException(404, f"deployment {deployment_id!r} does not exist")
+    handle = temporal.get_workflow_handle(
+        deployment_workflow_id(DeploymentId(deployment_id)))
+    try:
+        await handle.signal(SIGNAL_DELETE)
+    except RPCError as exc:
+        if exc.status is not RPCStatusCode.NOT_FOUND:
+            raise
+        # Its workflow is gone (it finished, or was terminated by hand): the row is all
+        # that is left.
+        await store.delete_deployment_row(deployment_id)
+    return Accepted(deployment_id=deployment_id, status=DeploymentStatus.DELETING.value)
 
-    @app.get("/replicas", response_model=list[ReplicaView])
-    async def list_replicas(store: StoreDep) -> list[ReplicaView]:
-        """Every replica: id, nodes, state, endpoint, started_at."""
-        return await store.list_replicas()
 
-    @app.get("/placement/explain", response_model=Explanation)
-    async def explain_placement(
-        store: StoreDep, model_id: str,
-        node_ids: list[str] | None = Query(default=None),  # noqa: B008 - FastAPI's idiom
-        min_nodes: int = Query(default=1, ge=1, le=64),
-    ) -> Explanation:
-        """Dry run: where one replica would go now, or every node and why it was rejected."""
-        model = await store.get_model(model_id)
-        if model is None:
-            raise HTTPException(404, f"model {model_id!r} is not in the catalog")
-        request = PlacementRequest(model_id=model.model_id, memory_bytes=model.memory_bytes,
-                                   cpu_cores=model.cpu_cores, gpus=model.gpus,
-                                   min_nodes=max(min_nodes, model.min_nodes),
-                                   node_ids=[NodeId(n) for n in node_ids] if node_ids else None)
-        views = await store.list_node_views(
-            datetime.now(UTC), unreachable_after_s=settings.node_unreachable_after_s,
-            lost_after_s=settings.node_lost_after_s)
-        decisions = explain(request, views)
-        result = place(request, views)
-        chosen = [] if not hasattr(result, "node_ids") else list(result.node_ids)
-        return Explanation(
-            model_id=model_id, fits=bool(chosen), nodes_chosen=chosen,
-            summary=getattr(result, "summary", None),
-            nodes=[NodeVerdict(node_id=d.node_id, name=d.node_name, fits=d.fits,
-                               reason=d.rejection.reason_code.value if d.rejection else None,
-                               message=d.message) for d in decisions])
+@router.post("/deployments/{deployment_id}/retry", status_code=202, response_model=Accepted)
+async def retry_deployment(deployment_id: str, store: StoreDep,
+                           temporal: TemporalDep) -> Accepted:
+    """Un-park a parked deployment."""
+    view = await _existing(store, deployment_id)
+    await temporal.get_workflow_handle(view.workflow_id).signal(SIGNAL_RETRY)
+    return Accepted(deployment_id=deployment_id, status=view.status.value)
+
+
+@router.patch("/deployments/{deployment_id}", response_model=DeploymentView)
+async def scale_deployment(deployment_id: str, request: ScaleRequest, store: StoreDep, *,
+                           temporal: TemporalDep) -> DeploymentView:
+    """Change the replica count (a Temporal update, validated by the workflow)."""
+    view = await _existing(store, deployment_id)
+    try:
+        await temporal.get_workflow_handle(view.workflow_id).execute_update(
+            UPDATE_SCALE, request, result_type=int)
+    except WorkflowUpdateFailedError as exc:
+        raise HTTPException(409, str(exc.cause or exc)) from None
+    await store.set_desired_replicas(deployment_id, request.replicas)
+    return await _existing(store, deployment_id)
+
+
+# -- replicas and placement ------------------------------------------------------------
+
+@router.get("/replicas", response_model=list[ReplicaView])
+async def list_replicas(store: StoreDep) -> list[ReplicaView]:
+    """Every replica: id, nodes, state, endpoint, started_at."""
+    return await store.list_replicas()
+
+
+@router.get("/placement/explain", response_model=Explanation)
+async def explain_placement(
+    store: StoreDep, settings: SettingsDep, model_id: str, *,
+    node_ids: list[str] | None = Query(default=None),  # noqa: B008 - FastAPI's idiom
+    min_nodes: int = Query(default=1, ge=1, le=64),
+) -> Explanation:
+    """Dry run: where one replica would go now, or every node and why it was rejected."""
+    model = await store.get_model(model_id)
+    if model is None:
+        raise HTTPException(404, f"model {model_id!r} is not in the catalog")
+    request = PlacementRequest(model_id=model.model_id, memory_bytes=model.memory_bytes,
+                               cpu_cores=model.cpu_cores, gpus=model.gpus,
+                               min_nodes=max(min_nodes, model.min_nodes),
+                               node_ids=[NodeId(n) for n in node_ids] if node_ids else None)
+    views = await store.list_node_views(
+        datetime.now(UTC), unreachable_after_s=settings.node_unreachable_after_s,
+        lost_after_s=settings.node_lost_after_s)
+    decisions = explain(request, views)
+    result = place(request, views)
+    chosen = [] if not hasattr(result, "node_ids") else list(result.node_ids)
+    return Explanation(
+        model_id=model_id, fits=bool(chosen), nodes_chosen=chosen,
+        summary=getattr(result, "summary", None),
+        nodes=[NodeVerdict(node_id=d.node_id, name=d.node_name, fits=d.fits,
+                           reason=d.rejection.reason_code.value if d.rejection else None,
+                           message=d.message) for d in decisions])
 
 
 async def _existing(store: Store, deployment_id: str) -> DeploymentView:

@@ -1,0 +1,105 @@
+"""Routes an operator watches: health, Prometheus metrics and the audit log."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from pydantic import BaseModel
+from temporalio.api.enums.v1 import TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
+from temporalio.client import Client
+from temporalio.service import RPCError
+
+from modelkeeper import __version__
+from modelkeeper.domain.catalog import DeploymentView
+from modelkeeper.domain.events import Event
+from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.names import CONTROL_TASK_QUEUE
+
+from .deps import SettingsDep, StoreDep, TemporalDep
+
+router = APIRouter()
+
+
+class Health(BaseModel):
+    """What /healthz reports: each dependency, and whether a control worker polls."""
+
+    status: str
+    version: str
+    database: bool
+    temporal: bool
+    control_workers: int
+
+
+@router.get("/healthz", response_model=Health)
+async def healthz(response: Response, store: StoreDep, temporal: TemporalDep, *,
+                  settings: SettingsDep) -> Health:
+    """Liveness of the API and its dependencies; 503 when one is down."""
+    database_ok = await store.ping()
+    try:
+        workers = await _control_pollers(temporal, settings.temporal_namespace)
+        temporal_ok = True
+    except RPCError:
+        workers, temporal_ok = 0, False
+    ok = database_ok and temporal_ok
+    if not ok:
+        response.status_code = 503
+    return Health(status="ok" if ok else "degraded", version=__version__,
+                  database=database_ok, temporal=temporal_ok, control_workers=workers)
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(store: StoreDep) -> Response:
+    """Prometheus gauges per deployment, read from the store at scrape time."""
+    return Response(deployment_metrics(await store.list_deployments()),
+                    media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/events", response_model=list[Event])
+async def list_events(store: StoreDep, deployment_id: str | None = None,
+                      limit: int = 100) -> list[Event]:
+    """The audit log, newest ``limit`` entries, oldest first."""
+    return await store.list_events(deployment_id=deployment_id, limit=limit)
+
+
+def deployment_metrics(deployments: list[DeploymentView]) -> bytes:
+    """The deployment gauges in Prometheus' text format.
+
+    Every deployment has every series, zeros included: an alert on "ready == 0 while
+    desired > 0" must be able to fire, which it cannot on a series that vanishes.
+    """
+    registry = CollectorRegistry()
+    labels = ["deployment_id", "model_id"]
+    desired = Gauge("modelkeeper_deployment_desired_replicas", "Replicas asked for.",
+                    labels, registry=registry)
+    ready = Gauge("modelkeeper_deployment_ready_replicas", "Replicas ready to serve.",
+                  labels, registry=registry)
+    parked = Gauge("modelkeeper_deployment_parked", "1 when parked after failed starts.",
+                   labels, registry=registry)
+    cant_place = Gauge("modelkeeper_deployment_cant_place", "1 when nothing fits.",
+                       labels, registry=registry)
+    failures = Gauge("modelkeeper_deployment_consecutive_failures",
+                     "Failed starts in a row.", labels, registry=registry)
+    for d in deployments:
+        key = (d.deployment_id, d.model_id)
+        desired.labels(*key).set(d.desired_replicas)
+        ready.labels(*key).set(d.ready_replicas)
+        parked.labels(*key).set(int(d.status is DeploymentStatus.PARKED))
+        cant_place.labels(*key).set(int(d.status is DeploymentStatus.CANT_PLACE))
+        failures.labels(*key).set(d.consecutive_failures)
+    return generate_latest(registry)
+
+
+async def _control_pollers(client: Client, namespace: str) -> int:
+    """How many worker identities poll the control task queue (activities or workflows)."""
+    identities: set[str] = set()
+    for queue_type in (TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+                       TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY):
+        resp = await client.workflow_service.describe_task_queue(
+            DescribeTaskQueueRequest(namespace=namespace,
+                                     task_queue=TaskQueue(name=CONTROL_TASK_QUEUE),
+                                     task_queue_type=queue_type)
+        )
+        identities.update(p.identity for p in resp.pollers)
+    return len(identities)
