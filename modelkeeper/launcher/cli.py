@@ -15,8 +15,21 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from ..settings import Settings, config_table_markdown
-from .operator_cli import OPERATOR_COMMANDS, ApiError, run_operator_command
+from .operator_cli import (
+    OPERATOR_COMMANDS,
+    ApiError,
+    UsageError,
+    add_operator_commands,
+    parse_pairs,
+    run_operator_command,
+)
 
+__all__ = ["UsageError", "build_parser", "load_settings", "main", "run"]
+
+# The settings field behind each port flag, in the order `up` lists them.
+# TODO(one port table): stack.PORTS (label, field, flag) repeats these pairs for `up`'s port
+# check. The table belongs with PortUse, in a module light enough for every command to
+# import (stack.py pulls in asyncpg); until it moves, keep the two in step.
 PORT_FLAGS = {
     "api_port": "--api-port",
     "gateway_port": "--gateway-port",
@@ -24,10 +37,6 @@ PORT_FLAGS = {
     "temporal_port": "--temporal-port",
     "temporal_ui_port": "--temporal-ui-port",
 }
-
-
-class UsageError(Exception):
-    """A user mistake: reported as one line, exit code 2."""
 
 
 def _add_common(parser: argparse.ArgumentParser, ports: Sequence[str]) -> None:
@@ -46,8 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run the whole local stack in the foreground")
     up.add_argument("--no-demo", action="store_true",
                     help="do not deploy the demo model (SmolLM2-135M) on a fresh install")
-    _add_common(up, ["api_port", "gateway_port", "postgres_port", "temporal_port",
-                     "temporal_ui_port"])
+    _add_common(up, list(PORT_FLAGS))
 
     worker = sub.add_parser("worker", help="run the control-plane Temporal worker")
     _add_common(worker, [])
@@ -86,8 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
     revoke = keys_sub.add_parser("revoke", help="revoke a key")
     revoke.add_argument("keys_argument", metavar="ID_OR_PREFIX")
 
-    from .operator_cli import add_operator_commands
-
     add_operator_commands(sub, lambda p: _add_common(p, []))
 
     sub.add_parser("config-doc", help="print the configuration table (markdown)")
@@ -102,13 +108,7 @@ def load_settings(args: argparse.Namespace) -> Settings:
     }
     labels = getattr(args, "labels", None)
     if labels:
-        parsed: dict[str, str] = {}
-        for item in labels:
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                raise UsageError(f"--label {item!r}: expected KEY=VALUE")
-            parsed[key] = value
-        overrides["node_labels"] = parsed
+        overrides["node_labels"] = parse_pairs(labels, flag="--label")
     try:
         return Settings(**overrides)
     except ValidationError as exc:
@@ -204,30 +204,31 @@ def _cmd_keys(settings: Settings, args: argparse.Namespace) -> int:
                             out=print)
 
 
-def main(argv: Sequence[str] | None = None) -> NoReturn:
-    """Entry point of the `modelkeeper` console script."""
+def run(argv: Sequence[str] | None = None) -> int:
+    """Run one `modelkeeper` command; its exit code (see ``operator_cli`` for 1 and 2)."""
     args = build_parser().parse_args(argv)
     try:
         if args.command == "config-doc":
             print(config_table_markdown(), end="")
-            code = 0
-        elif args.command in OPERATOR_COMMANDS:
-            code = run_operator_command(args, load_settings(args).api_url, out=print)
-        else:
-            settings = load_settings(args)
-            commands: dict[str, Callable[[Settings], int]] = {
-                "up": lambda s: _cmd_up(s, demo=not args.no_demo),
-                "worker": _cmd_worker, "api": _cmd_api,
-                "agent": _cmd_agent, "gateway": _cmd_gateway,
-                "keys": lambda s: _cmd_keys(s, args),
-            }
-            code = commands[args.command](settings)
-    except UsageError as exc:
+            return 0
+        if args.command in OPERATOR_COMMANDS:
+            return run_operator_command(args, load_settings(args).api_url, out=print)
+        settings = load_settings(args)
+        commands: dict[str, Callable[[Settings], int]] = {
+            "up": lambda s: _cmd_up(s, demo=not args.no_demo),
+            "worker": _cmd_worker, "api": _cmd_api,
+            "agent": _cmd_agent, "gateway": _cmd_gateway,
+            "keys": lambda s: _cmd_keys(s, args),
+        }
+        return commands[args.command](settings)
+    except (UsageError, ApiError) as exc:
         print(f"modelkeeper {args.command}: {exc}", file=sys.stderr)
-        code = 2
-    except ApiError as exc:
-        print(f"modelkeeper {args.command}: {exc}", file=sys.stderr)
-        code = 1
+        return exc.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """Entry point of the `modelkeeper` console script."""
+    code = run(argv)
     sys.stdout.flush()
     sys.stderr.flush()
     # Exit without interpreter finalization: temporalio's runtime can abort at teardown

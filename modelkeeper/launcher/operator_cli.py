@@ -1,72 +1,116 @@
 """`modelkeeper deploy / ls / rm / nodes / explain / models`: thin wrappers over the API.
 
-Tables for a person, ``--json`` for scripts. API errors are one line naming what the API
-said, never a traceback.
+One table, ``COMMANDS``, holds every operator command: its flags, the request it sends
+(method, path and body, built from the parsed arguments alone) and how it shows the
+answer. Tables for a person, ``--json`` for scripts.
+
+Exit codes (``main`` in ``cli.py`` reads them off the two error types below):
+
+- 0: done.
+- 2 (``UsageError``): a user mistake, reported as one sentence naming the field, the value
+  and the limit: a bad flag value, a malformed KEY=VALUE, a missing argument, a target that
+  does not exist, or any 4xx from the API (404 unknown, 409 conflict, 422 invalid). Argparse
+  exits 2 on its own for a flag it cannot parse.
+- 1 (``ApiError``): the API failed, not the user: a 5xx, no answer (unreachable, timed
+  out), or an answer that is not JSON. Retrying later may succeed; changing the command
+  will not help.
+
+Never a traceback for either.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
 
+from ..domain.shards import EngineKind
 from ..domain.units import format_gib, parse_bytes
 
 Out = Callable[[str], None]
 
+# A deploy waits while the API starts the deployment's workflow on Temporal; 30 s covers a
+# Temporal server slow to answer, and still ends a call to an API that hangs.
+API_TIMEOUT_S = 30
+
+
+class UsageError(Exception):
+    """A user mistake: one sentence naming the field, the value and the limit; exit 2."""
+
+    exit_code = 2
+
 
 class ApiError(Exception):
-    """The API refused a request; the message is what it said."""
+    """The API failed (5xx) or could not be reached; exit 1, since the command was sound."""
+
+    exit_code = 1
 
 
-def add_operator_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Register the operator subcommands on the main parser's subparsers."""
+def parse_pairs(items: Sequence[str], *, flag: str) -> dict[str, str]:
+    """``["k=v", ...]`` as a dict: the one KEY=VALUE parser of the ``modelkeeper`` command.
 
-    def cmd(name: str, help_text: str) -> argparse.ArgumentParser:
-        parser: argparse.ArgumentParser = sub.add_parser(name, help=help_text)
-        parser.add_argument("--api-url", help="overrides MODELKEEPER_API_URL")
-        parser.add_argument("--json", action="store_true", help="machine-readable output")
-        common(parser)
-        return parser
-
-    deploy = cmd("deploy", "keep a model served")
-    deploy.add_argument("model_id")
-    deploy.add_argument("--replicas", type=int, default=1)
-    deploy.add_argument("--min-nodes", type=int, default=1)
-    deploy.add_argument("--node", dest="node_ids", action="append", metavar="NODE_ID",
-                        help="only these nodes; repeatable")
-    deploy.add_argument("--require-label", dest="require_labels", action="append",
-                        default=[], metavar="KEY=VALUE", help="node label; repeatable")
-    cmd("ls", "list deployments")
-    rm = cmd("rm", "delete a deployment (by id or model id)")
-    rm.add_argument("target")
-    cmd("nodes", "list nodes")
-    explain = cmd("explain", "dry-run placement of one replica of a model")
-    explain.add_argument("model_id")
-    models = cmd("models", "list the model catalog, or add/remove a model")
-    models.add_argument("action", nargs="?", choices=["ls", "add", "rm"], default="ls")
-    models.add_argument("model_id", nargs="?")
-    models.add_argument("--engine", choices=["llamacpp", "vllm", "sglang", "sim"])
-    models.add_argument("--source")
-    models.add_argument("--memory", help="declared working set, e.g. 12GiB")
-    models.add_argument("--engine-arg", dest="engine_args", action="append", default=[],
-                        metavar="KEY=VALUE", help="allow-listed engine argument; repeatable")
+    Raises ``UsageError`` naming ``flag`` and the item when one has no ``=`` or no key.
+    """
+    parsed = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"{flag} {item!r} is not KEY=VALUE with a non-empty KEY")
+        parsed[key] = value
+    return parsed
 
 
-OPERATOR_COMMANDS = frozenset({"deploy", "ls", "rm", "nodes", "explain", "models"})
+# ----------------------------------------------------------------------------------------
+# The requests
 
 
-def _call(http: httpx.Client, method: str, path: str, **kwargs: Any) -> Any:
+@dataclass(frozen=True)
+class Request:
+    """One call to the API.
+
+    ``then`` turns the answer into what the command reports, or into the next request when
+    a command needs two calls (``rm`` looks its target up first). Without it the answer is
+    reported as it is.
+    """
+
+    method: str
+    path: str
+    body: dict[str, Any] | None = None
+    params: dict[str, str] | None = None
+    then: Callable[[Any], Any] | None = None
+
+
+def execute(request: Request, http: httpx.Client) -> Any:
+    """Send ``request`` and each follow-up it asks for; what the last one reports."""
+    step: Any = request
+    while isinstance(step, Request):
+        answer = _send(http, step)
+        step = answer if step.then is None else step.then(answer)
+    return step
+
+
+def _send(http: httpx.Client, request: Request) -> Any:
     try:
-        resp = http.request(method, path, **kwargs)
+        resp = http.request(request.method, request.path, json=request.body,
+                            params=request.params)
     except httpx.HTTPError as exc:
-        raise ApiError(f"cannot reach the API at {http.base_url}: {exc}") from None
-    if resp.status_code >= 400:
+        raise ApiError(f"cannot reach the API at {http.base_url}: {exc}") from exc
+    if 400 <= resp.status_code < 500:
+        raise UsageError(f"{resp.status_code} {_detail(resp)}")
+    if resp.status_code >= 500:
         raise ApiError(f"{resp.status_code} {_detail(resp)}")
-    return resp.json() if resp.content else None
+    if not resp.content:
+        return None
+    try:
+        return resp.json()
+    except ValueError as exc:
+        raise ApiError(f"{request.method} {request.path} answered {resp.status_code} "
+                       f"with non-JSON: {resp.text[:200]!r}") from exc
 
 
 def _detail(resp: httpx.Response) -> str:
@@ -80,14 +124,82 @@ def _detail(resp: httpx.Response) -> str:
     return str(detail)
 
 
-def _pairs(items: Sequence[str], flag: str) -> dict[str, str]:
-    parsed = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ApiError(f"{flag} {item!r}: expected KEY=VALUE")
-        parsed[key] = value
+def _deploy_request(args: argparse.Namespace) -> Request:
+    return Request("POST", "/deployments", body={
+        "model_id": args.model_id, "replicas": args.replicas, "min_nodes": args.min_nodes,
+        "node_ids": args.node_ids,
+        "labels": parse_pairs(args.require_labels, flag="--require-label")})
+
+
+def _ls_request(args: argparse.Namespace) -> Request:
+    return Request("GET", "/deployments")
+
+
+def _rm_request(args: argparse.Namespace) -> Request:
+    return Request("GET", "/deployments", then=partial(_delete_deployment, args.target))
+
+
+def _delete_deployment(target: str, deployments: list[dict[str, Any]]) -> Request:
+    """The DELETE of the deployment whose id or model id is ``target``."""
+    match = next((d for d in deployments if target in (d["deployment_id"], d["model_id"])),
+                 None)
+    if match is None:
+        known = ", ".join(sorted(d["model_id"] for d in deployments)) or "none"
+        raise UsageError(f"rm {target!r}: no deployment has that id or model id "
+                         f"(deployed models: {known})")
+    return Request("DELETE", f"/deployments/{match['deployment_id']}")
+
+
+def _nodes_request(args: argparse.Namespace) -> Request:
+    return Request("GET", "/nodes")
+
+
+def _explain_request(args: argparse.Namespace) -> Request:
+    return Request("GET", "/placement/explain", params={"model_id": args.model_id})
+
+
+def _models_request(args: argparse.Namespace) -> Request:
+    if args.action == "ls":
+        return Request("GET", "/models")
+    if not args.model_id:
+        raise UsageError(f"models {args.action} needs a MODEL_ID, and none was given")
+    if args.action == "rm":
+        return Request("DELETE", f"/models/{args.model_id}",
+                       then=partial(_removed, args.model_id))
+    if not args.engine:
+        raise UsageError(f"models add {args.model_id!r}: --engine is required, one of "
+                         f"{', '.join(EngineKind)}")
+    if not args.source:
+        raise UsageError(f"models add {args.model_id!r}: --source is required: a .gguf path, "
+                         "a Hugging Face repo id, 'smollm2', or any label for the sim engine")
+    model: dict[str, Any] = {"model_id": args.model_id, "engine": args.engine,
+                             "source": args.source,
+                             "engine_args": _engine_args(args.engine_args)}
+    if args.memory:
+        try:
+            model["memory_bytes"] = parse_bytes(args.memory)
+        except ValueError as exc:
+            raise UsageError(f"--memory: {exc}") from exc
+    return Request("POST", "/models", body=model)
+
+
+def _removed(model_id: str, _answer: None) -> dict[str, Any]:
+    """What ``models rm`` reports: the API answers 204, with no body."""
+    return {"model_id": model_id, "deleted": True}
+
+
+def _engine_args(items: Sequence[str]) -> dict[str, Any]:
+    parsed: dict[str, Any] = {}
+    for key, value in parse_pairs(items, flag="--engine-arg").items():
+        try:
+            parsed[key] = json.loads(value)  # numbers and booleans keep their type
+        except ValueError:
+            parsed[key] = value
     return parsed
+
+
+# ----------------------------------------------------------------------------------------
+# The renderers: text for a person (``--json`` prints the answer as it is)
 
 
 def table(rows: list[list[str]], headers: list[str]) -> str:
@@ -104,69 +216,6 @@ def _mem(value: int | None) -> str:
     return "-" if value is None else format_gib(value)
 
 
-def run_operator_command(args: argparse.Namespace, api_url: str, out: Out) -> int:
-    """Run one operator command against the API at ``api_url``."""
-    with httpx.Client(base_url=args.api_url or api_url, timeout=30) as http:
-        result = _dispatch(args, http)
-    if args.json:
-        out(json.dumps(result, indent=2, default=str))
-    else:
-        out(_render(args, result))
-    return 0
-
-
-def _dispatch(args: argparse.Namespace, http: httpx.Client) -> Any:
-    if args.command == "deploy":
-        body = {"model_id": args.model_id, "replicas": args.replicas,
-                "min_nodes": args.min_nodes, "node_ids": args.node_ids,
-                "labels": _pairs(args.require_labels, "--require-label")}
-        return _call(http, "POST", "/deployments", json=body)
-    if args.command == "ls":
-        return _call(http, "GET", "/deployments")
-    if args.command == "rm":
-        target = args.target
-        deployments = _call(http, "GET", "/deployments")
-        match = next((d for d in deployments if target in (d["deployment_id"], d["model_id"])),
-                     None)
-        if match is None:
-            raise ApiError(f"no deployment with id or model {target!r}")
-        return _call(http, "DELETE", f"/deployments/{match['deployment_id']}")
-    if args.command == "nodes":
-        return _call(http, "GET", "/nodes")
-    if args.command == "explain":
-        return _call(http, "GET", "/placement/explain", params={"model_id": args.model_id})
-    if args.command == "models":
-        if args.action == "ls":
-            return _call(http, "GET", "/models")
-        if not args.model_id:
-            raise ApiError(f"models {args.action}: give a model id")
-        if args.action == "rm":
-            _call(http, "DELETE", f"/models/{args.model_id}")
-            return {"model_id": args.model_id, "deleted": True}
-        if not args.engine or not args.source:
-            raise ApiError("models add: --engine and --source are required")
-        model: dict[str, Any] = {"model_id": args.model_id, "engine": args.engine,
-                                 "source": args.source,
-                                 "engine_args": _engine_args(args.engine_args)}
-        if args.memory:
-            try:
-                model["memory_bytes"] = parse_bytes(args.memory)
-            except ValueError as exc:
-                raise ApiError(f"--memory: {exc}") from None
-        return _call(http, "POST", "/models", json=model)
-    raise ApiError(f"unknown command {args.command}")
-
-
-def _engine_args(items: Sequence[str]) -> dict[str, Any]:
-    parsed: dict[str, Any] = {}
-    for key, value in _pairs(items, "--engine-arg").items():
-        try:
-            parsed[key] = json.loads(value)  # numbers and booleans keep their type
-        except ValueError:
-            parsed[key] = value
-    return parsed
-
-
 def _reason(deployment: dict[str, Any]) -> str:
     """Why a deployment is not serving; a serving one shows its last failure only as
     history, marked so, rather than as a reason."""
@@ -178,39 +227,147 @@ def _reason(deployment: dict[str, Any]) -> str:
     return str(deployment["last_failure"] or "")
 
 
-def _render(args: argparse.Namespace, result: Any) -> str:
-    if args.command in ("ls",):
-        return table([[d["deployment_id"], d["model_id"], d["status"],
-                       f"{d['ready_replicas']}/{d['desired_replicas']}",
-                       str(d["consecutive_failures"]), _reason(d)] for d in result],
-                     ["id", "model", "status", "ready", "failures", "reason"])
-    if args.command == "deploy":
-        return (f"deployment {result['deployment_id']} of {result['model_id']}: "
-                f"{result['status']} (workflow {result['workflow_id']})")
-    if args.command == "rm":
-        return f"deployment {result['deployment_id']}: {result['status']}"
-    if args.command == "nodes":
-        return table([[n["name"], n["node_id"], n["state"], _mem(n["memory_total_bytes"]),
-                       _mem(n["memory_claimed_bytes"]), _mem(n["memory_free_bytes"]),
-                       "-" if n["cpu_count"] is None else str(n["cpu_count"]),
-                       ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())),
-                       n["last_seen"]] for n in result],
-                     ["name", "id", "state", "memory", "claimed", "free", "cpus", "labels",
-                      "last seen"])
-    if args.command == "explain":
-        head = (f"{result['model_id']}: fits on {', '.join(result['nodes_chosen'])}"
-                if result["fits"] else f"{result['model_id']}: cannot be placed: "
-                                       f"{result['summary']}")
-        return head + "\n" + table([[n["name"], "yes" if n["fits"] else "no", n["message"]]
-                                    for n in result["nodes"]], ["node", "fits", "why"])
-    if args.command == "models":
-        if isinstance(result, list):
+def _deploy_text(args: argparse.Namespace, result: Any) -> str:
+    return (f"deployment {result['deployment_id']} of {result['model_id']}: "
+            f"{result['status']} (workflow {result['workflow_id']})")
+
+
+def _ls_text(args: argparse.Namespace, result: Any) -> str:
+    return table([[d["deployment_id"], d["model_id"], d["status"],
+                   f"{d['ready_replicas']}/{d['desired_replicas']}",
+                   str(d["consecutive_failures"]), _reason(d)] for d in result],
+                 ["id", "model", "status", "ready", "failures", "reason"])
+
+
+def _rm_text(args: argparse.Namespace, result: Any) -> str:
+    return f"deployment {result['deployment_id']}: {result['status']}"
+
+
+def _nodes_text(args: argparse.Namespace, result: Any) -> str:
+    return table([[n["name"], n["node_id"], n["state"], _mem(n["memory_total_bytes"]),
+                   _mem(n["memory_claimed_bytes"]), _mem(n["memory_free_bytes"]),
+                   "-" if n["cpu_count"] is None else str(n["cpu_count"]),
+                   ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())),
+                   n["last_seen"]] for n in result],
+                 ["name", "id", "state", "memory", "claimed", "free", "cpus", "labels",
+                  "last seen"])
+
+
+def _explain_text(args: argparse.Namespace, result: Any) -> str:
+    head = (f"{result['model_id']}: fits on {', '.join(result['nodes_chosen'])}"
+            if result["fits"] else f"{result['model_id']}: cannot be placed: "
+                                   f"{result['summary']}")
+    return head + "\n" + table([[n["name"], "yes" if n["fits"] else "no", n["message"]]
+                                for n in result["nodes"]], ["node", "fits", "why"])
+
+
+def _models_text(args: argparse.Namespace, result: Any) -> str:
+    match args.action:
+        case "ls":
             return table([[m["model_id"], m["engine"], m["source"],
                            _mem(m["memory_bytes"]) + (" (estimated)" if m["memory_estimated"]
                                                       else ""),
                            str(m["min_nodes"])] for m in result],
                          ["model", "engine", "source", "memory", "min nodes"])
-        if result.get("deleted"):
+        case "rm":
             return f"model {result['model_id']} removed"
-        return f"model {result['model_id']} added ({_mem(result['memory_bytes'])})"
-    return json.dumps(result, default=str)
+        case _:
+            return f"model {result['model_id']} added ({_mem(result['memory_bytes'])})"
+
+
+# ----------------------------------------------------------------------------------------
+# The flags each command adds to the common ones (--api-url, --json)
+
+
+def _deploy_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_id")
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--min-nodes", type=int, default=1)
+    parser.add_argument("--node", dest="node_ids", action="append", metavar="NODE_ID",
+                        help="only these nodes; repeatable")
+    parser.add_argument("--require-label", dest="require_labels", action="append",
+                        default=[], metavar="KEY=VALUE", help="node label; repeatable")
+
+
+def _no_flags(parser: argparse.ArgumentParser) -> None:
+    pass
+
+
+def _rm_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target")
+
+
+def _explain_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_id")
+
+
+def _models_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", nargs="?", choices=["ls", "add", "rm"], default="ls")
+    parser.add_argument("model_id", nargs="?")
+    parser.add_argument("--engine", choices=[e.value for e in EngineKind])
+    parser.add_argument("--source")
+    parser.add_argument("--memory", help="declared working set, e.g. 12GiB")
+    parser.add_argument("--engine-arg", dest="engine_args", action="append", default=[],
+                        metavar="KEY=VALUE", help="allow-listed engine argument; repeatable")
+
+
+# ----------------------------------------------------------------------------------------
+# The table
+
+
+@dataclass(frozen=True)
+class Command:
+    """One operator command: its flags, the request it sends, and its text rendering."""
+
+    name: str
+    help: str
+    flags: Callable[[argparse.ArgumentParser], None]
+    request: Callable[[argparse.Namespace], Request]
+    text: Callable[[argparse.Namespace, Any], str]
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("deploy", "keep a model served", _deploy_flags, _deploy_request, _deploy_text),
+    Command("ls", "list deployments", _no_flags, _ls_request, _ls_text),
+    Command("rm", "delete a deployment (by id or model id)", _rm_flags, _rm_request,
+            _rm_text),
+    Command("nodes", "list nodes", _no_flags, _nodes_request, _nodes_text),
+    Command("explain", "dry-run placement of one replica of a model", _explain_flags,
+            _explain_request, _explain_text),
+    Command("models", "list the model catalog, or add/remove a model", _models_flags,
+            _models_request, _models_text),
+)
+
+OPERATOR_COMMANDS: Mapping[str, Command] = {c.name: c for c in COMMANDS}
+
+
+def add_operator_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Register the operator subcommands on the main parser's subparsers."""
+    for command in COMMANDS:
+        parser: argparse.ArgumentParser = sub.add_parser(command.name, help=command.help)
+        parser.add_argument("--api-url", help="overrides MODELKEEPER_API_URL")
+        parser.add_argument("--json", action="store_true", help="machine-readable output")
+        common(parser)
+        command.flags(parser)
+
+
+def render(args: argparse.Namespace, result: Any) -> str:
+    """``result`` as ``--json`` asked, or as the command's text."""
+    if args.json:
+        return json.dumps(result, indent=2, default=str)
+    return OPERATOR_COMMANDS[args.command].text(args, result)
+
+
+def run_operator_command(args: argparse.Namespace, api_url: str, out: Out, *,
+                         transport: httpx.BaseTransport | None = None) -> int:
+    """Run one operator command against the API at ``api_url`` (``--api-url`` wins).
+
+    Raises ``UsageError`` for a user mistake, ``ApiError`` when the API fails; the request
+    is built before any connection, so a malformed argument never reaches the API.
+    """
+    request = OPERATOR_COMMANDS[args.command].request(args)
+    with httpx.Client(base_url=args.api_url or api_url, timeout=API_TIMEOUT_S,
+                      transport=transport) as http:
+        result = execute(request, http)
+    out(render(args, result))
+    return 0

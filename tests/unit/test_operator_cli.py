@@ -1,0 +1,332 @@
+"""The operator CLI's table: each command's request from its arguments, its renderings, and
+its exit codes (2 for a user mistake, 1 for a failing API). No server: httpx.MockTransport
+answers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import httpx
+import pytest
+
+from modelkeeper.launcher import cli
+from modelkeeper.launcher.cli import build_parser
+from modelkeeper.launcher.operator_cli import (
+    COMMANDS,
+    OPERATOR_COMMANDS,
+    ApiError,
+    Request,
+    UsageError,
+    parse_pairs,
+    render,
+    run_operator_command,
+)
+
+pytestmark = pytest.mark.timeout(10)
+
+GiB = 1 << 30
+API = "http://api.test"
+
+DEPLOYMENTS: list[dict[str, Any]] = [
+    {"deployment_id": "d1", "model_id": "big", "status": "cant_place", "ready_replicas": 0,
+     "desired_replicas": 1, "consecutive_failures": 0,
+     "placement_error": "node small: 8.0 GiB free, needs 64.0 GiB", "last_failure": None,
+     "workflow_id": "deployment/d1"},
+    {"deployment_id": "d2", "model_id": "sim-12g", "status": "serving", "ready_replicas": 2,
+     "desired_replicas": 2, "consecutive_failures": 1, "placement_error": None,
+     "last_failure": "exit 137 (oom)", "workflow_id": "deployment/d2"},
+]
+NODES: list[dict[str, Any]] = [
+    {"name": "small", "node_id": "n1", "state": "ready", "memory_total_bytes": 8 * GiB,
+     "memory_claimed_bytes": 0, "memory_free_bytes": 8 * GiB, "cpu_count": 4,
+     "labels": {"zone": "a", "gpu": "none"}, "last_seen": "2024-01-01T00:00:00Z"},
+    {"name": "bare", "node_id": "n2", "state": "lost", "memory_total_bytes": None,
+     "memory_claimed_bytes": None, "memory_free_bytes": None, "cpu_count": None,
+     "labels": {}, "last_seen": "2024-01-01T00:00:01Z"},
+]
+EXPLAIN_NO: dict[str, Any] = {
+    "model_id": "big", "fits": False, "nodes_chosen": [], "summary": "no node has 64.0 GiB free",
+    "nodes": [{"name": "small", "fits": False, "message": "8.0 GiB free, needs 64.0 GiB"}]}
+EXPLAIN_YES: dict[str, Any] = {
+    "model_id": "tiny", "fits": True, "nodes_chosen": ["small"], "summary": "",
+    "nodes": [{"name": "small", "fits": True, "message": "fits"}]}
+MODELS: list[dict[str, Any]] = [
+    {"model_id": "sim-12g", "engine": "sim", "source": "sim", "memory_bytes": 12 * GiB,
+     "memory_estimated": False, "min_nodes": 1},
+    {"model_id": "qwen", "engine": "vllm", "source": "Qwen/Qwen2", "memory_bytes": None,
+     "memory_estimated": True, "min_nodes": 2},
+]
+
+
+def parse(*argv: str) -> Any:
+    return build_parser().parse_args(list(argv))
+
+
+# --- The table ---------------------------------------------------------------------------
+
+
+def test_the_table_holds_the_six_commands_in_help_order() -> None:
+    assert [c.name for c in COMMANDS] == ["deploy", "ls", "rm", "nodes", "explain", "models"]
+    assert set(OPERATOR_COMMANDS) == {c.name for c in COMMANDS}
+    for command in COMMANDS:  # each is registered with the common flags
+        args = parse(command.name, *(["x"] if command.name in ("deploy", "rm", "explain")
+                                     else []), "--json", "--api-url", API)
+        assert (args.command, args.json, args.api_url) == (command.name, True, API)
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["deploy", "m"],
+     Request("POST", "/deployments", body={"model_id": "m", "replicas": 1, "min_nodes": 1,
+                                           "node_ids": None, "labels": {}})),
+    (["deploy", "m", "--replicas", "3", "--min-nodes", "2", "--node", "n1", "--node", "n2",
+      "--require-label", "gpu=a100", "--require-label", "zone="],
+     Request("POST", "/deployments", body={"model_id": "m", "replicas": 3, "min_nodes": 2,
+                                           "node_ids": ["n1", "n2"],
+                                           "labels": {"gpu": "a100", "zone": ""}})),
+    (["ls"], Request("GET", "/deployments")),
+    (["nodes"], Request("GET", "/nodes")),
+    (["explain", "big"], Request("GET", "/placement/explain", params={"model_id": "big"})),
+    (["models"], Request("GET", "/models")),
+    (["models", "ls"], Request("GET", "/models")),
+    (["models", "add", "m", "--engine", "sim", "--source", "sim"],
+     Request("POST", "/models", body={"model_id": "m", "engine": "sim", "source": "sim",
+                                      "engine_args": {}})),
+    (["models", "add", "m", "--engine", "vllm", "--source", "org/m", "--memory", "12GiB",
+      "--engine-arg", "tensor_parallel_size=2", "--engine-arg", "enforce_eager=true",
+      "--engine-arg", "dtype=bfloat16", "--engine-arg", "x=a=b"],
+     Request("POST", "/models", body={
+         "model_id": "m", "engine": "vllm", "source": "org/m", "memory_bytes": 12 * GiB,
+         "engine_args": {"tensor_parallel_size": 2, "enforce_eager": True,
+                         "dtype": "bfloat16", "x": "a=b"}})),
+])
+def test_each_command_builds_its_request_from_its_arguments(
+    argv: list[str], expected: Request,
+) -> None:
+    args = parse(*argv)
+    assert OPERATOR_COMMANDS[args.command].request(args) == expected
+
+
+def test_rm_looks_the_target_up_by_deployment_or_model_id_then_deletes_it() -> None:
+    lookup = OPERATOR_COMMANDS["rm"].request(parse("rm", "sim-12g"))
+    assert (lookup.method, lookup.path, lookup.then is not None) == ("GET", "/deployments",
+                                                                     True)
+    assert lookup.then is not None
+    assert lookup.then(DEPLOYMENTS) == Request("DELETE", "/deployments/d2")
+    by_id = OPERATOR_COMMANDS["rm"].request(parse("rm", "d1"))
+    assert by_id.then is not None and by_id.then(DEPLOYMENTS) == Request("DELETE",
+                                                                         "/deployments/d1")
+
+
+def test_rm_of_an_unknown_target_is_a_usage_error_naming_it_and_what_exists() -> None:
+    lookup = OPERATOR_COMMANDS["rm"].request(parse("rm", "nope"))
+    assert lookup.then is not None
+    with pytest.raises(UsageError) as info:
+        lookup.then(DEPLOYMENTS)
+    assert "'nope'" in str(info.value) and "big, sim-12g" in str(info.value)
+
+
+def test_models_rm_deletes_and_reports_what_it_removed() -> None:
+    request = OPERATOR_COMMANDS["models"].request(parse("models", "rm", "m"))
+    assert (request.method, request.path) == ("DELETE", "/models/m")
+    assert request.then is not None and request.then(None) == {"model_id": "m",
+                                                               "deleted": True}
+
+
+# --- Renderers ---------------------------------------------------------------------------
+
+
+def text(argv: list[str], result: Any) -> str:
+    return render(parse(*argv), result)
+
+
+def test_ls_table_shows_reason_and_a_serving_deployments_failure_as_history() -> None:
+    assert text(["ls"], DEPLOYMENTS).splitlines() == [
+        "ID  MODEL    STATUS      READY  FAILURES  REASON",
+        "d1  big      cant_place  0/1    0         node small: 8.0 GiB free, needs 64.0 GiB",
+        "d2  sim-12g  serving     2/2    1         (last failure: exit 137 (oom))",
+    ]
+    assert text(["ls"], []) == "ID  MODEL  STATUS  READY  FAILURES  REASON"
+
+
+def test_nodes_table_shows_memory_in_gib_and_dashes_for_unknowns() -> None:
+    assert text(["nodes"], NODES).splitlines() == [
+        "NAME   ID  STATE  MEMORY   CLAIMED  FREE     CPUS  LABELS           LAST SEEN",
+        "small  n1  ready  8.0 GiB  0.0 GiB  8.0 GiB  4     gpu=none,zone=a  "
+        "2024-01-01T00:00:00Z",
+        "bare   n2  lost   -        -        -        -                      "
+        "2024-01-01T00:00:01Z",
+    ]
+
+
+def test_explain_heads_the_per_node_table_with_the_verdict() -> None:
+    assert text(["explain", "big"], EXPLAIN_NO).splitlines() == [
+        "big: cannot be placed: no node has 64.0 GiB free",
+        "NODE   FITS  WHY",
+        "small  no    8.0 GiB free, needs 64.0 GiB",
+    ]
+    assert text(["explain", "tiny"], EXPLAIN_YES).splitlines()[0] == "tiny: fits on small"
+
+
+def test_models_render_per_action() -> None:
+    assert text(["models"], MODELS).splitlines() == [
+        "MODEL    ENGINE  SOURCE      MEMORY         MIN NODES",
+        "sim-12g  sim     sim         12.0 GiB       1",
+        "qwen     vllm    Qwen/Qwen2  - (estimated)  2",
+    ]
+    assert text(["models", "rm", "m"], {"model_id": "m", "deleted": True}) == \
+        "model m removed"
+    added = {**MODELS[0], "model_id": "m"}
+    assert text(["models", "add", "m", "--engine", "sim", "--source", "sim"], added) == \
+        "model m added (12.0 GiB)"
+
+
+def test_deploy_and_rm_render_one_line() -> None:
+    assert text(["deploy", "big"], DEPLOYMENTS[0]) == \
+        "deployment d1 of big: cant_place (workflow deployment/d1)"
+    assert text(["rm", "d1"], {"deployment_id": "d1", "status": "deleting"}) == \
+        "deployment d1: deleting"
+
+
+def test_json_prints_the_answer_as_it_is_for_every_command() -> None:
+    for command in COMMANDS:
+        args = parse(command.name, *(["x"] if command.name in ("deploy", "rm", "explain")
+                                     else []), "--json")
+        assert json.loads(render(args, DEPLOYMENTS)) == DEPLOYMENTS
+
+
+# --- Through the HTTP client -------------------------------------------------------------
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+def run(argv: list[str], handler: Handler) -> list[str]:
+    lines: list[str] = []
+    assert run_operator_command(parse(*argv), API, lines.append,
+                                transport=httpx.MockTransport(handler)) == 0
+    return lines
+
+
+def test_requests_reach_the_api_as_built() -> None:
+    seen: list[tuple[str, str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, str(request.url),
+                     json.loads(request.content) if request.content else None))
+        if request.method == "GET" and request.url.path == "/deployments":
+            return httpx.Response(200, json=DEPLOYMENTS)
+        if request.method == "DELETE" and request.url.path == "/models/m":
+            return httpx.Response(204)
+        return httpx.Response(202, json={"deployment_id": "d2", "status": "deleting"})
+
+    assert run(["rm", "sim-12g"], handler) == ["deployment d2: deleting"]
+    assert seen == [("GET", f"{API}/deployments", None),
+                    ("DELETE", f"{API}/deployments/d2", None)]
+    seen.clear()
+    assert json.loads(run(["models", "rm", "m", "--json"], handler)[0]) == \
+        {"model_id": "m", "deleted": True}
+    seen.clear()
+    run(["explain", "big model", "--json", "--api-url", "http://other.test"], handler)
+    assert seen[0][1] == "http://other.test/placement/explain?model_id=big+model"
+
+
+@pytest.mark.parametrize(("status", "detail", "words"), [
+    (404, "model 'x' is not in the catalog", ["404", "'x'"]),
+    (409, "model 'm' already has a deployment", ["409", "'m'"]),
+    (422, [{"loc": ["body", "replicas"], "msg": "Input should be greater than or equal to 1",
+            "input": 0}], ["422", "replicas", "greater than or equal to 1", "(got 0)"]),
+])
+def test_a_4xx_is_a_usage_error_with_the_apis_sentence(
+    status: int, detail: Any, words: list[str],
+) -> None:
+    with pytest.raises(UsageError) as info:
+        run(["deploy", "m"], lambda _: httpx.Response(status, json={"detail": detail}))
+    assert all(w in str(info.value) for w in words), str(info.value)
+    assert info.value.exit_code == 2
+
+
+def test_a_5xx_or_no_answer_is_an_api_error() -> None:
+    with pytest.raises(ApiError) as info:
+        run(["ls"], lambda _: httpx.Response(503, json={"detail": "temporal is down"}))
+    assert str(info.value) == "503 temporal is down" and info.value.exit_code == 1
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    with pytest.raises(ApiError, match=f"cannot reach the API at {API}"):
+        run(["ls"], refuse)
+    with pytest.raises(ApiError, match="non-JSON"):
+        run(["ls"], lambda _: httpx.Response(200, text="<html>"))
+
+
+# --- User mistakes: exit 2, one sentence, never a traceback ------------------------------
+
+
+def test_parse_pairs_names_the_flag_and_the_item() -> None:
+    assert parse_pairs(["a=1", "b=", "c=x=y"], flag="--label") == {"a": "1", "b": "",
+                                                                   "c": "x=y"}
+    for bad in ("novalue", "=v"):
+        with pytest.raises(UsageError) as info:
+            parse_pairs(["ok=1", bad], flag="--label")
+        assert str(info.value) == f"--label {bad!r} is not KEY=VALUE with a non-empty KEY"
+
+
+def exit_of(argv: list[str], capsys: pytest.CaptureFixture[str],
+            handler: Handler | None = None,
+            monkeypatch: pytest.MonkeyPatch | None = None) -> tuple[int, list[str]]:
+    if handler is not None and monkeypatch is not None:
+        monkeypatch.setattr(cli, "run_operator_command", partial(
+            run_operator_command, transport=httpx.MockTransport(handler)))
+    code = cli.run(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err.strip().splitlines()
+
+
+def unreachable(request: httpx.Request) -> httpx.Response:
+    raise AssertionError(f"a malformed command reached the API: {request.url}")
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["deploy", "m", "--require-label", "gpu"], ["--require-label", "'gpu'", "KEY=VALUE"]),
+    (["models", "add", "m", "--engine", "sim", "--source", "s", "--engine-arg", "=1"],
+     ["--engine-arg", "'=1'", "KEY=VALUE"]),
+    (["models", "add", "m", "--engine", "sim", "--source", "s", "--memory", "12XB"],
+     ["--memory", "'12XB'", "expected"]),
+    (["models", "add", "m", "--source", "s"], ["--engine", "required", "'m'", "vllm, sglang"]),
+    (["models", "add", "m", "--engine", "sim"], ["--source", "required", "'m'", ".gguf"]),
+    (["models", "rm"], ["models rm", "MODEL_ID"]),
+    (["agent", "--label", "zone"], ["--label", "'zone'", "KEY=VALUE"]),
+])
+def test_a_malformed_argument_exits_2_with_one_sentence_before_any_request(
+    argv: list[str], words: list[str], capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    code, lines = exit_of(argv, capsys, unreachable, monkeypatch)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"modelkeeper {argv[0]}: ")
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+def test_a_4xx_exits_2_and_a_failing_api_exits_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    code, lines = exit_of(["rm", "ghost"], capsys, lambda _: httpx.Response(200, json=[]),
+                          monkeypatch)
+    assert code == 2 and lines == ["modelkeeper rm: rm 'ghost': no deployment has that id "
+                                   "or model id (deployed models: none)"]
+    code, lines = exit_of(["deploy", "m"], capsys, lambda _: httpx.Response(
+        409, json={"detail": "model 'm' already has a deployment"}), monkeypatch)
+    assert (code, lines) == (2, ["modelkeeper deploy: 409 model 'm' already has a deployment"])
+    code, lines = exit_of(["ls"], capsys, lambda _: httpx.Response(500, text="boom"),
+                          monkeypatch)
+    assert (code, lines) == (1, ["modelkeeper ls: 500 boom"])
+
+
+def test_a_bad_flag_type_is_argparses_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.run(["deploy", "m", "--replicas", "two"])
+    assert info.value.code == 2
+    assert "--replicas: invalid int value: 'two'" in capsys.readouterr().err
