@@ -5,6 +5,8 @@ replica of its model.
   streams, and the answers given when nothing can serve.
 * :mod:`gateway.table`: models and the live state of their replicas (in-flight counts,
   breakers), kept across updates from the store.
+* :mod:`gateway.table_listener`: LISTENs for the store's notifications and re-reads the
+  routes (and API keys) they name into the table.
 * :mod:`gateway.breaker`: the per-replica circuit breaker.
 * :mod:`gateway.responses`: OpenAI-shaped errors and the reasons a model can't be served.
 * :mod:`gateway.metrics`: Prometheus metrics, summed over workers.

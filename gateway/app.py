@@ -13,22 +13,20 @@ body unchanged with the replica's own engine key, and pass the answer back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import asyncpg
 
 from modelkeeper.domain.engine_keys import derive_engine_key
-from modelkeeper.names import API_KEYS_CHANNEL
 from modelkeeper.settings import Settings
 from modelkeeper.store.routing import (
-    GATEWAY_CHANNELS,
     ChangeListener,
     DeploymentRoute,
     ReplicaRoute,
@@ -40,6 +38,7 @@ from .breaker import Breaker, BreakerState
 from .metrics import CONTENT_TYPE, UNKNOWN_MODEL, GatewayMetrics
 from .responses import JSON_HEADERS, ErrorReply, Headers
 from .table import Endpoint, ModelRoute, RoutingTable, TableChange
+from .table_listener import TableListener
 from .usage import UsageReporter
 
 log = logging.getLogger(__name__)
@@ -66,6 +65,25 @@ class _TooLarge(Exception):
 
 class _ClientGone(Exception):
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Replied:
+    """An attempt's outcome: the client has its answer, with this HTTP status."""
+
+    status: int
+
+
+@dataclass(frozen=True, slots=True)
+class _RetryElsewhere:
+    """An attempt's outcome: nothing was sent to the client, and the error (one of
+    :data:`RETRYABLE`) says the engine never saw the request or dropped it unanswered."""
+
+    error: BaseException
+
+
+#: What one attempt on one replica came to.
+_Outcome = _Replied | _RetryElsewhere
 
 
 def _error_kind(exc: BaseException) -> str:
@@ -137,13 +155,9 @@ class Gateway:
         self._key_hashes: dict[str, str] = {}
         self._auth = settings.gateway_auth
         self.routes: RoutingStore | None = None
-        self.listener: ChangeListener | None = None
+        self._changes: TableListener | None = None
         self._session: aiohttp.ClientSession | None = None
         self._usage: UsageReporter | None = None
-        self._pending: set[str] = set()
-        self._keys_stale = False
-        self._wake_reloader = asyncio.Event()
-        self._reloader: asyncio.Task[None] | None = None
         self._retries = settings.gateway_retries
         self._wait_s = settings.gateway_wait_for_replica_s
 
@@ -160,10 +174,9 @@ class Gateway:
                          "*" * 72):
                 log.warning("%s", line)
         self.routes = await RoutingStore.connect(self.database_url)
-        self.listener = ChangeListener(self.database_url, GATEWAY_CHANNELS, self._on_notify,
-                                       self._reload_everything)
-        await self.listener.start()
-        self._reloader = asyncio.create_task(self._reload_loop(), name="route-reloader")
+        self._changes = TableListener(self.database_url, self.routes, self.table,
+                                      on_change=self._applied, on_keys=self._keys_read)
+        await self._changes.start()
         timeout = aiohttp.ClientTimeout(total=None,
                                         connect=self.settings.gateway_connect_timeout_s,
                                         sock_read=self.settings.gateway_read_timeout_s)
@@ -188,18 +201,19 @@ class Gateway:
         """Stop background work and close every connection."""
         if self._usage is not None:
             await self._usage.close()
-        if self._reloader is not None:
-            self._reloader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reloader
-        if self.listener is not None:
-            await self.listener.close()
+        if self._changes is not None:
+            await self._changes.close()
         if self._session is not None:
             await self._session.close()
         if self.routes is not None:
             await self.routes.close()
 
     # -- routes from the store -------------------------------------------------------------------
+
+    @property
+    def listener(self) -> ChangeListener | None:
+        """The LISTEN connection to the store (None before startup)."""
+        return None if self._changes is None else self._changes.listener
 
     def _make_endpoint(self, replica: ReplicaRoute, route: DeploymentRoute) -> Endpoint:
         key = derive_engine_key(self._secret, replica.replica_id)
@@ -218,54 +232,6 @@ class Gateway:
         for endpoint in change.removed:
             self.metrics.forget_replica(endpoint.model, endpoint.replica_id)
             log.info("replica %s of %s is out of routing", endpoint.replica_id, endpoint.model)
-
-    async def _reload_everything(self) -> None:
-        """Read every route and key (at start and after each reconnection of the listener,
-        since notifications sent while it was away are lost)."""
-        assert self.routes is not None
-        # Notifications that arrived before this full read are covered by it.
-        self._pending.clear()
-        self._keys_stale = False
-        routes = await self.routes.load_routes()
-        self._applied(self.table.replace_all(routes))
-        self._key_hashes = await self.routes.active_key_hashes()
-
-    def _on_notify(self, channel: str, payload: str) -> None:
-        if channel == API_KEYS_CHANNEL:
-            self._keys_stale = True
-        else:
-            self._pending.add(payload)
-        self._wake_reloader.set()
-
-    async def _reload_loop(self) -> None:
-        """Re-read each deployment named by a notification; a burst of notifications for
-        one deployment costs one query."""
-        assert self.routes is not None
-        while True:
-            await self._wake_reloader.wait()
-            self._wake_reloader.clear()
-            pending, self._pending = self._pending, set()
-            keys_stale, self._keys_stale = self._keys_stale, False
-            try:
-                if pending:
-                    found = await self.routes.load_routes_for(pending)
-                    for deployment_id in pending:
-                        route = found.get(deployment_id)
-                        if route is None:
-                            self._applied(self.table.remove(deployment_id))
-                        else:
-                            self._applied(self.table.apply(route))
-                if keys_stale:
-                    self._key_hashes = await self.routes.active_key_hashes()
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError,
-                    TimeoutError) as exc:
-                # Keep what we had and try again; the listener reloads everything anyway
-                # if its own connection was lost too.
-                log.warning("re-reading routes failed (%s); retrying", exc)
-                self._pending |= pending
-                self._keys_stale |= keys_stale
-                self._wake_reloader.set()
-                await asyncio.sleep(0.5)
 
     # -- ASGI ------------------------------------------------------------------------------
 
@@ -330,6 +296,10 @@ class Gateway:
                                                "invalid_request_error", "not_found"))
 
     # -- auth ------------------------------------------------------------------------------
+
+    def _keys_read(self, key_hashes: dict[str, str]) -> None:
+        """Take the key hashes the table listener read from the store."""
+        self._key_hashes = key_hashes
 
     def _authorized(self, scope: Scope) -> bool:
         if not self._auth:
@@ -423,58 +393,68 @@ class Gateway:
                 return found.status
             endpoint, entry = found
         tried: list[Endpoint] = []
-        attempt = 0
-        upcoming: Endpoint | None = endpoint
-        while upcoming is not None:
-            endpoint, upcoming = upcoming, None
-            now = time.monotonic()
-            endpoint.breaker.begin(now)
-            endpoint.in_flight += 1
-            endpoint.requests += 1
-            self.metrics.in_flight_of(model, endpoint.replica_id).inc()
-            verdict: bool | None = None
-            settled = False
-            try:
-                try:
-                    response = await self._session_post(endpoint.url + path, body,
-                                                         endpoint.headers)
-                except RETRYABLE as exc:
-                    self._upstream_error(endpoint, exc)
+        while True:
+            match await self._attempt(endpoint, path, body, send=send, started=started):
+                case _Replied(status=status):
+                    return status
+                case _RetryElsewhere(error=error):
                     tried.append(endpoint)
-                    # Settle this attempt first, so that a breaker it opens already keeps
-                    # the retry away from this replica.
-                    self._finish_attempt(endpoint, False)
-                    settled = True
-                    now = time.monotonic()
-                    if attempt < self._retries:
-                        # The engine never saw the request or dropped it unanswered: safe
-                        # to send elsewhere. Prefer a replica not tried yet.
-                        upcoming = entry.pick(now, tried) or entry.pick(now)
-                        if upcoming is not None:
-                            attempt += 1
-                            self.metrics.retries.labels(model).inc()
-                            continue
-                    reply = responses.upstream_failed(model, _describe(exc))
-                    await self._reply(send, reply)
-                    return reply.status
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    # Timed out or garbled before the first byte: the engine may be working
-                    # on it, so sending it again would double the load. Not retried.
-                    verdict = False
-                    self._upstream_error(endpoint, exc)
-                    status = 504 if isinstance(exc, TimeoutError) else 502
-                    reply = responses.upstream_failed(model, _describe(exc), status)
-                    await self._reply(send, reply)
-                    return reply.status
-                try:
-                    verdict, status = await self._relay(response, endpoint, send, started)
-                finally:
-                    response.close()
-                return status
+                    upcoming = self._pick_retry(entry, tried)
+                    if upcoming is None:
+                        reply = responses.upstream_failed(model, _describe(error))
+                        await self._reply(send, reply)
+                        return reply.status
+                    self.metrics.retries.labels(model).inc()
+                    endpoint = upcoming
+
+    def _pick_retry(self, entry: ModelRoute, tried: list[Endpoint]) -> Endpoint | None:
+        """Where to send a request again after each of ``tried`` failed it retryably (the
+        last one just now); None once the retries are spent or no replica is left.
+
+        Prefers a replica not tried yet. The failed attempt is already settled, so a
+        breaker it opened keeps its replica out of this pick."""
+        if len(tried) > self._retries:
+            return None
+        now = time.monotonic()
+        return entry.pick(now, tried) or entry.pick(now)
+
+    async def _attempt(self, endpoint: Endpoint, path: str, body: bytes, *, send: Send,
+                       started: float) -> _Outcome:
+        """Send the request to one replica and relay its answer, unless the connection
+        failed before the first byte in a way that is safe to retry elsewhere.
+
+        The replica's in-flight count and breaker are settled here, once, before this
+        returns (or raises, e.g. when the client leaves: no verdict then)."""
+        endpoint.breaker.begin(time.monotonic())
+        endpoint.in_flight += 1
+        endpoint.requests += 1
+        self.metrics.in_flight_of(endpoint.model, endpoint.replica_id).inc()
+        verdict: bool | None = None
+        try:
+            try:
+                response = await self._session_post(endpoint.url + path, body,
+                                                    endpoint.headers)
+            except RETRYABLE as exc:
+                # The engine never saw the request or dropped it unanswered.
+                verdict = False
+                self._upstream_error(endpoint, exc)
+                return _RetryElsewhere(exc)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                # Timed out or garbled before the first byte: the engine may be working on
+                # it, so sending it again would double the load. Not retried.
+                verdict = False
+                self._upstream_error(endpoint, exc)
+                status = 504 if isinstance(exc, TimeoutError) else 502
+                reply = responses.upstream_failed(endpoint.model, _describe(exc), status)
+                await self._reply(send, reply)
+                return _Replied(reply.status)
+            try:
+                verdict, status = await self._relay(response, endpoint, send, started)
             finally:
-                if not settled:
-                    self._finish_attempt(endpoint, verdict)
-        raise AssertionError("unreachable: every attempt returns or continues")
+                response.close()
+            return _Replied(status)
+        finally:
+            self._finish_attempt(endpoint, verdict)
 
     def _session_post(self, url: str, body: bytes,
                       headers: dict[str, str]) -> Awaitable[aiohttp.ClientResponse]:
