@@ -21,6 +21,24 @@ The rules, each guarded by a test:
 * Two-stage expiry: a replica whose watch goes silent is *unreachable* (routed around),
   and only *lost* after ``lost_after_s`` without its agent vouching for it. A blip must
   not tear down a replica that is still serving.
+* Surge on unreachable (``surge_on_unreachable``): an unreachable replica does not count
+  toward the desired number, so a replacement is placed beside it at once; there are never
+  more than desired + unreachable replicas. Of the two, one is kept:
+
+  - the replacement becomes ready: the unreachable original is stopped ("replaced while
+    unreachable"), whether or not its agent ever vouches for it again; its node just
+    proved flaky, and it serves nobody meanwhile;
+  - the original's agent vouches for it before that: the original is kept (it serves
+    now) and the replacement, not yet ready, is stopped ("not needed: <id> is back").
+
+  A replacement that finds no room (or whose placement crashes) is not a failure: no
+  failed start, no park, no cant_place. It is retried on a node change or after
+  ``cant_place_retry_s``; meanwhile the original is lost after ``lost_after_s`` and then
+  replaced as an ordinary lost replica, at once.
+* Status (``status()``), first match wins: deleting, parked, stopped (with
+  ``precise_status``: 0 replicas wanted), serving (every desired replica ready), degraded
+  (with ``precise_status``: a replica unreachable; ``last_failure`` says which and why),
+  starting, cant_place, placing.
 * The keeper only ever touches replicas it placed (they are the only ones in its state).
 * Deleting stops every replica, including one whose placement is still on its way.
 """
@@ -65,6 +83,7 @@ class Replica(Frozen):
     unreachable_since: datetime | None = None
     probe_in_flight: bool = False
     next_probe_at: datetime | None = None
+    #: Why it is stopping; for a retiring placement, why it will be stopped when it lands.
     stop_reason: str | None = None
     #: Scaled away while its placement was in flight: stopped as soon as it lands.
     retiring: bool = False
@@ -82,7 +101,13 @@ class DeploymentSpec(Frozen):
 
 
 class KeeperConfig(Frozen):
-    """Timings and limits; the defaults and their reasons live in Settings."""
+    """Timings and limits; the defaults and their reasons live in Settings.
+
+    The two switches change decisions and the written status, so a workflow history
+    recorded without them does not replay with them: both default to the old behaviour,
+    and the workflow turns them on behind ``workflow.patched`` (continue-as-new carries
+    the config, so a run keeps what it started with).
+    """
 
     lost_after_s: float = 15.0
     probe_interval_s: float = 2.0
@@ -93,6 +118,14 @@ class KeeperConfig(Frozen):
     backoff_jitter: float = 0.2
     park_after: int = 5
     cant_place_retry_s: float = 30.0
+    #: Place a replacement as soon as a replica goes unreachable, instead of only once it
+    #: is lost (docs/keeper.md, "Surge on unreachable"). Re-serves a crashed node's
+    #: replica in seconds rather than after lost_after_s.
+    surge_on_unreachable: bool = False
+    #: status() says degraded (a replica unreachable) and stopped (0 replicas wanted)
+    #: rather than placing/cant_place and serving; decide notes why a replica went
+    #: unreachable in last_failure.
+    precise_status: bool = False
 
 
 class KeeperState(Frozen):
@@ -109,6 +142,9 @@ class KeeperState(Frozen):
     #: nodes change.
     placement_retry_at: datetime | None = None
     placement_error: str | None = None
+    #: After a surge (a replacement for an unreachable replica) found no room or crashed:
+    #: no surge before this, or sooner when the nodes change. Ordinary placements ignore it.
+    surge_retry_at: datetime | None = None
     parked: bool = False
     deleting: bool = False
     finished: bool = False
@@ -344,7 +380,7 @@ def _observe(state: KeeperState, obs: Observation, *, now: datetime, config: Kee
         case Exited():
             return _on_exited(state, obs, actions=actions)
         case Silent():
-            return _on_silent(state, obs, now=now, actions=actions)
+            return _on_silent(state, obs, now=now, config=config, actions=actions)
         case ProbeResult():
             return _on_probe_result(state, obs, now=now, config=config, actions=actions)
         case Stopped():
@@ -363,8 +399,8 @@ def _on_tick(state: KeeperState) -> KeeperState:
 
 
 def _on_nodes_changed(state: KeeperState) -> KeeperState:
-    # Retry an unplaceable deployment now; a failed-start backoff still holds.
-    return state.model_copy(update={"placement_retry_at": None})
+    # Retry an unplaceable deployment (or surge) now; a failed-start backoff still holds.
+    return state.model_copy(update={"placement_retry_at": None, "surge_retry_at": None})
 
 
 def _on_scale(state: KeeperState, obs: Scale) -> KeeperState:
@@ -377,7 +413,8 @@ def _on_scale(state: KeeperState, obs: Scale) -> KeeperState:
 
 def _on_retry(state: KeeperState) -> KeeperState:
     return state.model_copy(update={"parked": False, "consecutive_failures": 0,
-                                    "next_attempt_at": None, "placement_retry_at": None})
+                                    "next_attempt_at": None, "placement_retry_at": None,
+                                    "surge_retry_at": None})
 
 
 def _on_delete(state: KeeperState) -> KeeperState:
@@ -407,7 +444,7 @@ def _on_placed(state: KeeperState, obs: Placed, *, actions: list[Action]) -> Kee
         # The deletion arrived while this placement was on its way: undo it now.
         return _stop(state, placed, "deployment deleted", actions)
     if replica.retiring:
-        return _stop(state, placed, "scaled down", actions)
+        return _stop(state, placed, replica.stop_reason or "scaled down", actions)
     actions.append(StartReplica(replica_id=replica.replica_id))
     return state
 
@@ -417,7 +454,11 @@ def _on_unplaceable(state: KeeperState, obs: Unplaceable, *, now: datetime,
     replica = _replica_in(state, obs.replica_id, Phase.PLACING)
     if replica is None:
         return state
-    return _drop(state, replica.replica_id).model_copy(update={
+    state = _drop(state, replica.replica_id)
+    if config.surge_on_unreachable and (replica.retiring or _is_surge(state)):
+        return _surge_failed(state, replica, "no room for a replacement", obs.reason,
+                             now=now, config=config)
+    return state.model_copy(update={
         "placement_error": obs.reason,
         "placement_retry_at": now + timedelta(seconds=config.cant_place_retry_s)})
 
@@ -427,9 +468,28 @@ def _on_placement_crashed(state: KeeperState, obs: PlacementCrashed, *, now: dat
     replica = _replica_in(state, obs.replica_id, Phase.PLACING)
     if replica is None:
         return state
-    return _drop(state, replica.replica_id).model_copy(update={
+    state = _drop(state, replica.replica_id)
+    if config.surge_on_unreachable and (replica.retiring or _is_surge(state)):
+        return _surge_failed(state, replica, "placing a replacement failed", obs.error,
+                             now=now, config=config)
+    return state.model_copy(update={
         "last_failure": f"placement failed: {obs.error}",
         "placement_retry_at": now + timedelta(seconds=config.cant_place_retry_s)})
+
+
+def _surge_failed(state: KeeperState, replica: Replica, what: str, why: str, *,
+                  now: datetime, config: KeeperConfig) -> KeeperState:
+    """A placement beyond the desired number (a surge for an unreachable replica, or one
+    no longer wanted) found no room or crashed. Not a failed start and not cant_place: the
+    original may still come back, and if it does not, it is lost after ``lost_after_s``
+    and replaced as an ordinary placement, which this timer does not hold up."""
+    if replica.retiring:
+        return state  # no longer wanted: nothing to retry, nothing to report
+    unreachable = ", ".join(r.replica_id for r in state.replicas
+                            if r.phase is Phase.UNREACHABLE)
+    return state.model_copy(update={
+        "last_failure": f"{what} of unreachable {unreachable}: {why}",
+        "surge_retry_at": now + timedelta(seconds=config.cant_place_retry_s)})
 
 
 def _on_started(state: KeeperState, obs: Started, *, now: datetime,
@@ -466,15 +526,21 @@ def _on_exited(state: KeeperState, obs: Exited, *, actions: list[Action]) -> Kee
     return _lost_after_ready(state, replica, obs.detail, actions)
 
 
-def _on_silent(state: KeeperState, obs: Silent, *, now: datetime,
+def _on_silent(state: KeeperState, obs: Silent, *, now: datetime, config: KeeperConfig,
                actions: list[Action]) -> KeeperState:
     replica = _replica_in(state, obs.replica_id, Phase.READY)
     if replica is None:
         return state
     # Only unreachable, not lost: a blip must not tear down a replica still serving.
+    # (With surge_on_unreachable, _reconcile places its replacement meanwhile.)
     actions.append(ProbeReplica(replica_id=replica.replica_id))
-    return _replace(state, replica.model_copy(update={
+    state = _replace(state, replica.model_copy(update={
         "phase": Phase.UNREACHABLE, "unreachable_since": now, "probe_in_flight": True}))
+    if config.precise_status:
+        # The reason a degraded status gives.
+        state = state.model_copy(update={"last_failure": (
+            f"{replica.replica_id} unreachable: no heartbeat from {', '.join(replica.nodes)}")})
+    return state
 
 
 def _on_probe_result(state: KeeperState, obs: ProbeResult, *, now: datetime,
@@ -485,9 +551,19 @@ def _on_probe_result(state: KeeperState, obs: ProbeResult, *, now: datetime,
     if obs.running is True:
         # Its agent is back and the engine never stopped: adopt it, keep serving.
         actions.append(WatchReplica(replica_id=replica.replica_id))
-        return _replace(state, replica.model_copy(update={
+        back = replica.model_copy(update={
             "phase": Phase.READY, "unreachable_since": None, "probe_in_flight": False,
-            "next_probe_at": None}))
+            "next_probe_at": None})
+        state = _replace(state, back)
+        if config.surge_on_unreachable:
+            # It serves now; its replacement, not yet ready (a ready one would have retired
+            # it already), is one too many: keep the original, retire the replacement.
+            others = [r for r in _counted(state, config) if r.replica_id != back.replica_id]
+            surplus = len(others) + 1 - state.spec.replicas
+            if surplus > 0:
+                state = _retire(state, others, surplus, f"not needed: {back.replica_id} is back",
+                                actions)
+        return state
     if obs.running is False:
         return _lost_after_ready(state, replica, "its agent no longer runs it", actions)
     # No answer either way: ask again later; _reconcile declares it lost at lost_after_s.
@@ -537,50 +613,92 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
             actions.append(ProbeReplica(replica_id=replica.replica_id))
             state = _replace(state, replica.model_copy(update={"probe_in_flight": True}))
 
-    live = _live(state)
     desired = state.spec.replicas
-    if len(live) > desired:
-        # Retire the least useful first: not yet placed, not yet serving, unreachable,
-        # then the newest ready one.
-        order = {Phase.PLACING: 0, Phase.STARTING: 1, Phase.UNREACHABLE: 2, Phase.READY: 3}
-        candidates = sorted(live, key=lambda r: (order[r.phase], -_seq(r.replica_id)))
-        for replica in candidates[: len(live) - desired]:
-            if replica.phase is Phase.PLACING:
-                # Its placement is in flight: stop it when it lands (see _on_placed).
-                state = _replace(state, replica.model_copy(update={"retiring": True}))
-            else:
-                state = _stop(state, replica, "scaled down", actions)
-    elif len(live) < desired and not state.parked:
+    if config.surge_on_unreachable and _ready(state) >= desired:
+        # Enough replicas serve without the unreachable ones (a replacement became ready,
+        # or the spec shrank): stop them rather than wait for them to be lost.
+        for replica in state.replicas:
+            if replica.phase is Phase.UNREACHABLE:
+                state = _stop(state, replica, "scaled down" if desired == 0
+                              else "replaced while unreachable", actions)
+
+    counted = _counted(state, config)
+    if len(counted) > desired:
+        state = _retire(state, counted, len(counted) - desired, "scaled down", actions)
+    elif len(counted) < desired and not state.parked:
         retiring = [r for r in state.replicas if r.retiring and r.phase is Phase.PLACING]
         if retiring:
             # Wanted again (a scale-up, or a replica lost) while its placement is still in
             # flight: keep it rather than stop it on landing and place another.
-            return _replace(state, retiring[0].model_copy(update={"retiring": False}))
+            return _replace(state, retiring[0].model_copy(update={"retiring": False,
+                                                                  "stop_reason": None}))
         placing = any(r.phase is Phase.PLACING for r in state.replicas)
-        if not placing and _placement_due(state, now):
+        if not placing and _placement_due(state, now, config):
             replica_id = ReplicaId(f"{state.spec.deployment_id}-r{state.next_replica_seq}")
             actions.append(PlaceReplica(replica_id=replica_id))
             state = state.model_copy(update={
                 "replicas": [*state.replicas, Replica(replica_id=replica_id,
                                                       phase=Phase.PLACING)],
                 "next_replica_seq": state.next_replica_seq + 1,
-                "next_attempt_at": None, "placement_retry_at": None})
+                "next_attempt_at": None, "placement_retry_at": None,
+                "surge_retry_at": None})
+    return state
+
+
+def _retire(state: KeeperState, candidates: list[Replica], n: int, reason: str,
+            actions: list[Action]) -> KeeperState:
+    """Retire the ``n`` least useful of ``candidates``: not yet placed, not yet serving,
+    unreachable, then the newest ready one."""
+    order = {Phase.PLACING: 0, Phase.STARTING: 1, Phase.UNREACHABLE: 2, Phase.READY: 3}
+    ranked = sorted(candidates, key=lambda r: (order[r.phase], -_seq(r.replica_id)))
+    for replica in ranked[:n]:
+        if replica.phase is Phase.PLACING:
+            # Its placement is in flight: stop it when it lands (see _on_placed).
+            state = _replace(state, replica.model_copy(update={"retiring": True,
+                                                               "stop_reason": reason}))
+        else:
+            state = _stop(state, replica, reason, actions)
     return state
 
 
 def _live(state: KeeperState) -> list[Replica]:
-    """Replicas that count toward the desired number."""
+    """Replicas placed and wanted: neither stopping nor retiring."""
     return [r for r in state.replicas if r.phase in LIVE_PHASES and not r.retiring]
 
 
-def _next_attempt(state: KeeperState) -> datetime | None:
-    """The earliest time a new placement may start (both timers must have passed)."""
-    times = [t for t in (state.next_attempt_at, state.placement_retry_at) if t is not None]
+def _counted(state: KeeperState, config: KeeperConfig) -> list[Replica]:
+    """Replicas that count toward the desired number. With ``surge_on_unreachable`` an
+    unreachable one does not: it serves nobody (routed around), so a replacement is placed
+    beside it."""
+    live = _live(state)
+    if config.surge_on_unreachable:
+        return [r for r in live if r.phase is not Phase.UNREACHABLE]
+    return live
+
+
+def _ready(state: KeeperState) -> int:
+    return sum(1 for r in state.replicas if r.phase is Phase.READY)
+
+
+def _is_surge(state: KeeperState) -> bool:
+    """Whether a placement now would be beyond the desired number: a replacement for an
+    unreachable replica, placed only with ``surge_on_unreachable``."""
+    return (any(r.phase is Phase.UNREACHABLE for r in state.replicas)
+            and len(_live(state)) >= state.spec.replicas)
+
+
+def _next_attempt(state: KeeperState, config: KeeperConfig) -> datetime | None:
+    """The earliest time a new placement may start (every timer must have passed; a
+    failed surge's timer holds only further surges)."""
+    timers = [state.next_attempt_at, state.placement_retry_at]
+    if config.surge_on_unreachable and _is_surge(state):
+        timers.append(state.surge_retry_at)
+    times = [t for t in timers if t is not None]
     return max(times) if times else None
 
 
-def _placement_due(state: KeeperState, now: datetime) -> bool:
-    due = _next_attempt(state)
+def _placement_due(state: KeeperState, now: datetime, config: KeeperConfig) -> bool:
+    due = _next_attempt(state, config)
     return due is None or now >= due
 
 
@@ -622,11 +740,12 @@ def resume(state: KeeperState) -> list[Action]:
 def next_wake(state: KeeperState, config: KeeperConfig) -> datetime | None:
     """When the keeper must be stepped again with a Tick if nothing else happens."""
     times: list[datetime] = []
-    attempt = _next_attempt(state)
+    attempt = _next_attempt(state, config)
     placing = any(r.phase is Phase.PLACING for r in state.replicas)
     # While a placement is out, its answer (not a timer) is what wakes the keeper; a timer
     # already past would otherwise wake the workflow in a loop until it lands.
-    if (attempt is not None and not placing and len(_live(state)) < state.spec.replicas
+    if (attempt is not None and not placing
+            and len(_counted(state, config)) < state.spec.replicas
             and not state.parked and not state.deleting):
         times.append(attempt)
     for r in state.replicas:
@@ -637,15 +756,29 @@ def next_wake(state: KeeperState, config: KeeperConfig) -> datetime | None:
     return min(times) if times else None
 
 
-def status(state: KeeperState) -> DeploymentStatus:
-    """The deployment's status for operators."""
+def status(state: KeeperState, *, config: KeeperConfig | None = None) -> DeploymentStatus:
+    """The deployment's status for operators; the first that applies of deleting, parked,
+    stopped, serving, degraded, starting, cant_place, placing.
+
+    Stopped and degraded only with ``config.precise_status``. The workflow writes the
+    status to the store and to a search attribute, so a different status is a different
+    command: without ``config`` (or with the switch off) it is the old status, and a
+    recorded history replays.
+    """
+    precise = config is not None and config.precise_status
     if state.deleting:
         return DeploymentStatus.DELETING
     if state.parked:
         return DeploymentStatus.PARKED
-    ready = sum(1 for r in state.replicas if r.phase is Phase.READY)
-    if ready >= state.spec.replicas:
+    if precise and state.spec.replicas == 0:
+        # Nothing wanted; a replica still stopping shows as stopping in the replica list.
+        return DeploymentStatus.STOPPED
+    if _ready(state) >= state.spec.replicas:
         return DeploymentStatus.SERVING
+    if precise and any(r.phase is Phase.UNREACHABLE for r in state.replicas):
+        # Routed around, and placing or starting a replacement, or waiting for it to be
+        # vouched for or lost: the replicas that were serving are not all serving.
+        return DeploymentStatus.DEGRADED
     if any(r.phase is Phase.STARTING for r in state.replicas):
         return DeploymentStatus.STARTING
     if state.placement_error is not None:

@@ -9,11 +9,13 @@ class DeploymentStatus(StrEnum):
     """A deployment's status, as `GET /deployments` shows it."""
 
     SERVING = "serving"  # every desired replica is ready
+    DEGRADED = "degraded"  # a replica is unreachable (routed around); fewer ready than desired
     STARTING = "starting"  # replicas placed, some not ready yet
     PLACING = "placing"  # looking for room (or waiting out a backoff)
     CANT_PLACE = "cant_place"  # nothing fits; placement_error says why per node
     PARKED = "parked"  # too many failed starts in a row; needs a spec change or /retry
     DELETING = "deleting"  # stopping its replicas; the row goes when they are gone
+    STOPPED = "stopped"  # scaled to 0 replicas
 
 
 class ReplicaState(StrEnum):

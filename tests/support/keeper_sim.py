@@ -26,7 +26,10 @@ between events, a keeper is ticked exactly when ``next_wake`` says, and the only
 randomness is the ``random.Random`` passed in.
 
 ``check_step`` (one decide's state and actions) and ``Sim.check_cluster`` (the whole
-cluster) are the invariants; the simulation runs them after every event.
+cluster) are the invariants; the simulation runs them after every event. They hold with
+``KeeperConfig.surge_on_unreachable`` on or off; with it on, an unreachable replica does
+not count toward the desired number, so there may be as many more replicas as there are
+unreachable ones, and never more.
 """
 
 from __future__ import annotations
@@ -105,10 +108,17 @@ def count(state: KeeperState, *phases: Phase) -> int:
     return sum(1 for r in state.replicas if r.phase in phases)
 
 
+def allowed(state: KeeperState, config: KeeperConfig | None) -> int:
+    """How many live replicas the spec allows: desired, plus (surging) the unreachable."""
+    surge = config is not None and config.surge_on_unreachable
+    return state.spec.replicas + (count(state, Phase.UNREACHABLE) if surge else 0)
+
+
 # -- invariants of one state and one decide -----------------------------------------------
 
 
-def check_state(state: KeeperState, where: str = "") -> None:
+def check_state(state: KeeperState, where: str = "",
+                config: KeeperConfig | None = None) -> None:
     """What must hold of every state decide returns, whatever it was fed."""
     ids = [r.replica_id for r in state.replicas]
     if len(set(ids)) != len(ids):
@@ -116,11 +126,16 @@ def check_state(state: KeeperState, where: str = "") -> None:
     placing = count(state, Phase.PLACING)
     if placing > 1:
         _fail(f"{where}: {placing} replicas placing at once")
-    # Live replicas never exceed the spec. (A placement on its way when the spec shrank
-    # cannot be stopped before it lands; it is marked retiring and no longer counts.)
+    # Live replicas never exceed the spec (surging: the spec plus one replacement per
+    # unreachable replica). A placement on its way when the spec shrank cannot be stopped
+    # before it lands; it is marked retiring and no longer counts.
     n_live, desired = len(live(state)), state.spec.replicas
-    if n_live > desired:
-        _fail(f"{where}: {n_live} live replicas, spec asks {desired} ({placing} placing)")
+    if n_live > allowed(state, config):
+        _fail(f"{where}: {n_live} live replicas, spec asks {desired} ({placing} placing, "
+              f"{count(state, Phase.UNREACHABLE)} unreachable)")
+    surge = config is not None and config.surge_on_unreachable
+    if surge and count(state, Phase.UNREACHABLE) and count(state, Phase.READY) >= desired:
+        _fail(f"{where}: an unreachable replica kept though {desired} are ready without it")
     if state.finished and state.replicas:
         _fail(f"{where}: finished with replicas {ids}")
     if state.finished and not state.deleting:
@@ -139,10 +154,12 @@ def check_state(state: KeeperState, where: str = "") -> None:
 
 
 def check_step(before: KeeperState, obs: Observation, after: KeeperState,
-               actions: list[Action], where: str = "") -> None:
+               actions: list[Action], where: str = "",
+               config: KeeperConfig | None = None) -> None:
     """What must hold of one decide: the state's invariants, and every action matching
     the state it leaves (so the cluster and the keeper never disagree about a replica)."""
-    check_state(after, where)
+    check_state(after, where, config)
+    surge = config is not None and config.surge_on_unreachable
     if before.finished:
         if actions or after.replicas or not after.finished:
             _fail(f"{where}: a finished keeper acted: {actions}")
@@ -195,6 +212,19 @@ def check_step(before: KeeperState, obs: Observation, after: KeeperState,
                 # Only a placement that just answered may be stopped: before that there
                 # is no claim to release, and the claim made meanwhile would leak.
                 _fail(f"{where}: stop of {a.replica_id} before its placement answered")
+            elif a.reason == "replaced while unreachable" and (
+                    not surge or was.phase is not Phase.UNREACHABLE
+                    or count(after, Phase.READY) < after.spec.replicas):
+                _fail(f"{where}: {a.replica_id} ({was.phase}) retired as replaced, with "
+                      f"{count(after, Phase.READY)} of {after.spec.replicas} ready")
+            elif a.reason.startswith("not needed") and (
+                    not surge or was.phase is Phase.READY
+                    or not ((isinstance(obs, ProbeResult) and obs.running is True)
+                            or (was.retiring and was.stop_reason == a.reason))):
+                # Keep one of two: the original vouched for is kept over a replacement
+                # that is not yet ready (one still placing is stopped when it lands).
+                _fail(f"{where}: {a.replica_id} ({was.phase}) retired as not needed on "
+                      f"{obs!r}")
     acted = {a.replica_id for a in actions if not isinstance(a, Finish)}
     for rid, was in old.items():
         r = new.get(rid)
@@ -332,6 +362,12 @@ class Stats:
     adopted: int = 0  # unreachable replicas taken back when their agent vouched
     ignored: int = 0  # observations that changed nothing (late, stale or not ours)
     placed_while_deleting: int = 0
+    #: Replacements placed beside an unreachable replica (surge_on_unreachable).
+    surged: int = 0
+    #: Keep one of two: the unreachable original retired for a ready replacement, or a
+    #: replacement not yet ready retired because the original was vouched for.
+    kept_replacement: int = 0
+    kept_original: int = 0
     stopped: int = 0
     finished: int = 0
     parked: int = 0
@@ -421,7 +457,7 @@ class Sim:
         after, actions = decide(before, obs, self.now, self.config, self.rng.random())
         self.stats.steps += 1
         where = f"t={self.elapsed():.1f}s {dep_id} on {obs!r}"
-        check_step(before, obs, after, actions, where)
+        check_step(before, obs, after, actions, where, self.config)
         dep.state = after
         dep.actions += len(actions)
         if isinstance(obs, NodesChanged):
@@ -441,7 +477,13 @@ class Sim:
             s.ignored += 1
         was = {r.replica_id: r.phase for r in before.replicas}
         for a in actions:
-            if isinstance(a, StopReplica) and a.reason.startswith("lost"):
+            if isinstance(a, PlaceReplica) and len(live(after)) > after.spec.replicas:
+                s.surged += 1
+            if isinstance(a, StopReplica) and a.reason == "replaced while unreachable":
+                s.kept_replacement += 1
+            elif isinstance(a, StopReplica) and a.reason.startswith("not needed"):
+                s.kept_original += 1
+            elif isinstance(a, StopReplica) and a.reason.startswith("lost"):
                 s.lost += 1
             elif isinstance(a, StopReplica) and was.get(a.replica_id) is Phase.PLACING:
                 s.placed_while_deleting += 1
@@ -696,9 +738,10 @@ class Sim:
             # A placement still in flight when scaled away may land (and claim) before it
             # is stopped: it counts like a stopping one.
             retiring = sum(1 for r in state.replicas if r.retiring)
-            if len(held) > state.spec.replicas + stopping + retiring:
+            if len(held) > allowed(state, self.config) + stopping + retiring:
                 _fail(f"{where}: {dep_id} holds {len(held)} claims, spec "
-                      f"{state.spec.replicas}, {stopping} stopping")
+                      f"{state.spec.replicas}, {stopping} stopping, "
+                      f"{count(state, Phase.UNREACHABLE)} unreachable")
             if count(state, Phase.READY) > state.spec.replicas:
                 _fail(f"{where}: {dep_id} has more ready replicas than asked")
         for rid, engine in self.engines.items():
@@ -710,7 +753,8 @@ class Sim:
         fits serves exactly its replicas, the rest say why, and nothing is left over."""
         for dep_id, dep in self.deps.items():
             state = dep.state
-            where = f"settled {dep_id} ({keeper.status(state)}, {state.replicas})"
+            shown = keeper.status(state, config=self.config)
+            where = f"settled {dep_id} ({shown}, {state.replicas})"
             if state.deleting:
                 _fail(f"{where}: deleted but not finished")
             held = sorted(r for r, c in self.claims.items() if c.deployment_id == dep_id)
@@ -731,8 +775,10 @@ class Sim:
                 if held or count(state, Phase.STARTING, Phase.READY):
                     _fail(f"{where}: does not fit, yet holds {held}")
                 want = DeploymentStatus.CANT_PLACE
-            if keeper.status(state) is not want:
-                _fail(f"{where}: status {keeper.status(state)}, expected {want}")
+            if self.config.precise_status and state.spec.replicas == 0:
+                want = DeploymentStatus.STOPPED
+            if shown is not want:
+                _fail(f"{where}: status {shown}, expected {want}")
         for dep_id, dep in self.done.items():
             if not dep.state.finished or dep.state.replicas:
                 _fail(f"{dep_id} removed but not finished")

@@ -46,13 +46,16 @@ pytestmark = pytest.mark.timeout(30)
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 CONFIG = KeeperConfig(backoff_jitter=0.0)
+#: The hardened keeper: surge on unreachable, and the precise statuses.
+SURGE = KeeperConfig(backoff_jitter=0.0, surge_on_unreachable=True, precise_status=True)
 
 
 class Stepper:
     """Steps the keeper, keeping time and collecting actions."""
 
-    def __init__(self, replicas: int = 1) -> None:
+    def __init__(self, replicas: int = 1, config: KeeperConfig = CONFIG) -> None:
         self.now = T0
+        self.config = config
         self.state = KeeperState(spec=DeploymentSpec(
             deployment_id=DeploymentId("d"), model_id=ModelId("m"), replicas=replicas))
         self.actions: list[Action] = []
@@ -60,17 +63,20 @@ class Stepper:
     def step(self, obs: Observation | None = None, at: float | None = None) -> list[Action]:
         if at is not None:
             self.now = T0 + timedelta(seconds=at)
-        self.state, actions = decide(self.state, obs or Tick(), self.now, CONFIG)
+        self.state, actions = decide(self.state, obs or Tick(), self.now, self.config)
         self.actions += actions
         return actions
 
-    def serve(self, rid: str, at: float | None = None) -> None:
-        self.step(Placed(replica_id=ReplicaId(rid), nodes=[NodeId("a")]), at)
+    def serve(self, rid: str, at: float | None = None, node: str = "a") -> None:
+        self.step(Placed(replica_id=ReplicaId(rid), nodes=[NodeId(node)]), at)
         self.step(Started(replica_id=ReplicaId(rid), endpoint="http://e"), at)
+
+    def phases(self) -> dict[str, Phase]:
+        return {r.replica_id: r.phase for r in self.state.replicas}
 
     @property
     def status(self) -> DeploymentStatus:
-        return status(self.state)
+        return status(self.state, config=self.config)
 
 
 def rid(n: int) -> ReplicaId:
@@ -336,3 +342,183 @@ def test_delete_marks_an_in_flight_placement_as_on_its_way_out() -> None:
     k.step(Scale(replicas=0))
     assert k.step(Placed(replica_id=rid(1), nodes=[NodeId("a")])) == [
         StopReplica(replica_id=rid(1), reason="deployment deleted")]
+
+
+# -- surge on unreachable (KeeperConfig.surge_on_unreachable, precise_status) -------------
+
+
+def serving_one(config: KeeperConfig = SURGE) -> Stepper:
+    """One replica, d-r1 on node a, serving since t=0."""
+    k = Stepper(config=config)
+    k.step(at=0)
+    k.serve("d-r1", at=0)
+    assert k.status is DeploymentStatus.SERVING
+    return k
+
+
+def test_silent_replica_gets_a_replacement_at_once_with_surge_on() -> None:
+    k = serving_one()
+    acts = k.step(Silent(replica_id=rid(1)), at=100)
+    assert acts == [ProbeReplica(replica_id=rid(1)), PlaceReplica(replica_id=rid(2))]
+    # Still routed around, still probed, and not torn down.
+    assert k.phases() == {rid(1): Phase.UNREACHABLE, rid(2): Phase.PLACING}
+    assert k.status is DeploymentStatus.DEGRADED
+    assert k.state.last_failure == "d-r1 unreachable: no heartbeat from a"
+    assert k.step(Placed(replica_id=rid(2), nodes=[NodeId("b")]), at=101) == [
+        StartReplica(replica_id=rid(2))]
+    assert k.status is DeploymentStatus.DEGRADED  # degraded outranks starting
+
+
+def test_silent_replica_waits_for_lost_with_surge_off() -> None:
+    k = serving_one(CONFIG)
+    assert k.step(Silent(replica_id=rid(1)), at=100) == [ProbeReplica(replica_id=rid(1))]
+    assert k.status is DeploymentStatus.PLACING  # the old status, for replay
+    assert k.state.last_failure is None
+    assert not any(isinstance(a, PlaceReplica) for a in k.step(at=114.9))
+    assert PlaceReplica(replica_id=rid(2)) in k.step(at=115)
+    # precise_status alone changes the status, not the decisions.
+    k = serving_one(KeeperConfig(backoff_jitter=0.0, precise_status=True))
+    assert k.step(Silent(replica_id=rid(1)), at=100) == [ProbeReplica(replica_id=rid(1))]
+    assert k.status is DeploymentStatus.DEGRADED
+
+
+def test_vouched_while_the_replacement_starts_keeps_the_original() -> None:
+    k = serving_one()
+    k.step(Silent(replica_id=rid(1)), at=100)
+    k.step(Placed(replica_id=rid(2), nodes=[NodeId("b")]), at=101)
+    acts = k.step(ProbeResult(replica_id=rid(1), running=True), at=103)
+    assert acts == [WatchReplica(replica_id=rid(1)),
+                    StopReplica(replica_id=rid(2), reason="not needed: d-r1 is back")]
+    assert k.phases() == {rid(1): Phase.READY, rid(2): Phase.STOPPING}
+    assert k.status is DeploymentStatus.SERVING
+    # The retired replacement's late start result changes nothing.
+    assert k.step(Started(replica_id=rid(2), endpoint="http://late"), at=104) == []
+    assert k.step(Stopped(replica_id=rid(2)), at=105) == []
+    assert k.phases() == {rid(1): Phase.READY}
+    assert k.state.consecutive_failures == 0
+
+
+def test_vouched_while_the_replacement_is_placing_stops_it_on_landing() -> None:
+    k = serving_one()
+    k.step(Silent(replica_id=rid(1)), at=100)
+    assert k.step(ProbeResult(replica_id=rid(1), running=True), at=101) == [
+        WatchReplica(replica_id=rid(1))]
+    assert k.state.replicas[1].retiring and k.status is DeploymentStatus.SERVING
+    assert k.step(Placed(replica_id=rid(2), nodes=[NodeId("b")]), at=102) == [
+        StopReplica(replica_id=rid(2), reason="not needed: d-r1 is back")]
+
+
+def test_replacement_ready_retires_the_original_and_a_late_vouch_changes_nothing() -> None:
+    k = serving_one()
+    k.step(Silent(replica_id=rid(1)), at=100)
+    k.step(Placed(replica_id=rid(2), nodes=[NodeId("b")]), at=101)
+    acts = k.step(Started(replica_id=rid(2), endpoint="http://e2"), at=110)
+    assert acts == [WatchReplica(replica_id=rid(2)),
+                    StopReplica(replica_id=rid(1), reason="replaced while unreachable")]
+    assert k.status is DeploymentStatus.SERVING
+    assert k.step(ProbeResult(replica_id=rid(1), running=True), at=111) == []
+    assert k.step(Stopped(replica_id=rid(1)), at=112) == []
+    assert k.phases() == {rid(2): Phase.READY}
+
+
+def test_lost_while_the_replacement_starts_places_nothing_more() -> None:
+    k = serving_one()
+    k.step(Silent(replica_id=rid(1)), at=100)
+    k.step(Placed(replica_id=rid(2), nodes=[NodeId("b")]), at=101)
+    acts = k.step(at=115)
+    assert acts == [StopReplica(replica_id=rid(1),
+                                reason="lost: no word from its node for 15s")]
+    assert k.status is DeploymentStatus.STARTING
+
+
+def test_unplaceable_surge_counts_no_failure_and_waits_for_lost() -> None:
+    config = SURGE.model_copy(update={"park_after": 1})
+    k = serving_one(config)
+    k.step(Silent(replica_id=rid(1)), at=100)
+    assert k.step(Unplaceable(replica_id=rid(2), reason="node b: 2.0 GiB free, needs 8.0 GiB"),
+                  at=101) == []
+    assert k.state.consecutive_failures == 0 and not k.state.parked
+    assert k.state.placement_error is None and k.state.placement_retry_at is None
+    assert k.status is DeploymentStatus.DEGRADED  # not cant_place: d-r1 may come back
+    assert k.state.last_failure == (
+        "no room for a replacement of unreachable d-r1: node b: 2.0 GiB free, needs 8.0 GiB")
+    # No surge again until the lost timer (or a node change): the probe keeps going.
+    assert next_wake(k.state, config) == T0 + timedelta(seconds=115)
+    assert k.step(at=114) == []
+    # Lost: replaced as without the flag, at once (the surge's timer does not hold it).
+    assert k.step(at=115) == [
+        StopReplica(replica_id=rid(1), reason="lost: no word from its node for 15s"),
+        PlaceReplica(replica_id=rid(3))]
+    # That placement is an ordinary one: no room is cant_place again.
+    k.step(Unplaceable(replica_id=rid(3), reason="node b: full"), at=116)
+    assert k.status is DeploymentStatus.CANT_PLACE and k.state.placement_error == "node b: full"
+
+
+def test_unplaceable_surge_is_retried_when_the_nodes_change() -> None:
+    k = serving_one()
+    k.step(Silent(replica_id=rid(1)), at=100)
+    k.step(Unplaceable(replica_id=rid(2), reason="full"), at=101)
+    assert k.step(NodesChanged(), at=102) == [PlaceReplica(replica_id=rid(3))]
+    # A crashed surge placement is not a failure either.
+    k.step(PlacementCrashed(replica_id=rid(3), error="database down"), at=103)
+    assert k.state.placement_retry_at is None and k.status is DeploymentStatus.DEGRADED
+    assert k.step(at=110) == []
+
+
+def test_surge_never_exceeds_desired_plus_unreachable() -> None:
+    k = Stepper(replicas=2, config=SURGE)
+    k.step(at=0)
+    k.serve("d-r1", at=0)
+    k.serve("d-r2", at=0, node="b")
+    k.step(Silent(replica_id=rid(1)), at=10)  # places r3
+    k.step(Silent(replica_id=rid(2)), at=10)  # r3 still placing: one at a time
+    assert [a for a in k.actions if isinstance(a, PlaceReplica)][-1] == PlaceReplica(
+        replica_id=rid(3))
+    assert k.step(Placed(replica_id=rid(3), nodes=[NodeId("c")]), at=11) == [
+        StartReplica(replica_id=rid(3)), PlaceReplica(replica_id=rid(4))]
+    k.step(Placed(replica_id=rid(4), nodes=[NodeId("c")]), at=12)
+    assert len(k.state.replicas) == 4  # 2 desired + 2 unreachable
+    assert k.step(at=13) == []
+    assert k.status is DeploymentStatus.DEGRADED
+    # One replacement ready: not enough yet to retire either original.
+    assert k.step(Started(replica_id=rid(3), endpoint="http://e3"), at=20) == [
+        WatchReplica(replica_id=rid(3))]
+    acts = k.step(Started(replica_id=rid(4), endpoint="http://e4"), at=21)
+    assert acts == [WatchReplica(replica_id=rid(4)),
+                    StopReplica(replica_id=rid(1), reason="replaced while unreachable"),
+                    StopReplica(replica_id=rid(2), reason="replaced while unreachable")]
+
+
+def test_scale_down_with_surge_on_retires_the_replacement_then_the_unreachable() -> None:
+    k = Stepper(replicas=2, config=SURGE)
+    k.step(at=0)
+    k.serve("d-r1", at=0)
+    k.serve("d-r2", at=0, node="b")
+    k.step(Silent(replica_id=rid(1)), at=10)
+    k.step(Placed(replica_id=rid(3), nodes=[NodeId("c")]), at=11)
+    acts = k.step(Scale(replicas=1), at=12)
+    assert acts == [StopReplica(replica_id=rid(1), reason="replaced while unreachable"),
+                    StopReplica(replica_id=rid(3), reason="scaled down")]
+    assert k.status is DeploymentStatus.SERVING
+
+
+def test_status_precedence_and_stopped() -> None:
+    k = Stepper(replicas=2, config=SURGE)
+    k.step(at=0)
+    k.serve("d-r1", at=0)
+    k.step(Unplaceable(replica_id=rid(2), reason="full"), at=1)
+    assert k.status is DeploymentStatus.CANT_PLACE
+    k.step(Silent(replica_id=rid(1)), at=2)  # no surge yet: r2's cant-place timer holds
+    assert k.status is DeploymentStatus.DEGRADED  # degraded outranks cant_place
+    assert status(k.state) is DeploymentStatus.CANT_PLACE  # the old status, for replay
+    k.step(Scale(replicas=0), at=3)
+    assert k.status is DeploymentStatus.STOPPED
+    assert status(k.state) is DeploymentStatus.SERVING  # the old (wrong) status
+    k.step(Delete(), at=4)
+    assert k.status is DeploymentStatus.DELETING
+    fresh = Stepper(replicas=0, config=SURGE)
+    assert fresh.step() == [] and fresh.status is DeploymentStatus.STOPPED
+    k = serving_one()
+    k.state = k.state.model_copy(update={"parked": True})
+    k.step(Silent(replica_id=rid(1)), at=5)
+    assert k.status is DeploymentStatus.PARKED  # parked outranks degraded
