@@ -378,6 +378,37 @@ def _emptiest_key(decision: NodeDecision) -> tuple[int, int, NodeId]:
     return (_known_memory_first(decision), 0 if free is None else -free, decision.node_id)
 
 
+#: The stored reason of a deployment that cannot be placed stays under this many bytes
+#: (UTF-8), whatever the fleet size: it travels in every activity result, status write and
+#: history event, and listing 1,000 nodes took about 50 KB. `explain` gives the full list.
+SUMMARY_LIMIT_BYTES = 4096
+#: Room kept for the tail ("; and 997 more: ..."), so the listed nodes stop early enough.
+_TAIL_BYTES = 512
+
+#: Which rejections are "closest" to fitting, listed first when the summary is cut short:
+#: a node short of memory or CPU may fit after a scale-down; a lost one will not.
+_CLOSENESS: dict[RejectionReason, int] = {
+    RejectionReason.INSUFFICIENT_MEMORY: 0,
+    RejectionReason.INSUFFICIENT_CPU: 1,
+    RejectionReason.INSUFFICIENT_GPUS: 2,
+    RejectionReason.MISSING_LABELS: 3,
+    RejectionReason.NOT_IN_NODE_IDS: 4,
+    RejectionReason.CORDONED: 5,
+    RejectionReason.UNREACHABLE: 6,
+    RejectionReason.NOT_READY: 7,
+    RejectionReason.LOST: 8,
+}
+
+
+def _closest_first(request: PlacementRequest, decision: NodeDecision) -> tuple[int, int, str]:
+    assert decision.rejection is not None
+    shortfall = 0
+    if (decision.rejection.reason_code is RejectionReason.INSUFFICIENT_MEMORY
+            and decision.memory_free_bytes is not None):
+        shortfall = request.shard_memory_bytes - decision.memory_free_bytes
+    return (_CLOSENESS[decision.rejection.reason_code], shortfall, decision.node_id)
+
+
 def _summary(
     request: PlacementRequest,
     decisions: Sequence[NodeDecision],
@@ -386,16 +417,57 @@ def _summary(
 ) -> str:
     if not decisions:
         return "no nodes registered"
-    reasons = "; ".join(f"node {d.node_name}: {d.message}" for d in decisions if not d.fits)
+    rejected = [d for d in decisions if not d.fits]
+    text = _summary_of(request, rejected, fitting, unknown_ids, omitted=[])
+    if len(text.encode()) <= SUMMARY_LIMIT_BYTES:
+        return text
+    # Too long to store: the closest nodes with their numbers, then counts by cause.
+    budget = SUMMARY_LIMIT_BYTES - _TAIL_BYTES
+    listed: list[NodeDecision] = []
+    used = 0
+    ranked = sorted(rejected, key=lambda d: _closest_first(request, d))
+    for decision in ranked:
+        part = len(f"node {decision.node_name}: {decision.message}; ".encode())
+        if used + part > budget:
+            break
+        listed.append(decision)
+        used += part
+    text = _summary_of(request, listed, fitting, unknown_ids, omitted=ranked[len(listed):])
+    # Names and unknown ids are bounded by the API, but be certain: cut at a character.
+    return text.encode()[:SUMMARY_LIMIT_BYTES].decode(errors="ignore")
+
+
+def _summary_of(
+    request: PlacementRequest,
+    rejected: Sequence[NodeDecision],
+    fitting: Sequence[NodeDecision],
+    unknown_ids: Sequence[NodeId],
+    *,
+    omitted: Sequence[NodeDecision],
+) -> str:
+    reasons = "; ".join(f"node {d.node_name}: {d.message}" for d in rejected)
+    if omitted:
+        counts: dict[str, int] = {}
+        for d in omitted:
+            assert d.rejection is not None
+            code = d.rejection.reason_code.value
+            counts[code] = counts.get(code, 0) + 1
+        by_cause = ", ".join(f"{n} {code}" for code, n in
+                             sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+        reasons += (f"; and {len(omitted)} more ({by_cause}): "
+                    "`modelkeeper explain` lists every node")
     if request.min_nodes > 1:
         head = f"needs {request.min_nodes} nodes, {len(fitting)} fit"
         if fitting:
-            head += f" ({', '.join(d.node_name for d in fitting)})"
+            names = [d.node_name for d in fitting]
+            head += f" ({', '.join(names[:10])}{', ...' if len(names) > 10 else ''})"
         text = f"{head}: {reasons}" if reasons else head
     else:
         text = reasons
     if unknown_ids:
-        text += f"; node_ids not registered: {', '.join(unknown_ids)}"
+        shown = ", ".join(unknown_ids[:10])
+        more = f" and {len(unknown_ids) - 10} more" if len(unknown_ids) > 10 else ""
+        text += f"; node_ids not registered: {shown}{more}"
     return text
 
 

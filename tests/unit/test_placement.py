@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from modelkeeper.domain.ids import ModelId, NodeId
 from modelkeeper.domain.placement import (
+    SUMMARY_LIMIT_BYTES,
     CantPlace,
     GpuView,
     NodeState,
@@ -331,6 +332,47 @@ def test_shortfall_when_every_node_fits_but_there_are_too_few() -> None:
     assert result.rejections == []
     result = cant(place(req(8, min_nodes=2), [node("a", state=NodeState.LOST)]))
     assert result.summary == "needs 2 nodes, 0 fit: node a: lost"
+
+
+def thousand_node_fleet() -> list[NodeView]:
+    """1,000 nodes that all say no, for different reasons and by different margins."""
+    nodes = []
+    for i in range(1000):
+        name = f"node-{i:04d}-in-a-rack-with-a-long-name"
+        if i % 4 == 0:
+            nodes.append(node(name, mem_gib=16, claimed_gib=(i % 97) / 10))
+        elif i % 4 == 1:
+            nodes.append(node(name, state=NodeState.CORDONED))
+        elif i % 4 == 2:
+            nodes.append(node(name, state=NodeState.LOST))
+        else:
+            nodes.append(node(name, state=NodeState.UNREACHABLE))
+    return nodes
+
+
+def test_the_summary_stays_under_4_kb_at_a_thousand_nodes() -> None:
+    nodes = thousand_node_fleet()
+    result = cant(place(req(24), nodes))
+    assert len(result.summary.encode()) <= SUMMARY_LIMIT_BYTES
+    # Every rejection is still there as data; only the sentence is bounded.
+    assert len(result.rejections) == 1000
+    # The closest nodes come first: short of memory, smallest shortfall first (claimed 0).
+    assert result.summary.startswith("node node-0000-in-a-rack-with-a-long-name: 16.0 GiB free")
+    listed = result.summary.count("node node-")
+    # Then the rest, counted by cause, and the counts add up.
+    tail = result.summary.split("; and ", 1)[1]
+    omitted = int(tail.split(" more", 1)[0])
+    assert listed + omitted == 1000
+    counts = tail.split("(", 1)[1].split(")", 1)[0]
+    assert sum(int(part.split()[0]) for part in counts.split(", ")) == omitted
+    assert "250 lost" in counts and "250 unreachable" in counts and "`modelkeeper explain`" in tail
+
+
+def test_a_short_summary_is_not_cut() -> None:
+    nodes = thousand_node_fleet()[:8]
+    result = cant(place(req(24), nodes))
+    assert "more" not in result.summary
+    assert result.summary.count("node node-") == 8
 
 
 # --- explain and apply ---------------------------------------------------------------
