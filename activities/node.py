@@ -24,19 +24,16 @@ from modelkeeper.domain.shards import (
     StopShardInput,
     WatchShardInput,
 )
+from modelkeeper.names import (
+    ACTIVITY_LIST_SHARDS,
+    ACTIVITY_START_SHARD,
+    ACTIVITY_STOP_SHARD,
+    ACTIVITY_WATCH_SHARD,
+    ERROR_ENGINE_CONFIG,
+    ERROR_NO_FREE_PORT,
+    ERROR_SHARD_START_FAILED,
+)
 
-#: ApplicationError types these activities raise; workflows match on them.
-ERROR_SHARD_START_FAILED = "ShardStartFailed"
-ERROR_ENGINE_CONFIG = "EngineConfigError"
-ERROR_NO_FREE_PORT = "NoFreePort"
-
-#: The watch heartbeats every 0.25 s; 3 s without one means the node or agent is silent.
-#: (Measured here: T=3 s with 1 s heartbeats and throttle detects a kill -9 in 2-3 s.)
-WATCH_HEARTBEAT_TIMEOUT = timedelta(seconds=3)
-#: start_shard heartbeats through fetch, launch and load; a silent node fails it.
-START_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
-#: stop_shard waits the grace period, then SIGKILL; a minute bounds both.
-STOP_TIMEOUT = timedelta(seconds=60)
 #: Workers on nodes send heartbeats at most this often (the SDK otherwise throttles to
 #: 0.8 x heartbeat timeout, which leaves only 0.2 x T of slack against a false timeout).
 MAX_HEARTBEAT_THROTTLE = timedelta(seconds=1)
@@ -65,7 +62,7 @@ class NodeActivities:
     def __init__(self, manager: ShardRunner) -> None:
         self._manager = manager
 
-    @activity.defn(name="start_shard")
+    @activity.defn(name=ACTIVITY_START_SHARD)
     async def start_shard(self, request: StartShardInput) -> ShardEndpoint:
         """Fetch weights if needed, launch the engine, wait until it is ready."""
         try:
@@ -80,17 +77,17 @@ class NodeActivities:
             # Retryable: ports free up as other shards stop.
             raise ApplicationError(str(exc), type=ERROR_NO_FREE_PORT) from exc
 
-    @activity.defn(name="watch_shard")
+    @activity.defn(name=ACTIVITY_WATCH_SHARD)
     async def watch_shard(self, request: WatchShardInput) -> ShardExit:
         """Return when the engine exits: code, classification and the last 200 log lines."""
         return await self._manager.watch(request.replica_id, activity.heartbeat)
 
-    @activity.defn(name="stop_shard")
+    @activity.defn(name=ACTIVITY_STOP_SHARD)
     async def stop_shard(self, request: StopShardInput) -> ShardExit:
         """SIGTERM the shard's process group, SIGKILL after the grace period."""
         return await self._manager.stop(request.replica_id, request.grace_s)
 
-    @activity.defn(name="list_shards")
+    @activity.defn(name=ACTIVITY_LIST_SHARDS)
     async def list_shards(self) -> list[ShardReport]:
         """What this node runs."""
         return self._manager.reports()

@@ -27,16 +27,27 @@ from modelkeeper.domain.placement import CantPlace, PlacementRequest
 from modelkeeper.domain.settling import SettlingWindow
 from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.infra.temporal import signal_unplaceable
+from modelkeeper.names import (
+    ACTIVITY_DELETE_DEPLOYMENT,
+    ACTIVITY_PLACE_REPLICA,
+    ACTIVITY_RECORD_DEPLOYMENT_STATUS,
+    ACTIVITY_RECORD_EVENT,
+    ACTIVITY_RECORD_REPLICA_STATE,
+    ACTIVITY_RELEASE_REPLICA,
+    ERROR_SETTLING,
+    ERROR_UNKNOWN_MODEL,
+)
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 
 log = logging.getLogger(__name__)
 
-#: Store calls are short; 30 s covers a slow database without hiding a dead one.
-STORE_ACTIVITY_TIMEOUT = timedelta(seconds=30)
-
-ERROR_UNKNOWN_MODEL = "UnknownModel"
-ERROR_SETTLING = "Settling"
+#: A placement refused while settling asks again after what is left of the window, but at
+#: most this long: the window can end early (once the ready-node count holds steady), and
+#: a second of delay is small against a window of seconds.
+SETTLING_RETRY_MAX_S = 1.0
+#: ... and at least this long, so a window ending now is not retried in a tight loop.
+SETTLING_RETRY_MIN_S = 0.1
 
 
 class StoreActivities:
@@ -75,12 +86,12 @@ class StoreActivities:
             lost_after_s=self._settings.node_lost_after_s)
         return sum(1 for v in views if v.state is NodeState.READY)
 
-    @activity.defn(name="record_event")
+    @activity.defn(name=ACTIVITY_RECORD_EVENT)
     async def record_event(self, event: NewEvent) -> Event:
         """Append an entry to the audit log."""
         return await self._store.record_event(event)
 
-    @activity.defn(name="place_replica")
+    @activity.defn(name=ACTIVITY_PLACE_REPLICA)
     async def place_replica(self, request: PlaceReplicaInput) -> PlaceReplicaResult:
         """Pick nodes and claim their resources in one transaction."""
         now = self._clock()
@@ -90,8 +101,9 @@ class StoreActivities:
                 f"control plane settling: placement waits up to "
                 f"{self.settling.remaining_s(now):.1f}s more for agents to report in",
                 type=ERROR_SETTLING,
-                next_retry_delay=timedelta(seconds=min(1.0, self.settling.remaining_s(now))
-                                           or 0.1))
+                next_retry_delay=timedelta(
+                    seconds=min(SETTLING_RETRY_MAX_S, self.settling.remaining_s(now))
+                    or SETTLING_RETRY_MIN_S))
         spec = request.spec
         model = await self._store.get_model(spec.model_id)
         if model is None:
@@ -117,19 +129,19 @@ class StoreActivities:
             data={"nodes": [s.node_id for s in result]}))
         return PlaceReplicaResult(shards=result)
 
-    @activity.defn(name="record_replica_state")
+    @activity.defn(name=ACTIVITY_RECORD_REPLICA_STATE)
     async def record_replica_state(self, update: ReplicaStateUpdate) -> None:
         """Write a replica's state; the gateway hears of it through NOTIFY."""
         await self._store.record_replica_state(update)
 
-    @activity.defn(name="release_replica")
+    @activity.defn(name=ACTIVITY_RELEASE_REPLICA)
     async def release_replica(self, request: ReleaseReplicaInput) -> None:
         """Delete a replica's row and claims, then tell unplaceable deployments that
         memory was freed."""
         if await self._store.release_replica(request.replica_id):
             await self._signal_cant_place()
 
-    @activity.defn(name="record_deployment_status")
+    @activity.defn(name=ACTIVITY_RECORD_DEPLOYMENT_STATUS)
     async def record_deployment_status(self, update: DeploymentStatusUpdate) -> None:
         """Write the keeper's status, and log it to the audit log."""
         await self._store.record_deployment_status(update)
@@ -140,7 +152,7 @@ class StoreActivities:
             message=update.status.value + (f": {reason}" if reason else ""),
             data=update.model_dump(mode="json")))
 
-    @activity.defn(name="delete_deployment")
+    @activity.defn(name=ACTIVITY_DELETE_DEPLOYMENT)
     async def delete_deployment(self, request: DeleteDeploymentInput) -> None:
         """Remove the deployment's row once nothing of it runs."""
         await self._store.delete_deployment_row(request.deployment_id)

@@ -1,5 +1,11 @@
 """One home for the names several processes must agree on: task queues, workflow ids,
-search attributes. Change one here and every worker, client and test follows."""
+search attributes, activity names, error types. Change one here and every worker, client
+and test follows.
+
+Values are a wire contract, not spelling. Activity names are recorded in workflow
+histories: changing one breaks the replay of every running deployment (a rename is a new
+constant behind ``workflow.patched``). Error types are matched by processes that may run
+another version (a worker mid-upgrade), so they keep their values too."""
 
 from __future__ import annotations
 
@@ -51,3 +57,28 @@ SIGNAL_RETRY = "retry"
 SIGNAL_DELETE = "delete"
 UPDATE_SCALE = "scale"
 QUERY_STATUS = "status"
+
+#: Activities, by name, for the workflows that call them without importing their modules
+#: (``activities.store`` holds the store, which workflows must not import). Control queue:
+ACTIVITY_RECORD_EVENT = "record_event"
+ACTIVITY_PLACE_REPLICA = "place_replica"
+ACTIVITY_RECORD_REPLICA_STATE = "record_replica_state"
+ACTIVITY_RELEASE_REPLICA = "release_replica"
+ACTIVITY_RECORD_DEPLOYMENT_STATUS = "record_deployment_status"
+ACTIVITY_DELETE_DEPLOYMENT = "delete_deployment"
+#: ... and each node's own queue (:func:`node_task_queue`):
+ACTIVITY_START_SHARD = "start_shard"
+ACTIVITY_WATCH_SHARD = "watch_shard"
+ACTIVITY_STOP_SHARD = "stop_shard"
+ACTIVITY_LIST_SHARDS = "list_shards"
+
+#: ApplicationError types: activities raise them, workflows match on them (retry policies'
+#: ``non_retryable_error_types``), clients read them. Store activities:
+ERROR_UNKNOWN_MODEL = "UnknownModel"
+ERROR_SETTLING = "Settling"
+#: ... node activities:
+ERROR_SHARD_START_FAILED = "ShardStartFailed"
+ERROR_ENGINE_CONFIG = "EngineConfigError"
+ERROR_NO_FREE_PORT = "NoFreePort"
+#: ... and DeploymentWorkflow's scale validator, refusing an update while it deletes.
+ERROR_DELETING = "Deleting"

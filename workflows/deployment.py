@@ -74,7 +74,18 @@ with workflow.unsafe.imports_passed_through():
     )
     from modelkeeper.domain.status import DeploymentStatus
     from modelkeeper.names import (
+        ACTIVITY_DELETE_DEPLOYMENT,
+        ACTIVITY_LIST_SHARDS,
+        ACTIVITY_PLACE_REPLICA,
+        ACTIVITY_RECORD_DEPLOYMENT_STATUS,
+        ACTIVITY_RECORD_REPLICA_STATE,
+        ACTIVITY_RELEASE_REPLICA,
+        ACTIVITY_START_SHARD,
+        ACTIVITY_STOP_SHARD,
+        ACTIVITY_WATCH_SHARD,
         CONTROL_TASK_QUEUE,
+        ERROR_DELETING,
+        ERROR_UNKNOWN_MODEL,
         QUERY_STATUS,
         SIGNAL_DELETE,
         SIGNAL_NODES_CHANGED,
@@ -86,24 +97,64 @@ with workflow.unsafe.imports_passed_through():
 MODEL_ID_KEY = SearchAttributeKey.for_keyword("ModelId")
 STATUS_KEY = SearchAttributeKey.for_keyword("DeploymentStatus")
 
+# Timeouts and retry policies, each named once beside the reason for its value. Those a
+# deployment may set (from settings, or a test) are the fields of WorkflowTimings below.
+
+#: Store activities (place_replica included) are one short transaction each: 30 s covers a
+#: slow database without hiding a dead one, which STORE_RETRY (or PLACE_RETRY) waits out.
+STORE_TIMEOUT = timedelta(seconds=30)
 #: Store activities retry quickly and for a long time: a database restart must delay the
 #: keeper, not fail it.
 STORE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
                           maximum_interval=timedelta(seconds=10))
+#: place_replica retries every second, flat, for timings.place_schedule_to_close_s: a
+#: settling control plane names its own next retry (ERROR_SETTLING) and a database blip is
+#: short. A model missing from the catalog stays missing, so that error is not retried.
+PLACE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=1.0,
+                          non_retryable_error_types=[ERROR_UNKNOWN_MODEL])
 #: Node activities are not retried by Temporal: the keeper decides what a failure means.
 ONCE = RetryPolicy(maximum_attempts=1)
+#: ... except stop_shard, tried twice: a stop is harmless to repeat (the agent answers for
+#: a shard it no longer runs) and one more try rides out a lost answer. Past that, the
+#: agent's orphan reaper stops an engine nobody watches (see _stop).
+STOP_RETRY = RetryPolicy(maximum_attempts=2)
+#: start_shard heartbeats through fetch, launch and load (every 0.25 s while it waits for
+#: the engine to answer); 10 s of silence means the node or its agent is gone.
+START_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
+#: start_shard and stop_shard each end by a deadline their agent keeps (the spec's start
+#: timeout; the stop's grace period, then SIGKILL). Temporal's start-to-close is that
+#: deadline plus this slack, so the agent's own answer (a start timeout with the engine's
+#: log, an exit after the kill) arrives before a bare Temporal timeout would.
+AGENT_DEADLINE_SLACK = timedelta(seconds=30)
+#: A watch lasts as long as its engine runs, for months: its heartbeat timeout, not its
+#: start-to-close, notices a dead node. Ten years stands for "unbounded".
+WATCH_LIFETIME = timedelta(days=3650)
 
 
 class WorkflowTimings(Frozen):
-    """Activity timeouts, fixed at start so replays do not depend on a worker's env."""
+    """Activity timeouts, fixed at start so replays do not depend on a worker's env.
 
+    Fields, not constants: they travel in the workflow's state (continue-as-new carries
+    them), and the API sets watch_heartbeat_timeout_s from settings. Renaming or removing
+    one changes the state's shape, which running workflows must still decode.
+    """
+
+    #: A watch silent this long marks its replica silent (probed, routed around). Set from
+    #: settings: 3 s with 1 s heartbeats detects a kill -9 in 2-3 s (docs/keeper.md).
     watch_heartbeat_timeout_s: float = 3.0
     #: A node queue nobody polls fails a start or watch this fast (a dead agent).
     node_schedule_to_start_s: float = 10.0
+    #: A probe (list_shards) asks a live agent what it runs, answered in milliseconds; 2 s
+    #: bounds queueing and answer alike, so probing a dead node ends fast (docs/keeper.md).
     probe_timeout_s: float = 2.0
+    #: An engine not ready this long after launch is stopped by its agent and the start
+    #: fails (ShardSpec.start_timeout_s, the same default): large models load for minutes.
     start_timeout_s: float = 600.0
+    #: A stop sends SIGTERM, then SIGKILL after this long: time for an engine to exit
+    #: cleanly, short enough that a delete or a replacement does not wait on a hung one.
     stop_grace_s: float = 10.0
-    #: place_replica keeps retrying through the settling window and database blips.
+    #: place_replica keeps retrying through the settling window (15 s by default) and
+    #: database blips; five minutes also outlasts a database restart.
     place_schedule_to_close_s: float = 300.0
     #: Continue-as-new past this many history events even if the server has not yet
     #: suggested it; keeps replays fast. (Tests set it low to exercise the path.)
@@ -149,9 +200,14 @@ class NodesChangedInput(Frozen):
 class DeploymentWorkflow:
     """Keeps one deployment's replicas placed, started and watched until it is deleted."""
 
-    def __init__(self) -> None:
+    @workflow.init
+    def __init__(self, request: DeploymentInput) -> None:
+        # The whole state is built here, from the input, and never in run: the SDK runs the
+        # signal and update handlers (validators included) of the first workflow task
+        # before run's first line, so in run they would see half-built state. It only
+        # copies the input: commands (activities, timers) start in run, as before.
+        self._state: DeploymentWorkflowState = request.state
         self._inbox: list[Observation] = []
-        self._state: DeploymentWorkflowState | None = None
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._busy: set[str] = set()  # replicas with a place/start/stop in flight
         self._settled = False  # set when busy work ends, to re-check finish/continue
@@ -181,22 +237,24 @@ class DeploymentWorkflow:
 
     @scale.validator
     def _validate_scale(self, request: ScaleRequest) -> None:
-        if self._state is not None and self._state.keeper.deleting:
+        if self._state.keeper.deleting:
             raise ApplicationError("deployment is being deleted; it cannot be scaled",
-                                   type="Deleting")
+                                   type=ERROR_DELETING)
 
     @workflow.query(name=QUERY_STATUS)
     def status(self) -> WorkflowStatus:
         """The keeper's state and the status it implies."""
-        assert self._state is not None
         return WorkflowStatus(status=status(self._state.keeper), keeper=self._state.keeper)
 
     # -- the loop ------------------------------------------------------------------------
 
     @workflow.run
     async def run(self, request: DeploymentInput) -> None:
-        """Loop: decide, act, write what changed, wait for the next observation or timer."""
-        self._state = request.state
+        """Loop: decide, act, write what changed, wait for the next observation or timer.
+
+        ``request`` is unused: ``__init__`` built the state from it (``@workflow.init``
+        requires both to take the same input).
+        """
         for action in resume(self._state.keeper):
             self._launch(action)
         self._inbox.append(Tick())
@@ -226,7 +284,6 @@ class DeploymentWorkflow:
             self._settled = False
 
     async def _drain_inbox(self) -> None:
-        assert self._state is not None
         while self._inbox:
             observation = self._inbox.pop(0)
             keeper, actions = decide(self._state.keeper, observation, workflow.now(),
@@ -236,7 +293,6 @@ class DeploymentWorkflow:
                 self._launch(action)
 
     async def _continue_as_new(self) -> None:
-        assert self._state is not None
         # Watches and probes are re-opened by resume() in the next run.
         for tasks in self._tasks.values():
             for task in tasks:
@@ -246,7 +302,6 @@ class DeploymentWorkflow:
     # -- writing to the store ------------------------------------------------------------
 
     async def _write_changes(self) -> None:
-        assert self._state is not None
         keeper = self._state.keeper
         written = dict(self._state.written_replicas)
         for replica in keeper.replicas:
@@ -254,10 +309,10 @@ class DeploymentWorkflow:
             if stored is None or written.get(replica.replica_id) == stored.value:
                 continue
             await workflow.execute_activity(
-                "record_replica_state",
+                ACTIVITY_RECORD_REPLICA_STATE,
                 ReplicaStateUpdate(replica_id=replica.replica_id, state=stored,
                                    endpoint=replica.endpoint),
-                task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=timedelta(seconds=30),
+                task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=STORE_TIMEOUT,
                 retry_policy=STORE_RETRY)
             written[replica.replica_id] = stored.value
         live = {r.replica_id for r in keeper.replicas}
@@ -270,8 +325,8 @@ class DeploymentWorkflow:
         previous = self._state.written_status
         if current != previous and not keeper.finished:
             await workflow.execute_activity(
-                "record_deployment_status", current, task_queue=CONTROL_TASK_QUEUE,
-                start_to_close_timeout=timedelta(seconds=30), retry_policy=STORE_RETRY)
+                ACTIVITY_RECORD_DEPLOYMENT_STATUS, current, task_queue=CONTROL_TASK_QUEUE,
+                start_to_close_timeout=STORE_TIMEOUT, retry_policy=STORE_RETRY)
             if self._state.search_attributes and (
                     previous is None or previous.status != current.status):
                 workflow.upsert_search_attributes([STATUS_KEY.value_set(current.status.value)])
@@ -315,23 +370,19 @@ class DeploymentWorkflow:
         task.add_done_callback(done)
 
     def _replica_nodes(self, replica_id: str) -> list[ShardSpec]:
-        assert self._state is not None
         return self._state.shards.get(replica_id, [])
 
     async def _place(self, replica_id: ReplicaId) -> None:
-        assert self._state is not None
         try:
             result: PlaceReplicaResult = await workflow.execute_activity(
-                "place_replica",
+                ACTIVITY_PLACE_REPLICA,
                 PlaceReplicaInput(spec=self._state.keeper.spec, replica_id=replica_id,
                                   start_timeout_s=self._state.timings.start_timeout_s),
                 result_type=PlaceReplicaResult, task_queue=CONTROL_TASK_QUEUE,
-                start_to_close_timeout=timedelta(seconds=30),
+                start_to_close_timeout=STORE_TIMEOUT,
                 schedule_to_close_timeout=timedelta(
                     seconds=self._state.timings.place_schedule_to_close_s),
-                retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1),
-                                         backoff_coefficient=1.0,
-                                         non_retryable_error_types=["UnknownModel"]))
+                retry_policy=PLACE_RETRY)
         except ActivityError as exc:
             self._inbox.append(PlacementCrashed(replica_id=replica_id, error=_describe(exc)))
             return
@@ -345,17 +396,16 @@ class DeploymentWorkflow:
                                   nodes=[s.node_id for s in result.shards]))
 
     async def _start(self, replica_id: ReplicaId) -> None:
-        assert self._state is not None
         timings = self._state.timings
         specs = self._replica_nodes(replica_id)
         # Workers before rank 0 would matter for engines whose ranks rendezvous; all
         # start together here and rank 0 is the endpoint.
         tasks = [asyncio.create_task(workflow.execute_activity(
-            "start_shard", StartShardInput(spec=spec), result_type=ShardEndpoint,
+            ACTIVITY_START_SHARD, StartShardInput(spec=spec), result_type=ShardEndpoint,
             task_queue=node_task_queue(spec.node_id),
             schedule_to_start_timeout=timedelta(seconds=timings.node_schedule_to_start_s),
-            start_to_close_timeout=timedelta(seconds=spec.start_timeout_s + 30),
-            heartbeat_timeout=timedelta(seconds=10), retry_policy=ONCE)) for spec in specs]
+            start_to_close_timeout=timedelta(seconds=spec.start_timeout_s) + AGENT_DEADLINE_SLACK,
+            heartbeat_timeout=START_HEARTBEAT_TIMEOUT, retry_policy=ONCE)) for spec in specs]
         try:
             endpoints: list[ShardEndpoint] = []
             for task in tasks:
@@ -371,13 +421,12 @@ class DeploymentWorkflow:
         self._inbox.append(Started(replica_id=replica_id, endpoint=rank0.url or ""))
 
     async def _watch(self, replica_id: ReplicaId) -> None:
-        assert self._state is not None
         timings = self._state.timings
         tasks = [asyncio.create_task(workflow.execute_activity(
-            "watch_shard", WatchShardInput(replica_id=replica_id), result_type=ShardExit,
+            ACTIVITY_WATCH_SHARD, WatchShardInput(replica_id=replica_id), result_type=ShardExit,
             task_queue=node_task_queue(spec.node_id),
             schedule_to_start_timeout=timedelta(seconds=timings.node_schedule_to_start_s),
-            start_to_close_timeout=timedelta(days=3650),
+            start_to_close_timeout=WATCH_LIFETIME,
             heartbeat_timeout=timedelta(seconds=timings.watch_heartbeat_timeout_s),
             retry_policy=ONCE)) for spec in self._replica_nodes(replica_id)]
         if not tasks:
@@ -400,13 +449,12 @@ class DeploymentWorkflow:
                                   detail=f"{ended.kind.value}: {ended.detail}"))
 
     async def _probe(self, replica_id: ReplicaId) -> None:
-        assert self._state is not None
         timeout = timedelta(seconds=self._state.timings.probe_timeout_s)
         running: bool | None = True
         for spec in self._replica_nodes(replica_id):
             try:
                 reports: list[ShardReport] = await workflow.execute_activity(
-                    "list_shards", result_type=list[ShardReport],
+                    ACTIVITY_LIST_SHARDS, result_type=list[ShardReport],
                     task_queue=node_task_queue(spec.node_id),
                     schedule_to_start_timeout=timeout, start_to_close_timeout=timeout,
                     retry_policy=ONCE)
@@ -419,14 +467,14 @@ class DeploymentWorkflow:
         self._inbox.append(ProbeResult(replica_id=replica_id, running=running))
 
     async def _stop(self, replica_id: ReplicaId) -> None:
-        assert self._state is not None
         timings = self._state.timings
         stops = [asyncio.create_task(workflow.execute_activity(
-            "stop_shard", StopShardInput(replica_id=replica_id, grace_s=timings.stop_grace_s),
+            ACTIVITY_STOP_SHARD,
+            StopShardInput(replica_id=replica_id, grace_s=timings.stop_grace_s),
             result_type=ShardExit, task_queue=node_task_queue(spec.node_id),
             schedule_to_start_timeout=timedelta(seconds=timings.node_schedule_to_start_s),
-            start_to_close_timeout=timedelta(seconds=timings.stop_grace_s + 30),
-            retry_policy=RetryPolicy(maximum_attempts=2)))
+            start_to_close_timeout=timedelta(seconds=timings.stop_grace_s) + AGENT_DEADLINE_SLACK,
+            retry_policy=STOP_RETRY))
             for spec in self._replica_nodes(replica_id)]
         for task in stops:
             # A node that is gone or silent cannot answer: its agent's orphan reaper stops
@@ -434,19 +482,18 @@ class DeploymentWorkflow:
             with contextlib.suppress(ActivityError):
                 await task
         await workflow.execute_activity(
-            "release_replica", ReleaseReplicaInput(replica_id=replica_id),
-            task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=timedelta(seconds=30),
+            ACTIVITY_RELEASE_REPLICA, ReleaseReplicaInput(replica_id=replica_id),
+            task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=STORE_TIMEOUT,
             retry_policy=STORE_RETRY)
         shards = {k: v for k, v in self._state.shards.items() if k != replica_id}
         self._state = self._state.model_copy(update={"shards": shards})
         self._inbox.append(Stopped(replica_id=replica_id))
 
     async def _finish(self) -> None:
-        assert self._state is not None
         await workflow.execute_activity(
-            "delete_deployment",
+            ACTIVITY_DELETE_DEPLOYMENT,
             DeleteDeploymentInput(deployment_id=self._state.keeper.spec.deployment_id),
-            task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=timedelta(seconds=30),
+            task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=STORE_TIMEOUT,
             retry_policy=STORE_RETRY)
 
 

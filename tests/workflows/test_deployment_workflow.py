@@ -12,7 +12,12 @@ from typing import Any
 
 import pytest
 from temporalio import activity
-from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.client import (
+    WithStartWorkflowOperation,
+    WorkflowHandle,
+    WorkflowUpdateFailedError,
+)
+from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
@@ -335,3 +340,68 @@ async def test_continue_as_new_carries_the_whole_state(
         await latest.signal(DeploymentWorkflow.delete)
         await asyncio.wait_for(latest.result(), 20)
         assert cluster.deleted == ["d1"]
+
+
+def _fresh_input() -> DeploymentInput:
+    spec = DeploymentSpec(deployment_id=DeploymentId("d1"), model_id=ModelId("m"), replicas=1)
+    return DeploymentInput(state=initial_state(spec, KeeperConfig(backoff_jitter=0.0),
+                                               WorkflowTimings(), search_attributes=False))
+
+
+def test_state_is_whole_from_construction() -> None:
+    """@workflow.init builds the state from the input: the status query answers from a
+    workflow object no workflow task has run yet (no worker, no run, no event loop)."""
+    request = _fresh_input()
+    view = DeploymentWorkflow(request).status()
+    assert view.keeper == request.state.keeper
+    assert view.keeper.replicas == []
+
+
+async def test_status_query_sent_before_the_first_workflow_task_is_answered(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """A query sent right after start, while no worker polls yet, is answered (not failed)
+    once one does. The server holds a query until the first workflow task completes."""
+    control, node = cluster.activities()
+    handle = await time_skipping_env.client.start_workflow(
+        DeploymentWorkflow.run, _fresh_input(), id=f"deployment/{uuid.uuid4()}",
+        task_queue=CONTROL_TASK_QUEUE)
+    query = asyncio.create_task(handle.query(DeploymentWorkflow.status))
+    # Not a wait for anything: it lets the query go out before a worker exists. The test
+    # passes either way; this only makes it test what it says more often.
+    await asyncio.sleep(0.2)
+    async with Worker(time_skipping_env.client, task_queue=CONTROL_TASK_QUEUE,
+                      workflows=[DeploymentWorkflow], activities=control), \
+            Worker(time_skipping_env.client, task_queue=node_task_queue(NODE),
+                   activities=node):
+        view = await asyncio.wait_for(query, 20)
+        assert view.keeper.spec.deployment_id == "d1"
+        assert view.status in {DeploymentStatus.PLACING, DeploymentStatus.STARTING,
+                               DeploymentStatus.SERVING}
+        await handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(handle.result(), 20)
+
+
+async def test_an_update_in_the_first_workflow_task_sees_the_whole_state(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """Update-with-start delivers the update in the first workflow task, whose handlers
+    (the validator included) the SDK runs before run's first line: the validator reads the
+    state, which only @workflow.init can have built by then."""
+    control, node = cluster.activities()
+    start = WithStartWorkflowOperation(
+        DeploymentWorkflow.run, _fresh_input(), id=f"deployment/{uuid.uuid4()}",
+        task_queue=CONTROL_TASK_QUEUE, id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
+    async with Worker(time_skipping_env.client, task_queue=CONTROL_TASK_QUEUE,
+                      workflows=[DeploymentWorkflow], activities=control), \
+            Worker(time_skipping_env.client, task_queue=node_task_queue(NODE),
+                   activities=node):
+        assert await asyncio.wait_for(time_skipping_env.client.execute_update_with_start_workflow(
+            DeploymentWorkflow.scale, ScaleRequest(replicas=2),
+            start_workflow_operation=start), 20) == 2
+        handle = await start.workflow_handle()
+        run = Running(time_skipping_env, cluster, handle)
+        view = await run.until(DeploymentStatus.SERVING)
+        assert len(view.keeper.replicas) == 2
+        await handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(handle.result(), 20)
