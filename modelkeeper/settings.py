@@ -147,7 +147,8 @@ class Settings(BaseSettings):
     agent_stop_engines_on_exit: bool = Field(
         default=False,
         description="Stop this agent's engines when it exits. Off in production (a "
-        "restarted agent adopts them); `up` turns it on so Ctrl-C leaves nothing behind.",
+        "restarted agent adopts them). `up` leaves it off too, so a restarted local agent "
+        "adopts its engines, and stops the engines itself on Ctrl-C.",
     )
     orphan_grace_s: float = Field(
         default=120.0, gt=0,

@@ -38,8 +38,15 @@ class ManagedProcess:
     _log: IO[bytes] | None = field(default=None, init=False)
 
     def start(self) -> None:
-        """Start the child, appending its stdout and stderr to ``log_path``."""
+        """Start the child, appending its stdout and stderr to ``log_path``.
+
+        May be called again once the child has exited and :meth:`stop` has run: that is how
+        `up` restarts a component, with the same command, environment and log.
+        """
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self._log is not None:
+            # Left open by a start whose Popen raised: a supervisor retrying must not leak.
+            self._log.close()
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.popen = subprocess.Popen(
             list(self.argv),

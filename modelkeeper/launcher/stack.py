@@ -1,9 +1,18 @@
 """`modelkeeper up`: the whole local stack in the foreground.
 
-Starts, in order, the embedded PostgreSQL, the Temporal dev server, the control worker
-and the API, each in its own process group; waits until each is ready; then supervises
-them. Ctrl-C (SIGINT) or SIGTERM stops all of them in reverse order, and so does the
-unexpected exit of any one, so no half-stack is left running.
+Starts, in order, the embedded PostgreSQL, the Temporal dev server, the control worker,
+the API, the gateway and a local agent, each in its own process group; waits until each
+is ready; then supervises them like a process manager:
+
+1. A component that exits is restarted after a backoff (:func:`after_exit` decides, the
+   supervision loop acts), and the others keep running. A crash of one is not an outage.
+2. Engines never stop because a control-plane process died. The agent leaves them running
+   when it exits and its successor adopts them; `up` stops them only when it stops.
+3. A component that keeps exiting (:data:`GIVE_UP_AFTER_EXITS` times within
+   :data:`GIVE_UP_WINDOW_S`) is given up on: `up` says which and why in one line, and
+   stops everything.
+4. Ctrl-C (SIGINT) or SIGTERM stops every component in reverse order, and the local
+   agent's engines right after the agent.
 """
 
 from __future__ import annotations
@@ -22,8 +31,11 @@ from types import FrameType
 
 import asyncpg
 import httpx
+import psutil
 
-from ..infra.processes import ManagedProcess, port_is_free
+from agent.shards import NODE_ENV
+
+from ..infra.processes import ManagedProcess, port_is_free, signal_group
 from ..names import LOCAL_DATABASE_NAME
 from ..settings import Settings, env_var_names
 from . import postgres, temporal_server
@@ -31,6 +43,34 @@ from . import postgres, temporal_server
 log = logging.getLogger(__name__)
 
 DATABASE_NAME = LOCAL_DATABASE_NAME
+
+#: `up` gives up on a component that exits this many times within GIVE_UP_WINDOW_S. One
+#: exit is bad luck, and a dependency that restarts costs its dependants an exit or two
+#: (the API cannot start while PostgreSQL replays its log); five within a minute is a
+#: component that cannot run, and restarting it for ever would hide that behind a stack
+#: that looks up.
+GIVE_UP_AFTER_EXITS = 5
+#: See GIVE_UP_AFTER_EXITS. A minute spans the whole backoff (0.5 + 1 + 2 + 4 s plus four
+#: start-ups), so a crash loop is caught whatever its pace; exits further apart than this
+#: are separate incidents, and a component that exits every few minutes is still restarted.
+GIVE_UP_WINDOW_S = 60.0
+#: The first restart waits this long: a lone crash costs about a second of service, and a
+#: component that dies at once does not spin a core.
+FIRST_RESTART_DELAY_S = 0.5
+#: Each further exit within the window doubles the wait (0.5, 1, 2, 4 s), giving a
+#: dependency that is itself restarting time to come back before the next try.
+RESTART_BACKOFF_FACTOR = 2.0
+#: How often `up` looks at its children (and at engines it is stopping): a kill is noticed
+#: within this, and looking five times a second costs nothing measurable.
+POLL_INTERVAL_S = 0.2
+#: A component asked to stop gets this long to exit cleanly before SIGKILL: the agent and
+#: the worker drain Temporal tasks, PostgreSQL checkpoints.
+STOP_GRACE_S = 15.0
+#: Engines get this long after SIGTERM (the agent's own stop uses the same): llama.cpp
+#: exits in well under a second; one that does not is killed rather than waited on.
+ENGINE_STOP_GRACE_S = 5.0
+#: The component whose engines `up` stops right after it (see Stack.stop).
+AGENT = "agent"
 
 
 class StackError(Exception):
@@ -80,7 +120,10 @@ def component_env(settings: Settings, database_url: str) -> dict[str, str]:
         "MODELKEEPER_API_URL": f"http://{settings.bind_host}:{settings.api_port}",
         "MODELKEEPER_ENGINE_KEY_SECRET": settings.engine_key_secret
         or settings.engine_key_secret_file.read_text().strip(),
-        "MODELKEEPER_AGENT_STOP_ENGINES_ON_EXIT": "true",
+        # Off, as in production: the agent may exit on its own (a crash, a kill -9) and
+        # `up` restarts it, so it must leave its engines for its successor to adopt. `up`
+        # stops them itself when it stops (stop_engines), so Ctrl-C leaves nothing behind.
+        "MODELKEEPER_AGENT_STOP_ENGINES_ON_EXIT": "false",
         # Local use: the gateway serves without client keys, and says so loudly (its log,
         # and the banner). Production sets MODELKEEPER_GATEWAY_AUTH=true and issues keys.
         "MODELKEEPER_GATEWAY_AUTH": "false",
@@ -149,14 +192,21 @@ def deploy_demo(api_url: str, marker: Path, timeout: float = 120.0) -> str:
         return f"  demo model     {model_id}: still starting (modelkeeper ls)"
 
 
+def _local_node_id(agent_dir: Path) -> str | None:
+    """The node id the local agent keeps in its folder (agent.identity), once it has one."""
+    try:
+        return (agent_dir / "node_id").read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
 def _node_registered(api_url: str, agent_dir: Path) -> Callable[[], bool]:
     def ready() -> bool:
-        node_id_file = agent_dir / "node_id"
-        if not node_id_file.exists():
+        node_id = _local_node_id(agent_dir)
+        if node_id is None:
             return False
         try:
-            resp = httpx.get(f"{api_url}/nodes/{node_id_file.read_text().strip()}",
-                             timeout=1.0)
+            resp = httpx.get(f"{api_url}/nodes/{node_id}", timeout=1.0)
         except httpx.HTTPError:
             return False
         return resp.status_code == 200 and resp.json()["state"] == "ready"
@@ -185,14 +235,113 @@ def _api_ready(url: str) -> Callable[[], bool]:
     return ready
 
 
+# -- supervision: decide ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Start the component again in ``delay_s`` seconds."""
+
+    delay_s: float
+    #: The exits that still count against the component, this one included: what to pass
+    #: to the next :func:`after_exit`.
+    exits: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Stop restarting: the component exited ``count`` times within ``window_s`` seconds."""
+
+    count: int
+    window_s: float
+
+
+def after_exit(exits: tuple[float, ...], *, now: float) -> Restart | GiveUp:
+    """What to do about a component that exited at ``now`` (monotonic seconds).
+
+    ``exits`` are its earlier exits, as the last :class:`Restart` returned them. Only those
+    within GIVE_UP_WINDOW_S of ``now`` count, towards giving up and towards the backoff
+    alike, so a component that has since run quietly for a while is restarted quickly.
+    """
+    recent = (*(t for t in exits if now - t < GIVE_UP_WINDOW_S), now)
+    if len(recent) >= GIVE_UP_AFTER_EXITS:
+        return GiveUp(count=len(recent), window_s=GIVE_UP_WINDOW_S)
+    return Restart(delay_s=FIRST_RESTART_DELAY_S * RESTART_BACKOFF_FACTOR ** (len(recent) - 1),
+                   exits=recent)
+
+
+def describe_exit(code: int) -> str:
+    """``exit code 1``, or ``killed by SIGKILL`` for Popen's negative codes."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+# -- supervision: act -------------------------------------------------------------------
+
+
+def _engine_groups(node_id: str) -> set[int]:
+    """Process groups of the running engines that carry ``node_id``'s marker (agent.shards)."""
+    groups = set()
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(NODE_ENV) == node_id:
+                groups.add(os.getpgid(proc.pid))
+        except (psutil.Error, ProcessLookupError):
+            continue  # gone, a zombie, or not ours to read: not a live engine of ours
+    # Never our own group, whatever our own environment holds.
+    groups.discard(os.getpgrp())
+    return groups
+
+
+def stop_engines(agent_dir: Path, *, grace: float) -> None:
+    """Stop the local node's engines: SIGTERM, then SIGKILL after ``grace`` seconds.
+
+    Found by the marker the agent puts in every engine's environment, not by its shard
+    records, so an engine launched just before an agent died goes too, and so does one
+    whose agent was killed and that now belongs to no process of ours.
+    """
+    node_id = _local_node_id(agent_dir)
+    if node_id is None:
+        return
+    groups = _engine_groups(node_id)
+    if groups:
+        log.info("stopping %d engine(s) of node %s", len(groups), node_id)
+    for pgid in groups:
+        signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _engine_groups(node_id) and time.monotonic() < deadline:
+        time.sleep(POLL_INTERVAL_S)
+    for pgid in groups | _engine_groups(node_id):
+        signal_group(pgid, signal.SIGKILL)
+
+
+@dataclass
+class _Supervised:
+    """A component under supervision: its process and the bookkeeping of its restarts."""
+
+    proc: ManagedProcess
+    exits: tuple[float, ...] = ()
+    #: When to start it again, while it waits out its backoff; None while it runs.
+    restart_at: float | None = None
+
+
 class Stack:
-    """The local stack's processes, started in order and stopped in reverse."""
+    """The local stack's processes: started in order, restarted alone, stopped in reverse."""
 
     def __init__(self, settings: Settings, *, demo: bool = True) -> None:
         self.settings = settings
         self.demo = demo
         self.demo_status = ""
-        self.processes: list[ManagedProcess] = []
+        self.components: list[_Supervised] = []
+
+    def add(self, proc: ManagedProcess) -> ManagedProcess:
+        """Supervise ``proc`` (started) from now on, and stop it with the rest."""
+        self.components.append(_Supervised(proc))
+        return proc
 
     def start(self) -> None:
         """Start every component and wait for each to be ready."""
@@ -202,54 +351,90 @@ class Stack:
         ensure_secret_file(s.engine_key_secret_file)
         t0 = time.monotonic()
 
-        pg = postgres.start_postgres(s.postgres_dir, s.bind_host, s.postgres_port,
-                                     s.log_dir / "postgres.log")
-        self.processes.append(pg)
+        self.add(postgres.start_postgres(s.postgres_dir, s.bind_host, s.postgres_port,
+                                          s.log_dir / "postgres.log"))
         asyncio.run(_ensure_database(postgres.dsn(s.bind_host, s.postgres_port, "postgres"),
                                      DATABASE_NAME))
         database_url = postgres.dsn(s.bind_host, s.postgres_port, DATABASE_NAME)
 
-        self.processes.append(temporal_server.start_dev_server(
+        self.add(temporal_server.start_dev_server(
             host=s.bind_host, port=s.temporal_port, ui_port=s.temporal_ui_port,
             db_file=s.temporal_db_file, namespace=s.temporal_namespace,
             log_path=s.log_dir / "temporal.log"))
 
         env = component_env(s, database_url)
-        for name in ("worker", "api"):
+
+        def component(name: str) -> ManagedProcess:
             proc = ManagedProcess(name, [sys.executable, "-m", "modelkeeper", name],
                                   s.log_dir / f"{name}.log", env=env)
             proc.start()
-            self.processes.append(proc)
-        api = self.processes[-1]
+            return self.add(proc)
+
+        component("worker")
+        api = component("api")
         api_url = f"http://{s.bind_host}:{s.api_port}"
         api.wait_until(_api_ready(f"{api_url}/healthz"), timeout=90, interval=0.2)
 
-        gateway = ManagedProcess("gateway", [sys.executable, "-m", "modelkeeper", "gateway"],
-                                 s.log_dir / "gateway.log", env=env)
-        gateway.start()
-        self.processes.append(gateway)
-
+        gateway = component("gateway")
         # One local agent for this machine, in its own folder of the data dir.
-        agent = ManagedProcess("agent", [sys.executable, "-m", "modelkeeper", "agent"],
-                               s.log_dir / "agent.log", env=env)
-        agent.start()
-        self.processes.append(agent)
+        agent = component(AGENT)
         agent.wait_until(_node_registered(api_url, s.agent_dir), timeout=60, interval=0.2)
         gateway.wait_until(_http_ok(f"http://{s.bind_host}:{s.gateway_port}/healthz"),
                            timeout=60, interval=0.2)
-        log.info("stack ready in %.1fs", time.monotonic() - t0)
+        log.info("stack ready in %.1fs: %s", time.monotonic() - t0,
+                 ", ".join(f"{c.proc.name} pid {c.proc.pid}" for c in self.components))
         if self.demo:
             self.demo_status = deploy_demo(api_url, s.data_dir / ".demo-deployed")
 
-    def first_exited(self) -> ManagedProcess | None:
-        """A component that has exited on its own, if any."""
-        return next((p for p in self.processes if p.poll() is not None), None)
+    def supervise(self, now: float) -> None:
+        """Note what exited, restart what is due; StackError for one to give up on."""
+        for component in self.components:
+            if component.restart_at is None:
+                code = component.proc.poll()
+                if code is not None:
+                    # What it forked may outlive it (the gateway's workers on its port,
+                    # PostgreSQL's backends on its shared memory) and keep its successor
+                    # from starting. Engines are not reached: each has a group of its own.
+                    component.proc.stop(grace=0)
+                    self._on_exit(component, describe_exit(code), now=now)
+            elif now >= component.restart_at:
+                self._restart(component, now=now)
+
+    def _on_exit(self, component: _Supervised, why: str, *, now: float) -> None:
+        proc = component.proc
+        match after_exit(component.exits, now=now):
+            case GiveUp(count=count, window_s=window_s):
+                raise StackError(f"giving up on {proc.name}: it exited {count} times within "
+                                 f"{window_s:.0f}s, the last time {why}; see {proc.log_path}")
+            case Restart(delay_s=delay_s, exits=exits):
+                component.exits = exits
+                component.restart_at = now + delay_s
+                log.warning("%s exited (%s); restarting it in %.1fs (%d exit(s) within "
+                            "%.0fs; up gives up at %d); see %s", proc.name, why, delay_s,
+                            len(exits), GIVE_UP_WINDOW_S, GIVE_UP_AFTER_EXITS, proc.log_path)
+
+    def _restart(self, component: _Supervised, *, now: float) -> None:
+        proc = component.proc
+        component.restart_at = None
+        try:
+            proc.start()
+        except OSError as exc:
+            # Counted as an exit: a binary that vanished is retried, then given up on.
+            self._on_exit(component, f"could not start ({exc})", now=now)
+            return
+        log.info("restarted %s (pid %d)", proc.name, proc.pid)
 
     def stop(self) -> None:
-        """Stop every component, newest first."""
-        while self.processes:
-            proc = self.processes.pop()
-            proc.stop(grace=15)
+        """Stop every component, newest first, and the engines right after the agent.
+
+        Engines go after the agent, not before: a live agent that saw its engine end would
+        report it, and the control plane would place the model again while we shut down.
+        """
+        while self.components:
+            proc = self.components.pop().proc
+            proc.stop(grace=STOP_GRACE_S)
+            if proc.name == AGENT:
+                stop_engines(self.settings.agent_dir, grace=ENGINE_STOP_GRACE_S)
 
 
 def banner(settings: Settings, demo_status: str = "") -> str:
@@ -276,7 +461,7 @@ def banner(settings: Settings, demo_status: str = "") -> str:
 
 
 def run_up(settings: Settings, out: Callable[[str], None], *, demo: bool = True) -> int:
-    """Run the stack in the foreground until SIGINT/SIGTERM or a component dies."""
+    """Run the stack in the foreground until SIGINT/SIGTERM or a component is given up on."""
     check_ports(settings)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -293,11 +478,8 @@ def run_up(settings: Settings, out: Callable[[str], None], *, demo: bool = True)
             raise StackError(str(exc)) from exc
         out(banner(settings, stack.demo_status))
         while True:
-            dead = stack.first_exited()
-            if dead is not None:
-                raise StackError(f"{dead.name} exited with code {dead.poll()}; see "
-                                 f"{dead.log_path}:\n{dead.log_tail()}")
-            time.sleep(0.2)
+            stack.supervise(time.monotonic())
+            time.sleep(POLL_INTERVAL_S)
     except _StopRequested:
         out("stopping...")
         return 0
