@@ -7,7 +7,9 @@ did not: see bench/results/gateway.md for the measured choice).
 
 Per request, on the hot path: check the key (one SHA-256 and a dict lookup), parse the
 body to find the model, pick the ready replica with the fewest requests open, send the
-body unchanged with the replica's own engine key, and pass the answer back.
+body unchanged with the replica's own engine key, and pass the answer back. Everything
+else (no replica to pick, a connection failing before the answer) is decided off that
+path, in :mod:`gateway.dispatch`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from modelkeeper.store.routing import (
 
 from . import responses
 from .breaker import Breaker, BreakerState
+from .dispatch import GiveUp, Hold, HoldPolicy, SendTo, Tried, next_step, record
 from .metrics import CONTENT_TYPE, UNKNOWN_MODEL, GatewayMetrics
 from .responses import JSON_HEADERS, ErrorReply, Headers
 from .table import Endpoint, ModelRoute, RoutingTable, TableChange
@@ -57,6 +60,10 @@ CLIENT_CLOSED = 499
 #: never saw the request (refused), or dropped the connection before answering.
 RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
              aiohttp.ClientOSError)
+#: Of those, the failure to connect at all: nothing listens there, so the request does not
+#: go back to that replica at once (rule 3 of :mod:`gateway.dispatch`), while a dropped
+#: connection (perhaps a kept-alive one the engine had closed) may be tried once more.
+REFUSED = aiohttp.ClientConnectorError
 
 
 class _TooLarge(Exception):
@@ -158,8 +165,9 @@ class Gateway:
         self._changes: TableListener | None = None
         self._session: aiohttp.ClientSession | None = None
         self._usage: UsageReporter | None = None
-        self._retries = settings.gateway_retries
-        self._wait_s = settings.gateway_wait_for_replica_s
+        self._policy = HoldPolicy(wait_s=settings.gateway_wait_for_replica_s,
+                                  retries=settings.gateway_retries,
+                                  retry_after_s=settings.gateway_retry_after_s)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -381,42 +389,66 @@ class Gateway:
 
     async def _route(self, path: str, body: bytes, entry: ModelRoute, send: Send,
                      started: float) -> int:
-        """Pick a replica (waiting for one if need be), send the request, retrying on
-        another replica when a connection fails before any byte came back. Returns the
-        HTTP status given to the client."""
+        """Pick a replica and send the request; when none can be picked, or a connection
+        fails before any byte came back, do what :func:`~gateway.dispatch.next_step` says:
+        send it (again), hold it until a replica it may go to is ready, or answer with an
+        error. Returns the HTTP status given to the client.
+
+        The hot path is the first pick and one attempt: nothing else is computed or
+        allocated (not even the deadline) unless that pick finds nothing or fails."""
         model = entry.route.model_id
         endpoint = entry.pick(time.monotonic())
-        if endpoint is None:
-            found = await self._wait_for_endpoint(model)
-            if isinstance(found, ErrorReply):
-                await self._reply(send, found)
-                return found.status
-            endpoint, entry = found
-        tried: list[Endpoint] = []
+        tried: Tried | None = None
+        arrived: float | None = None
         while True:
+            if endpoint is None:
+                if arrived is None:
+                    # ``started`` is on the perf_counter clock; breakers are on monotonic.
+                    arrived = time.monotonic() - (time.perf_counter() - started)
+                found = await self._next_endpoint(model, tried, arrived)
+                if isinstance(found, ErrorReply):
+                    await self._reply(send, found)
+                    return found.status
+                endpoint = found
+                if tried is not None:
+                    self.metrics.retries.labels(model).inc()
             match await self._attempt(endpoint, path, body, send=send, started=started):
                 case _Replied(status=status):
                     return status
                 case _RetryElsewhere(error=error):
-                    tried.append(endpoint)
-                    upcoming = self._pick_retry(entry, tried)
-                    if upcoming is None:
-                        reply = responses.upstream_failed(model, _describe(error))
-                        await self._reply(send, reply)
-                        return reply.status
-                    self.metrics.retries.labels(model).inc()
-                    endpoint = upcoming
+                    tried = record(tried, endpoint, why=_describe(error),
+                                   refused=isinstance(error, REFUSED))
+                    endpoint = None
 
-    def _pick_retry(self, entry: ModelRoute, tried: list[Endpoint]) -> Endpoint | None:
-        """Where to send a request again after each of ``tried`` failed it retryably (the
-        last one just now); None once the retries are spent or no replica is left.
+    async def _next_endpoint(self, model: str, tried: Tried | None,
+                             arrived: float) -> Endpoint | ErrorReply:
+        """The replica to send the request to, once there is one it may go to; or the
+        error to answer with. Holds the request meanwhile, woken by the store's
+        notifications and by breakers changing or coming due, never by polling."""
+        while True:
+            now = time.monotonic()
+            match next_step(self.table, model, tried, now, arrived=arrived,
+                            policy=self._policy):
+                case SendTo(endpoint=endpoint):
+                    return endpoint
+                case GiveUp(reply=reply):
+                    return reply
+                case Hold(entry=entry, until=until):
+                    await self._hold(entry, until - now)
 
-        Prefers a replica not tried yet. The failed attempt is already settled, so a
-        breaker it opened keeps its replica out of this pick."""
-        if len(tried) > self._retries:
-            return None
-        now = time.monotonic()
-        return entry.pick(now, tried) or entry.pick(now)
+    async def _hold(self, entry: ModelRoute, timeout: float) -> None:
+        """Wait until ``entry`` changes, ``timeout`` seconds at most; counted as waiting."""
+        changed = entry.changed
+        model = entry.route.model_id
+        entry.waiting += 1
+        self.metrics.waiting.labels(model).inc()
+        try:
+            await asyncio.wait_for(changed.wait(), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            entry.waiting -= 1
+            self.metrics.waiting.labels(model).dec()
 
     async def _attempt(self, endpoint: Endpoint, path: str, body: bytes, *, send: Send,
                        started: float) -> _Outcome:
@@ -477,6 +509,10 @@ class Gateway:
             self.metrics.set_breaker(endpoint.replica_id, breaker.state)
             log.warning("replica %s of %s: circuit breaker %s", endpoint.replica_id,
                         endpoint.model, breaker.state.name.lower())
+            # Held requests may go there now (a trial succeeded) or at another time.
+            entry = self.table.models.get(endpoint.model)
+            if entry is not None:
+                entry.notify_changed()
 
     def _upstream_error(self, endpoint: Endpoint, exc: BaseException,
                         kind: str | None = None) -> None:
@@ -563,42 +599,6 @@ class Gateway:
             await send({"type": "http.response.body", "body": pending, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
         return done, 200
-
-    async def _wait_for_endpoint(self, model: str) -> tuple[Endpoint, ModelRoute] | ErrorReply:
-        """Wait (bounded) for a ready replica of a known model. Woken by the store's
-        notifications and by breakers coming due, never by polling."""
-        waited_from = time.monotonic()
-        deadline = waited_from + self._wait_s
-        while True:
-            entry = self.table.models.get(model)
-            if entry is None:  # deleted while we waited
-                return responses.unknown_model(model, self.table.models)
-            now = time.monotonic()
-            endpoint = entry.pick(now)
-            if endpoint is not None:
-                return endpoint, entry
-            reply = responses.hopeless(entry.route)
-            if reply is not None:
-                return reply
-            remaining = deadline - now
-            if remaining <= 0:
-                return responses.not_ready(
-                    entry.route, waited_s=now - waited_from,
-                    retry_after_s=self.settings.gateway_retry_after_s,
-                    open_breakers=entry.open_breakers())
-            trial_at = entry.next_trial_at()
-            if trial_at is not None:
-                remaining = min(remaining, max(trial_at - now, 0.0) + 0.001)
-            changed = entry.changed
-            entry.waiting += 1
-            self.metrics.waiting.labels(model).inc()
-            try:
-                await asyncio.wait_for(changed.wait(), remaining)
-            except TimeoutError:
-                pass
-            finally:
-                entry.waiting -= 1
-                self.metrics.waiting.labels(model).dec()
 
     # -- small helpers -------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ class Breaker:
     """One replica's breaker. Not thread-safe: the gateway runs one event loop per process."""
 
     __slots__ = ("_open_for", "_trial_running", "failures", "failures_to_open", "max_open_s",
-                 "open_s", "opened_until", "state")
+                 "open_s", "opened_until", "state", "trials")
 
     def __init__(self, failures_to_open: int, open_s: float, max_open_s: float = 60.0) -> None:
         self.failures_to_open = failures_to_open
@@ -39,6 +39,9 @@ class Breaker:
         self.opened_until = 0.0
         self._open_for = open_s
         self._trial_running = False
+        #: Trial requests ever let through: a request that gave up on this replica sees
+        #: by this count that it has been tried again since (and may have recovered).
+        self.trials = 0
 
     def allows(self, now: float) -> bool:
         """Whether a request may be sent now."""
@@ -56,6 +59,7 @@ class Breaker:
         # Open and due, or half-open: this request is the one trial.
         self.state = BreakerState.HALF_OPEN
         self._trial_running = True
+        self.trials += 1
 
     def success(self) -> None:
         """The replica answered: close."""

@@ -70,7 +70,9 @@ class GatewayMetrics:
             "status_5xx, stream_cut, protocol).",
             ["replica", "kind"], registry=r)
         self.retries = Counter(
-            "modelkeeper_gateway_retries", "Requests sent again to another replica, by model.",
+            "modelkeeper_gateway_retries",
+            "Requests sent again after a replica failed them before answering (at once, or "
+            "after being held for a replica to retry on), by model.",
             ["model"], registry=r)
         self.breaker_state = Gauge(
             "modelkeeper_gateway_breaker_state",

@@ -59,10 +59,14 @@ def unknown_model(model: str, known: Iterable[str]) -> ErrorReply:
                       "invalid_request_error", "model_not_found", {"known_models": names})
 
 
-def upstream_failed(model: str, why: str, status: int = 502) -> ErrorReply:
-    """502/504: the engines were there but failed this request."""
-    return ErrorReply(status, f"No replica of `{model}` could answer: {why}",
-                      "upstream_error", "upstream_unavailable")
+def upstream_failed(model: str, why: str, status: int = 502, *,
+                    waited_s: float | None = None) -> ErrorReply:
+    """502/504: the engines were there but failed this request. ``waited_s``: the request
+    was then held that long (since it arrived) for a replica to retry on, in vain."""
+    message = f"No replica of `{model}` could answer: {why}"
+    if waited_s is not None:
+        message += f". None it could be retried on was ready within {waited_s:.1f}s."
+    return ErrorReply(status, message, "upstream_error", "upstream_unavailable")
 
 
 def hopeless(route: DeploymentRoute) -> ErrorReply | None:

@@ -169,8 +169,9 @@ class Settings(BaseSettings):
     )
     gateway_wait_for_replica_s: float = Field(
         default=10.0, ge=0,
-        description="How long a request for a known model with no ready replica waits for "
-        "one before it is answered 503.",
+        description="How long after it arrives a request for a known model may wait for a "
+        "replica: one that is ready, or one to retry on after a replica failed it before "
+        "answering (an engine crash). Then it is answered 503 (never sent) or 502 (failed).",
     )
     gateway_retry_after_s: int = Field(
         default=5, ge=1,
@@ -179,8 +180,8 @@ class Settings(BaseSettings):
     )
     gateway_retries: int = Field(
         default=2, ge=0,
-        description="Further replicas a request is tried on when one refuses or resets the "
-        "connection before answering.",
+        description="Times a request is sent again after a replica refuses or drops the "
+        "connection before answering, counting a send to a replacement after waiting.",
     )
     gateway_connect_timeout_s: float = Field(
         default=3.0, gt=0, description="Longest wait to connect to an engine.")
