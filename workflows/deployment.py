@@ -131,6 +131,21 @@ AGENT_DEADLINE_SLACK = timedelta(seconds=30)
 WATCH_LIFETIME = timedelta(days=3650)
 
 
+# Behaviour changes, each behind workflow.patched so histories recorded before it replay
+# as they ran. Checked once at the start of each run: a new run records the marker there,
+# an old history has none and keeps the old decisions. docs/keeper.md says how a patch is
+# rolled out and later deprecated.
+
+#: Continue-as-new only with an empty inbox and every handler finished. Before it, an
+#: activity result (Started, Stopped, Placed) that landed while a store write was pending
+#: was dropped by continue-as-new, and the next run placed or started the same replica again.
+PATCH_CAN_WAITS_FOR_INBOX = "continue-as-new-waits-for-inbox"
+#: A replica that goes unreachable is replaced at once where there is room, and the
+#: deployment reads degraded (and stopped at 0 replicas): KeeperConfig.surge_on_unreachable
+#: and KeeperConfig.precise_status.
+PATCH_SURGE_ON_UNREACHABLE = "surge-on-unreachable"
+
+
 class WorkflowTimings(Frozen):
     """Activity timeouts, fixed at start so replays do not depend on a worker's env.
 
@@ -211,6 +226,7 @@ class DeploymentWorkflow:
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._busy: set[str] = set()  # replicas with a place/start/stop in flight
         self._settled = False  # set when busy work ends, to re-check finish/continue
+        self._can_waits_for_inbox = False  # PATCH_CAN_WAITS_FOR_INBOX, set in run
 
     # -- signals, updates, queries -------------------------------------------------------
 
@@ -244,7 +260,8 @@ class DeploymentWorkflow:
     @workflow.query(name=QUERY_STATUS)
     def status(self) -> WorkflowStatus:
         """The keeper's state and the status it implies."""
-        return WorkflowStatus(status=status(self._state.keeper), keeper=self._state.keeper)
+        return WorkflowStatus(status=status(self._state.keeper, config=self._state.config),
+                              keeper=self._state.keeper)
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -255,6 +272,7 @@ class DeploymentWorkflow:
         ``request`` is unused: ``__init__`` built the state from it (``@workflow.init``
         requires both to take the same input).
         """
+        self._apply_patches()
         for action in resume(self._state.keeper):
             self._launch(action)
         self._inbox.append(Tick())
@@ -269,7 +287,12 @@ class DeploymentWorkflow:
                     info.is_continue_as_new_suggested()
                     or info.get_current_history_length()
                     >= state.timings.continue_as_new_after_events):
-                await self._continue_as_new()
+                if not self._can_waits_for_inbox:
+                    await self._continue_as_new()
+                elif not self._inbox and workflow.all_handlers_finished():
+                    # Nothing waits to be decided and no handler is half-way: the state
+                    # carried over is the whole truth. Otherwise loop once more first.
+                    await self._continue_as_new()
             wake = next_wake(state.keeper, state.config)
             timeout = None
             if wake is not None:
@@ -282,6 +305,13 @@ class DeploymentWorkflow:
             # Cleared only after waking: a task may end while we write to the store, and
             # clearing before the wait would lose that wake-up.
             self._settled = False
+
+    def _apply_patches(self) -> None:
+        self._can_waits_for_inbox = workflow.patched(PATCH_CAN_WAITS_FOR_INBOX)
+        if workflow.patched(PATCH_SURGE_ON_UNREACHABLE):
+            config = self._state.config.model_copy(
+                update={"surge_on_unreachable": True, "precise_status": True})
+            self._state = self._state.model_copy(update={"config": config})
 
     async def _drain_inbox(self) -> None:
         while self._inbox:
@@ -318,7 +348,8 @@ class DeploymentWorkflow:
         live = {r.replica_id for r in keeper.replicas}
         written = {k: v for k, v in written.items() if k in live}
         current = DeploymentStatusUpdate(
-            deployment_id=keeper.spec.deployment_id, status=status(keeper),
+            deployment_id=keeper.spec.deployment_id,
+            status=status(keeper, config=self._state.config),
             placement_error=keeper.placement_error,
             consecutive_failures=keeper.consecutive_failures,
             last_failure=keeper.last_failure, desired_replicas=keeper.spec.replicas)

@@ -7,6 +7,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from temporalio.client import (
 )
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
@@ -140,6 +142,10 @@ class FakeCluster:
         return control, node
 
 
+#: A query is answered in milliseconds; see Running.view for why it has a deadline.
+QUERY_DEADLINE = timedelta(seconds=2)
+
+
 @dataclass
 class Running:
     env: WorkflowEnvironment
@@ -147,7 +153,20 @@ class Running:
     handle: WorkflowHandle[DeploymentWorkflow, None]
 
     async def view(self) -> WorkflowStatus:
-        return await self.handle.query(DeploymentWorkflow.status)
+        # By workflow id alone, so the query follows continue-as-new to the latest run:
+        # the handle start_workflow returns names the first run, and a query to a run that
+        # has closed can hang on the time-skipping server.
+        # A query that lands as a run continues as new can go unanswered on that server
+        # ("workflow execution already completed"), so each has a deadline and is asked
+        # again of the new run.
+        latest = self.env.client.get_workflow_handle(self.handle.id)
+        while True:
+            try:
+                return await latest.query(DeploymentWorkflow.status,
+                                          rpc_timeout=QUERY_DEADLINE)
+            except RPCError as err:
+                if err.status is not RPCStatusCode.DEADLINE_EXCEEDED:
+                    raise
 
     async def until(self, status: DeploymentStatus, timeout: float = 20,
                     skip_s: float = 0.0) -> WorkflowStatus:
