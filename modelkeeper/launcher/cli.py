@@ -23,20 +23,10 @@ from .operator_cli import (
     parse_pairs,
     run_operator_command,
 )
+from .ports import PORT_FLAGS
 
 __all__ = ["UsageError", "build_parser", "load_settings", "main", "run"]
 
-# The settings field behind each port flag, in the order `up` lists them.
-# TODO(one port table): stack.PORTS (label, field, flag) repeats these pairs for `up`'s port
-# check. The table belongs with PortUse, in a module light enough for every command to
-# import (stack.py pulls in asyncpg); until it moves, keep the two in step.
-PORT_FLAGS = {
-    "api_port": "--api-port",
-    "gateway_port": "--gateway-port",
-    "postgres_port": "--postgres-port",
-    "temporal_port": "--temporal-port",
-    "temporal_ui_port": "--temporal-ui-port",
-}
 
 
 def _add_common(parser: argparse.ArgumentParser, ports: Sequence[str]) -> None:

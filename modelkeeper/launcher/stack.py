@@ -39,6 +39,7 @@ from ..infra.processes import ManagedProcess, port_is_free, signal_group
 from ..names import LOCAL_DATABASE_NAME
 from ..settings import Settings, env_var_names
 from . import postgres, temporal_server
+from .ports import PORTS, PortUse
 
 log = logging.getLogger(__name__)
 
@@ -77,22 +78,6 @@ class StackError(Exception):
     """A problem that `up` reports as one line and a non-zero exit, not a traceback."""
 
 
-@dataclass(frozen=True)
-class PortUse:
-    """A port `up` binds, with the flag and settings field that change it."""
-
-    label: str
-    field: str
-    flag: str
-
-
-PORTS = [
-    PortUse("the API", "api_port", "--api-port"),
-    PortUse("the gateway", "gateway_port", "--gateway-port"),
-    PortUse("PostgreSQL", "postgres_port", "--postgres-port"),
-    PortUse("Temporal", "temporal_port", "--temporal-port"),
-    PortUse("the Temporal web UI", "temporal_ui_port", "--temporal-ui-port"),
-]
 
 
 def check_ports(settings: Settings) -> None:
