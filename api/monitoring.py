@@ -67,7 +67,9 @@ def deployment_metrics(deployments: list[DeploymentView]) -> bytes:
     """The deployment gauges in Prometheus' text format.
 
     Every deployment has every series, zeros included: an alert on "ready == 0 while
-    desired > 0" must be able to fire, which it cannot on a series that vanishes.
+    desired > 0" must be able to fire, which it cannot on a series that vanishes. So
+    ``modelkeeper_deployment_status`` has one series per status in ``DeploymentStatus``
+    (1 for the current one, 0 for the rest), a status added there included.
     """
     registry = CollectorRegistry()
     labels = ["deployment_id", "model_id"]
@@ -81,6 +83,9 @@ def deployment_metrics(deployments: list[DeploymentView]) -> bytes:
                        labels, registry=registry)
     failures = Gauge("modelkeeper_deployment_consecutive_failures",
                      "Failed starts in a row.", labels, registry=registry)
+    status = Gauge("modelkeeper_deployment_status",
+                   "1 for the deployment's current status, 0 for every other.",
+                   [*labels, "status"], registry=registry)
     for d in deployments:
         key = (d.deployment_id, d.model_id)
         desired.labels(*key).set(d.desired_replicas)
@@ -88,6 +93,8 @@ def deployment_metrics(deployments: list[DeploymentView]) -> bytes:
         parked.labels(*key).set(int(d.status is DeploymentStatus.PARKED))
         cant_place.labels(*key).set(int(d.status is DeploymentStatus.CANT_PLACE))
         failures.labels(*key).set(d.consecutive_failures)
+        for each in DeploymentStatus:
+            status.labels(*key, each.value).set(int(d.status is each))
     return generate_latest(registry)
 
 

@@ -72,53 +72,113 @@ def upstream_failed(model: str, why: str, status: int = 502, *,
 def hopeless(route: DeploymentRoute) -> ErrorReply | None:
     """The answer for a model that will not have a ready replica without an operator (or a
     node change), so it is given at once: waiting, or "retry shortly", would be a lie.
-    None when a replica may become ready by itself."""
-    model, status = route.model_id, route.status
-    extra = {"model": model, "status": status}
-    if status == DeploymentStatus.PARKED:
-        reason = route.last_failure or "too many failed starts in a row"
-        return ErrorReply(
-            503, f"`{model}` is parked after {route.consecutive_failures} failed starts in a "
-            f"row; last failure: {reason}. It stays down until an operator changes or "
-            "retries the deployment.", "service_unavailable", "model_parked",
-            {**extra, "reason": reason})
-    if status == DeploymentStatus.CANT_PLACE:
-        reason = route.placement_error or "no node has room for it"
-        return ErrorReply(
-            503, f"`{model}` cannot be placed: {reason}. It is served once a node with room "
-            "joins or frees up.", "service_unavailable", "model_cant_place",
-            {**extra, "reason": reason})
-    if status == DeploymentStatus.DELETING:
-        return ErrorReply(503, f"`{model}` is being deleted.", "service_unavailable",
-                          "model_deleting", {**extra, "reason": "deleting"})
-    return None
+    None when a replica may become ready by itself (placing, starting, degraded: a
+    replacement for the unreachable replica is on its way).
+
+    ``stopped`` is answered at once only while it still wants 0 replicas: the API records a
+    scale-up the keeper accepted before the keeper writes its next status, and a stopped
+    deployment that wants replicas is one with a replica on its way.
+    """
+    match route.status:
+        case DeploymentStatus.PARKED:
+            return _parked(route)
+        case DeploymentStatus.CANT_PLACE:
+            return _cant_place(route)
+        case DeploymentStatus.DELETING:
+            return ErrorReply(503, f"`{route.model_id}` is being deleted.",
+                              "service_unavailable", "model_deleting",
+                              {**_about(route), "reason": "deleting"})
+        case DeploymentStatus.STOPPED if route.desired_replicas == 0:
+            return _scaled_to_zero(route)
+        case _:
+            return None
+
+
+def _about(route: DeploymentRoute) -> dict[str, Any]:
+    """The fields every deployment answer adds to the ``error`` object."""
+    return {"model": route.model_id, "status": route.status}
+
+
+def _parked(route: DeploymentRoute) -> ErrorReply:
+    reason = route.last_failure or "too many failed starts in a row"
+    return ErrorReply(
+        503, f"`{route.model_id}` is parked after {route.consecutive_failures} failed starts "
+        f"in a row; last failure: {reason}. It stays down until an operator changes or "
+        "retries the deployment.", "service_unavailable", "model_parked",
+        {**_about(route), "reason": reason})
+
+
+def _cant_place(route: DeploymentRoute) -> ErrorReply:
+    reason = route.placement_error or "no node has room for it"
+    return ErrorReply(
+        503, f"`{route.model_id}` cannot be placed: {reason}. It is served once a node with "
+        "room joins or frees up.", "service_unavailable", "model_cant_place",
+        {**_about(route), "reason": reason})
+
+
+def _scaled_to_zero(route: DeploymentRoute) -> ErrorReply:
+    reason = "scaled to zero replicas"
+    return ErrorReply(
+        503, f"`{route.model_id}` is {reason}: its deployment is stopped. It is served again "
+        "once an operator scales it up.", "service_unavailable", "model_stopped",
+        {**_about(route), "reason": reason})
 
 
 def not_ready(route: DeploymentRoute, *, waited_s: float, retry_after_s: int,
               open_breakers: int) -> ErrorReply:
     """503 after waiting in vain for a replica that may still come: with Retry-After."""
-    model, status = route.model_id, route.status
+    reason = _why_not_ready(route, open_breakers)
+    return ErrorReply(
+        503, f"`{route.model_id}` has no ready replica after waiting {waited_s:.1f}s: "
+        f"{reason}.", "service_unavailable", "model_not_ready",
+        {**_about(route), "reason": reason},
+        headers=[(b"retry-after", str(retry_after_s).encode())])
+
+
+def _why_not_ready(route: DeploymentRoute, open_breakers: int) -> str:
+    """Why no replica of a deployment that is not hopeless is ready: its status, then the
+    failure or placement error behind it, when there is one."""
+    if route.status == DeploymentStatus.DEGRADED:
+        return _why_degraded(route, open_breakers)
     if open_breakers:
-        reason = (f"its {open_breakers} ready replica(s) keep failing and are out until they "
-                  "recover")
+        reason = _breakers_open(open_breakers)
     elif route.desired_replicas == 0:
+        # 0 replicas but not stopped: a workflow run from before the stopped status, or a
+        # deployment created at 0 that the keeper has not reported on yet.
         reason = "it is scaled to zero replicas"
-    elif status == DeploymentStatus.PLACING:
-        reason = "it is being placed"
-    elif status == DeploymentStatus.STARTING:
-        reason = "its replicas are starting"
     else:
-        reason = "no replica is ready"
+        match route.status:
+            case DeploymentStatus.PLACING:
+                reason = "it is being placed"
+            case DeploymentStatus.STARTING:
+                reason = "its replicas are starting"
+            case DeploymentStatus.STOPPED:
+                reason = "it is being scaled up from zero replicas"
+            case _:
+                reason = "no replica is ready"
     if route.consecutive_failures and route.last_failure:
         reason += (f" (after {route.consecutive_failures} failed start(s); last: "
                    f"{route.last_failure})")
     elif route.placement_error:
         reason += f" ({route.placement_error})"
-    return ErrorReply(
-        503, f"`{model}` has no ready replica after waiting {waited_s:.1f}s: {reason}.",
-        "service_unavailable", "model_not_ready",
-        {"model": model, "status": status, "reason": reason},
-        headers=[(b"retry-after", str(retry_after_s).encode())])
+    return reason
+
+
+def _why_degraded(route: DeploymentRoute, open_breakers: int) -> str:
+    """A degraded deployment's reason. Its last_failure is the keeper's word on the
+    unreachable replica and its nodes (not a failed start), and a placement error is why
+    that replica's replacement has no room yet."""
+    reason = (f"it is degraded: {route.last_failure or 'a replica is unreachable'}; "
+              "a replacement is being placed or started")
+    if route.placement_error:
+        reason += f", but cannot be placed yet ({route.placement_error})"
+    if open_breakers:
+        reason += f"; {_breakers_open(open_breakers)}"
+    return reason
+
+
+def _breakers_open(count: int) -> str:
+    return f"its {count} ready replica(s) keep failing and are out until they recover"
 
 
 def sse_error_event(message: str) -> bytes:

@@ -217,14 +217,22 @@ def _mem(value: int | None) -> str:
 
 
 def _reason(deployment: dict[str, Any]) -> str:
-    """Why a deployment is not serving; a serving one shows its last failure only as
-    history, marked so, rather than as a reason."""
-    if deployment["status"] == "cant_place":
-        return str(deployment["placement_error"] or "")
-    if deployment["status"] == "serving":
-        last = deployment["last_failure"]
-        return f"(last failure: {last})" if last else ""
-    return str(deployment["last_failure"] or "")
+    """Why a deployment is not serving. A serving or stopped one (stopped: scaled to 0 by
+    an operator, not by a failure) shows its last failure only as history, marked so."""
+    last = deployment["last_failure"]
+    match deployment["status"]:
+        case "cant_place":
+            return str(deployment["placement_error"] or "")
+        case "degraded":
+            # The keeper's reason names the unreachable replica and its nodes.
+            reason = str(last or "a replica is unreachable")
+            if deployment["placement_error"]:
+                reason += f"; its replacement cannot be placed: {deployment['placement_error']}"
+            return reason
+        case "serving" | "stopped":
+            return f"(last failure: {last})" if last else ""
+        case _:
+            return str(last or "")
 
 
 def _deploy_text(args: argparse.Namespace, result: Any) -> str:

@@ -11,7 +11,11 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from api.app import create_app
+from modelkeeper.domain.catalog import DeploymentStatusUpdate
+from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.settings import Settings
+from modelkeeper.store import Store
+from tests.support.gateway_support import metric
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,3 +98,42 @@ async def test_racing_creates_leave_exactly_one_deployment(api: httpx.AsyncClien
                                      for _ in range(6)))
     assert sorted(r.status_code for r in results) == [201] + [409] * 5
     assert len((await api.get("/deployments")).json()) == 1
+
+
+async def test_degraded_and_stopped_show_in_the_list_and_in_the_status_gauge(
+        api: httpx.AsyncClient, store: Store) -> None:
+    # Written as the keeper writes them (no worker runs here): the API reads the store.
+    unreachable = "d-r1 unreachable: no heartbeat from a"
+    written: dict[str, tuple[DeploymentStatus, int, str | None]] = {
+        "sim-a": (DeploymentStatus.DEGRADED, 2, unreachable),
+        "sim-b": (DeploymentStatus.STOPPED, 0, None),
+        "sim-c": (DeploymentStatus.SERVING, 1, None),
+    }
+    ids = {}
+    for model, (status, replicas, last_failure) in written.items():
+        assert (await api.post("/models", json={**SIM, "model_id": model})).status_code == 201
+        created = await api.post("/deployments", json={"model_id": model, "replicas": 1})
+        ids[model] = created.json()["deployment_id"]
+        await store.record_deployment_status(DeploymentStatusUpdate(
+            deployment_id=ids[model], status=status, placement_error=None,
+            consecutive_failures=0, last_failure=last_failure, desired_replicas=replicas))
+
+    listed = {d["model_id"]: d for d in (await api.get("/deployments")).json()}
+    assert {m: (d["status"], d["desired_replicas"], d["last_failure"])
+            for m, d in listed.items()} == {
+        "sim-a": ("degraded", 2, unreachable), "sim-b": ("stopped", 0, None),
+        "sim-c": ("serving", 1, None)}
+    one = (await api.get(f"/deployments/{ids['sim-a']}")).json()
+    assert (one["status"], one["last_failure"]) == ("degraded", unreachable)
+
+    text = (await api.get("/metrics")).text
+    for model, (current, _, _) in written.items():
+        # A series for every status, 1 for the current one: "degraded for 10 minutes"
+        # alerts on a series that exists at 0 before it turns 1.
+        assert {status.value: metric(text, "modelkeeper_deployment_status",
+                                     deployment_id=ids[model], model_id=model,
+                                     status=status.value)
+                for status in DeploymentStatus} == {
+            status.value: float(status is current) for status in DeploymentStatus}
+    assert metric(text, "modelkeeper_deployment_desired_replicas",
+                  deployment_id=ids["sim-b"], model_id="sim-b") == 0.0

@@ -171,6 +171,61 @@ def test_a_model_that_will_not_come_back_is_answered_at_once() -> None:
     assert isinstance(gone, GiveUp) and gone.reply.status == 404
 
 
+def route_of(status: str, *, desired: int = 1, last_failure: str | None = None,
+             placement_error: str | None = None, failures: int = 0) -> DeploymentRoute:
+    return DeploymentRoute(
+        deployment_id="d", model_id=MODEL, status=status, desired_replicas=desired,
+        placement_error=placement_error, last_failure=last_failure,
+        consecutive_failures=failures, created_at=datetime(2026, 1, 1, tzinfo=UTC), ready=())
+
+
+def test_degraded_is_held_for_its_replacement_then_told_why() -> None:
+    table = table_of()
+    unreachable = "d-r1 unreachable: no heartbeat from a"
+    # A failed start before it went unreachable does not make the reason a failed start.
+    table.apply(route_of("degraded", last_failure=unreachable, failures=1))
+    assert step(table, None, T0) == Hold(table.models[MODEL], T0 + POLICY.wait_s)
+    answer = step(table, None, T0 + POLICY.wait_s)
+    assert isinstance(answer, GiveUp)
+    assert (answer.reply.status, answer.reply.code) == (503, "model_not_ready")
+    assert answer.reply.headers == [(b"retry-after", b"5")]
+    assert answer.reply.extra["reason"] == (
+        f"it is degraded: {unreachable}; a replacement is being placed or started")
+    # No room for the replacement: still held (the unreachable one may come back), and
+    # the answer says why the replacement is not coming yet.
+    table.apply(route_of("degraded", last_failure=unreachable, placement_error="b: full"))
+    assert isinstance(step(table, None, T0), Hold)
+    late = step(table, None, T0 + POLICY.wait_s)
+    assert isinstance(late, GiveUp)
+    assert late.reply.extra["reason"].endswith(
+        "a replacement is being placed or started, but cannot be placed yet (b: full)")
+
+
+def test_stopped_is_answered_at_once_and_a_scale_up_from_zero_is_held() -> None:
+    table = table_of()
+    table.apply(route_of("stopped", desired=0))
+    answer = step(table, None, T0)
+    assert isinstance(answer, GiveUp)
+    assert (answer.reply.status, answer.reply.code, answer.reply.headers) == (
+        503, "model_stopped", [])
+    assert answer.reply.extra == {"model": MODEL, "status": "stopped",
+                                  "reason": "scaled to zero replicas"}
+    # The API records a scale-up the keeper accepted before the keeper's next status:
+    # stopped with a replica wanted is one on its way.
+    table.apply(route_of("stopped", desired=1))
+    assert isinstance(step(table, None, T0), Hold)
+    answer = step(table, None, T0 + POLICY.wait_s)
+    assert isinstance(answer, GiveUp) and answer.reply.code == "model_not_ready"
+    assert answer.reply.extra["reason"] == "it is being scaled up from zero replicas"
+    # Serving at 0 replicas (a workflow run from before the stopped status) is held as
+    # before, and then says why.
+    table.apply(route_of("serving", desired=0))
+    assert isinstance(step(table, None, T0), Hold)
+    old = step(table, None, T0 + POLICY.wait_s)
+    assert isinstance(old, GiveUp) and old.reply.code == "model_not_ready"
+    assert old.reply.extra["reason"] == "it is scaled to zero replicas"
+
+
 # -- the gateway across a real engine crash --------------------------------------------------
 
 #: The setting's default: the replacement below is ready well within it.

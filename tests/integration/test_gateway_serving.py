@@ -15,8 +15,10 @@ import openai
 import pytest
 
 from gateway.server import GatewayServer
+from modelkeeper.infra.processes import free_port
 from modelkeeper.store.routing import RoutingStore
 from tests.support.gateway_support import (
+    HOST,
     add_deployment,
     add_replica,
     ready_replicas,
@@ -115,6 +117,50 @@ async def test_no_ready_replica_waits_then_503_with_retry_after_and_reason(
         assert 0.5 <= waited < 5
 
 
+async def test_degraded_without_a_ready_replica_waits_then_503_naming_the_unreachable_one(
+        database_url: str, db: asyncpg.Connection) -> None:
+    unreachable = "dep-limp-r1 unreachable: no heartbeat from node-a"
+    deployment = await add_deployment(db, "limp", status="degraded", last_failure=unreachable)
+    # Its one replica is unreachable: routed around, not sent to.
+    await add_replica(db, deployment, "dep-limp-r1", f"http://{HOST}:{free_port()}",
+                      state="unreachable")
+    async with running_gateway(database_url, gateway_wait_for_replica_s=0.5,
+                               gateway_retry_after_s=7) as server, httpx.AsyncClient() as http:
+        started = time.monotonic()
+        resp = await http.post(server.url + "/v1/completions",
+                               json={"model": "limp", "prompt": "x"})
+        waited = time.monotonic() - started
+        # Held like a starting model (the keeper is surging a replacement), then told to
+        # come back: not answered at once as if nothing were coming.
+        assert 0.5 <= waited < 5
+        assert resp.status_code == 503
+        assert resp.headers["retry-after"] == "7"
+        error = resp.json()["error"]
+        assert (error["code"], error["status"]) == ("model_not_ready", "degraded")
+        assert error["reason"] == (f"it is degraded: {unreachable}; a replacement is being "
+                                   "placed or started")
+        assert error["reason"] in error["message"]
+
+
+async def test_stopped_is_answered_at_once_without_retry_after(
+        database_url: str, db: asyncpg.Connection) -> None:
+    await add_deployment(db, "idle", status="stopped", replicas=0,
+                         last_failure="exit 137 (oom)", consecutive_failures=1)
+    async with running_gateway(database_url, gateway_wait_for_replica_s=10) as server, \
+            httpx.AsyncClient() as http:
+        started = time.monotonic()
+        resp = await http.post(server.url + "/v1/chat/completions",
+                               json={"model": "idle", "messages": []})
+        assert time.monotonic() - started < 2, "an operator's 0 replicas is not a loading model"
+        assert resp.status_code == 503
+        assert "retry-after" not in resp.headers, "retrying shortly will not change the answer"
+        error = resp.json()["error"]
+        assert (error["code"], error["status"], error["reason"]) == (
+            "model_stopped", "stopped", "scaled to zero replicas")
+        assert error["message"] == ("`idle` is scaled to zero replicas: its deployment is "
+                                    "stopped. It is served again once an operator scales it up.")
+
+
 @pytest.mark.parametrize(("status", "field", "reason", "code"), [
     ("parked", "last_failure", "engine exited with code 1 (OOM)", "model_parked"),
     ("cant_place", "placement_error", "node n1: needs 8 GiB, has 2 GiB", "model_cant_place"),
@@ -138,9 +184,12 @@ async def test_parked_or_unplaceable_is_answered_at_once_with_why(
         assert reason in error["message"]
 
 
+@pytest.mark.parametrize("status", ["starting", "degraded"])
 async def test_waiting_request_is_served_when_a_replica_becomes_ready(
-        tmp_path: Path, database_url: str, db: asyncpg.Connection) -> None:
-    deployment = await add_deployment(db, MODEL, status="starting")
+        tmp_path: Path, database_url: str, db: asyncpg.Connection, status: str) -> None:
+    # Degraded: the replica that went unreachable is routed around, and its replacement
+    # takes the held request.
+    deployment = await add_deployment(db, MODEL, status=status)
     async with sims(tmp_path, MODEL, "r-late") as (sim,), \
             running_gateway(database_url, gateway_wait_for_replica_s=20) as server, \
             httpx.AsyncClient(timeout=30) as http:

@@ -151,6 +151,40 @@ def test_ls_table_shows_reason_and_a_serving_deployments_failure_as_history() ->
     assert text(["ls"], []) == "ID  MODEL  STATUS  READY  FAILURES  REASON"
 
 
+def test_ls_shows_degraded_with_its_reason_and_stopped_through_the_api() -> None:
+    deployments = [
+        {"deployment_id": "d3", "model_id": "limp", "status": "degraded", "ready_replicas": 1,
+         "desired_replicas": 2, "consecutive_failures": 0, "placement_error": None,
+         "last_failure": "d-r1 unreachable: no heartbeat from a", "workflow_id": "w3"},
+        {"deployment_id": "d4", "model_id": "full", "status": "degraded", "ready_replicas": 0,
+         "desired_replicas": 1, "consecutive_failures": 0,
+         "placement_error": "node b: 2.0 GiB free, needs 8.0 GiB",
+         "last_failure": "d4-r1 unreachable: no heartbeat from a", "workflow_id": "w4"},
+        {"deployment_id": "d5", "model_id": "idle", "status": "stopped", "ready_replicas": 0,
+         "desired_replicas": 0, "consecutive_failures": 0, "placement_error": None,
+         "last_failure": None, "workflow_id": "w5"},
+        {"deployment_id": "d6", "model_id": "rested", "status": "stopped", "ready_replicas": 0,
+         "desired_replicas": 0, "consecutive_failures": 1, "placement_error": None,
+         "last_failure": "exit 137 (oom)", "workflow_id": "w6"},
+    ]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert (request.method, request.url.path) == ("GET", "/deployments")
+        return httpx.Response(200, json=deployments)
+
+    [shown] = run(["ls"], handler)
+    assert shown.splitlines() == [
+        "ID  MODEL   STATUS    READY  FAILURES  REASON",
+        "d3  limp    degraded  1/2    0         d-r1 unreachable: no heartbeat from a",
+        "d4  full    degraded  0/1    0         d4-r1 unreachable: no heartbeat from a; its "
+        "replacement cannot be placed: node b: 2.0 GiB free, needs 8.0 GiB",
+        "d5  idle    stopped   0/0    0",
+        # Scaled to zero by an operator: an earlier failure is history, not the reason.
+        "d6  rested  stopped   0/0    1         (last failure: exit 137 (oom))",
+    ]
+    assert json.loads(run(["ls", "--json"], handler)[0]) == deployments
+
+
 def test_nodes_table_shows_memory_in_gib_and_dashes_for_unknowns() -> None:
     assert text(["nodes"], NODES).splitlines() == [
         "NAME   ID  STATE  MEMORY   CLAIMED  FREE     CPUS  LABELS           LAST SEEN",
