@@ -86,10 +86,15 @@ class StoreActivities:
             lost_after_s=self._settings.node_lost_after_s)
         return sum(1 for v in views if v.state is NodeState.READY)
 
+    async def _append(self, event: NewEvent) -> Event:
+        """Append ``event`` once per activity: a retry, whose first attempt may have
+        committed it, appends nothing (see :func:`_attempts_key`)."""
+        return await self._store.record_event(event, idempotency_key=_attempts_key())
+
     @activity.defn(name=ACTIVITY_RECORD_EVENT)
     async def record_event(self, event: NewEvent) -> Event:
-        """Append an entry to the audit log."""
-        return await self._store.record_event(event)
+        """Append an entry to the audit log (once, however often it is retried)."""
+        return await self._append(event)
 
     @activity.defn(name=ACTIVITY_PLACE_REPLICA)
     async def place_replica(self, request: PlaceReplicaInput) -> PlaceReplicaResult:
@@ -122,7 +127,7 @@ class StoreActivities:
             start_timeout_s=request.start_timeout_s)
         if isinstance(result, CantPlace):
             return PlaceReplicaResult(cant_place=result.summary)
-        await self._store.record_event(NewEvent(
+        await self._append(NewEvent(
             kind="replica.placed", deployment_id=spec.deployment_id,
             replica_id=request.replica_id,
             message=f"placed on {', '.join(s.node_id for s in result)}",
@@ -136,10 +141,14 @@ class StoreActivities:
 
     @activity.defn(name=ACTIVITY_RELEASE_REPLICA)
     async def release_replica(self, request: ReleaseReplicaInput) -> None:
-        """Delete a replica's row and claims, then tell unplaceable deployments that
-        memory was freed."""
-        if await self._store.release_replica(request.replica_id):
-            await self._signal_cant_place()
+        """Delete a replica's row and claims, then tell the deployments waiting for room
+        that memory was freed.
+
+        It signals whether or not this attempt found the row: a retry may follow a first
+        attempt that deleted it and failed before signalling, and a repeated signal costs
+        a waiting deployment one placement attempt at most."""
+        await self._store.release_replica(request.replica_id)
+        await self._signal_waiting()
 
     @activity.defn(name=ACTIVITY_RECORD_DEPLOYMENT_STATUS)
     async def record_deployment_status(self, update: DeploymentStatusUpdate) -> None:
@@ -147,7 +156,7 @@ class StoreActivities:
         await self._store.record_deployment_status(update)
         reason = update.placement_error if update.status is DeploymentStatus.CANT_PLACE \
             else update.last_failure
-        await self._store.record_event(NewEvent(
+        await self._append(NewEvent(
             kind=f"deployment.{update.status.value}", deployment_id=update.deployment_id,
             message=update.status.value + (f": {reason}" if reason else ""),
             data=update.model_dump(mode="json")))
@@ -156,17 +165,26 @@ class StoreActivities:
     async def delete_deployment(self, request: DeleteDeploymentInput) -> None:
         """Remove the deployment's row once nothing of it runs."""
         await self._store.delete_deployment_row(request.deployment_id)
-        await self._store.record_event(NewEvent(
+        await self._append(NewEvent(
             kind="deployment.deleted", deployment_id=request.deployment_id,
             message="deleted; every replica it placed is stopped"))
 
-    async def _signal_cant_place(self) -> None:
+    async def _signal_waiting(self) -> None:
         if self._client is None:
             return
-        await signal_unplaceable(self._client, await self._store.deployment_ids_with_status(
-            DeploymentStatus.CANT_PLACE))
+        await signal_unplaceable(self._client,
+                                 await self._store.deployment_ids_waiting_for_room())
 
     def all(self) -> list[Callable[..., Any]]:
         """Every activity this class defines, for the worker to register."""
         return [self.record_event, self.place_replica, self.record_replica_state,
                 self.release_replica, self.record_deployment_status, self.delete_deployment]
+
+
+def _attempts_key() -> str:
+    """The same key for every attempt of the running activity, and a different one for
+    every other activity: Temporal keeps the workflow id, run id and activity id across
+    the retries of one activity. The run id is in it because activity ids are only unique
+    within a run: they start again after a continue-as-new."""
+    info = activity.info()
+    return f"{info.workflow_id}/{info.workflow_run_id}/{info.activity_id}"

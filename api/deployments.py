@@ -6,9 +6,10 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
+from temporalio.api.errordetails.v1 import NotFoundFailure
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError, RPCStatusCode
@@ -63,6 +64,11 @@ class Accepted(BaseModel):
 
     deployment_id: str
     status: str
+
+
+#: The status DELETE answers when it removed the row itself, its workflow being gone. Not
+#: a DeploymentStatus: no deployment ever shows it.
+DELETED = "deleted"
 
 
 class NodeVerdict(BaseModel):
@@ -222,21 +228,36 @@ async def get_deployment(deployment_id: str, store: StoreDep) -> DeploymentView:
 
 
 @router.delete("/deployments/{deployment_id}", status_code=202, response_model=Accepted)
-async def delete_deployment(deployment_id: str, store: StoreDep,
-                            temporal: TemporalDep) -> Accepted:
-    """Stop and delete the replicas this deployment placed; repeating it is harmless."""
-    if not await store.mark_deleting(deployment_id):
-        raise HTTPException(404, f"deployment {deployment_id!r} does not exist")
-    handle = temporal.get_workflow_handle(
-        deployment_workflow_id(DeploymentId(deployment_id)))
+async def delete_deployment(deployment_id: str, store: StoreDep, temporal: TemporalDep, *,
+                            response: Response) -> Accepted:
+    """Stop and delete the replicas this deployment placed; repeating it is harmless.
+
+    The workflow is signalled first, and the row shows ``deleting`` only once the signal
+    is delivered: marked before a signal that then failed, a row stayed ``deleting`` with
+    nothing to delete it, and the gateway answered its model "being deleted" for good.
+
+    * Delivered: 202, ``deleting``. The workflow stops the replicas and removes the row.
+    * Its workflow is gone (finished, terminated by hand, or never started because a create
+      died between its row and its start): nothing else will ever remove the row, so this
+      does, with the replicas' claims. 200, ``deleted``.
+    * Any other failure (Temporal unreachable, or a namespace not found, where the workflow
+      may run on): 503 saying the deployment was not deleted; it is left as it was, and
+      repeating the request is safe.
+    """
+    view = await _existing(store, deployment_id)
     try:
-        await handle.signal(SIGNAL_DELETE)
+        await temporal.get_workflow_handle(view.workflow_id).signal(SIGNAL_DELETE)
     except RPCError as exc:
-        if exc.status is not RPCStatusCode.NOT_FOUND:
-            raise
-        # Its workflow is gone (it finished, or was terminated by hand): the row is all
-        # that is left.
+        if not _workflow_not_found(exc):
+            raise HTTPException(
+                503, f"deployment {deployment_id!r} was not deleted: its workflow "
+                f"{view.workflow_id!r} could not be signalled ({exc}); the deployment is "
+                "unchanged, and repeating the request is safe") from exc
         await store.delete_deployment_row(deployment_id)
+        response.status_code = 200
+        return Accepted(deployment_id=deployment_id, status=DELETED)
+    # After the signal: the workflow may have removed the row already, which is fine.
+    await store.mark_deleting(deployment_id)
     return Accepted(deployment_id=deployment_id, status=DeploymentStatus.DELETING.value)
 
 
@@ -297,6 +318,14 @@ async def explain_placement(
         nodes=[NodeVerdict(node_id=d.node_id, name=d.node_name, fits=d.fits,
                            reason=d.rejection.reason_code.value if d.rejection else None,
                            message=d.message) for d in decisions])
+
+
+def _workflow_not_found(exc: RPCError) -> bool:
+    """Whether the error says the workflow does not exist (Temporal's NotFoundFailure).
+    A NOT_FOUND can name the namespace instead: that is a misconfigured client, and the
+    workflow may well be running, so its row must not be removed."""
+    return exc.status is RPCStatusCode.NOT_FOUND and any(
+        detail.Is(NotFoundFailure.DESCRIPTOR) for detail in exc.grpc_status.details)
 
 
 async def _existing(store: Store, deployment_id: str) -> DeploymentView:

@@ -26,8 +26,8 @@ it. The rules, in order:
    (a replacement becoming ready) and by a breaker's trial coming due, until the deadline:
    ``gateway_wait_for_replica_s`` after the request arrived. It is one budget per request,
    however it is spent: waiting for a first replica, or for one to retry on.
-7. **A model that will not come back by itself** (parked, unplaceable, being deleted, scaled to zero) is
-   answered at once, and so is one deleted meanwhile.
+7. **A model that will not come back by itself** (parked, unplaceable, being deleted,
+   scaled to zero) is answered at once, and so is one deleted meanwhile.
 8. **At the deadline the request fails**: 503 with Retry-After when it was never sent
    (no replica was ready), 502 naming the last upstream error when a replica failed it.
 """

@@ -37,8 +37,9 @@ async def connect(address: str, namespace: str, *, wait: float = 0.0) -> Client:
 
 
 async def signal_unplaceable(client: Client, deployment_ids: list[str]) -> int:
-    """Tell waiting (cant_place) deployments that the nodes changed, so they retry now
-    rather than at their next 30 s timer. Returns how many were signalled."""
+    """Tell deployments waiting for room (cant_place, or degraded with a replacement that
+    found none) that the nodes changed, so they retry now rather than at their next timer.
+    Returns how many were signalled."""
     sent = 0
     for deployment_id in deployment_ids:
         handle = client.get_workflow_handle(deployment_workflow_id(DeploymentId(deployment_id)))

@@ -57,6 +57,11 @@ class UnknownModelError(Exception):
     """No model with this id in the catalog."""
 
 
+#: Statuses of a deployment waiting for room on the nodes, to be told when room may have
+#: grown: cant_place (no replica fits anywhere) and degraded (a replica is unreachable and
+#: its surge replacement found no room).
+WAITING_FOR_ROOM = (DeploymentStatus.CANT_PLACE, DeploymentStatus.DEGRADED)
+
 #: Advisory-lock namespaces for placement (the first key of the two-int form; the second is
 #: :func:`_lock_key` of an id). Four ASCII bytes read as a big-endian int32, so they stay
 #: apart from each other and from the migration lock, which uses the one-bigint form.
@@ -133,19 +138,34 @@ class Store:
 
     # -- events ---------------------------------------------------------------------------
 
-    async def record_event(self, event: NewEvent) -> Event:
-        """Append one entry to the audit log."""
+    async def record_event(self, event: NewEvent, *,
+                           idempotency_key: str | None = None) -> Event:
+        """Append one entry to the audit log; with ``idempotency_key``, at most once.
+
+        A second call with the same key (a retried activity whose first attempt committed)
+        appends nothing and returns the entry the first call appended, as it was stored.
+        Two calls racing with one key both return that one entry: the loser's INSERT waits
+        on the unique index for the winner to commit, then reads what it committed.
+        """
         row = await self._pool.fetchrow(
             """
-            INSERT INTO events (kind, message, deployment_id, node_id, replica_id, data)
-            VALUES ($1, $2, $3, $4, $5, $6)
+            INSERT INTO events (kind, message, deployment_id, node_id, replica_id, data,
+                                idempotency_key)
+            VALUES ($1, $2, $3, $4, $5, $6, $7)
+            ON CONFLICT (idempotency_key) DO NOTHING
             RETURNING event_id, at
             """,
             event.kind, event.message, event.deployment_id, event.node_id, event.replica_id,
-            event.data,
+            event.data, idempotency_key,
         )
-        assert row is not None
-        return Event(**event.model_dump(), event_id=row["event_id"], at=row["at"])
+        if row is not None:
+            return Event(**event.model_dump(), event_id=row["event_id"], at=row["at"])
+        # A separate statement, so its snapshot includes the entry the INSERT waited for.
+        stored = await self._pool.fetchrow(
+            "SELECT event_id, at, kind, message, deployment_id, node_id, replica_id, data "
+            "FROM events WHERE idempotency_key = $1", idempotency_key)
+        assert stored is not None  # events are append-only: a conflicting entry stays
+        return Event(**_record(stored))
 
     async def list_events(self, *, deployment_id: str | None = None,
                           limit: int = 100) -> list[Event]:
@@ -358,11 +378,17 @@ class Store:
         """Every deployment with its replicas."""
         return await self._deployments("")
 
-    async def deployment_ids_with_status(self, status: DeploymentStatus) -> list[str]:
-        """Deployments currently showing ``status`` (e.g. cant_place, to retry them)."""
+    async def deployment_ids_with_status(self, *statuses: DeploymentStatus) -> list[str]:
+        """Deployments currently showing any of ``statuses``."""
         rows = await self._pool.fetch(
-            "SELECT deployment_id FROM deployments WHERE status = $1", status.value)
+            "SELECT deployment_id FROM deployments WHERE status = ANY($1::text[]) "
+            "ORDER BY deployment_id", [s.value for s in statuses])
         return [row["deployment_id"] for row in rows]
+
+    async def deployment_ids_waiting_for_room(self) -> list[str]:
+        """Deployments that would place a replica if a node had room: those that found
+        none (:data:`WAITING_FOR_ROOM`). Whoever frees or adds room signals these."""
+        return await self.deployment_ids_with_status(*WAITING_FOR_ROOM)
 
     async def _deployments(self, where: str, *args: Any) -> list[DeploymentView]:
         rows = await self._pool.fetch(
