@@ -30,3 +30,8 @@ class ReplicaState(StrEnum):
 
 #: Replica states the gateway may route to.
 ROUTABLE_STATES = frozenset({ReplicaState.READY})
+
+#: Statuses of a deployment waiting for room on the nodes, to be told when room may have
+#: grown: cant_place (no replica fits anywhere) and degraded (a replica is unreachable and
+#: its surge replacement found no room).
+WAITING_FOR_ROOM = frozenset({DeploymentStatus.CANT_PLACE, DeploymentStatus.DEGRADED})

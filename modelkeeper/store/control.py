@@ -37,7 +37,7 @@ from ..domain.placement import (
     place,
 )
 from ..domain.shards import ShardSpec
-from ..domain.status import DeploymentStatus, ReplicaState
+from ..domain.status import WAITING_FOR_ROOM, DeploymentStatus, ReplicaState
 from .schema import Migration, apply_migrations
 
 
@@ -57,10 +57,6 @@ class UnknownModelError(Exception):
     """No model with this id in the catalog."""
 
 
-#: Statuses of a deployment waiting for room on the nodes, to be told when room may have
-#: grown: cant_place (no replica fits anywhere) and degraded (a replica is unreachable and
-#: its surge replacement found no room).
-WAITING_FOR_ROOM = (DeploymentStatus.CANT_PLACE, DeploymentStatus.DEGRADED)
 
 #: Advisory-lock namespaces for placement (the first key of the two-int form; the second is
 #: :func:`_lock_key` of an id). Four ASCII bytes read as a big-endian int32, so they stay
