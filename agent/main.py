@@ -1,8 +1,15 @@
-"""`modelkeeper agent`: registers the node, heartbeats, and runs the node's Temporal worker.
+"""`modelkeeper agent`: registers the node, heartbeats, keeps its liveness stream open, and
+runs the node's Temporal worker.
 
 The agent is the only part of modelkeeper that touches engine processes. It keeps engines
 running across its own restarts: stopping the agent leaves them up, and the next agent
 adopts them (see :mod:`agent.shards`).
+
+How the control plane notices a dead node (docs/keeper.md, "Liveness"): the agent keeps
+one streaming request open to the API and writes a ping line on it every
+``liveness_interval_s``, and ``bye`` before a planned stop. A kill -9 closes that socket at
+once; a frozen agent stops writing. The watch activities therefore need not heartbeat to
+Temporal often: the worker uses the SDK's default throttle (0.8 x the heartbeat timeout).
 """
 
 from __future__ import annotations
@@ -10,14 +17,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import socket
-from collections.abc import Callable
+import time
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from temporalio.worker import Worker
 
-from activities.node import MAX_HEARTBEAT_THROTTLE, NodeActivities
+# MAX_HEARTBEAT_THROTTLE in activities.node is no longer used here: the watch's heartbeats
+# are only a backstop now, so the SDK's default throttle applies (see the docstring).
+from activities.node import NodeActivities
 from modelkeeper import __version__
+from modelkeeper.domain.liveness import BYE, PING
 from modelkeeper.domain.nodes import AgentHeartbeat, AgentRegistration, AgentWelcome, Inventory
 from modelkeeper.domain.units import parse_bytes
 from modelkeeper.infra import temporal
@@ -33,6 +45,16 @@ log = logging.getLogger(__name__)
 #: A node watches one activity per shard plus starts and stops; the SDK's default of 100
 #: concurrent activities would cap a busy node (measured fact, shared/FACTS.md).
 MAX_CONCURRENT_ACTIVITIES = 1000
+
+#: A broken liveness stream is reopened after this long, doubling up to the cap, each wait
+#: jittered down by up to half. Short: until it is back the API counts the node silent (its
+#: replicas are routed around and probed). The cap and the jitter spread 1,000 agents
+#: reconnecting to an API that restarts.
+LIVENESS_RETRY_FIRST_S = 0.1
+LIVENESS_RETRY_MAX_S = 2.0
+#: After ``stop``, how long the agent waits for the API to answer its ``bye``: it answers
+#: in milliseconds, and an agent must not hang on its way out when the API is away.
+LIVENESS_BYE_TIMEOUT_S = 2.0
 
 
 class AgentConfigError(Exception):
@@ -98,17 +120,23 @@ async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
             welcome = await _register(http, registration, stop)
             if welcome is None:
                 return
-            client = await temporal.connect(welcome.temporal_address,
-                                            welcome.temporal_namespace)
-            worker = Worker(client, task_queue=welcome.task_queue,
-                            activities=NodeActivities(manager).all(),
-                            max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES,
-                            max_heartbeat_throttle_interval=MAX_HEARTBEAT_THROTTLE,
-                            default_heartbeat_throttle_interval=MAX_HEARTBEAT_THROTTLE)
-            async with worker:
-                log.info("node %s registered; polling %s", node_id, welcome.task_queue)
-                await _heartbeat_loop(http, node_id, welcome, inventory, manager,
-                                      registration, settings, stop)
+            liveness = asyncio.create_task(
+                _liveness_loop(http, node_id, settings.liveness_interval_s, stop))
+            try:
+                client = await temporal.connect(welcome.temporal_address,
+                                                welcome.temporal_namespace)
+                # The SDK's default heartbeat throttle: a watch heartbeats to Temporal once
+                # per 0.8 x watch_heartbeat_timeout_s (48 s at 60 s), since the liveness
+                # stream, not the watch, is what notices a dead node.
+                worker = Worker(client, task_queue=welcome.task_queue,
+                                activities=NodeActivities(manager).all(),
+                                max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES)
+                async with worker:
+                    log.info("node %s registered; polling %s", node_id, welcome.task_queue)
+                    await _heartbeat_loop(http, node_id, welcome, inventory, manager,
+                                          registration, settings, stop)
+            finally:
+                await _end_liveness(liveness, stop)
     finally:
         if settings.agent_stop_engines_on_exit:
             for report in manager.reports():
@@ -140,3 +168,53 @@ async def _heartbeat_loop(http: httpx.AsyncClient, node_id: str, welcome: AgentW
             # The API being down must not touch engines: they keep serving.
             log.warning("heartbeat failed: %s", exc)
         await manager.reap_orphans(settings.orphan_grace_s)
+
+
+async def _liveness_loop(http: httpx.AsyncClient, node_id: str, interval_s: float,
+                         stop: asyncio.Event) -> None:
+    """Keep one liveness stream open to the API until ``stop``, which ends it with ``bye``.
+
+    Reopened whenever it ends otherwise (the API restarted, the network broke, the API
+    answered early), after a short jittered backoff.
+    """
+    delay = LIVENESS_RETRY_FIRST_S
+    while not stop.is_set():
+        opened_at = time.monotonic()
+        try:
+            resp = await http.post(f"/nodes/{node_id}/liveness",
+                                   content=_pings(interval_s, stop))
+            outcome = f"answered {resp.status_code} {resp.text.strip()}"
+            if resp.status_code == 401:
+                log.error("the API refused the liveness stream: %s", resp.text)
+        except httpx.HTTPError as exc:
+            outcome = f"failed ({exc!r})"
+        if stop.is_set():
+            return
+        if time.monotonic() - opened_at > LIVENESS_RETRY_MAX_S:
+            delay = LIVENESS_RETRY_FIRST_S  # it served a while: a fresh break, not a streak
+        wait_s = delay * random.uniform(0.5, 1.0)
+        log.warning("liveness stream %s; reopening in %.2fs", outcome, wait_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), wait_s)
+        delay = min(delay * 2, LIVENESS_RETRY_MAX_S)
+
+
+async def _pings(interval_s: float, stop: asyncio.Event) -> AsyncIterator[bytes]:
+    """The body of a liveness stream: a ping at once and every ``interval_s``; ``bye`` when
+    ``stop`` is set, and then the end of the body."""
+    while not stop.is_set():
+        yield PING + b"\n"
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+    yield BYE + b"\n"
+
+
+async def _end_liveness(liveness: asyncio.Task[None], stop: asyncio.Event) -> None:
+    """On a graceful stop (``stop`` set) let the stream say ``bye``; otherwise (the agent is
+    failing) cut it, so that the API counts the node silent, as it is."""
+    if stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(liveness), LIVENESS_BYE_TIMEOUT_S)
+    liveness.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await liveness

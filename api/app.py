@@ -17,7 +17,7 @@ from modelkeeper.infra import temporal as temporal_client
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 
-from . import deployments, monitoring, nodes
+from . import deployments, liveness, monitoring, nodes
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -26,21 +26,31 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     app.include_router(monitoring.router)
     app.include_router(nodes.router)
+    app.include_router(liveness.router)
     app.include_router(deployments.router)
     return app
 
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Connect the store and Temporal for the app's lifetime; the routes find them on state."""
+    """Connect the store and Temporal for the app's lifetime; the routes find them on state.
+
+    Also the nodes' liveness (in memory), whose streams end as soon as a shutdown signal
+    arrives (see :func:`liveness.end_streams_on_shutdown_signal`).
+    """
     settings: Settings = app.state.settings
     if settings.database_url is None:
         raise SystemExit("modelkeeper api: set MODELKEEPER_DATABASE_URL")
     store = await Store.connect(settings.database_url)
+    follow = liveness.Liveness(silent_after_s=settings.node_silent_after_s)
+    restore_signals = liveness.end_streams_on_shutdown_signal(follow)
     try:
         app.state.store = store
+        app.state.liveness = follow
         app.state.temporal = await temporal_client.connect(
             settings.temporal_address, settings.temporal_namespace, wait=30)
         yield
     finally:
+        follow.closing.set()
+        restore_signals()
         await store.close()

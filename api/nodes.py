@@ -48,6 +48,8 @@ class NodeInfo(BaseModel):
     cordoned: bool
     cordon_reason: str | None
     last_seen: datetime
+    #: Since when the liveness channel finds the node silent (its state is unreachable).
+    silent_since: datetime | None = None
 
 
 def node_info(record: NodeRecord, settings: Settings) -> NodeInfo:
@@ -65,7 +67,7 @@ def node_info(record: NodeRecord, settings: Settings) -> NodeInfo:
         gpus_claimed=record.gpus_claimed, labels=record.labels,
         agent_labels=record.agent_labels, operator_labels=record.operator_labels,
         cordoned=record.cordoned, cordon_reason=record.cordon_reason,
-        last_seen=record.last_seen)
+        last_seen=record.last_seen, silent_since=record.silent_since)
 
 
 def check_join_token(authorization: str | None, settings: Settings) -> None:
@@ -111,10 +113,13 @@ async def heartbeat_node(node_id: str, beat: AgentHeartbeat, store: StoreDep, *,
                          temporal: TemporalDep, settings: SettingsDep,
                          authorization: Annotated[str | None, Header()] = None,
                          ) -> Response:
-    """An agent's periodic report; 404 tells it to register again."""
+    """An agent's periodic report; 404 tells it to register again. It also clears a
+    liveness silence that began before it arrived (see ``Store.heartbeat_node``)."""
+    received_at = datetime.now(UTC)
     check_join_token(authorization, settings)
     changed = await store.heartbeat_node(node_id, beat.inventory,
-                                         settings.node_unreachable_after_s)
+                                         settings.node_unreachable_after_s,
+                                         received_at=received_at)
     if changed is None:
         raise HTTPException(404, f"node {node_id!r} is not registered")
     if changed:

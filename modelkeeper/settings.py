@@ -76,12 +76,20 @@ class Settings(BaseSettings):
         default=60.0, gt=0,
         description="A node with no heartbeat for this long is lost.",
     )
+    node_silent_after_s: float = Field(
+        default=1.5, gt=0,
+        description="A node whose liveness stream carries no ping this long is silent: "
+        "its deployments are told at once and placement skips it (3 missed pings at the "
+        "default 0.5 s). A stream that breaks without a goodbye is silent at once.",
+    )
 
     # -- keeper (deployment workflows) -----------------------------------------------------
     watch_heartbeat_timeout_s: float = Field(
-        default=3.0, gt=0,
+        default=60.0, gt=0,
         description="A replica whose watch misses heartbeats this long is unreachable "
-        "(routed around). 3 s with 1 s heartbeats detects a dead node in 2-3 s.",
+        "(routed around). Only a backstop for when the API is down: node liveness notices "
+        "a dead node within node_silent_after_s. At 60 s the SDK sends one heartbeat per "
+        "48 s, about 75 Temporal RPCs per shard-hour.",
     )
     replica_lost_after_s: float = Field(
         default=15.0, gt=0,
@@ -132,6 +140,11 @@ class Settings(BaseSettings):
     node_cpus: int | None = Field(default=None, ge=1, description="CPUs the node declares.")
     heartbeat_interval_s: float = Field(
         default=2.0, gt=0, le=60, description="Seconds between an agent's heartbeats.")
+    liveness_interval_s: float = Field(
+        default=0.5, gt=0, le=60,
+        description="Seconds between the pings on an agent's liveness stream. Keep 3 of "
+        "them within the API's node_silent_after_s, so one late ping is not silence.",
+    )
     engine_host: str = Field(
         default="127.0.0.1",
         description="Address engines bind to and that endpoints advertise.",

@@ -7,8 +7,8 @@ from enum import StrEnum
 
 from pydantic import Field
 
-from .base import Frozen
-from .ids import NodeId
+from .base import Frozen, Tolerant
+from .ids import NodeId, ReplicaId
 from .shards import ShardReport
 
 
@@ -82,6 +82,8 @@ class NodeRecord(Frozen):
     gpus: list[GpuInfo]
     last_seen: datetime
     registered_at: datetime
+    #: When the API's liveness channel found the node silent; None while it is not.
+    silent_since: datetime | None = None
     memory_claimed_bytes: int = 0
     cpu_claimed: float = 0.0
     gpus_claimed: list[int] = Field(default_factory=list)
@@ -100,18 +102,35 @@ class NodeUpdate(Frozen):
     cordon_reason: str | None = Field(default=None, max_length=500)
 
 
+class NodeSilentInput(Tolerant):
+    """Payload of the ``node_silent`` signal (``names.SIGNAL_NODE_SILENT``): the API found
+    ``node_id`` silent, and these replicas of the signalled deployment hold a claim there.
+
+    Tolerant: the API and the workflow's worker may run different versions.
+    """
+
+    node_id: NodeId
+    replica_ids: list[ReplicaId]
+
+
 def node_state(record: NodeRecord, now: datetime, *, unreachable_after_s: float,
                lost_after_s: float) -> NodeState:
-    """The node's state at ``now`` from its last heartbeat and its cordon.
+    """The node's state at ``now`` from its last heartbeat, its liveness and its cordon.
 
-    Lost outranks cordoned: an operator looking at a cordoned node that stopped reporting
-    must see that it is gone, not just fenced off.
+    1. Lost: no heartbeat for ``lost_after_s``. Lost outranks cordoned: an operator looking
+       at a cordoned node that stopped reporting must see that it is gone, not just fenced
+       off.
+    2. Cordoned.
+    3. Unreachable: no heartbeat for ``unreachable_after_s``, or found silent by the
+       liveness channel (``silent_since``), which notices a dead agent in about a second
+       rather than after several missed heartbeats.
+    4. Ready.
     """
-    silent = (now - record.last_seen).total_seconds()
-    if silent >= lost_after_s:
+    quiet = (now - record.last_seen).total_seconds()
+    if quiet >= lost_after_s:
         return NodeState.LOST
     if record.cordoned:
         return NodeState.CORDONED
-    if silent >= unreachable_after_s:
+    if quiet >= unreachable_after_s or record.silent_since is not None:
         return NodeState.UNREACHABLE
     return NodeState.READY

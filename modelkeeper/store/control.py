@@ -182,11 +182,12 @@ class Store:
 
     # -- nodes ----------------------------------------------------------------------------
 
-    async def register_node(self, reg: AgentRegistration) -> NodeRecord:
+    async def register_node(self, reg: AgentRegistration) -> None:
         """Insert or refresh a node from its agent's registration.
 
         Operator labels and the cordon are left untouched: they outrank the agent's view
-        and survive re-registration.
+        and survive re-registration. A liveness silence is left too: the agent's liveness
+        stream, which it opens right after, or its next heartbeat clears it.
         """
         inv = reg.inventory
         await self._pool.execute(
@@ -208,15 +209,18 @@ class Store:
             inv.memory_available_bytes, inv.cpu_count,
             [g.model_dump() for g in inv.gpus],
         )
-        node = await self.get_node(reg.node_id)
-        assert node is not None
-        return node
 
     async def heartbeat_node(self, node_id: str, inv: Inventory,
-                             unreachable_after_s: float) -> bool | None:
+                             unreachable_after_s: float, *,
+                             received_at: datetime | None = None) -> bool | None:
         """Record a heartbeat. None: the node is unknown (the agent must register).
         True: something placement uses changed (capacity, or the node is back after
-        going silent), so waiting deployments should retry now."""
+        going quiet or silent), so waiting deployments should retry now.
+
+        A silence (:meth:`mark_node_silent`) is cleared only if it began no later than
+        ``received_at`` (default: now): a heartbeat sent just before a kill -9, and written
+        just after the liveness channel saw the kill, must not clear it.
+        """
         row = await self._pool.fetchrow(
             """
             WITH prev AS (
@@ -224,21 +228,66 @@ class Store:
                 -- of one node from reading the same prev, and unlike FOR UPDATE it does not
                 -- conflict with the KEY SHARE lock an allocation's foreign key holds on the
                 -- row, so a heartbeat never waits for a placement claiming on its node.
-                SELECT memory_total_bytes, cpu_count, gpus, last_seen FROM nodes
+                SELECT memory_total_bytes, cpu_count, gpus, last_seen, silent_since FROM nodes
                 WHERE node_id = $1 FOR NO KEY UPDATE
             )
             UPDATE nodes SET memory_total_bytes = $2, memory_available_bytes = $3,
-                             cpu_count = $4, gpus = $5, last_seen = now()
+                             cpu_count = $4, gpus = $5, last_seen = now(),
+                             silent_since = CASE
+                                 WHEN prev.silent_since <= COALESCE($7::timestamptz, now())
+                                 THEN NULL ELSE prev.silent_since END
             FROM prev WHERE nodes.node_id = $1
             RETURNING prev.memory_total_bytes IS DISTINCT FROM $2
                    OR prev.cpu_count IS DISTINCT FROM $4
                    OR prev.gpus IS DISTINCT FROM $5::jsonb
-                   OR prev.last_seen < now() - make_interval(secs => $6) AS changed
+                   OR prev.last_seen < now() - make_interval(secs => $6)
+                   OR (prev.silent_since IS NOT NULL AND nodes.silent_since IS NULL)
+                   AS changed
             """,
             node_id, inv.memory_total_bytes, inv.memory_available_bytes, inv.cpu_count,
-            [g.model_dump() for g in inv.gpus], unreachable_after_s,
+            [g.model_dump() for g in inv.gpus], unreachable_after_s, received_at,
         )
         return None if row is None else bool(row["changed"])
+
+    async def mark_node_silent(self, node_id: str, *, since: datetime) -> bool:
+        """Record that the liveness channel found the node silent: placement treats it as
+        unreachable from now on. An earlier, uncleared silence keeps its time. False when
+        the node is unknown. One UPDATE, which (like a heartbeat's) never waits for a
+        placement claiming on the node."""
+        row = await self._pool.fetchval(
+            "UPDATE nodes SET silent_since = COALESCE(silent_since, $2) "
+            "WHERE node_id = $1 RETURNING node_id", node_id, since)
+        return row is not None
+
+    async def mark_node_alive(self, node_id: str, *, at: datetime) -> bool | None:
+        """The node showed life at ``at`` (a liveness stream opened, or a ping ended a
+        silence): clear a silence that began no later. None: the node is unknown. True: a
+        silence was cleared, so placement may use the node again. Writes nothing when the
+        node was not silent."""
+        row = await self._pool.fetchrow(
+            """
+            WITH cleared AS (
+                UPDATE nodes SET silent_since = NULL
+                WHERE node_id = $1 AND silent_since <= $2
+                RETURNING node_id
+            )
+            SELECT EXISTS (SELECT 1 FROM cleared) AS cleared FROM nodes WHERE node_id = $1
+            """,
+            node_id, at)
+        return None if row is None else bool(row["cleared"])
+
+    async def replicas_on_node(self, node_id: str) -> dict[DeploymentId, list[ReplicaId]]:
+        """The replicas holding a claim on ``node_id``, in any state, by deployment."""
+        rows = await self._pool.fetch(
+            """
+            SELECT r.deployment_id, array_agg(a.replica_id ORDER BY a.replica_id) AS replicas
+            FROM allocations a JOIN replicas r USING (replica_id)
+            WHERE a.node_id = $1
+            GROUP BY r.deployment_id ORDER BY r.deployment_id
+            """,
+            node_id)
+        return {DeploymentId(row["deployment_id"]): [ReplicaId(r) for r in row["replicas"]]
+                for row in rows}
 
     async def update_node(self, node_id: str, update: NodeUpdate) -> NodeRecord | None:
         """Apply operator settings; None when the node is unknown."""
@@ -483,7 +532,7 @@ class Store:
 _NODE_SELECT = """
     SELECT n.node_id, n.name, n.agent_labels, n.operator_labels, n.cordoned, n.cordon_reason,
            n.memory_total_bytes, n.memory_available_bytes, n.cpu_count, n.gpus, n.last_seen,
-           n.registered_at,
+           n.registered_at, n.silent_since,
            COALESCE(c.memory_claimed_bytes, 0) AS memory_claimed_bytes,
            COALESCE(c.cpu_claimed, 0) AS cpu_claimed,
            COALESCE(g.gpus_claimed, '{}') AS gpus_claimed
