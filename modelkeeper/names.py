@@ -17,10 +17,18 @@ CONTROL_TASK_QUEUE = "modelkeeper-control"
 #: Prefix of each node agent's own task queue; activities that touch a node's engines run there.
 NODE_TASK_QUEUE_PREFIX = "node/"
 
-#: Custom search attributes registered on the Temporal server (name -> type).
+#: Custom search attributes registered on the Temporal server (name -> type). A workflow
+#: that upserts one the server lacks fails its workflow task until it is registered:
+#: register a new one everywhere (`up`, docker-compose.temporal.yml) before a worker that
+#: sets it rolls out.
 SEARCH_ATTRIBUTES: dict[str, str] = {
     "ModelId": "Keyword",
     "DeploymentStatus": "Keyword",
+    #: Ready replicas, and the replicas wanted, of a deployment.
+    "ReadyReplicas": "Int",
+    "DesiredReplicas": "Int",
+    #: Every node holding a claim of the deployment.
+    "NodeIds": "KeywordList",
 }
 
 
@@ -55,6 +63,9 @@ API_KEYS_CHANNEL = "modelkeeper_api_keys"
 SIGNAL_NODES_CHANGED = "nodes_changed"
 SIGNAL_RETRY = "retry"
 SIGNAL_DELETE = "delete"
+#: The API tells a deployment that a node holding some of its replicas went silent (its
+#: agent's liveness stream broke or stopped): those replicas are unreachable now.
+SIGNAL_NODE_SILENT = "node_silent"
 UPDATE_SCALE = "scale"
 QUERY_STATUS = "status"
 

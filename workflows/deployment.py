@@ -4,6 +4,10 @@ Thin by design. It feeds observations (activity results, signals, timer ticks) t
 keeper (:func:`modelkeeper.domain.keeper.decide`) and carries out the actions it returns as
 activities: placement on the control queue, engine work on each node's own queue. Its
 whole state is one model (:class:`DeploymentWorkflowState`), which continue-as-new carries.
+
+A cancel (web UI, ``temporal workflow cancel``) is handled as a delete: every replica
+placed is stopped and released and the deployment's row deleted, then the workflow ends as
+cancelled. A terminate runs no workflow code at all: docs/keeper.md says what it leaves.
 """
 
 from __future__ import annotations
@@ -12,16 +16,16 @@ import asyncio
 import builtins
 import contextlib
 from datetime import timedelta
-from typing import Any
+from typing import Any, assert_never
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributeUpdate
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
 
 with workflow.unsafe.imports_passed_through():
-    from pydantic import Field
+    from pydantic import Field, field_validator
 
-    from modelkeeper.domain.base import Frozen
+    from modelkeeper.domain.base import Tolerant
     from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdate, ScaleRequest
     from modelkeeper.domain.control import (
         DeleteDeploymentInput,
@@ -58,11 +62,14 @@ with workflow.unsafe.imports_passed_through():
         Unplaceable,
         WatchReplica,
         decide,
+        details,
         next_wake,
+        overview,
         resume,
         status,
         stored_state,
     )
+    from modelkeeper.domain.nodes import NodeSilentInput
     from modelkeeper.domain.shards import (
         ShardEndpoint,
         ShardExit,
@@ -88,14 +95,19 @@ with workflow.unsafe.imports_passed_through():
         ERROR_UNKNOWN_MODEL,
         QUERY_STATUS,
         SIGNAL_DELETE,
+        SIGNAL_NODE_SILENT,
         SIGNAL_NODES_CHANGED,
         SIGNAL_RETRY,
         UPDATE_SCALE,
         node_task_queue,
     )
 
+# Search attributes (registered on the server: modelkeeper.names.SEARCH_ATTRIBUTES).
 MODEL_ID_KEY = SearchAttributeKey.for_keyword("ModelId")
 STATUS_KEY = SearchAttributeKey.for_keyword("DeploymentStatus")
+READY_KEY = SearchAttributeKey.for_int("ReadyReplicas")
+DESIRED_KEY = SearchAttributeKey.for_int("DesiredReplicas")
+NODES_KEY = SearchAttributeKey.for_keyword_list("NodeIds")
 
 # Timeouts and retry policies, each named once beside the reason for its value. Those a
 # deployment may set (from settings, or a test) are the fields of WorkflowTimings below.
@@ -144,9 +156,29 @@ PATCH_CAN_WAITS_FOR_INBOX = "continue-as-new-waits-for-inbox"
 #: deployment reads degraded (and stopped at 0 replicas): KeeperConfig.surge_on_unreachable
 #: and KeeperConfig.precise_status.
 PATCH_SURGE_ON_UNREACHABLE = "surge-on-unreachable"
+#: A cancel is handled as a delete (every replica stopped and released, the row deleted),
+#: then the workflow ends as cancelled. Before it, a cancel ended the workflow at once and
+#: left engines, claims and the row behind.
+PATCH_CANCEL_AS_DELETE = "cancel-as-delete"
+#: A placement that fails (ActivityError) releases its replica id before the keeper hears
+#: of it: an attempt may have committed claims before the failure reached the workflow,
+#: and the keeper forgets that replica id, so before it nothing released them.
+PATCH_RELEASE_CRASHED_PLACEMENT = "release-crashed-placement"
+#: DeploymentStatus, ReadyReplicas, DesiredReplicas and NodeIds are upserted (each only
+#: when it changes) before the store writes, so a database outage does not freeze them.
+#: Before it, only DeploymentStatus, and only after its store write succeeded.
+PATCH_SEARCH_ATTRIBUTES_FIRST = "search-attributes-before-store"
+#: The API's node_silent signal (a node's liveness stream broke or went quiet) makes the
+#: replicas it names unreachable at once, as a watch's heartbeat timeout would, and the
+#: probe that follows supersedes their watches (cancelled: a late Silent from one would
+#: mark a replica that has been vouched for unreachable again). Before it the signal had no
+#: handler, and only the watch heartbeat timeout (a 60 s backstop) noticed a dead node.
+#: Checked in the signal handler too: a signal can arrive in the first workflow task,
+#: whose handlers run before run does.
+PATCH_NODE_SILENT = "node-silent-signal"
 
 
-class WorkflowTimings(Frozen):
+class WorkflowTimings(Tolerant):
     """Activity timeouts, fixed at start so replays do not depend on a worker's env.
 
     Fields, not constants: they travel in the workflow's state (continue-as-new carries
@@ -176,8 +208,13 @@ class WorkflowTimings(Frozen):
     continue_as_new_after_events: int = 10_000
 
 
-class DeploymentWorkflowState(Frozen):
-    """Everything the workflow knows; continue-as-new passes exactly this."""
+class DeploymentWorkflowState(Tolerant):
+    """Everything the workflow knows; continue-as-new passes exactly this.
+
+    Tolerant of unknown keys, as is everything in it (modelkeeper.domain.base.Tolerant):
+    a worker rolled back past a new field must still decode the state a newer one carried
+    over, or the workflow task fails for ever.
+    """
 
     keeper: KeeperState
     config: KeeperConfig = Field(default_factory=KeeperConfig)
@@ -191,22 +228,33 @@ class DeploymentWorkflowState(Frozen):
     #: has none registered).
     search_attributes: bool = True
 
+    @field_validator("written_status", mode="before")
+    @classmethod
+    def _drop_unknown_status_keys(cls, value: Any) -> Any:
+        # DeploymentStatusUpdate is also the store activity's input, which stays strict;
+        # as carried state it must tolerate a field a newer worker added.
+        if isinstance(value, dict):
+            known = DeploymentStatusUpdate.model_fields
+            return {k: v for k, v in value.items() if k in known}
+        return value
 
-class DeploymentInput(Frozen):
+
+class DeploymentInput(Tolerant):
     """The workflow's input: a fresh spec, or the state carried by continue-as-new."""
 
     state: DeploymentWorkflowState
 
 
-class WorkflowStatus(Frozen):
-    """What the `status` query answers."""
+class WorkflowStatus(Tolerant):
+    """What the `status` query answers (to an API that may run another version)."""
 
     status: DeploymentStatus
     keeper: KeeperState
 
 
-class NodesChangedInput(Frozen):
-    """Signal payload of `nodes_changed` (none needed yet; a model keeps it extensible)."""
+class NodesChangedInput(Tolerant):
+    """Signal payload of `nodes_changed` (none needed yet; a model keeps it extensible,
+    and a sender one version ahead may add a field)."""
 
     reason: str = ""
 
@@ -226,7 +274,12 @@ class DeploymentWorkflow:
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._busy: set[str] = set()  # replicas with a place/start/stop in flight
         self._settled = False  # set when busy work ends, to re-check finish/continue
-        self._can_waits_for_inbox = False  # PATCH_CAN_WAITS_FOR_INBOX, set in run
+        # Patches, each set in run (_apply_patches):
+        self._can_waits_for_inbox = False  # PATCH_CAN_WAITS_FOR_INBOX
+        self._cancel_as_delete = False  # PATCH_CANCEL_AS_DELETE
+        self._release_crashed_placements = False  # PATCH_RELEASE_CRASHED_PLACEMENT
+        self._search_attributes_first = False  # PATCH_SEARCH_ATTRIBUTES_FIRST
+        self._probe_supersedes_watch = False  # PATCH_NODE_SILENT
 
     # -- signals, updates, queries -------------------------------------------------------
 
@@ -234,6 +287,14 @@ class DeploymentWorkflow:
     def nodes_changed(self, _: NodesChangedInput | None = None) -> None:
         """Nodes joined, reported memory, freed memory or were uncordoned."""
         self._inbox.append(NodesChanged())
+
+    @workflow.signal(name=SIGNAL_NODE_SILENT)
+    def node_silent(self, request: NodeSilentInput) -> None:
+        """The API found a node silent; these replicas of this deployment hold a claim
+        there. Each is observed Silent (unreachable, probed), as if its watch had timed
+        out; the keeper ignores one that is not ready or not ours."""
+        if workflow.patched(PATCH_NODE_SILENT):
+            self._inbox.extend(Silent(replica_id=r) for r in request.replica_ids)
 
     @workflow.signal(name=SIGNAL_RETRY)
     def retry(self) -> None:
@@ -271,13 +332,35 @@ class DeploymentWorkflow:
 
         ``request`` is unused: ``__init__`` built the state from it (``@workflow.init``
         requires both to take the same input).
+
+        A cancel is handled as a delete (PATCH_CANCEL_AS_DELETE). The SDK delivers it as
+        one asyncio.CancelledError to this task alone, at whatever it awaits (a store
+        write, the wait for the next observation); the activities the other tasks run
+        are untouched. Once caught, the loop goes on uncancelled: it stops and releases
+        every replica, deletes the row, and only then is the cancellation re-raised, so
+        the workflow closes as cancelled with nothing left behind. A second cancel request
+        is not delivered again (the server records one), so nothing interrupts that
+        cleanup but a terminate (docs/keeper.md, "Cancel and terminate").
         """
         self._apply_patches()
         for action in resume(self._state.keeper):
             self._launch(action)
         self._inbox.append(Tick())
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            if not self._cancel_as_delete:
+                raise
+            self._inbox.append(Delete())
+            await self._loop()
+            raise
+
+    async def _loop(self) -> None:
+        """Until the deployment is deleted and nothing is in flight (or it continues as
+        new)."""
         while True:
             await self._drain_inbox()
+            self._show_details()
             await self._write_changes()
             state = self._state
             if state.keeper.finished and not self._busy:
@@ -308,6 +391,10 @@ class DeploymentWorkflow:
 
     def _apply_patches(self) -> None:
         self._can_waits_for_inbox = workflow.patched(PATCH_CAN_WAITS_FOR_INBOX)
+        self._cancel_as_delete = workflow.patched(PATCH_CANCEL_AS_DELETE)
+        self._release_crashed_placements = workflow.patched(PATCH_RELEASE_CRASHED_PLACEMENT)
+        self._search_attributes_first = workflow.patched(PATCH_SEARCH_ATTRIBUTES_FIRST)
+        self._probe_supersedes_watch = workflow.patched(PATCH_NODE_SILENT)
         if workflow.patched(PATCH_SURGE_ON_UNREACHABLE):
             config = self._state.config.model_copy(
                 update={"surge_on_unreachable": True, "precise_status": True})
@@ -329,10 +416,37 @@ class DeploymentWorkflow:
                 task.cancel()
         workflow.continue_as_new(DeploymentInput(state=self._state))
 
-    # -- writing to the store ------------------------------------------------------------
+    # -- what the deployment shows: web UI details, search attributes, the store ---------
+
+    def _show_details(self) -> None:
+        """The web UI's current details (no command: replay is unaffected)."""
+        text = details(self._state.keeper, config=self._state.config)
+        if text != workflow.get_current_details():
+            workflow.set_current_details(text)
+
+    def _upsert_search_attributes(self) -> None:
+        """Upsert the published numbers that changed since the last upsert (or the start).
+
+        Compared with the workflow's own search attributes, which the SDK updates on each
+        upsert and replays alike, so the state needs no copy of them. An empty NodeIds is
+        unset rather than set to [], so "none" reads the same before and after a restart.
+        """
+        view = overview(self._state.keeper, config=self._state.config)
+        updates: list[SearchAttributeUpdate[Any]] = [
+            STATUS_KEY.value_set(view.status.value), READY_KEY.value_set(view.ready),
+            DESIRED_KEY.value_set(view.desired),
+            NODES_KEY.value_set(view.node_ids) if view.node_ids else NODES_KEY.value_unset()]
+        current = workflow.info().typed_search_attributes
+        changed = [u for u in updates if _normalised(current.get(u.key)) != _normalised(u.value)]
+        if changed:
+            workflow.upsert_search_attributes(changed)
 
     async def _write_changes(self) -> None:
         keeper = self._state.keeper
+        if (self._search_attributes_first and self._state.search_attributes
+                and not keeper.finished):
+            # Before the store: a database outage holds up the writes below, not these.
+            self._upsert_search_attributes()
         written = dict(self._state.written_replicas)
         for replica in keeper.replicas:
             stored = stored_state(replica.phase)
@@ -358,7 +472,7 @@ class DeploymentWorkflow:
             await workflow.execute_activity(
                 ACTIVITY_RECORD_DEPLOYMENT_STATUS, current, task_queue=CONTROL_TASK_QUEUE,
                 start_to_close_timeout=STORE_TIMEOUT, retry_policy=STORE_RETRY)
-            if self._state.search_attributes and (
+            if not self._search_attributes_first and self._state.search_attributes and (
                     previous is None or previous.status != current.status):
                 workflow.upsert_search_attributes([STATUS_KEY.value_set(current.status.value)])
             previous = current
@@ -368,21 +482,31 @@ class DeploymentWorkflow:
     # -- carrying out actions ------------------------------------------------------------
 
     def _launch(self, action: Action) -> None:
-        if isinstance(action, PlaceReplica):
-            self._spawn(action.replica_id, self._place(action.replica_id), busy=True)
-        elif isinstance(action, StartReplica):
-            self._spawn(action.replica_id, self._start(action.replica_id), busy=True)
-        elif isinstance(action, WatchReplica):
-            self._spawn(action.replica_id, self._watch(action.replica_id))
-        elif isinstance(action, ProbeReplica):
-            self._spawn(action.replica_id, self._probe(action.replica_id))
-        elif isinstance(action, StopReplica):
-            # Whatever runs for this replica (a start, a watch) is superseded by the stop.
-            for task in self._tasks.pop(action.replica_id, []):
-                task.cancel()
-            self._spawn(action.replica_id, self._stop(action.replica_id), busy=True)
-        elif isinstance(action, Finish):
-            self._spawn("__finish__", self._finish(), busy=True)
+        match action:
+            case PlaceReplica():
+                self._spawn(action.replica_id, self._place(action.replica_id), busy=True)
+            case StartReplica():
+                self._spawn(action.replica_id, self._start(action.replica_id), busy=True)
+            case WatchReplica():
+                self._spawn(action.replica_id, self._watch(action.replica_id))
+            case ProbeReplica():
+                if self._probe_supersedes_watch:
+                    # Made unreachable by node_silent, its watch may still run: the probe
+                    # decides now, and a late Silent from that watch would undo it.
+                    for task in self._tasks.pop(action.replica_id, []):
+                        task.cancel()
+                self._spawn(action.replica_id, self._probe(action.replica_id))
+            case StopReplica():
+                # Whatever runs for this replica (a start, a watch) is superseded by the
+                # stop.
+                for task in self._tasks.pop(action.replica_id, []):
+                    task.cancel()
+                self._spawn(action.replica_id, self._stop(action.replica_id), busy=True)
+            case Finish():
+                self._spawn("__finish__", self._finish(), busy=True)
+            case _:
+                # mypy proves this unreachable; a new action type fails the type check.
+                assert_never(action)
 
     def _spawn(self, key: str, coro: Any, *, busy: bool = False) -> None:
         task: asyncio.Task[None] = asyncio.create_task(coro)
@@ -415,6 +539,8 @@ class DeploymentWorkflow:
                     seconds=self._state.timings.place_schedule_to_close_s),
                 retry_policy=PLACE_RETRY)
         except ActivityError as exc:
+            if self._release_crashed_placements:
+                await self._release_crashed_placement(replica_id, exc)
             self._inbox.append(PlacementCrashed(replica_id=replica_id, error=_describe(exc)))
             return
         if result.cant_place is not None:
@@ -425,6 +551,23 @@ class DeploymentWorkflow:
         self._state = self._state.model_copy(update={"shards": shards})
         self._inbox.append(Placed(replica_id=replica_id,
                                   nodes=[s.node_id for s in result.shards]))
+
+    async def _release_crashed_placement(self, replica_id: ReplicaId,
+                                         exc: ActivityError) -> None:
+        """Release whatever a failed placement may have claimed for ``replica_id``.
+
+        An attempt can commit its claims and still fail as far as the workflow knows (its
+        answer lost, or the schedule-to-close timeout firing while it ran); the keeper
+        forgets the replica id on PlacementCrashed, so nothing else would release them.
+        release_replica is idempotent: it deletes the row and claims if there are any.
+        After a timeout the last attempt may still be inside its transaction, for up to
+        its start-to-close (STORE_TIMEOUT): the release waits that long first, so it comes
+        after that commit, not before. Meanwhile the replica still counts as placing, so
+        no other placement of this deployment starts.
+        """
+        if isinstance(exc.cause, TimeoutError):
+            await workflow.sleep(STORE_TIMEOUT)
+        await self._release(replica_id)
 
     async def _start(self, replica_id: ReplicaId) -> None:
         timings = self._state.timings
@@ -512,13 +655,17 @@ class DeploymentWorkflow:
             # the engine once nobody watches it. The claim is released either way.
             with contextlib.suppress(ActivityError):
                 await task
+        await self._release(replica_id)
+        shards = {k: v for k, v in self._state.shards.items() if k != replica_id}
+        self._state = self._state.model_copy(update={"shards": shards})
+        self._inbox.append(Stopped(replica_id=replica_id))
+
+    async def _release(self, replica_id: ReplicaId) -> None:
+        """Delete the replica's row and claims, if any (idempotent)."""
         await workflow.execute_activity(
             ACTIVITY_RELEASE_REPLICA, ReleaseReplicaInput(replica_id=replica_id),
             task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=STORE_TIMEOUT,
             retry_policy=STORE_RETRY)
-        shards = {k: v for k, v in self._state.shards.items() if k != replica_id}
-        self._state = self._state.model_copy(update={"shards": shards})
-        self._inbox.append(Stopped(replica_id=replica_id))
 
     async def _finish(self) -> None:
         await workflow.execute_activity(
@@ -534,6 +681,11 @@ def _cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
     for task in tasks:
         task.cancel()
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+def _normalised(value: Any) -> Any:
+    """A search attribute's value for comparison: a keyword list as a plain list."""
+    return list(value) if isinstance(value, list | tuple) else value
 
 
 def _describe(exc: ActivityError) -> str:
@@ -558,5 +710,6 @@ def initial_state(spec: DeploymentSpec, config: KeeperConfig, timings: WorkflowT
                                    timings=timings, search_attributes=search_attributes)
 
 
-__all__ = ["MODEL_ID_KEY", "STATUS_KEY", "DeploymentInput", "DeploymentWorkflow",
+__all__ = ["DESIRED_KEY", "MODEL_ID_KEY", "NODES_KEY", "READY_KEY", "STATUS_KEY",
+           "DeploymentInput", "DeploymentWorkflow",
            "DeploymentWorkflowState", "Phase", "WorkflowTimings", "initial_state"]

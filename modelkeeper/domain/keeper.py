@@ -40,6 +40,8 @@ The rules, each guarded by a test:
   (with ``precise_status``: a replica unreachable; ``last_failure`` says which and why),
   starting, cant_place, placing.
 * The keeper only ever touches replicas it placed (they are the only ones in its state).
+* What the deployment shows outside the store (``overview()``: search attributes;
+  ``details()``: the web UI's current details) is computed here too, from the state.
 * Deleting stops every replica, including one whose placement is still on its way.
 """
 
@@ -51,11 +53,16 @@ from typing import Annotated, Literal, assert_never
 
 from pydantic import Field
 
-from .base import Frozen
+from .base import Frozen, Tolerant
 from .ids import DeploymentId, ModelId, NodeId, ReplicaId
 from .status import DeploymentStatus, ReplicaState
 
 # -- state -------------------------------------------------------------------------------
+#
+# The state's models are Tolerant (unknown keys ignored): continue-as-new carries them, and
+# a worker rolled back past a new field must still decode the state a newer one wrote, or
+# the workflow task fails for ever. A new field needs a default that means the old
+# behaviour. Observations and actions never leave one run: they stay strict (Frozen).
 
 
 class Phase(StrEnum):
@@ -72,7 +79,7 @@ class Phase(StrEnum):
 LIVE_PHASES = frozenset({Phase.PLACING, Phase.STARTING, Phase.READY, Phase.UNREACHABLE})
 
 
-class Replica(Frozen):
+class Replica(Tolerant):
     """One replica the keeper placed."""
 
     replica_id: ReplicaId
@@ -89,7 +96,7 @@ class Replica(Frozen):
     retiring: bool = False
 
 
-class DeploymentSpec(Frozen):
+class DeploymentSpec(Tolerant):
     """What the operator asked for."""
 
     deployment_id: DeploymentId
@@ -100,7 +107,7 @@ class DeploymentSpec(Frozen):
     labels: dict[str, str] = Field(default_factory=dict)
 
 
-class KeeperConfig(Frozen):
+class KeeperConfig(Tolerant):
     """Timings and limits; the defaults and their reasons live in Settings.
 
     The two switches change decisions and the written status, so a workflow history
@@ -128,7 +135,7 @@ class KeeperConfig(Frozen):
     precise_status: bool = False
 
 
-class KeeperState(Frozen):
+class KeeperState(Tolerant):
     """The whole state of one deployment's keeper; continue-as-new carries it as is."""
 
     spec: DeploymentSpec
@@ -795,3 +802,50 @@ def stored_state(phase: Phase) -> ReplicaState | None:
         Phase.UNREACHABLE: ReplicaState.UNREACHABLE,
         Phase.STOPPING: ReplicaState.STOPPING,
     }[phase]
+
+
+# -- what the deployment shows outside the store -------------------------------------------
+
+
+class Overview(Frozen):
+    """The numbers a deployment publishes as search attributes, so an operator can list
+    deployments by them (``temporal workflow list --query "NodeIds='n1'"``)."""
+
+    status: DeploymentStatus
+    ready: int
+    desired: int
+    #: Every node holding a claim of this deployment (a replica placed, starting, ready,
+    #: unreachable or stopping), sorted: the deployments a node's drain or loss touches.
+    node_ids: list[NodeId]
+
+
+def overview(state: KeeperState, *, config: KeeperConfig | None = None) -> Overview:
+    """The deployment's published numbers; ``config`` as for :func:`status`."""
+    return Overview(status=status(state, config=config), ready=_ready(state),
+                    desired=state.spec.replicas,
+                    node_ids=sorted({n for r in state.replicas for n in r.nodes}))
+
+
+#: A placement error names the closest nodes with their numbers (up to 4 KB); the web UI's
+#: details show the start of it, and the store and `explain` keep the whole.
+DETAILS_REASON_CHARS = 300
+
+
+def details(state: KeeperState, *, config: KeeperConfig | None = None) -> str:
+    """A short markdown summary of the deployment for the Temporal web UI's current
+    details: status, ready/desired, each replica with its phase and nodes, and the last
+    failure and placement error (each cut to ``DETAILS_REASON_CHARS``)."""
+    view = overview(state, config=config)
+    lines = [f"**{view.status.value}**: {view.ready}/{view.desired} ready, "
+             f"model `{state.spec.model_id}`"]
+    if state.replicas:
+        lines += ["", "| replica | phase | nodes |", "|---|---|---|"]
+        lines += [f"| {r.replica_id} | {r.phase.value}{' (retiring)' if r.retiring else ''}"
+                  f" | {', '.join(r.nodes) or '-'} |" for r in state.replicas]
+    for label, text in (("Can't place", state.placement_error),
+                        ("Last failure", state.last_failure)):
+        if text:
+            cut = text if len(text) <= DETAILS_REASON_CHARS else (
+                text[:DETAILS_REASON_CHARS] + "...")
+            lines += ["", f"{label}: {cut}"]
+    return "\n".join(lines)

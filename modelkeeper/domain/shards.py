@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import Field
 
-from .base import Frozen
+from .base import Frozen, Tolerant
 from .ids import ModelId, NodeId, ReplicaId
 
 
@@ -22,8 +22,14 @@ class EngineKind(StrEnum):
     SIM = "sim"
 
 
-class ShardSpec(Frozen):
-    """One shard (one rank) of a replica, as the agent on ``node_id`` must start it."""
+class ShardSpec(Tolerant):
+    """One shard (one rank) of a replica, as the agent on ``node_id`` must start it.
+
+    Tolerant of unknown keys: the deployment workflow carries it in its state (so
+    continue-as-new, and a worker rolled back past a new field, must decode it). A field
+    that changes how an engine runs must therefore default to the old behaviour: an agent
+    one version behind ignores it.
+    """
 
     replica_id: ReplicaId
     model_id: ModelId
@@ -75,8 +81,9 @@ class StartShardInput(Frozen):
     spec: ShardSpec
 
 
-class ShardEndpoint(Frozen):
-    """A shard that is up: where rank 0 serves, and which process it is."""
+class ShardEndpoint(Tolerant):
+    """A shard that is up: where rank 0 serves, and which process it is. Sent by agents,
+    which may run a newer version than the worker: unknown keys are ignored."""
 
     replica_id: ReplicaId
     node_id: NodeId
@@ -93,8 +100,10 @@ class WatchShardInput(Frozen):
     replica_id: ReplicaId
 
 
-class ShardExit(Frozen):
-    """How a shard ended: exit code or signal, a classification, and its last log lines."""
+class ShardExit(Tolerant):
+    """How a shard ended: exit code or signal, a classification, and its last log lines.
+    Sent by agents, which may run a newer version than the worker: unknown keys are
+    ignored."""
 
     replica_id: ReplicaId
     kind: ExitKind
@@ -111,8 +120,9 @@ class StopShardInput(Frozen):
     grace_s: float = Field(default=10.0, ge=0)
 
 
-class ShardReport(Frozen):
-    """What an agent says it runs: sent on registration and by `list_shards`."""
+class ShardReport(Tolerant):
+    """What an agent says it runs: sent on registration and by `list_shards`. Agents may
+    run a newer version than the worker or the API: unknown keys are ignored."""
 
     replica_id: ReplicaId
     model_id: ModelId

@@ -5,7 +5,9 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from pydantic import ValidationError
 
+from modelkeeper.domain.catalog import DeploymentRequest, ScaleRequest
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import (
     Action,
@@ -36,7 +38,9 @@ from modelkeeper.domain.keeper import (
     WatchReplica,
     backoff_s,
     decide,
+    details,
     next_wake,
+    overview,
     resume,
     status,
 )
@@ -522,3 +526,52 @@ def test_status_precedence_and_stopped() -> None:
     k.state = k.state.model_copy(update={"parked": True})
     k.step(Silent(replica_id=rid(1)), at=5)
     assert k.status is DeploymentStatus.PARKED  # parked outranks degraded
+
+
+def test_overview_publishes_status_counts_and_every_node_holding_a_claim() -> None:
+    k = Stepper(replicas=2, config=SURGE)
+    k.step(at=0)
+    assert overview(k.state, config=SURGE).model_dump() == {
+        "status": DeploymentStatus.PLACING, "ready": 0, "desired": 2, "node_ids": []}
+    k.serve("d-r1", at=0, node="b")
+    k.serve("d-r2", at=0, node="a")
+    k.step(Silent(replica_id=rid(1)), at=5)
+    view = overview(k.state, config=SURGE)
+    assert (view.status, view.ready, view.desired) == (DeploymentStatus.DEGRADED, 1, 2)
+    assert view.node_ids == ["a", "b"]  # the unreachable one still holds its claim
+    k.step(Scale(replicas=1), at=6)  # r1 (unreachable) stops; it holds b until stopped
+    assert overview(k.state, config=SURGE).node_ids == ["a", "b"]
+    k.step(Stopped(replica_id=rid(1)), at=7)
+    assert overview(k.state, config=SURGE).node_ids == ["a"]
+
+
+def test_details_are_short_markdown_with_replicas_and_reasons() -> None:
+    k = serving_one()
+    text = details(k.state, config=k.config)
+    assert text.splitlines()[0] == "**serving**: 1/1 ready, model `m`"
+    assert "| d-r1 | ready | a |" in text
+    k.step(Exited(replica_id=rid(1), detail="killed by SIGKILL"))
+    k.step(Unplaceable(replica_id=rid(2), reason="x" * 4000))
+    text = details(k.state, config=k.config)
+    assert "| d-r1 | stopping | a |" in text
+    assert "Last failure: killed by SIGKILL" in text
+    assert "Can't place: " + "x" * 300 + "..." in text
+    assert len(text) < 1000
+
+
+def test_carried_state_ignores_unknown_keys_and_operator_input_does_not() -> None:
+    """A newer worker's state decodes in this one (continue-as-new, a rollback); a
+    misspelt key in what an operator sends stays an error."""
+    k = serving_one()
+    raw = k.state.model_dump(mode="json")
+    raw["added_later"] = 1
+    raw["spec"]["added_later"] = 1
+    raw["replicas"][0]["added_later"] = 1
+    assert KeeperState.model_validate(raw) == k.state
+    assert KeeperConfig.model_validate({"lost_after_s": 3, "added_later": 1}).lost_after_s == 3
+    with pytest.raises(ValidationError, match="replica"):
+        ScaleRequest.model_validate({"replica": 2})
+    with pytest.raises(ValidationError, match="replica"):
+        DeploymentRequest.model_validate({"model_id": "m", "replica": 2})
+    with pytest.raises(ValidationError):  # observations never leave a run: still strict
+        Silent.model_validate({"replica_id": "d-r1", "added_later": 1})

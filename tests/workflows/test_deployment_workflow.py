@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -13,13 +14,15 @@ from typing import Any
 
 import pytest
 from temporalio import activity
+from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.client import (
     WithStartWorkflowOperation,
+    WorkflowFailureError,
     WorkflowHandle,
     WorkflowUpdateFailedError,
 )
 from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
@@ -32,8 +35,9 @@ from modelkeeper.domain.control import (
     ReleaseReplicaInput,
 )
 from modelkeeper.domain.events import Event, NewEvent
-from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId
+from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec, KeeperConfig
+from modelkeeper.domain.nodes import NodeSilentInput
 from modelkeeper.domain.shards import (
     EngineKind,
     ExitKind,
@@ -41,6 +45,7 @@ from modelkeeper.domain.shards import (
     ShardExit,
     ShardReport,
     ShardSpec,
+    ShardState,
     StartShardInput,
     StopShardInput,
     WatchShardInput,
@@ -48,6 +53,10 @@ from modelkeeper.domain.shards import (
 from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.names import CONTROL_TASK_QUEUE, node_task_queue
 from workflows.deployment import (
+    DESIRED_KEY,
+    NODES_KEY,
+    READY_KEY,
+    STATUS_KEY,
     DeploymentInput,
     DeploymentWorkflow,
     WorkflowStatus,
@@ -74,11 +83,40 @@ class FakeCluster:
     placements: list[str] = field(default_factory=list)
     crash: dict[str, asyncio.Event] = field(default_factory=dict)
     cant_place: str | None = None
+    #: The next placements fail after committing their claim (recorded in ``claimed``):
+    #: each pops one error; "timeout" sleeps past the placement's schedule-to-close.
+    place_errors: list[str] = field(default_factory=list)
+    claimed: list[str] = field(default_factory=list)
+    #: Extra keys in every answer an agent sends (start, watch, list): an agent one
+    #: version ahead of the worker. Answers are then plain dicts, decoded by the worker.
+    agent_extra: dict[str, Any] | None = None
+    #: The next watch of each of these replicas stops heartbeating (its node goes quiet).
+    silence: set[str] = field(default_factory=set)
+    #: list_shards: the replicas the agent says it runs; None: the agent does not answer.
+    agent_runs: set[str] | None = field(default_factory=set)
+    #: start_shard waits for the replica's gate, if it has one.
+    start_gates: dict[str, asyncio.Event] = field(default_factory=dict)
+    #: record_replica_state and record_deployment_status fail (a database outage).
+    store_down: bool = False
+    #: Each watch_shard as it begins, and each one cancelled by the workflow.
+    watches: list[str] = field(default_factory=list)
+    watches_cancelled: list[str] = field(default_factory=list)
+
+    def _agent_answer(self, model: Any) -> Any:
+        if self.agent_extra is None:
+            return model
+        return {**model.model_dump(mode="json"), **self.agent_extra}
 
     def activities(self) -> tuple[list[object], list[object]]:
         @activity.defn(name="place_replica")
         async def place_replica(req: PlaceReplicaInput) -> PlaceReplicaResult:
             self.placements.append(req.replica_id)
+            if self.place_errors:
+                error = self.place_errors.pop(0)
+                self.claimed.append(req.replica_id)  # committed, then the answer is lost
+                if error == "timeout":
+                    await asyncio.sleep(3)
+                raise ApplicationError(error, type="Unexpected", non_retryable=True)
             if self.cant_place is not None:
                 return PlaceReplicaResult(cant_place=self.cant_place)
             return PlaceReplicaResult(shards=[ShardSpec(
@@ -87,6 +125,8 @@ class FakeCluster:
 
         @activity.defn(name="record_replica_state")
         async def record_replica_state(update: ReplicaStateUpdate) -> None:
+            if self.store_down:
+                raise ApplicationError("connection refused")
             self.replica_states.append((update.replica_id, update.state.value))
 
         @activity.defn(name="release_replica")
@@ -95,6 +135,8 @@ class FakeCluster:
 
         @activity.defn(name="record_deployment_status")
         async def record_deployment_status(update: DeploymentStatusUpdate) -> None:
+            if self.store_down:
+                raise ApplicationError("connection refused")
             self.statuses.append(update)
 
         @activity.defn(name="delete_deployment")
@@ -106,26 +148,39 @@ class FakeCluster:
             raise AssertionError("not used")
 
         @activity.defn(name="start_shard")
-        async def start_shard(req: StartShardInput) -> ShardEndpoint:
+        async def start_shard(req: StartShardInput) -> Any:
             self.started.append(req.spec.replica_id)
             if len(self.started) <= self.start_failures:
                 raise ApplicationError("engine exited with code 1", type="ShardStartFailed",
                                        non_retryable=True)
+            gate = self.start_gates.get(req.spec.replica_id)
+            if gate is not None:
+                await gate.wait()
             self.crash[req.spec.replica_id] = asyncio.Event()
-            return ShardEndpoint(replica_id=req.spec.replica_id, node_id=NODE, rank=0,
-                                 url=f"http://engine/{req.spec.replica_id}", port=1, pid=1)
+            return self._agent_answer(ShardEndpoint(
+                replica_id=req.spec.replica_id, node_id=NODE, rank=0,
+                url=f"http://engine/{req.spec.replica_id}", port=1, pid=1))
 
         @activity.defn(name="watch_shard")
-        async def watch_shard(req: WatchShardInput) -> ShardExit:
+        async def watch_shard(req: WatchShardInput) -> Any:
+            self.watches.append(req.replica_id)
+            if req.replica_id in self.silence:
+                self.silence.discard(req.replica_id)
+                await asyncio.sleep(3600)  # no heartbeat: cancelled at worker shutdown
             crash = self.crash[req.replica_id]
-            while not crash.is_set():
-                activity.heartbeat()
-                try:
-                    await asyncio.wait_for(crash.wait(), 0.2)
-                except TimeoutError:
-                    continue
-            return ShardExit(replica_id=req.replica_id, kind=ExitKind.SIGNALLED,
-                             signal=9, detail="killed by SIGKILL")
+            try:
+                while not crash.is_set():
+                    activity.heartbeat()
+                    try:
+                        await asyncio.wait_for(crash.wait(), 0.2)
+                    except TimeoutError:
+                        continue
+            except asyncio.CancelledError:
+                self.watches_cancelled.append(req.replica_id)
+                raise
+            return self._agent_answer(ShardExit(
+                replica_id=req.replica_id, kind=ExitKind.SIGNALLED, signal=9,
+                detail="killed by SIGKILL"))
 
         @activity.defn(name="stop_shard")
         async def stop_shard(req: StopShardInput) -> ShardExit:
@@ -133,8 +188,13 @@ class FakeCluster:
             return ShardExit(replica_id=req.replica_id, kind=ExitKind.STOPPED)
 
         @activity.defn(name="list_shards")
-        async def list_shards() -> list[ShardReport]:
-            return []
+        async def list_shards() -> list[Any]:
+            if self.agent_runs is None:
+                raise ApplicationError("agent restarting")
+            return [self._agent_answer(ShardReport(
+                replica_id=ReplicaId(r), model_id=ModelId("m"), rank=0,
+                state=ShardState.READY, port=1, pid=1, url=f"http://engine/{r}",
+                adopted=True)) for r in sorted(self.agent_runs)]
 
         control = [place_replica, record_replica_state, release_replica,
                    record_deployment_status, delete_deployment, record_event]
@@ -165,7 +225,10 @@ class Running:
                 return await latest.query(DeploymentWorkflow.status,
                                           rpc_timeout=QUERY_DEADLINE)
             except RPCError as err:
-                if err.status is not RPCStatusCode.DEADLINE_EXCEEDED:
+                # The deadline passing reads DEADLINE_EXCEEDED, or CANCELLED ("Timeout
+                # expired") when the client's own timer ends the call first.
+                if err.status not in (RPCStatusCode.DEADLINE_EXCEEDED,
+                                      RPCStatusCode.CANCELLED):
                     raise
 
     async def until(self, status: DeploymentStatus, timeout: float = 20,
@@ -186,13 +249,15 @@ class Running:
         return await asyncio.wait_for(poll(), timeout)
 
 
+@contextlib.asynccontextmanager
 async def _run(env: WorkflowEnvironment, cluster: FakeCluster, replicas: int = 1,
-               config: KeeperConfig | None = None) -> AsyncIterator[Running]:
+               config: KeeperConfig | None = None, timings: WorkflowTimings | None = None,
+               *, search_attributes: bool = False) -> AsyncIterator[Running]:
     control, node = cluster.activities()
     spec = DeploymentSpec(deployment_id=DeploymentId("d1"), model_id=ModelId("m"),
                           replicas=replicas)
     state = initial_state(spec, config or KeeperConfig(backoff_jitter=0.0),
-                          WorkflowTimings(), search_attributes=False)
+                          timings or WorkflowTimings(), search_attributes=search_attributes)
     async with Worker(env.client, task_queue=CONTROL_TASK_QUEUE,
                       workflows=[DeploymentWorkflow], activities=control), \
             Worker(env.client, task_queue=node_task_queue(NODE), activities=node):
@@ -223,7 +288,7 @@ def cluster() -> FakeCluster:
 async def test_deploys_serves_replaces_a_crashed_engine_and_deletes(
     time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
 ) -> None:
-    async for run in _run(time_skipping_env, cluster):
+    async with _run(time_skipping_env, cluster) as run:
         view = await run.until(DeploymentStatus.SERVING)
         [replica] = view.keeper.replicas
         assert replica.endpoint == "http://engine/d1-r1"
@@ -257,7 +322,7 @@ async def test_failed_starts_back_off_on_durable_timers_then_park(
     time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
 ) -> None:
     cluster.start_failures = 100
-    async for run in _run(time_skipping_env, cluster):
+    async with _run(time_skipping_env, cluster) as run:
         before = await time_skipping_env.get_current_time()
         view = await run.until(DeploymentStatus.PARKED, timeout=30, skip_s=5)
         waited = (await time_skipping_env.get_current_time() - before).total_seconds()
@@ -283,7 +348,7 @@ async def test_cant_place_reason_is_kept_and_retried_on_node_change(
     time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
 ) -> None:
     cluster.cant_place = "node a: 8.0 GiB free, needs 24.0 GiB"
-    async for run in _run(time_skipping_env, cluster):
+    async with _run(time_skipping_env, cluster) as run:
         view = await run.until(DeploymentStatus.CANT_PLACE)
         assert view.keeper.placement_error == "node a: 8.0 GiB free, needs 24.0 GiB"
         reason = view.keeper.placement_error
@@ -296,12 +361,13 @@ async def test_cant_place_reason_is_kept_and_retried_on_node_change(
         assert len(cluster.placements) == tries + 1
         await run.handle.signal(DeploymentWorkflow.delete)
         await asyncio.wait_for(run.handle.result(), 20)
+        await record_history(run.handle, "cant_place_nodes_changed")
 
 
 async def test_scale_is_an_update_validated_against_deletion(
     time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
 ) -> None:
-    async for run in _run(time_skipping_env, cluster):
+    async with _run(time_skipping_env, cluster) as run:
         await run.until(DeploymentStatus.SERVING)
         assert await run.handle.execute_update(DeploymentWorkflow.scale,
                                                ScaleRequest(replicas=2)) == 2
@@ -314,6 +380,7 @@ async def test_scale_is_an_update_validated_against_deletion(
             await run.handle.execute_update(DeploymentWorkflow.scale,
                                             ScaleRequest(replicas=3))
         await asyncio.wait_for(run.handle.result(), 20)
+        await record_history(run.handle, "scale_update")
 
 
 async def _until_async(run: Running, check: object) -> None:
@@ -359,6 +426,11 @@ async def test_continue_as_new_carries_the_whole_state(
         await latest.signal(DeploymentWorkflow.delete)
         await asyncio.wait_for(latest.result(), 20)
         assert cluster.deleted == ["d1"]
+        # The first run (it ends by continuing as new) and the last (it starts from the
+        # carried state and resumes the work in flight).
+        await record_history(time_skipping_env.client.get_workflow_handle(
+            handle.id, run_id=first_run), "continue_as_new")
+        await record_history(latest, "continue_as_new_resumed")
 
 
 def _fresh_input() -> DeploymentInput:
@@ -424,3 +496,282 @@ async def test_an_update_in_the_first_workflow_task_sees_the_whole_state(
         assert len(view.keeper.replicas) == 2
         await handle.signal(DeploymentWorkflow.delete)
         await asyncio.wait_for(handle.result(), 20)
+
+
+# -- cancel, crashed placements, tolerant payloads, visibility -----------------------------
+
+
+async def test_cancel_is_handled_as_a_delete(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """A cancel (web UI, `temporal workflow cancel`) stops and releases every replica and
+    deletes the deployment's row; only then does the workflow end, as cancelled."""
+    async with _run(time_skipping_env, cluster, replicas=2) as run:
+        await run.until(DeploymentStatus.SERVING)
+        await run.handle.cancel()
+        with pytest.raises(WorkflowFailureError) as failure:
+            await asyncio.wait_for(run.handle.result(), 20)
+        assert isinstance(failure.value.cause, CancelledError)
+        assert sorted(cluster.stopped) == ["d1-r1", "d1-r2"]
+        assert sorted(cluster.released) == ["d1-r1", "d1-r2"]
+        assert cluster.deleted == ["d1"]
+        assert cluster.statuses[-1].status is DeploymentStatus.DELETING
+        await record_history(run.handle, "cancel_as_delete")
+
+
+async def test_cancel_while_a_replica_starts_stops_it_too(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    cluster.start_gates["d1-r1"] = asyncio.Event()  # never opens: the engine loads
+    async with _run(time_skipping_env, cluster) as run:
+        await run.until(DeploymentStatus.STARTING)
+        await run.handle.cancel()
+        with pytest.raises(WorkflowFailureError):
+            await asyncio.wait_for(run.handle.result(), 20)
+        assert cluster.stopped == ["d1-r1"] and cluster.released == ["d1-r1"]
+        assert cluster.deleted == ["d1"]
+
+
+async def test_a_failed_placement_releases_what_it_may_have_claimed(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """place_replica committed its claim and then failed: the keeper forgets that replica
+    id, so the workflow releases it before the keeper hears of the failure."""
+    cluster.place_errors = ["database went away"]
+    async with _run(time_skipping_env, cluster) as run:
+        # The next placement comes cant_place_retry_s (30 s of test time) later.
+        view = await run.until(DeploymentStatus.SERVING, timeout=30, skip_s=5)
+        assert cluster.claimed == ["d1-r1"]
+        assert cluster.released == ["d1-r1"]
+        assert cluster.placements == ["d1-r1", "d1-r2"]
+        assert [r.replica_id for r in view.keeper.replicas] == ["d1-r2"]
+        assert view.keeper.last_failure == "placement failed: database went away"
+        await run.handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(run.handle.result(), 20)
+        assert cluster.released == ["d1-r1", "d1-r2"]
+        await record_history(run.handle, "placement_crash_release")
+
+
+async def test_a_timed_out_placement_is_released_once_its_last_attempt_has_ended(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """A placement that times out may still be inside its transaction: the release waits
+    out an attempt's start-to-close first, so it does not run before that commit."""
+    cluster.place_errors = ["timeout"]
+    timings = WorkflowTimings(place_schedule_to_close_s=1.0)
+    async with _run(time_skipping_env, cluster, timings=timings) as run:
+        before = await time_skipping_env.get_current_time()
+        await asyncio.wait_for(_until(lambda: cluster.claimed == ["d1-r1"]), 20)
+        await run.until(DeploymentStatus.SERVING, timeout=30, skip_s=5)
+        assert cluster.released == ["d1-r1"]
+        view = await run.view()
+        assert view.keeper.last_failure == (
+            "placement failed: place_replica timed out: it took too long")
+        waited = (await time_skipping_env.get_current_time() - before).total_seconds()
+        assert waited >= 30  # STORE_TIMEOUT before the release (then cant_place_retry_s)
+        await run.handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(run.handle.result(), 20)
+        await record_history(run.handle, "placement_timeout_release")
+
+
+async def test_agent_answers_with_fields_this_worker_does_not_know(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """An agent one version ahead of the worker adds fields to its start and exit answers:
+    the worker ignores them rather than failing its workflow task for ever."""
+    cluster.agent_extra = {"added_in_a_later_version": {"gpu_uuid": "GPU-1"}}
+    async with _run(time_skipping_env, cluster) as run:
+        view = await run.until(DeploymentStatus.SERVING)
+        assert view.keeper.replicas[0].endpoint == "http://engine/d1-r1"
+        cluster.crash["d1-r1"].set()
+        await asyncio.wait_for(_until(lambda: "d1-r2" in cluster.crash), 20)
+        view = await run.until(DeploymentStatus.SERVING)
+        assert view.keeper.last_failure == "signalled: killed by SIGKILL"
+        await run.handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(run.handle.result(), 20)
+
+
+async def test_carried_state_with_fields_this_worker_does_not_know_decodes(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """The state a newer worker carried over (continue-as-new, then a rollback) has
+    fields this one does not know, at every level: it decodes, and the run goes on from
+    it (the ready replica is watched on its node, replica numbers keep counting)."""
+    control, node = cluster.activities()
+    extra = {"added_later": [1, 2]}
+    shard = ShardSpec(replica_id=ReplicaId("d1-r1"), model_id=ModelId("m"), node_id=NODE,
+                      engine=EngineKind.SIM, source="sim", memory_bytes=1)
+    status = DeploymentStatusUpdate(
+        deployment_id=DeploymentId("d1"), status=DeploymentStatus.SERVING,
+        placement_error=None, consecutive_failures=0, last_failure=None, desired_replicas=1)
+    raw = _fresh_input().model_dump(mode="json")
+    state = raw["state"]
+    state["keeper"]["replicas"] = [{"replica_id": "d1-r1", "phase": "ready",
+                                    "nodes": [NODE], "endpoint": "http://engine/d1-r1",
+                                    **extra}]
+    state["keeper"]["next_replica_seq"] = 2
+    state["shards"] = {"d1-r1": [{**shard.model_dump(mode="json"), **extra}]}
+    state["written_status"] = {**status.model_dump(mode="json"), **extra}
+    for part in (raw, state, state["keeper"], state["keeper"]["spec"], state["config"],
+                 state["timings"]):
+        part.update(extra)
+    cluster.crash["d1-r1"] = asyncio.Event()  # the engine the newer worker started
+    async with Worker(time_skipping_env.client, task_queue=CONTROL_TASK_QUEUE,
+                      workflows=[DeploymentWorkflow], activities=control), \
+            Worker(time_skipping_env.client, task_queue=node_task_queue(NODE),
+                   activities=node):
+        handle = await time_skipping_env.client.start_workflow(
+            "DeploymentWorkflow", raw, id=f"deployment/{uuid.uuid4()}",
+            task_queue=CONTROL_TASK_QUEUE)
+        run = Running(time_skipping_env, cluster, handle)
+        view = await run.until(DeploymentStatus.SERVING)
+        assert [r.replica_id for r in view.keeper.replicas] == ["d1-r1"]
+        cluster.crash["d1-r1"].set()  # its watch, re-opened from the carried shards, ends
+        await asyncio.wait_for(_until(lambda: "d1-r2" in cluster.crash), 20)
+        await asyncio.wait_for(_until(lambda: cluster.stopped == ["d1-r1"]), 20)
+        await handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(handle.result(), 20)
+
+
+async def test_an_unreachable_replica_its_agent_vouches_for_is_adopted(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """The watch goes silent: the replica is unreachable (degraded) and a replacement is
+    placed; the agent's answer to the probe says it still runs it (with a field this
+    worker does not know): it is watched again, and the replacement is stopped."""
+    cluster.silence = {"d1-r1"}
+    cluster.agent_runs = {"d1-r1"}
+    cluster.agent_extra = {"added_in_a_later_version": True}
+    cluster.start_gates["d1-r2"] = asyncio.Event()  # the replacement is still loading
+    timings = WorkflowTimings(watch_heartbeat_timeout_s=2.0)
+    async with _run(time_skipping_env, cluster, timings=timings) as run:
+        await asyncio.wait_for(_until(lambda: cluster.released == ["d1-r2"]), 20)
+        await _until_async(run, lambda v: [(r.replica_id, r.phase) for r in v.keeper.replicas]
+                           == [("d1-r1", "ready")])
+        assert cluster.stopped == ["d1-r2"]
+        assert (await run.view()).status is DeploymentStatus.SERVING
+        assert DeploymentStatus.DEGRADED in [s.status for s in cluster.statuses]
+        cluster.crash["d1-r1"].set()  # the re-opened watch is a live one
+        await asyncio.wait_for(_until(lambda: "d1-r3" in cluster.crash), 20)
+        await run.handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(run.handle.result(), 20)
+        cluster.start_gates["d1-r2"].set()
+        await record_history(run.handle, "unreachable_probe_adoption")
+
+
+async def test_degraded_while_the_surge_replacement_loads_then_the_original_is_stopped(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """The watch goes silent and the agent does not answer: degraded, with a replacement
+    placed at once; once it is ready the original is stopped."""
+    cluster.silence = {"d1-r1"}
+    cluster.agent_runs = None
+    gate = cluster.start_gates["d1-r2"] = asyncio.Event()
+    timings = WorkflowTimings(watch_heartbeat_timeout_s=2.0)
+    config = KeeperConfig(backoff_jitter=0.0, lost_after_s=300.0)
+    async with _run(time_skipping_env, cluster, config=config, timings=timings) as run:
+        view = await run.until(DeploymentStatus.DEGRADED)
+        assert view.keeper.last_failure == "d1-r1 unreachable: no heartbeat from n1"
+        await _until_async(run, lambda v: [(r.replica_id, r.phase) for r in v.keeper.replicas]
+                           == [("d1-r1", "unreachable"), ("d1-r2", "starting")])
+        gate.set()
+        await _until_async(run, lambda v: [r.replica_id for r in v.keeper.replicas]
+                           == ["d1-r2"])
+        assert (await run.view()).status is DeploymentStatus.SERVING
+        assert cluster.stopped == cluster.released == ["d1-r1"]
+        await run.handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(run.handle.result(), 20)
+        await record_history(run.handle, "degraded_surge_replacement")
+
+
+async def test_web_ui_details_show_status_replicas_and_nodes(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    async with _run(time_skipping_env, cluster) as run:
+        await run.until(DeploymentStatus.SERVING)
+
+        async def details(handle: WorkflowHandle[Any, Any]) -> str:
+            while True:
+                meta = await handle.query("__temporal_workflow_metadata",
+                                              result_type=WorkflowMetadata)
+                if meta.current_details.startswith("**serving**"):
+                    return str(meta.current_details)
+                await asyncio.sleep(0.05)
+
+        text = await asyncio.wait_for(details(run.handle), 20)
+        assert text.splitlines()[0] == "**serving**: 1/1 ready, model `m`"
+        assert "| d1-r1 | ready | n1 |" in text
+        await run.handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(run.handle.result(), 20)
+
+
+async def test_search_attributes_move_on_while_the_store_is_down(
+    local_temporal_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """On the dev server, which has them registered: status, ready and desired counts and
+    nodes are upserted before the store writes, so a database outage does not freeze
+    them."""
+    async with _run(local_temporal_env, cluster, search_attributes=True) as run:
+        await run.until(DeploymentStatus.SERVING)
+        await _until_search_attributes(run, status="serving", ready=1, desired=1,
+                                       nodes=["n1"])
+        # Upserted first: wait for the store writes that follow, so the loop is idle.
+        await asyncio.wait_for(_until(lambda: bool(cluster.statuses) and
+                                      cluster.statuses[-1].status is DeploymentStatus.SERVING),
+                               20)
+        cluster.store_down = True
+        written = len(cluster.statuses)
+        await run.handle.execute_update(DeploymentWorkflow.scale, ScaleRequest(replicas=2))
+        await _until_search_attributes(run, status="placing", ready=1, desired=2,
+                                       nodes=["n1"])
+        assert len(cluster.statuses) == written  # the store refused the write meanwhile
+        cluster.store_down = False
+        await _until_search_attributes(run, status="serving", ready=2, desired=2,
+                                       nodes=["n1"])
+        await run.handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(run.handle.result(), 30)
+        # The one recorded history with search attributes on (the time-skipping server
+        # has none registered).
+        await record_history(run.handle, "search_attributes_store_down")
+
+
+async def _until_search_attributes(run: Running, *, status: str, ready: int, desired: int,
+                                   nodes: list[str]) -> None:
+    want = (status, ready, desired, nodes)
+
+    async def poll() -> None:
+        while True:
+            found = (await run.handle.describe()).typed_search_attributes
+            nodes_found = found.get(NODES_KEY)
+            if (found.get(STATUS_KEY), found.get(READY_KEY), found.get(DESIRED_KEY),
+                    list(nodes_found) if nodes_found is not None else None) == want:
+                return
+            await asyncio.sleep(0.1)
+
+    await asyncio.wait_for(poll(), 20)
+
+
+async def test_node_silent_makes_replicas_unreachable_and_the_probe_supersedes_the_watch(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """The API's liveness stream found the node silent (its watch still heartbeats: the
+    backstop has not fired). The replica is unreachable at once and probed; its watch is
+    cancelled. The agent vouches for it: it is watched again and its replacement stopped."""
+    cluster.agent_runs = {"d1-r1"}
+    cluster.start_gates["d1-r2"] = asyncio.Event()  # the replacement is still loading
+    async with _run(time_skipping_env, cluster) as run:
+        await run.until(DeploymentStatus.SERVING)
+        await run.handle.signal(DeploymentWorkflow.node_silent, NodeSilentInput(
+            node_id=NODE, replica_ids=[ReplicaId("d1-r1"), ReplicaId("not-ours")]))
+        await asyncio.wait_for(_until(lambda: cluster.released == ["d1-r2"]), 20)
+        await _until_async(run, lambda v: [(r.replica_id, r.phase) for r in v.keeper.replicas]
+                           == [("d1-r1", "ready")])
+        assert cluster.watches == ["d1-r1", "d1-r1"]
+        await asyncio.wait_for(_until(lambda: cluster.watches_cancelled == ["d1-r1"]), 20)
+        assert DeploymentStatus.DEGRADED in [s.status for s in cluster.statuses]
+        cluster.crash["d1-r1"].set()  # the new watch is the live one
+        await asyncio.wait_for(_until(lambda: "d1-r3" in cluster.crash), 20)
+        await run.handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(run.handle.result(), 20)
+        cluster.start_gates["d1-r2"].set()
+        await record_history(run.handle, "node_silent_probe_adoption")
