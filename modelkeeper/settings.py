@@ -104,7 +104,8 @@ class Settings(BaseSettings):
         default=5, ge=1, description="Failed starts in a row before a deployment is parked.")
     cant_place_retry_s: float = Field(
         default=30.0, gt=0,
-        description="Retry an unplaceable deployment this often even if no node changes.")
+        description="First blind retry of an unplaceable deployment (a node change retries "
+        "it at once); each retry that still finds no room doubles the wait, up to 30 min.")
     settling_window_s: float = Field(
         default=15.0, ge=0,
         description="A fresh worker waits this long (or half of it with a steady node "

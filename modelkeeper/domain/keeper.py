@@ -16,8 +16,12 @@ The rules, each guarded by a test:
   it was ready is replaced at once and the backoff resets.
 * ``park_after`` failed starts in a row park the deployment until its spec changes or
   a retry is asked for.
-* Nothing fits: the reason is kept (status cant_place) and placement is retried when the
-  nodes change, or every ``cant_place_retry_s``.
+* Nothing fits: the reason is kept (status cant_place) and placement is retried at once
+  when the nodes change, else after ``cant_place_retry_s``. With ``cant_place_backoff``
+  that blind retry backs off: each placement in a row that finds no room doubles the wait,
+  up to ``cant_place_retry_max_s`` (30 s, 60 s, 120 s, ... 30 min). A node change retries
+  at once but keeps the count (it says nothing about whether room is likely); a placement
+  that finds room, or an operator's retry, resets it.
 * Two-stage expiry: a replica whose watch goes silent is *unreachable* (routed around),
   and only *lost* after ``lost_after_s`` without its agent vouching for it. A blip must
   not tear down a replica that is still serving.
@@ -110,8 +114,8 @@ class DeploymentSpec(Tolerant):
 class KeeperConfig(Tolerant):
     """Timings and limits; the defaults and their reasons live in Settings.
 
-    The two switches change decisions and the written status, so a workflow history
-    recorded without them does not replay with them: both default to the old behaviour,
+    The switches change decisions, commands and the written status, so a workflow history
+    recorded without them does not replay with them: each defaults to the old behaviour,
     and the workflow turns them on behind ``workflow.patched`` (continue-as-new carries
     the config, so a run keeps what it started with).
     """
@@ -125,6 +129,16 @@ class KeeperConfig(Tolerant):
     backoff_jitter: float = 0.2
     park_after: int = 5
     cant_place_retry_s: float = 30.0
+    #: With cant_place_backoff, the longest wait between blind can't-place retries. Each
+    #: costs 11 history events (its timer, two workflow tasks, place_replica): at 30 min
+    #: that is 2 an hour, 22 events, within the 30 an hour a deployment that cannot be
+    #: placed may cost (10 min would be 66). A node change retries at once whatever the
+    #: wait, so this only bounds how late a lost nodes_changed signal is made up for.
+    cant_place_retry_max_s: float = 1800.0
+    #: Back off the blind can't-place retry (cant_place_retry_s, doubling on each placement
+    #: in a row that finds no room, up to cant_place_retry_max_s) rather than retrying
+    #: every cant_place_retry_s: about 1,300 history events an hour become 22.
+    cant_place_backoff: bool = False
     #: Place a replacement as soon as a replica goes unreachable, instead of only once it
     #: is lost (docs/keeper.md, "Surge on unreachable"). Re-serves a crashed node's
     #: replica in seconds rather than after lost_after_s.
@@ -149,6 +163,10 @@ class KeeperState(Tolerant):
     #: nodes change.
     placement_retry_at: datetime | None = None
     placement_error: str | None = None
+    #: Placements in a row that found no room (counted with cant_place_backoff only): the
+    #: next blind retry waits cant_place_retry_s doubled once per placement after the
+    #: first, up to cant_place_retry_max_s. A node change keeps it; room found resets it.
+    unplaceable_in_a_row: int = 0
     #: After a surge (a replacement for an unreachable replica) found no room or crashed:
     #: no surge before this, or sooner when the nodes change. Ordinary placements ignore it.
     surge_retry_at: datetime | None = None
@@ -329,6 +347,24 @@ def backoff_s(failures: int, config: KeeperConfig, jitter: float) -> float:
     return base * (1 - config.backoff_jitter / 2 + config.backoff_jitter * jitter)
 
 
+#: Doublings past which the can't-place wait is at its cap whatever the settings (keeps
+#: 2.0 ** n finite: a deployment may stay unplaceable for months).
+_MAX_DOUBLINGS = 32
+
+
+def cant_place_wait_s(unplaceable: int, config: KeeperConfig) -> float:
+    """Wait before the blind retry after ``unplaceable`` placements in a row found no
+    room: with ``cant_place_backoff`` 30, 60, 120, ... up to ``cant_place_retry_max_s``;
+    without it always ``cant_place_retry_s``. No jitter: deployments that cannot be placed
+    started waiting at different times, and a node change retries them all at once anyway.
+    """
+    if not config.cant_place_backoff:
+        return config.cant_place_retry_s
+    doublings = min(max(unplaceable - 1, 0), _MAX_DOUBLINGS)
+    return max(min(config.cant_place_retry_s * 2.0 ** doublings, config.cant_place_retry_max_s),
+               config.cant_place_retry_s)
+
+
 def _replace(state: KeeperState, replica: Replica) -> KeeperState:
     return state.model_copy(update={"replicas": [
         replica if r.replica_id == replica.replica_id else r for r in state.replicas]})
@@ -407,6 +443,8 @@ def _on_tick(state: KeeperState) -> KeeperState:
 
 def _on_nodes_changed(state: KeeperState) -> KeeperState:
     # Retry an unplaceable deployment (or surge) now; a failed-start backoff still holds.
+    # The can't-place count is kept: a node change (memory freed somewhere, a node back)
+    # says nothing of whether this model fits; only a placement that finds room resets it.
     return state.model_copy(update={"placement_retry_at": None, "surge_retry_at": None})
 
 
@@ -419,9 +457,10 @@ def _on_scale(state: KeeperState, obs: Scale) -> KeeperState:
 
 
 def _on_retry(state: KeeperState) -> KeeperState:
+    # The operator asked: every wait starts over.
     return state.model_copy(update={"parked": False, "consecutive_failures": 0,
                                     "next_attempt_at": None, "placement_retry_at": None,
-                                    "surge_retry_at": None})
+                                    "surge_retry_at": None, "unplaceable_in_a_row": 0})
 
 
 def _on_delete(state: KeeperState) -> KeeperState:
@@ -446,7 +485,8 @@ def _on_placed(state: KeeperState, obs: Placed, *, actions: list[Action]) -> Kee
         return state
     placed = replica.model_copy(update={"phase": Phase.STARTING, "nodes": obs.nodes})
     state = _replace(state, placed).model_copy(update={"placement_error": None,
-                                                       "placement_retry_at": None})
+                                                       "placement_retry_at": None,
+                                                       "unplaceable_in_a_row": 0})
     if state.deleting:
         # The deletion arrived while this placement was on its way: undo it now.
         return _stop(state, placed, "deployment deleted", actions)
@@ -465,9 +505,11 @@ def _on_unplaceable(state: KeeperState, obs: Unplaceable, *, now: datetime,
     if config.surge_on_unreachable and (replica.retiring or _is_surge(state)):
         return _surge_failed(state, replica, "no room for a replacement", obs.reason,
                              now=now, config=config)
+    # Counted only with the switch on, so the state is the old one without it.
+    in_a_row = state.unplaceable_in_a_row + 1 if config.cant_place_backoff else 0
     return state.model_copy(update={
-        "placement_error": obs.reason,
-        "placement_retry_at": now + timedelta(seconds=config.cant_place_retry_s)})
+        "placement_error": obs.reason, "unplaceable_in_a_row": in_a_row,
+        "placement_retry_at": now + timedelta(seconds=cant_place_wait_s(in_a_row, config))})
 
 
 def _on_placement_crashed(state: KeeperState, obs: PlacementCrashed, *, now: datetime,

@@ -37,6 +37,7 @@ from modelkeeper.domain.keeper import (
     Unplaceable,
     WatchReplica,
     backoff_s,
+    cant_place_wait_s,
     decide,
     details,
     next_wake,
@@ -52,6 +53,8 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 CONFIG = KeeperConfig(backoff_jitter=0.0)
 #: The hardened keeper: surge on unreachable, and the precise statuses.
 SURGE = KeeperConfig(backoff_jitter=0.0, surge_on_unreachable=True, precise_status=True)
+#: The blind can't-place retry backs off (as the workflow runs it since cant-place-backoff).
+BACKOFF = KeeperConfig(backoff_jitter=0.0, cant_place_backoff=True)
 
 
 class Stepper:
@@ -197,6 +200,87 @@ def test_crashing_placement_is_recorded_and_retried_later() -> None:
     assert "database down" in (k.state.last_failure or "")
     assert k.step(at=1) == []
     assert k.step(at=30) == [PlaceReplica(replica_id=rid(2))]
+
+
+def unplaceable_until_due(k: Stepper, n: int, at: float) -> float:
+    """Placement ``d-r<n>`` finds no room at ``at``; steps to the moment the blind retry is
+    due (nothing a second before, ``d-r<n+1>`` placed then) and returns the wait."""
+    assert k.step(Unplaceable(replica_id=rid(n), reason="node b: full"), at=at) == []
+    assert k.status is DeploymentStatus.CANT_PLACE
+    wake = next_wake(k.state, k.config)
+    assert wake is not None
+    wait = (wake - k.now).total_seconds()
+    assert k.step(at=at + wait - 1) == []
+    assert k.step(at=at + wait) == [PlaceReplica(replica_id=rid(n + 1))]
+    return wait
+
+
+def test_cant_place_backoff_doubles_each_blind_retry_up_to_30_minutes() -> None:
+    k = Stepper(config=BACKOFF)
+    k.step(at=0)
+    at, waits = 0.0, []
+    for n in range(1, 10):
+        waits.append(unplaceable_until_due(k, n, at))
+        at += waits[-1]
+    assert waits == [30, 60, 120, 240, 480, 960, 1800, 1800, 1800]
+    assert k.state.unplaceable_in_a_row == 9
+    # Months unplaceable stay at the cap (2.0 ** n would overflow a float).
+    assert cant_place_wait_s(10**6, BACKOFF) == 1800
+
+
+def test_without_the_switch_cant_place_retries_every_30_s_as_before() -> None:
+    k = Stepper()
+    k.step(at=0)
+    at = 0.0
+    for n in range(1, 6):
+        assert unplaceable_until_due(k, n, at) == 30
+        at += 30
+    assert k.state.unplaceable_in_a_row == 0  # not even counted: the old state
+
+
+def test_a_node_change_retries_at_once_and_keeps_the_backoff() -> None:
+    k = Stepper(config=BACKOFF)
+    k.step(at=0)
+    at = 0.0
+    for n in range(1, 4):
+        at += unplaceable_until_due(k, n, at)  # 30, 60, 120: d-r4 placed at 210
+    k.step(Unplaceable(replica_id=rid(4), reason="node b: full"), at=210)  # next at 450
+    # Memory freed somewhere: retried now, not at 450...
+    assert k.step(NodesChanged(), at=300) == [PlaceReplica(replica_id=rid(5))]
+    # ...and still no room: the count goes on (5 in a row), from this answer.
+    assert unplaceable_until_due(k, 5, 301) == 480
+    # A node change while the placement is out changes nothing more.
+    assert k.step(NodesChanged(), at=782) == []
+
+
+def test_room_found_or_an_operator_retry_resets_the_cant_place_backoff() -> None:
+    k = Stepper(config=BACKOFF)
+    k.step(at=0)
+    at = 0.0
+    for n in range(1, 5):
+        at += unplaceable_until_due(k, n, at)  # d-r5 placed at 450
+    k.serve("d-r5", at=450)
+    assert k.state.unplaceable_in_a_row == 0 and k.state.placement_error is None
+    # Lost after serving, and its replacement finds no room: 30 s again, not 480.
+    assert k.step(Exited(replica_id=rid(5), detail="SIGKILL"), at=1000) == [
+        StopReplica(replica_id=rid(5), reason="lost: SIGKILL"), PlaceReplica(replica_id=rid(6))]
+    assert unplaceable_until_due(k, 6, 1000) == 30
+    assert unplaceable_until_due(k, 7, 1030) == 60
+    k.step(Unplaceable(replica_id=rid(8), reason="node b: full"), at=1090)
+    assert k.step(Retry(), at=1100) == [PlaceReplica(replica_id=rid(9))]
+    assert unplaceable_until_due(k, 9, 1101) == 30
+
+
+def test_a_crashed_placement_waits_30_s_and_keeps_the_cant_place_count() -> None:
+    k = Stepper(config=BACKOFF)
+    k.step(at=0)
+    at = 0.0
+    for n in range(1, 4):
+        at += unplaceable_until_due(k, n, at)  # d-r4 placed at 210
+    k.step(PlacementCrashed(replica_id=rid(4), error="database down"), at=210)
+    assert next_wake(k.state, k.config) == T0 + timedelta(seconds=240)
+    assert k.step(at=240) == [PlaceReplica(replica_id=rid(5))]
+    assert unplaceable_until_due(k, 5, 240) == 240  # the 4th no-room in a row
 
 
 def test_two_stage_expiry_agent_comes_back_in_time() -> None:

@@ -8,16 +8,18 @@
   created, scaled and deleted at random (some deleted while their first placement is on its
   way), with every result reaching the keeper 0-10 s late, out of order across replicas.
 
-Both run with the old keeper and with the hardened one (``surge_on_unreachable`` and
-``precise_status``): the invariants (``keeper_sim.check_step`` and ``Sim.check_cluster``)
-run after every event, among them never more live replicas (or claims) than desired plus
-the unreachable ones, and never an unreachable replica kept once enough are ready without
-it; once faults stop and the cluster has had 10 min to settle, every deployment that fits
-serves exactly its replicas, nothing is left over, and nothing deleted holds a claim
-(``Sim.check_settled``).
+Both run with the old keeper and with the hardened one (``surge_on_unreachable``,
+``precise_status`` and ``cant_place_backoff``, as the workflow runs it): the invariants
+(``keeper_sim.check_step`` and ``Sim.check_cluster``) run after every event, among them
+never more live replicas (or claims) than desired plus the unreachable ones, and never an
+unreachable replica kept once enough are ready without it; once faults stop and the
+cluster has had 10 min to settle, every deployment that fits serves exactly its replicas,
+nothing is left over, and nothing deleted holds a claim (``Sim.check_settled``).
 
 Two node-crash scenarios measure what the surge is for: re-serving in seconds when there is
-room elsewhere, and waiting for lost (without a failure counted) when there is not.
+room elsewhere, and waiting for lost (without a failure counted) when there is not. One
+counts the blind placements of a deployment that never fits, an hour at a time: 120 an hour
+without the can't-place backoff, 2 with it.
 
 Then a property test feeds decide random observations (garbage ids, late and duplicate
 results) and checks the same invariants, that next_wake announces everything that comes
@@ -84,7 +86,9 @@ pytestmark = pytest.mark.timeout(120)
 FIVE_NODES = {f"n{i}": 64.0 for i in range(1, 6)}
 SETTLE_S = 600.0
 OLD = KeeperConfig()
-HARDENED = KeeperConfig(surge_on_unreachable=True, precise_status=True)
+#: Every switch on, as the workflow runs the keeper since its patches.
+HARDENED = KeeperConfig(surge_on_unreachable=True, precise_status=True,
+                        cant_place_backoff=True)
 BOTH = pytest.mark.parametrize("config", [OLD, HARDENED], ids=["old", "surge"])
 
 
@@ -192,14 +196,38 @@ def test_four_hours_of_replica_and_node_loss(seed: int, config: KeeperConfig) ->
         assert s.surged > 10 and s.kept_replacement > 0 and s.kept_original > 0
     else:
         assert s.surged == s.kept_replacement == s.kept_original == 0
-    # The one that never fits kept trying: every cant_place_retry_s at least, and never
-    # more often than that plus once per node change.
+    # The one that never fits kept trying: every cant_place_retry_s at least (with the
+    # backoff: every cant_place_retry_max_s), and never more often than cant_place_retry_s
+    # plus once per node change.
     g = sim.deps[giant]
     assert g.state.placement_error and "needs 2 nodes, 0 fit" in g.state.placement_error
     elapsed = sim.elapsed()
     retry_s = sim.config.cant_place_retry_s
-    assert g.places >= elapsed / (retry_s + 4)
+    longest_s = sim.config.cant_place_retry_max_s if config.cant_place_backoff else retry_s
+    assert g.places >= elapsed / (longest_s + 4)
     assert g.places <= elapsed / retry_s + g.node_changes + 2
+
+
+@pytest.mark.parametrize(("config", "per_hour"), [(OLD, [120, 120, 120]),
+                                                  (HARDENED, [7, 2, 2])], ids=["old", "backoff"])
+def test_blind_retries_of_a_deployment_that_never_fits_an_hour_at_a_time(
+        config: KeeperConfig, per_hour: list[int]) -> None:
+    """Nothing else happens (no node changes): every placement is a blind retry, answered
+    at once. Without the backoff it is one every 30 s; with it 30 s doubling to 30 min
+    (0, 30, 90, 210, 450, 930, 1890 s in the first hour, then 3690, 5490, 7290 ...). Each
+    costs the workflow 11 history events (tests/workflows measure it): 1,320 an hour
+    before, 22 an hour once backed off."""
+    instant = Knobs(lag_s=(0.0, 0.0), place_s=(0.0, 0.0), slow_place_p=0.0,
+                    placement_crash_p=0.0)
+    sim = Sim(random.Random(1), FIVE_NODES, config=config, knobs=instant)
+    giant = sim.deploy(GIANT, 1)
+    counted = []
+    for hour in range(1, 4):
+        # Up to a second before the hour: a retry due on the hour belongs to the next.
+        sim.run_until(T0 + timedelta(hours=hour, seconds=-1))
+        counted.append(sim.deps[giant].places - sum(counted))
+    assert counted == per_hour
+    assert sim.deps[giant].node_changes == 0
 
 
 # -- simulation 2: deployments come and go while observations lag ---------------------------
@@ -398,9 +426,9 @@ def spec(replicas: int) -> DeploymentSpec:
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(replicas=st.integers(0, 4), n_steps=st.integers(1, 60), surge=st.booleans(),
-       data=st.data())
+       backoff=st.booleans(), data=st.data())
 def test_random_observations_keep_the_invariants(
-        replicas: int, n_steps: int, surge: bool, data: st.DataObject) -> None:
+        replicas: int, n_steps: int, surge: bool, backoff: bool, data: st.DataObject) -> None:
     """Whatever arrives, in whatever order: decide never crashes, every state keeps the
     invariants (at most one placing, no duplicate ids, live <= spec with a placement
     scaled away in flight marked retiring, finished only when empty and deleted), every
@@ -409,8 +437,10 @@ def test_random_observations_keep_the_invariants(
 
     Most results are aimed at replicas the keeper has (so deep states are reached); the
     rest at replicas it had (late results) or never had (garbage). Half the runs surge on
-    unreachable (live <= spec + unreachable instead)."""
-    config = CONFIG.model_copy(update={"surge_on_unreachable": surge, "precise_status": surge})
+    unreachable (live <= spec + unreachable instead); half, independently, back off the
+    can't-place retry."""
+    config = CONFIG.model_copy(update={"surge_on_unreachable": surge, "precise_status": surge,
+                                       "cant_place_backoff": backoff})
     state = KeeperState(spec=spec(replicas))
     now = T0
     finishes = 0

@@ -8,17 +8,20 @@ import os
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from temporalio import activity
+from temporalio.api.enums.v1 import EventType
+from temporalio.api.history.v1 import HistoryEvent
 from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.client import (
     WithStartWorkflowOperation,
     WorkflowFailureError,
     WorkflowHandle,
+    WorkflowHistory,
     WorkflowUpdateFailedError,
 )
 from temporalio.common import WorkflowIDConflictPolicy
@@ -775,3 +778,155 @@ async def test_node_silent_makes_replicas_unreachable_and_the_probe_supersedes_t
         await asyncio.wait_for(run.handle.result(), 20)
         cluster.start_gates["d1-r2"].set()
         await record_history(run.handle, "node_silent_probe_adoption")
+
+
+# -- what a deployment costs Temporal: history events an hour --------------------------------
+
+
+def _at(event: HistoryEvent) -> datetime:
+    return event.event_time.ToDatetime(tzinfo=UTC)
+
+
+def _within(history: WorkflowHistory, start: datetime, end: datetime) -> list[HistoryEvent]:
+    """The events recorded in (start, end] of the server's (virtual) time."""
+    return [e for e in history.events if start < _at(e) <= end]
+
+
+def _open_timers(history: WorkflowHistory) -> set[int]:
+    """Timers started and neither fired nor cancelled: what would wake the workflow."""
+    started = {e.event_id for e in history.events
+               if e.event_type == EventType.EVENT_TYPE_TIMER_STARTED}
+    fired = {e.timer_fired_event_attributes.started_event_id for e in history.events
+             if e.event_type == EventType.EVENT_TYPE_TIMER_FIRED}
+    cancelled = {e.timer_canceled_event_attributes.started_event_id for e in history.events
+                 if e.event_type == EventType.EVENT_TYPE_TIMER_CANCELED}
+    return started - fired - cancelled
+
+
+async def _quiet_history(handle: WorkflowHandle[Any, Any]) -> WorkflowHistory:
+    """The history once it has stopped growing (the last store write and its workflow task
+    are in)."""
+    history = await handle.fetch_history()
+    while True:
+        await asyncio.sleep(0.5)
+        again = await handle.fetch_history()
+        if len(again.events) == len(history.events):
+            return again
+        history = again
+
+
+#: The budget from "Cheap on Temporal at scale": a deployment that cannot be placed.
+UNPLACEABLE_EVENTS_PER_HOUR = 30
+#: What one blind can't-place retry costs: the timer fires; a workflow task (scheduled,
+#: started, completed) schedules place_replica (scheduled, started, completed); a workflow
+#: task takes its answer and starts the next timer.
+EVENTS_PER_BLIND_RETRY = 11
+
+
+async def test_a_deployment_that_cannot_be_placed_costs_at_most_30_history_events_an_hour(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """The blind retry backs off from 30 s to 30 min (cant-place-backoff), so after the
+    first hour a deployment nothing fits costs 2 retries an hour, 22 history events.
+
+    Before the patch it retried every 30 s: measured the same way, 1,309 events in an
+    hour (119 retries of 11 events). The patch turns the switch on in every new run, so the
+    old rate is counted where the switch can be off, in the keeper's simulation (120 blind
+    retries an hour: test_blind_retries_of_a_deployment_that_never_fits_an_hour_at_a_time).
+
+    A node change still retries at once and keeps the backoff; the one that finds room
+    places the replica."""
+    cluster.cant_place = "node a: 8.0 GiB free, needs 24.0 GiB"
+    async with _run(time_skipping_env, cluster) as run:
+        await run.until(DeploymentStatus.CANT_PLACE)
+        # From the first retry's timer on (the clock runs on meanwhile: an activity in
+        # flight holds the time-skipping server to the wall clock).
+        armed = (await _quiet_history(run.handle)).events[-1]
+        assert armed.event_type == EventType.EVENT_TYPE_TIMER_STARTED
+        start = _at(armed)
+        hour = timedelta(hours=1)
+        await time_skipping_env.sleep(2 * hour)
+        history = await run.handle.fetch_history()
+        first, second = (_within(history, start, start + hour),
+                         _within(history, start + hour, start + 2 * hour))
+        assert len(second) <= UNPLACEABLE_EVENTS_PER_HOUR
+        # Counted, not assumed: two blind retries of 11 events each, nothing else.
+        assert len(second) == 2 * EVENTS_PER_BLIND_RETRY
+        places = [round((_at(e) - start).total_seconds()) for e in history.events
+                  if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+                  and e.activity_task_scheduled_event_attributes.activity_type.name
+                  == "place_replica" and _at(e) > start]
+        assert places == [30, 90, 210, 450, 930, 1890, 3690, 5490]
+        assert len(first) == 6 * EVENTS_PER_BLIND_RETRY  # the ramp: 30 s to 16 min
+        assert len(cluster.placements) == 1 + len(places)
+
+        # Memory freed elsewhere: retried at once, still no room, and the backoff is kept:
+        # the next blind retry is 30 min after this answer, not 30 s.
+        await run.handle.signal(DeploymentWorkflow.nodes_changed)
+        await asyncio.wait_for(_until(lambda: len(cluster.placements) == 10), 20)
+        view = await _until_view(run, lambda v: v.keeper.placement_retry_at is not None and
+                                 not any(r.phase == "placing" for r in v.keeper.replicas))
+        assert view.keeper.unplaceable_in_a_row == 10
+        assert view.keeper.placement_retry_at is not None
+        now = await time_skipping_env.get_current_time()
+        assert (view.keeper.placement_retry_at - now).total_seconds() >= 1790
+
+        # Room: the node change places it, and the count starts over.
+        cluster.cant_place = None
+        await run.handle.signal(DeploymentWorkflow.nodes_changed)
+        view = await run.until(DeploymentStatus.SERVING)
+        assert view.keeper.unplaceable_in_a_row == 0
+        await run.handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(run.handle.result(), 20)
+        await record_history(run.handle, "cant_place_backoff")
+
+
+async def _until_view(run: Running, check: object) -> WorkflowStatus:
+    assert callable(check)
+
+    async def poll() -> WorkflowStatus:
+        while True:
+            view = await run.view()
+            if check(view):
+                return view
+            await asyncio.sleep(0.05)
+
+    return await asyncio.wait_for(poll(), 20)
+
+
+async def test_a_serving_deployment_adds_no_history_events_while_its_watch_heartbeats(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """0 history events an hour while serving: nothing in the workflow is timed, and the
+    watch's heartbeats are not events.
+
+    The time-skipping server cannot skip an hour here: it holds its clock from an
+    activity's schedule until its result, and the watch is always in flight (env.sleep
+    with the watch running advances the clock only as fast as the wall clock). So the
+    hour is shown in its two parts: no timer is open, so only an activity's result, a
+    signal or an update can add an event, none of which time brings; and over seconds in
+    which heartbeats reach the server, no event is added."""
+    timings = WorkflowTimings(watch_heartbeat_timeout_s=2.0)  # one heartbeat sent per 1.6 s
+    async with _run(time_skipping_env, cluster, timings=timings) as run:
+        await run.until(DeploymentStatus.SERVING)
+        await asyncio.wait_for(_until(lambda: bool(cluster.statuses) and
+                                      cluster.statuses[-1].status is DeploymentStatus.SERVING),
+                               20)
+        before = await _quiet_history(run.handle)
+        assert _open_timers(before) == set()
+
+        async def last_heartbeat() -> datetime | None:
+            pending = (await run.handle.describe()).raw_description.pending_activities
+            assert [p.activity_type.name for p in pending] == ["watch_shard"]
+            beat = pending[0].last_heartbeat_time
+            return beat.ToDatetime(tzinfo=UTC) if beat.seconds else None
+
+        first_beat = await last_heartbeat()
+        await asyncio.sleep(5)
+        later_beat = await last_heartbeat()
+        assert later_beat is not None and later_beat != first_beat  # heartbeats arrived...
+        after = await run.handle.fetch_history()
+        assert len(after.events) == len(before.events)  # ...and added no event
+        assert cluster.watches == ["d1-r1"]
+        await run.handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(run.handle.result(), 20)
