@@ -23,7 +23,7 @@ from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributeUp
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
 
 with workflow.unsafe.imports_passed_through():
-    from pydantic import Field, field_validator
+    from pydantic import Field, ValidationError, field_validator
 
     from modelkeeper.domain.base import Tolerant
     from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdate, ScaleRequest
@@ -33,7 +33,8 @@ with workflow.unsafe.imports_passed_through():
         PlaceReplicaResult,
         ReleaseReplicaInput,
     )
-    from modelkeeper.domain.ids import ReplicaId
+    from modelkeeper.domain.events import NewEvent
+    from modelkeeper.domain.ids import DeploymentId, ReplicaId
     from modelkeeper.domain.keeper import (
         Action,
         Delete,
@@ -85,6 +86,7 @@ with workflow.unsafe.imports_passed_through():
         ACTIVITY_LIST_SHARDS,
         ACTIVITY_PLACE_REPLICA,
         ACTIVITY_RECORD_DEPLOYMENT_STATUS,
+        ACTIVITY_RECORD_EVENT,
         ACTIVITY_RECORD_REPLICA_STATE,
         ACTIVITY_RELEASE_REPLICA,
         ACTIVITY_START_SHARD,
@@ -141,6 +143,10 @@ AGENT_DEADLINE_SLACK = timedelta(seconds=30)
 #: A watch lasts as long as its engine runs, for months: its heartbeat timeout, not its
 #: start-to-close, notices a dead node. Ten years stands for "unbounded".
 WATCH_LIFETIME = timedelta(days=3650)
+#: An engine's exit or failed start keeps this many of its last log lines in its audit
+#: event (GET /events?deployment_id=...): what an agent sends (ShardExit.log_tail), and
+#: a bound should one ever send more, since the event is an activity input in history.
+EVENT_LOG_LINES = 200
 
 
 # Behaviour changes, each behind workflow.patched so histories recorded before it replay
@@ -181,6 +187,18 @@ PATCH_NODE_SILENT = "node-silent-signal"
 #: retries at once. About 1,300 history events an hour become 22. Before it, each
 #: retry's timer came every cant_place_retry_s.
 PATCH_CANT_PLACE_BACKOFF = "cant-place-backoff"
+#: Store writes (replica states, the deployment's status) go through one background
+#: writer that writes what is current each time it finishes a write, so a database
+#: outage delays them and nothing else: the loop goes on deciding and acting (a lost
+#: replica is replaced meanwhile). Before it, the loop awaited each write, and store
+#: activities retry for ever: an outage froze every decision.
+PATCH_BACKGROUND_STORE_WRITES = "store-writes-in-background"
+#: An engine's exit (from its watch) and a failed start append an audit event,
+#: replica.exited or replica.start_failed, with the engine's last EVENT_LOG_LINES log
+#: lines, through the background writer. Before it, those lines lived only in the
+#: activity's result or failure in Temporal's history. Checked only with
+#: PATCH_BACKGROUND_STORE_WRITES, which carries the events.
+PATCH_ENGINE_LOG_EVENTS = "engine-log-events"
 
 
 class WorkflowTimings(Tolerant):
@@ -285,6 +303,16 @@ class DeploymentWorkflow:
         self._release_crashed_placements = False  # PATCH_RELEASE_CRASHED_PLACEMENT
         self._search_attributes_first = False  # PATCH_SEARCH_ATTRIBUTES_FIRST
         self._probe_supersedes_watch = False  # PATCH_NODE_SILENT
+        self._background_writes = False  # PATCH_BACKGROUND_STORE_WRITES
+        self._engine_log_events = False  # PATCH_ENGINE_LOG_EVENTS
+        # The background writer (PATCH_BACKGROUND_STORE_WRITES), started in run. It needs
+        # no state of its own beyond these: what to write is the difference between the
+        # keeper's state and what the state says was written (written_status,
+        # written_replicas), and continue-as-new waits until it is idle.
+        self._writer: asyncio.Task[None] | None = None
+        self._writing = False  # a write is in flight
+        self._events: list[NewEvent] = []  # audit events not yet appended, oldest first
+        self._store_closed = False  # the deployment's row is being deleted: no more writes
 
     # -- signals, updates, queries -------------------------------------------------------
 
@@ -339,15 +367,22 @@ class DeploymentWorkflow:
         requires both to take the same input).
 
         A cancel is handled as a delete (PATCH_CANCEL_AS_DELETE). The SDK delivers it as
-        one asyncio.CancelledError to this task alone, at whatever it awaits (a store
-        write, the wait for the next observation); the activities the other tasks run
-        are untouched. Once caught, the loop goes on uncancelled: it stops and releases
-        every replica, deletes the row, and only then is the cancellation re-raised, so
-        the workflow closes as cancelled with nothing left behind. A second cancel request
-        is not delivered again (the server records one), so nothing interrupts that
-        cleanup but a terminate (docs/keeper.md, "Cancel and terminate").
+        one asyncio.CancelledError to this task alone, at whatever it awaits (the wait for
+        the next observation; a store write before PATCH_BACKGROUND_STORE_WRITES); the
+        activities the other tasks run, the background writer's included, are untouched.
+        Once caught, the loop goes on uncancelled: it stops and releases every replica,
+        deletes the row, and only then is the cancellation re-raised, so the workflow
+        closes as cancelled with nothing left behind. A second cancel request is not
+        delivered again (the server records one), so nothing interrupts that cleanup but
+        a terminate (docs/keeper.md, "Cancel and terminate").
+
+        With PATCH_BACKGROUND_STORE_WRITES, "write what changed" is the background
+        writer's (:meth:`_write_in_background`): the loop only publishes the search
+        attributes and goes on.
         """
         self._apply_patches()
+        if self._background_writes:
+            self._writer = asyncio.create_task(self._write_in_background())
         for action in resume(self._state.keeper):
             self._launch(action)
         self._inbox.append(Tick())
@@ -366,17 +401,27 @@ class DeploymentWorkflow:
         while True:
             await self._drain_inbox()
             self._show_details()
-            await self._write_changes()
+            if self._background_writes:
+                # The writer follows the state on its own; only these are set here.
+                self._publish_search_attributes()
+            else:
+                await self._write_changes()
             state = self._state
-            if state.keeper.finished and not self._busy:
+            if state.keeper.finished and not self._busy and self._writer_idle():
                 return
             info = workflow.info()
+            waiting_for_writer = False
             if not self._busy and not state.keeper.finished and (
                     info.is_continue_as_new_suggested()
                     or info.get_current_history_length()
                     >= state.timings.continue_as_new_after_events):
                 if not self._can_waits_for_inbox:
                     await self._continue_as_new()
+                elif not self._writer_idle():
+                    # A write in flight, or one due: the state carried over would say it
+                    # is unwritten and the next run would write it again, and an audit
+                    # event not yet appended would be lost. Wait for the writer.
+                    waiting_for_writer = True
                 elif not self._inbox and workflow.all_handlers_finished():
                     # Nothing waits to be decided and no handler is half-way: the state
                     # carried over is the whole truth. Otherwise loop once more first.
@@ -385,11 +430,17 @@ class DeploymentWorkflow:
             timeout = None
             if wake is not None:
                 timeout = max((wake - workflow.now()).total_seconds(), 0.001)
+
+            def woken(for_writer: bool = waiting_for_writer) -> bool:
+                return bool(self._inbox) or self._settled or (
+                    for_writer and self._writer_idle())
+
             try:
-                await workflow.wait_condition(lambda: bool(self._inbox) or self._settled,
-                                              timeout=timeout)
+                await workflow.wait_condition(woken, timeout=timeout)
             except builtins.TimeoutError:
                 self._inbox.append(Tick())
+            if self._writer is not None and self._writer.done():
+                self._writer.result()  # a write that failed for good fails the run, as before
             # Cleared only after waking: a task may end while we write to the store, and
             # clearing before the wait would lose that wake-up.
             self._settled = False
@@ -400,6 +451,10 @@ class DeploymentWorkflow:
         self._release_crashed_placements = workflow.patched(PATCH_RELEASE_CRASHED_PLACEMENT)
         self._search_attributes_first = workflow.patched(PATCH_SEARCH_ATTRIBUTES_FIRST)
         self._probe_supersedes_watch = workflow.patched(PATCH_NODE_SILENT)
+        self._background_writes = workflow.patched(PATCH_BACKGROUND_STORE_WRITES)
+        # Only with the writer, which carries the events: a history has both or neither.
+        self._engine_log_events = (self._background_writes
+                                   and workflow.patched(PATCH_ENGINE_LOG_EVENTS))
         switches: dict[str, bool] = {}
         if workflow.patched(PATCH_SURGE_ON_UNREACHABLE):
             switches |= {"surge_on_unreachable": True, "precise_status": True}
@@ -450,12 +505,17 @@ class DeploymentWorkflow:
         if changed:
             workflow.upsert_search_attributes(changed)
 
-    async def _write_changes(self) -> None:
-        keeper = self._state.keeper
+    def _publish_search_attributes(self) -> None:
+        """Upsert what changed, before (or without waiting for) the store writes: a
+        database outage holds those up, not these (PATCH_SEARCH_ATTRIBUTES_FIRST)."""
         if (self._search_attributes_first and self._state.search_attributes
-                and not keeper.finished):
-            # Before the store: a database outage holds up the writes below, not these.
+                and not self._state.keeper.finished):
             self._upsert_search_attributes()
+
+    async def _write_changes(self) -> None:
+        """Write what changed, in the loop (before PATCH_BACKGROUND_STORE_WRITES)."""
+        keeper = self._state.keeper
+        self._publish_search_attributes()
         written = dict(self._state.written_replicas)
         for replica in keeper.replicas:
             stored = stored_state(replica.phase)
@@ -470,12 +530,7 @@ class DeploymentWorkflow:
             written[replica.replica_id] = stored.value
         live = {r.replica_id for r in keeper.replicas}
         written = {k: v for k, v in written.items() if k in live}
-        current = DeploymentStatusUpdate(
-            deployment_id=keeper.spec.deployment_id,
-            status=status(keeper, config=self._state.config),
-            placement_error=keeper.placement_error,
-            consecutive_failures=keeper.consecutive_failures,
-            last_failure=keeper.last_failure, desired_replicas=keeper.spec.replicas)
+        current = self._current_status()
         previous = self._state.written_status
         if current != previous and not keeper.finished:
             await workflow.execute_activity(
@@ -487,6 +542,96 @@ class DeploymentWorkflow:
             previous = current
         self._state = self._state.model_copy(update={"written_replicas": written,
                                                      "written_status": previous})
+
+    def _current_status(self) -> DeploymentStatusUpdate:
+        keeper = self._state.keeper
+        return DeploymentStatusUpdate(
+            deployment_id=keeper.spec.deployment_id,
+            status=status(keeper, config=self._state.config),
+            placement_error=keeper.placement_error,
+            consecutive_failures=keeper.consecutive_failures,
+            last_failure=keeper.last_failure, desired_replicas=keeper.spec.replicas)
+
+    async def _write_in_background(self) -> None:
+        """The one store writer (PATCH_BACKGROUND_STORE_WRITES), a task of its own.
+
+        It writes one thing at a time, always what is due now (:meth:`_next_write`), so a
+        state that passed while a write was in flight is never written: after an outage it
+        writes the latest replica states and status, not each one in between. No decision
+        waits for it: store activities retry for ever (STORE_RETRY), and an outage holds
+        up only this task (and the finish and continue-as-new, below).
+
+        The order that matters still holds. A replica's state is written only once it is
+        placed (place_replica created its row), and an UPDATE of a row release_replica has
+        deleted changes nothing. The finish waits for the writer to be idle and closes the
+        store to it before it deletes the deployment's row (:meth:`_finish`), so no status
+        comes after the delete. Continue-as-new waits for it too (:meth:`_loop`), so the
+        state carried over says what was written and no audit event is left behind.
+
+        The wait's condition runs on each workflow task: it reads only the state, so it is
+        deterministic, and it is cheap (a few replicas, one status).
+        """
+        try:
+            while True:
+                await workflow.wait_condition(lambda: self._next_write() is not None)
+                self._writing = True
+                while (write := self._next_write()) is not None:
+                    await self._write(write)
+                self._writing = False
+        finally:
+            # It ended: a write failed for good. Wake the loop, which raises the error.
+            self._settled = True
+
+    def _writer_idle(self) -> bool:
+        """Nothing in flight and nothing due (true without the background writer)."""
+        return not self._writing and self._next_write() is None
+
+    def _next_write(self) -> NewEvent | ReplicaStateUpdate | DeploymentStatusUpdate | None:
+        """What the store should be told next: an audit event (oldest first), then a
+        replica whose stored state differs from its phase (in the keeper's order), then
+        the status if it differs from the one last written. None when it is up to date,
+        without the background writer, or once the finish has closed the store."""
+        if self._writer is None or self._store_closed:
+            return None
+        if self._events:
+            return self._events[0]
+        written = self._state.written_replicas
+        for replica in self._state.keeper.replicas:
+            stored = stored_state(replica.phase)
+            if stored is not None and written.get(replica.replica_id) != stored.value:
+                return ReplicaStateUpdate(replica_id=replica.replica_id, state=stored,
+                                          endpoint=replica.endpoint)
+        current = self._current_status()
+        # Written after the finish too (the deleting status), until _finish closes the
+        # store: it waits for this write first.
+        return current if current != self._state.written_status else None
+
+    async def _write(self, write: NewEvent | ReplicaStateUpdate | DeploymentStatusUpdate) -> None:
+        """Carry out one write and note it as written in the state."""
+        match write:
+            case NewEvent():
+                await workflow.execute_activity(
+                    ACTIVITY_RECORD_EVENT, write, task_queue=CONTROL_TASK_QUEUE,
+                    start_to_close_timeout=STORE_TIMEOUT, retry_policy=STORE_RETRY)
+                self._events.remove(write)
+            case ReplicaStateUpdate():
+                await workflow.execute_activity(
+                    ACTIVITY_RECORD_REPLICA_STATE, write, task_queue=CONTROL_TASK_QUEUE,
+                    start_to_close_timeout=STORE_TIMEOUT, retry_policy=STORE_RETRY)
+                written = {**self._state.written_replicas,
+                           write.replica_id: write.state.value}
+                self._state = self._state.model_copy(update={"written_replicas": written})
+            case DeploymentStatusUpdate():
+                await workflow.execute_activity(
+                    ACTIVITY_RECORD_DEPLOYMENT_STATUS, write, task_queue=CONTROL_TASK_QUEUE,
+                    start_to_close_timeout=STORE_TIMEOUT, retry_policy=STORE_RETRY)
+                self._state = self._state.model_copy(update={"written_status": write})
+            case _:
+                assert_never(write)
+        # Replicas the keeper has dropped meanwhile are forgotten: their rows are gone.
+        live = {r.replica_id for r in self._state.keeper.replicas}
+        written = {k: v for k, v in self._state.written_replicas.items() if k in live}
+        self._state = self._state.model_copy(update={"written_replicas": written})
 
     # -- carrying out actions ------------------------------------------------------------
 
@@ -595,7 +740,12 @@ class DeploymentWorkflow:
                 endpoints.append(await task)
         except ActivityError as exc:
             _cancel_all(tasks)
-            self._inbox.append(StartFailed(replica_id=replica_id, error=_describe(exc)))
+            error = _describe(exc)
+            if self._engine_log_events:
+                self._events.append(_engine_log_event(
+                    "replica.start_failed", self._state.keeper.spec.deployment_id,
+                    replica_id, message=error, ended=_start_exit(exc)))
+            self._inbox.append(StartFailed(replica_id=replica_id, error=error))
             return
         except asyncio.CancelledError:
             _cancel_all(tasks)
@@ -628,8 +778,12 @@ class DeploymentWorkflow:
             # went quiet. Not lost yet: the keeper probes before giving up on it.
             self._inbox.append(Silent(replica_id=replica_id))
             return
-        self._inbox.append(Exited(replica_id=replica_id,
-                                  detail=f"{ended.kind.value}: {ended.detail}"))
+        detail = f"{ended.kind.value}: {ended.detail}"
+        if self._engine_log_events:
+            self._events.append(_engine_log_event(
+                "replica.exited", self._state.keeper.spec.deployment_id, replica_id,
+                message=detail, ended=ended))
+        self._inbox.append(Exited(replica_id=replica_id, detail=detail))
 
     async def _probe(self, replica_id: ReplicaId) -> None:
         timeout = timedelta(seconds=self._state.timings.probe_timeout_s)
@@ -677,6 +831,10 @@ class DeploymentWorkflow:
             retry_policy=STORE_RETRY)
 
     async def _finish(self) -> None:
+        if self._writer is not None:
+            # The deleting status (and any audit event) first; nothing after the delete.
+            await workflow.wait_condition(self._writer_idle)
+            self._store_closed = True
         await workflow.execute_activity(
             ACTIVITY_DELETE_DEPLOYMENT,
             DeleteDeploymentInput(deployment_id=self._state.keeper.spec.deployment_id),
@@ -710,6 +868,31 @@ def _describe(exc: ActivityError) -> str:
     if isinstance(cause, ApplicationError):
         return cause.message
     return str(cause or exc)
+
+
+def _start_exit(exc: ActivityError) -> ShardExit | None:
+    """How the engine of a failed start ended, with its log: the agent's ShardExit, the
+    first detail of its ApplicationError (activities/node.py). None for a failure without
+    one (a timeout, a bad engine config), or one this worker cannot read."""
+    cause = exc.cause
+    if not isinstance(cause, ApplicationError) or not cause.details:
+        return None
+    try:
+        return ShardExit.model_validate(cause.details[0])
+    except ValidationError:
+        return None
+
+
+def _engine_log_event(kind: str, deployment_id: DeploymentId, replica_id: ReplicaId, *,
+                      message: str, ended: ShardExit | None) -> NewEvent:
+    """The audit event for an engine that exited or failed to start, with its last
+    EVENT_LOG_LINES log lines (none when the failure came without them)."""
+    data: dict[str, Any] = {"log": []}
+    if ended is not None:
+        data = {"exit_kind": ended.kind.value, "exit_code": ended.exit_code,
+                "signal": ended.signal, "log": ended.log_tail[-EVENT_LOG_LINES:]}
+    return NewEvent(kind=kind, deployment_id=deployment_id, replica_id=replica_id,
+                    message=message, data=data)
 
 
 def initial_state(spec: DeploymentSpec, config: KeeperConfig, timings: WorkflowTimings,

@@ -104,6 +104,16 @@ class FakeCluster:
     #: Each watch_shard as it begins, and each one cancelled by the workflow.
     watches: list[str] = field(default_factory=list)
     watches_cancelled: list[str] = field(default_factory=list)
+    #: The engine's last log lines, in a watch's exit and a failed start's error details
+    #: (as the agent sends them: ShardExit.log_tail, the ApplicationError's first detail).
+    exit_log: list[str] = field(default_factory=list)
+    start_failure_log: list[str] = field(default_factory=list)
+    #: Every record_event, in order.
+    events: list[NewEvent] = field(default_factory=list)
+    #: list_shards answers only once this status was written to the store. The store
+    #: writes coalesce (each writes what is current when it starts), so a status that
+    #: lasts only until a probe answers in milliseconds need never be written otherwise.
+    probe_after_status: DeploymentStatus | None = None
 
     def _agent_answer(self, model: Any) -> Any:
         if self.agent_extra is None:
@@ -148,14 +158,19 @@ class FakeCluster:
 
         @activity.defn(name="record_event")
         async def record_event(event: NewEvent) -> Event:
-            raise AssertionError("not used")
+            self.events.append(event)
+            return Event(**event.model_dump(), event_id=len(self.events),
+                         at=activity.info().started_time)
 
         @activity.defn(name="start_shard")
         async def start_shard(req: StartShardInput) -> Any:
             self.started.append(req.spec.replica_id)
             if len(self.started) <= self.start_failures:
-                raise ApplicationError("engine exited with code 1", type="ShardStartFailed",
-                                       non_retryable=True)
+                ended = ShardExit(replica_id=req.spec.replica_id, kind=ExitKind.ERROR,
+                                  exit_code=1, detail="exited with code 1",
+                                  log_tail=self.start_failure_log)
+                raise ApplicationError("engine exited with code 1", ended,
+                                       type="ShardStartFailed", non_retryable=True)
             gate = self.start_gates.get(req.spec.replica_id)
             if gate is not None:
                 await gate.wait()
@@ -183,7 +198,7 @@ class FakeCluster:
                 raise
             return self._agent_answer(ShardExit(
                 replica_id=req.replica_id, kind=ExitKind.SIGNALLED, signal=9,
-                detail="killed by SIGKILL"))
+                detail="killed by SIGKILL", log_tail=self.exit_log))
 
         @activity.defn(name="stop_shard")
         async def stop_shard(req: StopShardInput) -> ShardExit:
@@ -192,6 +207,8 @@ class FakeCluster:
 
         @activity.defn(name="list_shards")
         async def list_shards() -> list[Any]:
+            while self.probe_after_status not in (None, *(s.status for s in self.statuses)):
+                await asyncio.sleep(0.05)
             if self.agent_runs is None:
                 raise ApplicationError("agent restarting")
             return [self._agent_answer(ShardReport(
@@ -646,6 +663,7 @@ async def test_an_unreachable_replica_its_agent_vouches_for_is_adopted(
     cluster.agent_runs = {"d1-r1"}
     cluster.agent_extra = {"added_in_a_later_version": True}
     cluster.start_gates["d1-r2"] = asyncio.Event()  # the replacement is still loading
+    cluster.probe_after_status = DeploymentStatus.DEGRADED
     timings = WorkflowTimings(watch_heartbeat_timeout_s=2.0)
     async with _run(time_skipping_env, cluster, timings=timings) as run:
         await asyncio.wait_for(_until(lambda: cluster.released == ["d1-r2"]), 20)
@@ -738,6 +756,82 @@ async def test_search_attributes_move_on_while_the_store_is_down(
         await record_history(run.handle, "search_attributes_store_down")
 
 
+async def test_a_store_outage_delays_status_writes_not_the_replacement_of_a_lost_replica(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """The database refuses every status and replica-state write while a serving engine
+    dies: the replacement is still placed, started and watched (the writes go on in the
+    background, retrying). Once the store is back it gets what is current, not each state
+    in between."""
+    async with _run(time_skipping_env, cluster) as run:
+        await run.until(DeploymentStatus.SERVING)
+        await asyncio.wait_for(_until(lambda: bool(cluster.statuses) and
+                                      cluster.statuses[-1].status is DeploymentStatus.SERVING
+                                      and ("d1-r1", "ready") in cluster.replica_states), 20)
+        cluster.store_down = True
+        statuses, replica_states = len(cluster.statuses), len(cluster.replica_states)
+        cluster.crash["d1-r1"].set()
+
+        # Replaced during the outage: placed, started, watched, serving.
+        await asyncio.wait_for(_until(lambda: cluster.watches == ["d1-r1", "d1-r2"]), 20)
+        view = await _until_view(run, lambda v: [(r.replica_id, r.phase)
+                                                 for r in v.keeper.replicas]
+                                 == [("d1-r2", "ready")])
+        assert view.status is DeploymentStatus.SERVING
+        assert cluster.placements == cluster.started == ["d1-r1", "d1-r2"]
+        assert cluster.stopped == cluster.released == ["d1-r1"]
+        assert len(cluster.statuses) == statuses  # the store refused every write meanwhile
+        assert len(cluster.replica_states) == replica_states
+
+        cluster.store_down = False
+        current = DeploymentStatusUpdate(
+            deployment_id=DeploymentId("d1"), status=DeploymentStatus.SERVING,
+            placement_error=None, consecutive_failures=0,
+            last_failure="signalled: killed by SIGKILL", desired_replicas=1)
+        await asyncio.wait_for(_until(lambda: cluster.statuses[statuses:] == [current]), 30)
+        await asyncio.wait_for(_until(
+            lambda: cluster.replica_states[-1] == ("d1-r2", "ready")), 20)
+        # Coalesced: the replacement's starting state, and the placing status while it was
+        # placed, were never current when the store could take them.
+        assert ("d1-r2", "starting") not in cluster.replica_states
+        assert cluster.statuses[-1] == current
+
+        await run.handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(run.handle.result(), 20)
+        assert cluster.statuses[-1].status is DeploymentStatus.DELETING
+        assert cluster.deleted == ["d1"]
+        await record_history(run.handle, "store_outage_replacement")
+
+
+async def test_an_engine_exit_and_a_failed_start_leave_the_engine_log_in_the_events(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """A watch's exit and a failed start each append an audit event (replica.exited,
+    replica.start_failed) with the engine's last 200 log lines."""
+    cluster.exit_log = [f"exit line {n}" for n in range(250)]  # more than an agent sends
+    cluster.start_failure_log = ["loading weights", "CUDA error: out of memory"]
+    async with _run(time_skipping_env, cluster) as run:
+        await run.until(DeploymentStatus.SERVING)
+        cluster.start_failures = 2  # the replacement's start fails once
+        cluster.crash["d1-r1"].set()
+        # Replaced again after the failed start's backoff (10 s of test time).
+        await asyncio.wait_for(_until(lambda: "d1-r3" in cluster.crash), 30)
+        await asyncio.wait_for(_until(lambda: len(cluster.events) == 2), 20)
+        exited, start_failed = cluster.events
+        assert (exited.kind, exited.deployment_id, exited.replica_id) == (
+            "replica.exited", "d1", "d1-r1")
+        assert exited.message == "signalled: killed by SIGKILL"
+        assert exited.data["log"] == cluster.exit_log[-200:]
+        assert (start_failed.kind, start_failed.deployment_id, start_failed.replica_id) == (
+            "replica.start_failed", "d1", "d1-r2")
+        assert start_failed.message == "engine exited with code 1"
+        assert start_failed.data["log"] == cluster.start_failure_log
+        await run.handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(run.handle.result(), 20)
+        assert len(cluster.events) == 2
+        await record_history(run.handle, "engine_log_events")
+
+
 async def _until_search_attributes(run: Running, *, status: str, ready: int, desired: int,
                                    nodes: list[str]) -> None:
     want = (status, ready, desired, nodes)
@@ -762,6 +856,7 @@ async def test_node_silent_makes_replicas_unreachable_and_the_probe_supersedes_t
     cancelled. The agent vouches for it: it is watched again and its replacement stopped."""
     cluster.agent_runs = {"d1-r1"}
     cluster.start_gates["d1-r2"] = asyncio.Event()  # the replacement is still loading
+    cluster.probe_after_status = DeploymentStatus.DEGRADED
     async with _run(time_skipping_env, cluster) as run:
         await run.until(DeploymentStatus.SERVING)
         await run.handle.signal(DeploymentWorkflow.node_silent, NodeSilentInput(
@@ -839,11 +934,12 @@ async def test_a_deployment_that_cannot_be_placed_costs_at_most_30_history_event
     cluster.cant_place = "node a: 8.0 GiB free, needs 24.0 GiB"
     async with _run(time_skipping_env, cluster) as run:
         await run.until(DeploymentStatus.CANT_PLACE)
-        # From the first retry's timer on (the clock runs on meanwhile: an activity in
-        # flight holds the time-skipping server to the wall clock).
-        armed = (await _quiet_history(run.handle)).events[-1]
-        assert armed.event_type == EventType.EVENT_TYPE_TIMER_STARTED
-        start = _at(armed)
+        # From when the first retry's timer is armed and the status write is in (the clock
+        # runs on meanwhile: an activity in flight holds the time-skipping server to the
+        # wall clock). The timer no longer waits for the write, so the write may end last.
+        quiet = await _quiet_history(run.handle)
+        assert len(_open_timers(quiet)) == 1
+        start = _at(quiet.events[-1])
         hour = timedelta(hours=1)
         await time_skipping_env.sleep(2 * hour)
         history = await run.handle.fetch_history()
