@@ -105,6 +105,11 @@ class Fleet:
     gateway_url: str = ""
     temporal_address: str = ""
     database_url: str = ""
+    #: Settings given to every child on top of the defaults (``MODELKEEPER_*``): empty, the
+    #: defaults are measured. A benchmark that compares with an old setting names it here.
+    extra_env: dict[str, str] = field(default_factory=dict)
+    #: The command an agent runs under, before its ``agent`` arguments.
+    agent_command: tuple[str, ...] = (sys.executable, "-m", "modelkeeper")
 
     async def start(self) -> None:
         """Start every component in order and wait until each does its job."""
@@ -138,7 +143,8 @@ class Fleet:
                "MODELKEEPER_DATABASE_URL": self.database_url,
                "MODELKEEPER_ENGINE_KEY_SECRET": SECRET,
                "TEMPORAL_ADDRESS": self.temporal_address,
-               "TEMPORAL_NAMESPACE": NAMESPACE}
+               "TEMPORAL_NAMESPACE": NAMESPACE,
+               **self.extra_env}
         self._env = env
 
         worker = self._start("worker", [sys.executable, "-m", "modelkeeper", "worker"], env)
@@ -174,7 +180,7 @@ class Fleet:
         data_dir = self.root / name
         # Only the port range is set: three agents share one machine, and the default
         # range would have them race for the same ports.
-        argv = [sys.executable, "-m", "modelkeeper", "agent", "--data-dir", str(data_dir),
+        argv = [*self.agent_command, "agent", "--data-dir", str(data_dir),
                 "--name", name, "--memory", self.node_memory,
                 "--engine-port-range", f"{low}-{low + ENGINE_PORTS_PER_AGENT}"]
         proc = ManagedProcess(f"agent {name}", argv, self.root / "logs" / f"{name}.log",
