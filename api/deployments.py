@@ -202,6 +202,9 @@ async def create_deployment(request: DeploymentRequest, store: StoreDep,
         await temporal.start_workflow(
             DeploymentWorkflow.run, DeploymentInput(state=state), id=workflow_id,
             task_queue=CONTROL_TASK_QUEUE,
+            # The web UI's one-line summary of the run; the workflow keeps its current
+            # details (status, replicas, nodes) up to date itself.
+            static_summary=_summary(request),
             search_attributes=TypedSearchAttributes([
                 SearchAttributePair(MODEL_ID_KEY, request.model_id),
                 SearchAttributePair(STATUS_KEY, DeploymentStatus.PLACING.value)]))
@@ -333,3 +336,14 @@ async def _existing(store: Store, deployment_id: str) -> DeploymentView:
     if view is None:
         raise HTTPException(404, f"deployment {deployment_id!r} does not exist")
     return view
+
+
+def _summary(request: DeploymentRequest) -> str:
+    """What an operator reads first in the web UI's list of runs."""
+    where = ""
+    if request.node_ids:
+        where += f" on {', '.join(request.node_ids)}"
+    if request.labels:
+        where += " where " + ", ".join(f"{k}={v}" for k, v in sorted(request.labels.items()))
+    plural = "replica" if request.replicas == 1 else "replicas"
+    return f"keep {request.model_id} served: {request.replicas} {plural}{where}"

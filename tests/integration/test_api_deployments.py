@@ -66,7 +66,8 @@ async def test_bad_models_name_the_field(api: httpx.AsyncClient, body: dict[str,
     assert (await api.get("/models")).json() == []  # nothing was kept
 
 
-async def test_deployments_create_conflict_unknown_delete(api: httpx.AsyncClient) -> None:
+async def test_deployments_create_conflict_unknown_delete(
+        api: httpx.AsyncClient, local_temporal_env: WorkflowEnvironment) -> None:
     await api.post("/models", json=SIM)
     unknown = await api.post("/deployments", json={"model_id": "nope"})
     assert unknown.status_code == 422
@@ -81,6 +82,10 @@ async def test_deployments_create_conflict_unknown_delete(api: httpx.AsyncClient
     assert (view["status"], view["desired_replicas"], view["ready_replicas"]) == (
         "placing", 2, 0)
     assert view["workflow_id"] == f"deployment/{view['deployment_id']}"
+    # The web UI lists the run with a sentence an operator can read.
+    described = await local_temporal_env.client.get_workflow_handle(
+        view["workflow_id"]).describe()
+    assert await described.static_summary() == "keep sim-a served: 2 replicas"
     assert (await api.post("/deployments", json={"model_id": "sim-a"})).status_code == 409
     assert (await api.get(f"/deployments/{view['deployment_id']}")).status_code == 200
     assert (await api.get("/deployments/d-missing")).status_code == 404
