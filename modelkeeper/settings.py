@@ -111,6 +111,13 @@ class Settings(BaseSettings):
         description="A fresh worker waits this long (or half of it with a steady node "
         "count) before placing, so agents can reconnect and report what they run.",
     )
+    sweep_interval_s: float = Field(
+        default=60.0, gt=0,
+        description="How often the control worker sweeps away deployments whose workflow "
+        "is gone (terminated, or never started): rows, replicas and claims. At 60 s a "
+        "terminated deployment's memory returns to placement within about 2 minutes, for "
+        "one Temporal describe per deployment per minute.",
+    )
 
     # -- agent -------------------------------------------------------------------------------
     api_url: str = Field(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,6 +15,8 @@ from modelkeeper.names import CONTROL_TASK_QUEUE
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 from workflows import ALL_WORKFLOWS
+
+from . import sweep
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +39,18 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
                 activities=store_activities.all(),
                 activity_executor=executor,
             )
+            # Removes what a terminated deployment left in the store (see worker/sweep.py).
+            sweeper = asyncio.create_task(
+                sweep.run(store, client, interval_s=settings.sweep_interval_s))
             try:
                 async with worker:
                     log.info("worker polling %s on %s", CONTROL_TASK_QUEUE,
                              settings.temporal_address)
                     await stop.wait()
             finally:
+                sweeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweeper
                 await store_activities.stop_settling_sampler()
     finally:
         await store.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
@@ -382,6 +383,48 @@ class Store:
         """Remove a deployment and (by cascade) its replicas and their claims."""
         await self._pool.execute("DELETE FROM deployments WHERE deployment_id = $1",
                                  deployment_id)
+
+    async def now(self) -> datetime:
+        """The database's clock, which stamps every ``created_at``: an age measured against
+        it does not depend on the caller's clock agreeing with the database's."""
+        now: datetime = await self._pool.fetchval("SELECT now()")
+        return now
+
+    async def sweep_deployment(self, deployment_id: str, *, workflow_id: str,
+                               event_for: Callable[[list[ReplicaView]], NewEvent],
+                               ) -> Event | None:
+        """Remove a deployment whose workflow is gone: its replicas (by cascade, their
+        claims), then its row, and append ``event_for(the replicas removed)`` to the audit
+        log, in one transaction. None when the row (of that workflow) is already gone,
+        and then nothing is appended.
+
+        Idempotent and safe to race: the row's lock makes a second sweeper wait, then find
+        nothing. A placement still running for the deployment (an activity a terminate
+        left behind) holds a key-share lock on the row from its replica's insert to its
+        commit: the sweep waits for it and removes its claims too, or, first to the row,
+        makes that insert fail on the missing row, so no claim outlives the sweep.
+        """
+        async with self._pool.acquire() as conn, conn.transaction():
+            locked = await conn.fetchval(
+                "SELECT deployment_id FROM deployments "
+                "WHERE deployment_id = $1 AND workflow_id = $2 FOR UPDATE",
+                deployment_id, workflow_id)
+            if locked is None:
+                return None
+            replicas = [ReplicaView(**_record(r)) for r in await conn.fetch(
+                _REPLICA_SELECT + " WHERE r.deployment_id = $1 ORDER BY r.created_at",
+                deployment_id)]
+            await conn.execute("DELETE FROM replicas WHERE deployment_id = $1", deployment_id)
+            await conn.execute("DELETE FROM deployments WHERE deployment_id = $1",
+                               deployment_id)
+            event = event_for(replicas)
+            row = await conn.fetchrow(
+                "INSERT INTO events (kind, message, deployment_id, node_id, replica_id, data) "
+                "VALUES ($1, $2, $3, $4, $5, $6) RETURNING event_id, at",
+                event.kind, event.message, event.deployment_id, event.node_id,
+                event.replica_id, event.data)
+            assert row is not None
+            return Event(**event.model_dump(), event_id=row["event_id"], at=row["at"])
 
     async def mark_deleting(self, deployment_id: str) -> bool:
         """Show a deployment as deleting; False when it does not exist."""
