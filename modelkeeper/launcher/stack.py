@@ -169,9 +169,9 @@ def deploy_demo(api_url: str, marker: Path, timeout: float = 120.0) -> str:
             demo = next((d for d in deployments if d["model_id"] == model_id), None)
             if demo is None:
                 return ""  # deleted by the operator earlier: nothing to report
-            # Statuses that will not change by themselves soon; degraded and stopped say
-            # something too (a replica went unreachable, or it was scaled to zero).
-            if demo["status"] in ("serving", "parked", "cant_place", "degraded", "stopped"):
+            # Statuses that will not change by themselves soon. Not degraded: a replacement
+            # is on its way (after a restart of `up`, the old replica is gone at first).
+            if demo["status"] in ("serving", "parked", "cant_place", "stopped"):
                 reason = demo["placement_error"] or demo["last_failure"] or ""
                 return f"  demo model     {model_id}: {demo['status']}" + (
                     f" ({reason})" if reason and demo["status"] != "serving" else "")
