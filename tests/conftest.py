@@ -19,13 +19,17 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import asyncpg
+import httpx
 import pytest
+from fastapi import FastAPI
 from temporalio.testing import WorkflowEnvironment
 
+from api.app import create_app
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.launcher import binaries
 from modelkeeper.launcher.postgres import dsn, start_postgres
 from modelkeeper.names import SEARCH_ATTRIBUTES
+from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 
 TEMPLATE_DB = "modelkeeper_template"
@@ -134,3 +138,24 @@ async def local_temporal_env() -> AsyncIterator[WorkflowEnvironment]:
         yield env
     finally:
         await env.shutdown()
+
+
+@pytest.fixture
+async def app(local_temporal_env: WorkflowEnvironment,
+              database_url: str) -> AsyncIterator[FastAPI]:
+    """The API in process, on the test database and Temporal server, with no worker: its
+    workflows start and stay running, never placing."""
+    client = local_temporal_env.client
+    app = create_app(Settings(database_url=database_url,
+                              temporal_address=client.service_client.config.target_host,
+                              temporal_namespace=client.namespace))
+    async with app.router.lifespan_context(app):
+        yield app
+
+
+@pytest.fixture
+async def api(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client of :func:`app`."""
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://api") as http:
+        yield http

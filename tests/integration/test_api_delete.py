@@ -10,7 +10,7 @@ and real Temporal servers (no worker: the API's own decisions).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
@@ -19,13 +19,11 @@ from temporalio.client import Client
 from temporalio.service import RetryConfig
 from temporalio.testing import WorkflowEnvironment
 
-from api.app import create_app
 from modelkeeper.domain.catalog import DeploymentRequest
 from modelkeeper.domain.ids import DeploymentId, ModelId
 from modelkeeper.infra.processes import free_port
 from modelkeeper.launcher import binaries
 from modelkeeper.names import deployment_workflow_id
-from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,22 +31,7 @@ pytestmark = pytest.mark.timeout(60)
 SIM = {"model_id": "sim-a", "engine": "sim", "source": "sim", "memory_bytes": 1 << 30}
 
 
-@pytest.fixture
-async def app(local_temporal_env: WorkflowEnvironment,
-              database_url: str) -> AsyncIterator[FastAPI]:
-    client = local_temporal_env.client
-    app = create_app(Settings(database_url=database_url,
-                              temporal_address=client.service_client.config.target_host,
-                              temporal_namespace=client.namespace))
-    async with app.router.lifespan_context(app):
-        yield app
-
-
-@pytest.fixture
-async def api(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://api") as http:
-        yield http
+# The API fixtures `app` and `api` are in tests/conftest.py.
 
 
 async def _temporal_down(env: WorkflowEnvironment) -> Client:

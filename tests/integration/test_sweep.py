@@ -10,7 +10,6 @@ deployment and a fresh row whose workflow has not started yet are kept.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -21,7 +20,6 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
-from api.app import create_app
 from modelkeeper.domain.catalog import DeploymentRequest, DeploymentView
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.nodes import AgentRegistration, Inventory
@@ -87,23 +85,7 @@ def test_rule_4_a_row_whose_workflow_runs_is_kept(workflow: sweep.WorkflowSeen) 
 
 # -- passes against Temporal and PostgreSQL -------------------------------------------------
 
-@pytest.fixture
-async def app(local_temporal_env: WorkflowEnvironment,
-              database_url: str) -> AsyncIterator[FastAPI]:
-    """The API, with no worker: its workflows start and stay running, never placing."""
-    client = local_temporal_env.client
-    app = create_app(Settings(database_url=database_url,
-                              temporal_address=client.service_client.config.target_host,
-                              temporal_namespace=client.namespace))
-    async with app.router.lifespan_context(app):
-        yield app
-
-
-@pytest.fixture
-async def api(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://api") as http:
-        yield http
+# The API fixtures `app` and `api` are in tests/conftest.py.
 
 
 async def _deploy_with_a_claim(api: httpx.AsyncClient, store: Store, model_id: str,
