@@ -67,6 +67,12 @@ SIGNAL_DELETE = "delete"
 #: agent's liveness stream broke or stopped): those replicas are unreachable now.
 SIGNAL_NODE_SILENT = "node_silent"
 UPDATE_SCALE = "scale"
+#: The change primitive the sagas use (modelkeeper.domain.ops): surge, replace, retire,
+#: the long poll on an op's outcome, its compensation, and the generation to run.
+UPDATE_OP = "op"
+UPDATE_AWAIT_OP = "await_op"
+UPDATE_CANCEL_OP = "cancel_op"
+UPDATE_SET_GENERATION = "set_generation"
 QUERY_STATUS = "status"
 
 #: Activities, by name, for the workflows that call them without importing their modules
@@ -77,6 +83,19 @@ ACTIVITY_RECORD_REPLICA_STATE = "record_replica_state"
 ACTIVITY_RELEASE_REPLICA = "release_replica"
 ACTIVITY_RECORD_DEPLOYMENT_STATUS = "record_deployment_status"
 ACTIVITY_DELETE_DEPLOYMENT = "delete_deployment"
+#: Routing: mark a replica draining and wait (bounded) for its in-flight requests.
+ACTIVITY_DRAIN_REPLICA = "drain_replica"
+#: The sagas' activities (control queue): ask a deployment workflow (activities.ops) ...
+ACTIVITY_REQUEST_OP = "request_op"
+ACTIVITY_AWAIT_OP = "await_op"
+ACTIVITY_CANCEL_OP = "cancel_op"
+ACTIVITY_SET_GENERATION = "set_generation"
+ACTIVITY_DESCRIBE_DEPLOYMENT = "describe_deployment"
+#: ... and keep their record and the cordon in the store (activities.operations).
+ACTIVITY_BEGIN_OPERATION = "begin_operation"
+ACTIVITY_RECORD_OPERATION = "record_operation"
+ACTIVITY_SET_CORDON = "set_cordon"
+ACTIVITY_NODE_DEPLOYMENTS = "node_deployments"
 #: ... and each node's own queue (:func:`node_task_queue`):
 ACTIVITY_START_SHARD = "start_shard"
 ACTIVITY_WATCH_SHARD = "watch_shard"
@@ -93,3 +112,21 @@ ERROR_ENGINE_CONFIG = "EngineConfigError"
 ERROR_NO_FREE_PORT = "NoFreePort"
 #: ... and DeploymentWorkflow's scale validator, refusing an update while it deletes.
 ERROR_DELETING = "Deleting"
+#: ... refusing an op (unknown replica, leased to another op, surge limit), and
+#: begin_operation refusing a second saga on one deployment or node.
+ERROR_OP_REFUSED = "OpRefused"
+ERROR_OPERATION_CONFLICT = "OperationConflict"
+#: ... a deployment workflow a saga asks that is not running (deleted, never started).
+ERROR_NO_DEPLOYMENT = "NoDeployment"
+
+
+#: Saga workflow types (workflows/restart.py, drain.py, switch.py); reconfigure is a
+#: switch with the same model and other engine arguments.
+WORKFLOW_RESTART = "RestartSaga"
+WORKFLOW_DRAIN = "DrainSaga"
+WORKFLOW_SWITCH = "SwitchSaga"
+
+
+def operation_workflow_id(kind: str, subject: str, n: int) -> str:
+    """A saga's workflow id, readable: ``restart/<deployment>/<n>``, ``drain/<node>/<n>``."""
+    return f"{kind}/{subject}/{n}"

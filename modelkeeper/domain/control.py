@@ -10,8 +10,9 @@ from __future__ import annotations
 from pydantic import Field
 
 from .base import Frozen
-from .ids import DeploymentId, ReplicaId
+from .ids import DeploymentId, NodeId, ReplicaId
 from .keeper import DeploymentSpec
+from .ops import Generation
 from .shards import ShardSpec
 
 
@@ -21,6 +22,11 @@ class PlaceReplicaInput(Frozen):
     spec: DeploymentSpec
     replica_id: ReplicaId
     start_timeout_s: float = Field(gt=0)
+    #: The new replica goes on none of these (a node being drained).
+    avoid_nodes: list[NodeId] = Field(default_factory=list)
+    #: What it runs: this catalog model with these engine arguments over the catalog's.
+    #: None: ``spec.model_id`` as the catalog has it (and the recorded histories' inputs).
+    generation: Generation | None = None
 
 
 class PlaceReplicaResult(Frozen):
