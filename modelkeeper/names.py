@@ -74,6 +74,8 @@ UPDATE_AWAIT_OP = "await_op"
 UPDATE_CANCEL_OP = "cancel_op"
 UPDATE_SET_GENERATION = "set_generation"
 QUERY_STATUS = "status"
+#: A deployment as a saga sees it (modelkeeper.domain.ops.DeploymentBrief).
+QUERY_BRIEF = "brief"
 
 #: Activities, by name, for the workflows that call them without importing their modules
 #: (``activities.store`` holds the store, which workflows must not import). Control queue:
