@@ -103,6 +103,12 @@ class OpOutcome(Tolerant):
     #: The replica the op retired or will retire (replace, retire).
     retired: ReplicaId | None = None
     error: str | None = None
+    #: When the op was asked for and when it ended (workflow time): a stop-first replace's
+    #: outage window is from the retire to the new replica's readiness, both shown here.
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+    #: What happened, in order, for the saga's step ("stopped d1-r1 at ...; d1-r3 ready").
+    detail: str = ""
 
 
 class AwaitOpRequest(Tolerant):
@@ -231,3 +237,62 @@ class SwitchInput(Tolerant):
     model_id: ModelId | None = None
     engine_args: dict[str, Any] | None = None
     requested_by: str = ""
+
+
+# -- the sagas' activities: inputs and results ---------------------------------------------
+
+
+class OpCall(Tolerant):
+    """Input of ``request_op``: ask this deployment's workflow for an op."""
+
+    deployment_id: DeploymentId
+    request: OpRequest
+
+
+class AwaitOpCall(Tolerant):
+    """Input of ``await_op``: wait for an op of this deployment to end (the activity long-
+    polls the ``await_op`` update and heartbeats until it has)."""
+
+    deployment_id: DeploymentId
+    request: AwaitOpRequest
+
+
+class CancelOpCall(Tolerant):
+    """Input of ``cancel_op``."""
+
+    deployment_id: DeploymentId
+    request: CancelOpRequest
+
+
+class SetGenerationCall(Tolerant):
+    """Input of ``set_generation``."""
+
+    deployment_id: DeploymentId
+    request: SetGenerationRequest
+
+
+class DescribeDeploymentInput(Tolerant):
+    """Input of ``describe_deployment`` (answers a :class:`DeploymentBrief`)."""
+
+    deployment_id: DeploymentId
+
+
+class SetCordonInput(Tolerant):
+    """Input of ``set_cordon``: cordon (or uncordon) a node, with the reason shown."""
+
+    node_id: NodeId
+    cordoned: bool
+    reason: str | None = None
+
+
+class NodeDeploymentsInput(Tolerant):
+    """Input of ``node_deployments``: which replicas hold a claim on this node."""
+
+    node_id: NodeId
+
+
+class NodeReplica(Tolerant):
+    """One replica holding a claim on a node (``node_deployments`` answers a list)."""
+
+    deployment_id: DeploymentId
+    replica_id: ReplicaId
