@@ -43,6 +43,31 @@ The rules, each guarded by a test:
   ``precise_status``: 0 replicas wanted), serving (every desired replica ready), degraded
   (with ``precise_status``: a replica unreachable; ``last_failure`` says which and why),
   starting, cant_place, placing.
+* Ops (modelkeeper.domain.ops): a saga asks, the keeper acts; ``refuse_op`` is the
+  update's validator (a replica not ours or not live, one leased to another op, more
+  than ``max_surge`` surging at once, a deleting deployment).
+
+  - surge: a new replica, leased to the op (``Replica.op_id``), so it does not count
+    toward the desired number and is not scaled straight back down. The op succeeds when
+    it is ready; the lease ends with a retire that ``balances`` it, or its cancel.
+  - replace: surge; once the new replica is ready it is handed over (counts) and the old
+    one is retired, drained first; the op succeeds when the old one has stopped. With
+    ``stop_first`` the old one is retired first and its slot is held (``_reserved``) so
+    the keeper does not fill it with the old generation; the new one is placed once the
+    old has stopped, and handed over when ready.
+  - retire: the replica is retired (drained first); the op succeeds once it has stopped.
+  - An op's placement waits for no backoff (an operator asked) but for any other
+    placement of the deployment in flight. Its failure (no room, a crash, a failed start)
+    fails the op, not the deployment: no failed-start count, no park, no cant_place.
+    When a stop-first replace fails, its held slot is freed and the keeper places a
+    replica of the deployment's current generation at once: the old model comes back.
+  - cancel: retires what the op surged and keeps what it would have retired; too late
+    once the old replica's retire has begun.
+  - A replica runs a ``Generation`` (model and engine arguments); ``set_generation``
+    changes what new replicas run, and older ones show as outdated until replaced.
+* Graceful stop (``graceful_stop``): a ready replica retired by scale-down, an op or a
+  delete is drained (out of routing, in-flight requests finished) before it stops; a
+  lost or unreachable one is not (nothing reaches it).
 * The keeper only ever touches replicas it placed (they are the only ones in its state).
 * What the deployment shows outside the store (``overview()``: search attributes;
   ``details()``: the web UI's current details) is computed here too, from the state.
@@ -58,7 +83,17 @@ from typing import Annotated, Literal, assert_never
 from pydantic import Field
 
 from .base import Frozen, Tolerant
-from .ids import DeploymentId, ModelId, NodeId, ReplicaId
+from .ids import DeploymentId, ModelId, NodeId, OpId, ReplicaId
+from .ops import (
+    OP_ENDED,
+    DeploymentBrief,
+    Generation,
+    OpKind,
+    OpOutcome,
+    OpRequest,
+    OpState,
+    ReplicaBrief,
+)
 from .status import DeploymentStatus, ReplicaState
 
 # -- state -------------------------------------------------------------------------------
@@ -98,6 +133,13 @@ class Replica(Tolerant):
     stop_reason: str | None = None
     #: Scaled away while its placement was in flight: stopped as soon as it lands.
     retiring: bool = False
+    #: What it runs; None: the spec's model as the catalog has it (before generations).
+    generation: Generation | None = None
+    #: Its placement goes on none of these (an op's avoid_nodes: a node being drained).
+    avoid_nodes: list[NodeId] = Field(default_factory=list)
+    #: Placed by this op and leased to it: it does not count toward the desired number
+    #: (it is the op's surge) until the op hands it over (see "Ops" in the docstring).
+    op_id: OpId | None = None
 
 
 class DeploymentSpec(Tolerant):
@@ -109,6 +151,9 @@ class DeploymentSpec(Tolerant):
     min_nodes: int = Field(default=1, ge=1)
     node_ids: list[NodeId] | None = None
     labels: dict[str, str] = Field(default_factory=dict)
+    #: What new replicas run (set_generation); None: model_id as the catalog has it.
+    #: model_id stays the served name whatever the generation runs.
+    generation: Generation | None = None
 
 
 class KeeperConfig(Tolerant):
@@ -147,6 +192,37 @@ class KeeperConfig(Tolerant):
     #: rather than placing/cant_place and serving; decide notes why a replica went
     #: unreachable in last_failure.
     precise_status: bool = False
+    #: Replicas an op may place beyond the desired number at once (surge, replace).
+    max_surge: int = Field(default=1, ge=1)
+    #: A replica that serves is drained before it stops (StopReplica.drain): it leaves
+    #: routing and its in-flight requests finish, within the workflow's grace period.
+    graceful_stop: bool = False
+
+
+class Op(Tolerant):
+    """An operation a saga asked for, in the registry continue-as-new carries."""
+
+    op_id: OpId
+    kind: OpKind
+    state: OpState = OpState.RUNNING
+    replica_id: ReplicaId | None = None  # the one to retire
+    surged: ReplicaId | None = None  # the one it placed
+    avoid_nodes: list[NodeId] = Field(default_factory=list)
+    generation: Generation | None = None
+    stop_first: bool = False
+    balances: OpId | None = None
+    reason: str = ""
+    #: The retire of replica_id has been asked (a stop, or retiring while it places).
+    retire_issued: bool = False
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+    error: str | None = None
+    detail: str = ""
+
+
+#: Ended ops kept in the registry (a retried update finds its answer); older ones go, so
+#: the state continue-as-new carries stays small. A saga's retry comes within minutes.
+OPS_KEPT = 50
 
 
 class KeeperState(Tolerant):
@@ -173,6 +249,8 @@ class KeeperState(Tolerant):
     parked: bool = False
     deleting: bool = False
     finished: bool = False
+    #: The ops registry, oldest first.
+    ops: list[Op] = Field(default_factory=list)
 
 
 # -- observations ------------------------------------------------------------------------
@@ -281,9 +359,32 @@ class Delete(Frozen):
     kind: Literal["delete"] = "delete"
 
 
+class OpAsked(Frozen):
+    """A saga asked for an op (the ``op`` update, its validator passed)."""
+
+    kind: Literal["op_asked"] = "op_asked"
+    request: OpRequest
+
+
+class OpCancelled(Frozen):
+    """A saga compensates an op (``cancel_op``)."""
+
+    kind: Literal["op_cancelled"] = "op_cancelled"
+    op_id: OpId
+
+
+class GenerationSet(Frozen):
+    """New replicas run this from now on (``set_generation``)."""
+
+    kind: Literal["generation_set"] = "generation_set"
+    op_id: OpId
+    generation: Generation
+
+
 Observation = Annotated[
     Tick | Placed | Unplaceable | PlacementCrashed | Started | StartFailed | Exited | Silent
-    | ProbeResult | Stopped | NodesChanged | Scale | Retry | Delete,
+    | ProbeResult | Stopped | NodesChanged | Scale | Retry | Delete | OpAsked | OpCancelled
+    | GenerationSet,
     Field(discriminator="kind"),
 ]
 
@@ -324,6 +425,8 @@ class StopReplica(Frozen):
     kind: Literal["stop"] = "stop"
     replica_id: ReplicaId
     reason: str
+    #: It serves: leave routing and let its in-flight requests finish first (graceful).
+    drain: bool = False
 
 
 class Finish(Frozen):
@@ -380,11 +483,24 @@ def _find(state: KeeperState, replica_id: ReplicaId) -> Replica | None:
 
 
 def _stop(state: KeeperState, replica: Replica, reason: str,
-          actions: list[Action]) -> KeeperState:
-    actions.append(StopReplica(replica_id=replica.replica_id, reason=reason))
+          actions: list[Action], *, drain: bool = False) -> KeeperState:
+    actions.append(StopReplica(replica_id=replica.replica_id, reason=reason, drain=drain))
     return _replace(state, replica.model_copy(update={
         "phase": Phase.STOPPING, "stop_reason": reason, "probe_in_flight": False,
         "retiring": False}))
+
+
+def _retire_one(state: KeeperState, replica: Replica, reason: str, config: KeeperConfig,
+                actions: list[Action]) -> KeeperState:
+    """Retire a replica we no longer want: one still placing is stopped when it lands
+    (see _on_placed); one that serves is drained first with ``graceful_stop``."""
+    if replica.phase is Phase.PLACING:
+        return _replace(state, replica.model_copy(update={"retiring": True,
+                                                          "stop_reason": reason}))
+    if replica.phase is Phase.STOPPING:
+        return state
+    return _stop(state, replica, reason, actions,
+                 drain=config.graceful_stop and replica.phase is Phase.READY)
 
 
 def _lost_after_ready(state: KeeperState, replica: Replica, why: str,
@@ -428,6 +544,12 @@ def _observe(state: KeeperState, obs: Observation, *, now: datetime, config: Kee
             return _on_probe_result(state, obs, now=now, config=config, actions=actions)
         case Stopped():
             return _on_stopped(state, obs)
+        case OpAsked():
+            return _on_op_asked(state, obs, now=now)
+        case OpCancelled():
+            return _on_op_cancelled(state, obs, now=now, config=config, actions=actions)
+        case GenerationSet():
+            return _on_generation_set(state, obs)
         case _:
             # mypy proves this unreachable; a new observation type fails the type check.
             assert_never(obs)
@@ -502,6 +624,8 @@ def _on_unplaceable(state: KeeperState, obs: Unplaceable, *, now: datetime,
     if replica is None:
         return state
     state = _drop(state, replica.replica_id)
+    if replica.op_id is not None:
+        return _op_failed(state, replica.op_id, f"no room: {obs.reason}", now=now)
     if config.surge_on_unreachable and (replica.retiring or _is_surge(state)):
         return _surge_failed(state, replica, "no room for a replacement", obs.reason,
                              now=now, config=config)
@@ -518,6 +642,8 @@ def _on_placement_crashed(state: KeeperState, obs: PlacementCrashed, *, now: dat
     if replica is None:
         return state
     state = _drop(state, replica.replica_id)
+    if replica.op_id is not None:
+        return _op_failed(state, replica.op_id, f"placement failed: {obs.error}", now=now)
     if config.surge_on_unreachable and (replica.retiring or _is_surge(state)):
         return _surge_failed(state, replica, "placing a replacement failed", obs.error,
                              now=now, config=config)
@@ -559,6 +685,11 @@ def _on_start_failed(state: KeeperState, obs: StartFailed, *, now: datetime,
     replica = _replica_in(state, obs.replica_id, Phase.STARTING)
     if replica is None:
         return state
+    if replica.op_id is not None:
+        # The op's new replica failed to start: the op fails (its saga decides what next),
+        # not the deployment: no failed-start count, no backoff, no park.
+        state = _stop(state, replica, "start failed", actions)
+        return _op_failed(state, replica.op_id, f"start failed: {obs.error}", now=now)
     failures = state.consecutive_failures + 1
     state = _stop(state, replica, "start failed", actions)
     parked = failures >= config.park_after
@@ -611,7 +742,7 @@ def _on_probe_result(state: KeeperState, obs: ProbeResult, *, now: datetime,
             surplus = len(others) + 1 - state.spec.replicas
             if surplus > 0:
                 state = _retire(state, others, surplus, f"not needed: {back.replica_id} is back",
-                                actions)
+                                config, actions)
         return state
     if obs.running is False:
         return _lost_after_ready(state, replica, "its agent no longer runs it", actions)
@@ -636,9 +767,13 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
     if state.finished:
         return state
     if state.deleting:
+        for op in state.ops:
+            if op.state is OpState.RUNNING:
+                state = _end_op(state, op, OpState.FAILED, now=now, error="deployment deleted")
         for replica in state.replicas:
             if replica.phase in (Phase.STARTING, Phase.READY, Phase.UNREACHABLE):
-                state = _stop(state, replica, "deployment deleted", actions)
+                state = _stop(state, replica, "deployment deleted", actions,
+                              drain=config.graceful_stop and replica.phase is Phase.READY)
             elif replica.phase is Phase.PLACING and not replica.retiring:
                 # Its placement is in flight: it is stopped when it lands (see
                 # _on_placed), and no longer counts as wanted meanwhile.
@@ -662,6 +797,8 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
             actions.append(ProbeReplica(replica_id=replica.replica_id))
             state = _replace(state, replica.model_copy(update={"probe_in_flight": True}))
 
+    state = _advance_ops(state, now, config, actions)
+
     desired = state.spec.replicas
     if config.surge_on_unreachable and _ready(state) >= desired:
         # Enough replicas serve without the unreachable ones (a replacement became ready,
@@ -672,9 +809,13 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
                               else "replaced while unreachable", actions)
 
     counted = _counted(state, config)
-    if len(counted) > desired:
-        state = _retire(state, counted, len(counted) - desired, "scaled down", actions)
-    elif len(counted) < desired and not state.parked:
+    # A stop-first replace holds the slot of the replica it retired until its new one is
+    # ready: the keeper must not fill that slot with a replica of the old generation.
+    held = len(counted) + _reserved(state)
+    if held > desired:
+        state = _retire(state, counted, min(held - desired, len(counted)), "scaled down",
+                        config, actions)
+    elif held < desired and not state.parked:
         retiring = [r for r in state.replicas if r.retiring and r.phase is Phase.PLACING]
         if retiring:
             # Wanted again (a scale-up, or a replica lost) while its placement is still in
@@ -686,8 +827,9 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
             replica_id = ReplicaId(f"{state.spec.deployment_id}-r{state.next_replica_seq}")
             actions.append(PlaceReplica(replica_id=replica_id))
             state = state.model_copy(update={
-                "replicas": [*state.replicas, Replica(replica_id=replica_id,
-                                                      phase=Phase.PLACING)],
+                "replicas": [*state.replicas, Replica(
+                    replica_id=replica_id, phase=Phase.PLACING,
+                    generation=state.spec.generation)],
                 "next_replica_seq": state.next_replica_seq + 1,
                 "next_attempt_at": None, "placement_retry_at": None,
                 "surge_retry_at": None})
@@ -695,24 +837,32 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
 
 
 def _retire(state: KeeperState, candidates: list[Replica], n: int, reason: str,
-            actions: list[Action]) -> KeeperState:
+            config: KeeperConfig, actions: list[Action]) -> KeeperState:
     """Retire the ``n`` least useful of ``candidates``: not yet placed, not yet serving,
-    unreachable, then the newest ready one."""
+    unreachable, then the newest ready one. A replica a running op means to retire goes
+    first among equals: it is on its way out anyway."""
     order = {Phase.PLACING: 0, Phase.STARTING: 1, Phase.UNREACHABLE: 2, Phase.READY: 3}
-    ranked = sorted(candidates, key=lambda r: (order[r.phase], -_seq(r.replica_id)))
+    targets = {op.replica_id for op in state.ops if op.state is OpState.RUNNING}
+    ranked = sorted(candidates, key=lambda r: (order[r.phase], r.replica_id not in targets,
+                                               -_seq(r.replica_id)))
     for replica in ranked[:n]:
-        if replica.phase is Phase.PLACING:
-            # Its placement is in flight: stop it when it lands (see _on_placed).
-            state = _replace(state, replica.model_copy(update={"retiring": True,
-                                                               "stop_reason": reason}))
-        else:
-            state = _stop(state, replica, reason, actions)
+        state = _retire_one(state, replica, reason, config, actions)
     return state
 
 
 def _live(state: KeeperState) -> list[Replica]:
-    """Replicas placed and wanted: neither stopping nor retiring."""
-    return [r for r in state.replicas if r.phase in LIVE_PHASES and not r.retiring]
+    """Replicas placed and wanted: neither stopping nor retiring, nor leased to an op (an
+    op's surge counts toward desired + surge, not desired)."""
+    return [r for r in state.replicas
+            if r.phase in LIVE_PHASES and not r.retiring and r.op_id is None]
+
+
+def _reserved(state: KeeperState) -> int:
+    """Slots held by running stop-first replaces whose old replica is retired (or being
+    retired): each counts as one replica until its new one is handed over."""
+    return sum(1 for op in state.ops
+               if op.state is OpState.RUNNING and op.kind is OpKind.REPLACE and op.stop_first
+               and op.retire_issued)
 
 
 def _counted(state: KeeperState, config: KeeperConfig) -> list[Replica]:
@@ -754,6 +904,270 @@ def _placement_due(state: KeeperState, now: datetime, config: KeeperConfig) -> b
 def _seq(replica_id: ReplicaId) -> int:
     tail = replica_id.rsplit("-r", 1)[-1]
     return int(tail) if tail.isdigit() else 0
+
+
+# -- ops: changes a saga asks for --------------------------------------------------------
+
+
+def current_generation(state: KeeperState) -> Generation:
+    """What new replicas of the deployment run."""
+    return state.spec.generation or Generation(model_id=state.spec.model_id)
+
+
+def _generation_of(state: KeeperState, replica: Replica) -> Generation:
+    return replica.generation or Generation(model_id=state.spec.model_id)
+
+
+def _find_op(state: KeeperState, op_id: OpId) -> Op | None:
+    return next((op for op in state.ops if op.op_id == op_id), None)
+
+
+def _put_op(state: KeeperState, op: Op) -> KeeperState:
+    return state.model_copy(update={"ops": [op if o.op_id == op.op_id else o
+                                            for o in state.ops]})
+
+
+def _note(op: Op, text: str, now: datetime) -> str:
+    return f"{op.detail}; {text} at {now:%H:%M:%S}" if op.detail else (
+        f"{text} at {now:%H:%M:%S}")
+
+
+def _end_op(state: KeeperState, op: Op, outcome: OpState, *, now: datetime,
+            error: str | None = None, note: str | None = None) -> KeeperState:
+    """End ``op`` and forget the oldest ended ops past OPS_KEPT."""
+    ended = op.model_copy(update={
+        "state": outcome, "ended_at": now, "error": error or op.error,
+        "detail": _note(op, note, now) if note else op.detail})
+    ops = [ended if o.op_id == op.op_id else o for o in state.ops]
+    done = [o for o in ops if o.state in OP_ENDED]
+    if len(done) > OPS_KEPT:
+        gone = {o.op_id for o in done[:len(done) - OPS_KEPT]}
+        ops = [o for o in ops if o.op_id not in gone]
+    return state.model_copy(update={"ops": ops})
+
+
+def _op_failed(state: KeeperState, op_id: OpId, error: str, *, now: datetime) -> KeeperState:
+    op = _find_op(state, op_id)
+    if op is None or op.state is not OpState.RUNNING:
+        return state
+    return _end_op(state, op, OpState.FAILED, now=now, error=error)
+
+
+def _on_op_asked(state: KeeperState, obs: OpAsked, *, now: datetime) -> KeeperState:
+    # A retried update finds its op and changes nothing; _reconcile advances a new one.
+    request = obs.request
+    if _find_op(state, request.op_id) is not None:
+        return state
+    op = Op(op_id=request.op_id, kind=request.kind, replica_id=request.replica_id,
+            avoid_nodes=request.avoid_nodes, generation=request.generation,
+            stop_first=request.stop_first, balances=request.balances,
+            reason=request.reason, started_at=now)
+    return state.model_copy(update={"ops": [*state.ops, op]})
+
+
+def _on_op_cancelled(state: KeeperState, obs: OpCancelled, *, now: datetime,
+                     config: KeeperConfig, actions: list[Action]) -> KeeperState:
+    """The compensation: retire what the op surged, keep what it would have retired.
+
+    Too late once the old replica's retire is under way (a replace whose new replica is
+    ready, a retire): the op then runs to its end, and the answer says so.
+    """
+    op = _find_op(state, obs.op_id)
+    if op is None:
+        return state
+    surged = _find(state, op.surged) if op.surged else None
+    holding = (op.kind is OpKind.SURGE and op.state is OpState.SUCCEEDED
+               and surged is not None and surged.op_id == op.op_id)
+    if not (op.state is OpState.RUNNING or holding):
+        return state
+    if op.retire_issued and not op.stop_first:
+        return _put_op(state, op.model_copy(update={
+            "detail": _note(op, "cancel asked too late: the old replica is retiring", now)}))
+    note = "cancelled"
+    if surged is not None and surged.phase is not Phase.STOPPING:
+        state = _retire_one(state, surged, f"cancelled: {op.op_id}", config, actions)
+        note = f"cancelled: {surged.replica_id} retired"
+    return _end_op(state, op, OpState.CANCELLED, now=now, note=note)
+
+
+def _on_generation_set(state: KeeperState, obs: GenerationSet) -> KeeperState:
+    # Replicas already running keep theirs until replaced: they show as outdated.
+    return state.model_copy(update={
+        "spec": state.spec.model_copy(update={"generation": obs.generation})})
+
+
+def _advance_ops(state: KeeperState, now: datetime, config: KeeperConfig,
+                 actions: list[Action]) -> KeeperState:
+    """Move each running op one step on, oldest first."""
+    for op in state.ops:
+        if op.state is OpState.RUNNING:
+            current = _find_op(state, op.op_id)
+            assert current is not None  # ops leave the registry only once ended
+            state = _advance_op(state, current, now=now, config=config, actions=actions)
+    return state
+
+
+def _advance_op(state: KeeperState, op: Op, *, now: datetime, config: KeeperConfig,
+                actions: list[Action]) -> KeeperState:
+    """One step of a running op; see the module docstring ("Ops") for the whole story."""
+    target = _find(state, op.replica_id) if op.replica_id else None
+    if op.kind is OpKind.RETIRE or op.stop_first:
+        if not op.retire_issued:
+            state, op = _retire_target(state, op, target, now=now, config=config,
+                                       actions=actions)
+        if _find(state, op.replica_id or ReplicaId("")) is not None:
+            return state  # the old replica is still stopping (and there is no room for both)
+        if op.kind is OpKind.RETIRE:
+            return _end_op(state, op, OpState.SUCCEEDED, now=now,
+                           note=f"{op.replica_id} stopped")
+    if op.surged is None:
+        return _place_for_op(state, op, actions)
+    surged = _find(state, op.surged)
+    if surged is None or surged.phase is not Phase.READY:
+        return state  # placing or starting; a failure ends the op (_op_failed)
+    if op.kind is OpKind.SURGE:
+        return _end_op(state, op, OpState.SUCCEEDED,
+                       note=f"{surged.replica_id} ready on {', '.join(surged.nodes)}",
+                       now=now)
+    handed = surged.model_copy(update={"op_id": None})
+    if op.stop_first:
+        state = _replace(state, handed)
+        return _end_op(state, op, OpState.SUCCEEDED, now=now,
+                       note=f"{surged.replica_id} ready on {', '.join(surged.nodes)}")
+    if not op.retire_issued:
+        # Ready: it counts from now on, and the old one leaves (drained first).
+        state = _replace(state, handed)
+        op = op.model_copy(update={"detail": _note(
+            op, f"{surged.replica_id} ready on {', '.join(surged.nodes)}", now)})
+        state, op = _retire_target(state, op, target, now=now, config=config,
+                                   actions=actions, why=f"replaced by {surged.replica_id}")
+    if _find(state, op.replica_id or ReplicaId("")) is None:
+        return _end_op(state, op, OpState.SUCCEEDED, now=now, note=f"{op.replica_id} stopped")
+    return state
+
+
+def _retire_target(state: KeeperState, op: Op, target: Replica | None, *, now: datetime,
+                   config: KeeperConfig, actions: list[Action],
+                   why: str | None = None) -> tuple[KeeperState, Op]:
+    """Retire the op's replica (unless it is gone already) and note that it was asked; a
+    retire that ``balances`` a surge hands that surge's replica over at the same moment,
+    so the count the keeper sees does not dip."""
+    reason = why or op.op_id
+    if op.reason:
+        reason = f"{reason} ({op.reason})"
+    if target is not None and target.phase is not Phase.STOPPING:
+        state = _retire_one(state, target, reason, config, actions)
+    if op.balances is not None:
+        state = state.model_copy(update={"replicas": [
+            r.model_copy(update={"op_id": None}) if r.op_id == op.balances else r
+            for r in state.replicas]})
+    op = op.model_copy(update={"retire_issued": True,
+                               "detail": _note(op, f"retiring {op.replica_id}", now)})
+    return _put_op(state, op), op
+
+
+def _place_for_op(state: KeeperState, op: Op, actions: list[Action]) -> KeeperState:
+    """Place the op's new replica, once no other placement of this deployment is in
+    flight (one at a time: each sees the previous one's claims). Op placements skip the
+    deployment's backoff and can't-place timers: an operator asked for this one."""
+    if any(r.phase is Phase.PLACING for r in state.replicas):
+        return state
+    replica_id = ReplicaId(f"{state.spec.deployment_id}-r{state.next_replica_seq}")
+    actions.append(PlaceReplica(replica_id=replica_id))
+    replica = Replica(replica_id=replica_id, phase=Phase.PLACING, op_id=op.op_id,
+                      generation=op.generation or state.spec.generation,
+                      avoid_nodes=op.avoid_nodes)
+    state = state.model_copy(update={"replicas": [*state.replicas, replica],
+                                     "next_replica_seq": state.next_replica_seq + 1})
+    return _put_op(state, op.model_copy(update={"surged": replica_id}))
+
+
+def _lease_of(state: KeeperState, replica_id: ReplicaId) -> OpId | None:
+    """The op a replica is leased to: a running op retires or surged it, or a surge
+    still holds it."""
+    for op in state.ops:
+        if op.state is OpState.RUNNING and replica_id in (op.replica_id, op.surged):
+            return op.op_id
+    replica = _find(state, replica_id)
+    return replica.op_id if replica is not None else None
+
+
+def _surging(state: KeeperState) -> list[OpId]:
+    """Ops that place (or hold) a replica beyond the desired number."""
+    running = [op.op_id for op in state.ops if op.state is OpState.RUNNING
+               and op.kind in (OpKind.SURGE, OpKind.REPLACE)]
+    holding = {r.op_id for r in state.replicas if r.op_id is not None} - set(running)
+    return running + sorted(holding)
+
+
+def refuse_op(state: KeeperState, request: OpRequest, config: KeeperConfig) -> str | None:
+    """Why the deployment refuses ``request`` (the ``op`` update's validator), or None.
+
+    A retried request (its op id is in the registry with the same kind) is accepted: it
+    is answered with the op as it stands, and changes nothing.
+    """
+    dep = state.spec.deployment_id
+    existing = _find_op(state, request.op_id)
+    if existing is not None:
+        return None if existing.kind is request.kind else (
+            f"op_id: {request.op_id} is already a {existing.kind.value} on {dep}")
+    if state.deleting:
+        return f"deployment {dep} is being deleted; it takes no ops"
+    if request.kind in (OpKind.REPLACE, OpKind.RETIRE):
+        if request.replica_id is None:
+            return f"replica_id: required for a {request.kind.value}"
+        replica = _find(state, request.replica_id)
+        live = [r.replica_id for r in state.replicas
+                if r.phase is not Phase.STOPPING and not r.retiring]
+        if replica is None or replica.replica_id not in live:
+            return (f"replica_id: {request.replica_id} is not a live replica of {dep} "
+                    f"(live: {', '.join(live) or 'none'})")
+        lease = _lease_of(state, request.replica_id)
+        if lease is not None:
+            return f"replica_id: {request.replica_id} is leased to op {lease}"
+    if request.kind in (OpKind.SURGE, OpKind.REPLACE):
+        surging = _surging(state)
+        if len(surging) >= config.max_surge:
+            return (f"{dep} already surges {len(surging)} replica(s) ({', '.join(surging)}); "
+                    f"max_surge is {config.max_surge}")
+    if request.balances is not None:
+        balanced = _find_op(state, request.balances)
+        if balanced is None or balanced.kind is not OpKind.SURGE:
+            return f"balances: {request.balances} is not a surge op of {dep}"
+    if request.generation is not None and request.generation.number < (
+            current_generation(state).number):
+        return (f"generation: {request.generation.number} is older than {dep}'s current "
+                f"generation {current_generation(state).number}")
+    return None
+
+
+def op_outcome(state: KeeperState, op_id: OpId) -> OpOutcome | None:
+    """The op as it stands, or None if it is not (or no longer) in the registry."""
+    op = _find_op(state, op_id)
+    if op is None:
+        return None
+    return OpOutcome(op_id=op.op_id, kind=op.kind, state=op.state, surged=op.surged,
+                     retired=op.replica_id, error=op.error, started_at=op.started_at,
+                     ended_at=op.ended_at, detail=op.detail)
+
+
+def brief(state: KeeperState, *, config: KeeperConfig | None = None) -> DeploymentBrief:
+    """The deployment as a saga sees it (the ``brief`` query)."""
+    return DeploymentBrief(
+        deployment_id=state.spec.deployment_id, desired=state.spec.replicas,
+        status=status(state, config=config).value, deleting=state.deleting,
+        generation=current_generation(state),
+        replicas=[ReplicaBrief(replica_id=r.replica_id, phase=r.phase.value, nodes=r.nodes,
+                               generation=_generation_of(state, r),
+                               op_id=_lease_of(state, r.replica_id))
+                  for r in state.replicas])
+
+
+def outdated(state: KeeperState) -> list[ReplicaId]:
+    """Replicas running an older generation than the deployment's current one."""
+    number = current_generation(state).number
+    return [r.replica_id for r in state.replicas
+            if r.phase is not Phase.STOPPING and _generation_of(state, r).number < number]
 
 
 def decide(state: KeeperState, observation: Observation, now: datetime,
