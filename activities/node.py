@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from modelkeeper.domain.base import Frozen
 from modelkeeper.domain.engine_args import EngineConfigError
 from modelkeeper.domain.ids import ReplicaId
 from modelkeeper.domain.shards import (
@@ -39,6 +40,17 @@ from modelkeeper.names import (
 MAX_HEARTBEAT_THROTTLE = timedelta(seconds=1)
 
 
+class StartQueued(Frozen):
+    """Heartbeat details of a start waiting at its node's start-up gate (FetchProgress's
+    place while fetching and loading)."""
+
+    phase: str = "queued"
+    #: 1 is next in line.
+    position: int
+    #: The replicas loading now, whose slots it waits for.
+    waiting_for: list[ReplicaId]
+
+
 class ShardRunner(Protocol):
     """What the node activities need from the agent's shard manager.
 
@@ -46,8 +58,9 @@ class ShardRunner(Protocol):
     imports them to build its worker.
     """
 
-    async def start(self, spec: ShardSpec,
-                    on_progress: Callable[[FetchProgress], None]) -> ShardEndpoint: ...
+    async def start(self, spec: ShardSpec, on_progress: Callable[[FetchProgress], None], *,
+                    on_queued: Callable[[int, list[ReplicaId]], None] | None = None,
+                    answer_within_s: float | None = None) -> ShardEndpoint: ...
 
     async def watch(self, replica_id: ReplicaId, heartbeat: Callable[[], None]) -> ShardExit: ...
 
@@ -64,9 +77,21 @@ class NodeActivities:
 
     @activity.defn(name=ACTIVITY_START_SHARD)
     async def start_shard(self, request: StartShardInput) -> ShardEndpoint:
-        """Fetch weights if needed, launch the engine, wait until it is ready."""
+        """Fetch weights if needed, wait for the node's start-up gate, launch the engine,
+        wait until it is ready.
+
+        The start-to-close Temporal gives this attempt bounds the time the start may
+        queue: the agent answers (with the reason) before Temporal's bare timeout would.
+        """
+        timeout = activity.info().start_to_close_timeout
+
+        def queued(position: int, waiting_for: list[ReplicaId]) -> None:
+            activity.heartbeat(StartQueued(position=position, waiting_for=waiting_for))
+
         try:
-            return await self._manager.start(request.spec, activity.heartbeat)
+            return await self._manager.start(
+                request.spec, activity.heartbeat, on_queued=queued,
+                answer_within_s=None if timeout is None else timeout.total_seconds())
         except ShardStartError as exc:
             raise ApplicationError(str(exc), exc.exit, type=ERROR_SHARD_START_FAILED,
                                    non_retryable=True) from exc

@@ -61,9 +61,8 @@ def read_gpus() -> list[GpuInfo]:
     return parse_nvidia_smi(out)
 
 
-def read_inventory(*, declared_memory: int | None = None, declared_cpus: int | None = None,
-                   meminfo: Path = MEMINFO, gpus: list[GpuInfo] | None = None) -> Inventory:
-    """The machine's capacity, with declarations capping what it reports."""
+def _read_memory(declared_memory: int | None, meminfo: Path) -> tuple[int | None, int | None]:
+    """(total, available) bytes, capped by the declaration; None where unreadable."""
     try:
         total, available = parse_meminfo(meminfo.read_text())
     except OSError:
@@ -73,6 +72,22 @@ def read_inventory(*, declared_memory: int | None = None, declared_cpus: int | N
         # than it declared.
         total = declared_memory
         available = declared_memory if available is None else min(available, declared_memory)
+    return total, available
+
+
+def read_available_memory(*, declared_memory: int | None = None,
+                          meminfo: Path = MEMINFO) -> int | None:
+    """The memory available now, capped by the declaration; None where unreadable.
+
+    Cheap (no GPU query), for the start-up gate's fit check before each launch.
+    """
+    return _read_memory(declared_memory, meminfo)[1]
+
+
+def read_inventory(*, declared_memory: int | None = None, declared_cpus: int | None = None,
+                   meminfo: Path = MEMINFO, gpus: list[GpuInfo] | None = None) -> Inventory:
+    """The machine's capacity, with declarations capping what it reports."""
+    total, available = _read_memory(declared_memory, meminfo)
     cpus = declared_cpus if declared_cpus is not None else os.cpu_count()
     return Inventory(memory_total_bytes=total, memory_available_bytes=available,
                      cpu_count=cpus, gpus=read_gpus() if gpus is None else gpus)

@@ -37,7 +37,7 @@ from modelkeeper.infra.secrets import read_engine_key_secret
 from modelkeeper.settings import Settings
 
 from .identity import load_or_create_node_id
-from .inventory import read_inventory
+from .inventory import read_available_memory, read_inventory
 from .shards import ShardManager
 
 log = logging.getLogger(__name__)
@@ -61,11 +61,15 @@ class AgentConfigError(Exception):
     """A setting the agent cannot run with; reported as one line."""
 
 
-def _inventory_reader(settings: Settings) -> Callable[[], Inventory]:
+def _declared_memory(settings: Settings) -> int | None:
     try:
-        memory = parse_bytes(settings.node_memory) if settings.node_memory else None
+        return parse_bytes(settings.node_memory) if settings.node_memory else None
     except ValueError as exc:
         raise AgentConfigError(f"--memory / MODELKEEPER_NODE_MEMORY: {exc}") from None
+
+
+def _inventory_reader(settings: Settings) -> Callable[[], Inventory]:
+    memory = _declared_memory(settings)
     return lambda: read_inventory(declared_memory=memory, declared_cpus=settings.node_cpus)
 
 
@@ -97,13 +101,17 @@ async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
             f"which keeps it in {settings.engine_key_secret_file}): each engine's API key is "
             "derived from it, and the gateway must hold the same one")
     inventory = _inventory_reader(settings)
+    declared_memory = _declared_memory(settings)
     node_id = load_or_create_node_id(settings.agent_dir)
     name = settings.node_name or socket.gethostname()
     manager = ShardManager(node_id=node_id, agent_dir=settings.agent_dir,
                            engine_host=settings.engine_host,
                            port_range=settings.engine_ports,
                            key_secret=secret.encode(),
-                           llama_server_path=settings.llama_server_path)
+                           llama_server_path=settings.llama_server_path,
+                           max_concurrent_startups=settings.max_concurrent_startups,
+                           available_memory=lambda: read_available_memory(
+                               declared_memory=declared_memory))
     adopted, killed = manager.recover()
     log.info("node %s (%s): adopted %d shard(s), killed %d unidentified engine(s)",
              node_id, name, len(adopted), len(killed))

@@ -44,6 +44,16 @@ from modelkeeper.infra.processes import ManagedProcess, port_is_free, signal_gro
 
 from .engines.base import EngineAdapter, adapter_for
 from .fetch import WeightFetcher, is_remote
+from .inventory import read_available_memory
+from .startup_gate import (
+    Admitted,
+    Queued,
+    Removed,
+    StartupGate,
+    TimedOut,
+    check_fit,
+    queue_limit_s,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +64,15 @@ REPLICA_ENV = "MODELKEEPER_REPLICA_ID"
 
 #: The watch reports the end of an engine with this many of its last log lines.
 LOG_TAIL_LINES = 200
-#: How often a start polls readiness and a watch polls the process.
+#: How often a start polls readiness and a watch polls the process; also how often a
+#: queued start heartbeats.
 POLL_INTERVAL_S = 0.25
+#: A start that failed or was cancelled stops what it launched with this grace.
+START_FAILED_STOP_GRACE_S = 5.0
+
+#: Called while a start waits at the start-up gate: its place in the queue (1 is next)
+#: and the replicas loading now.
+QueuedCallback = Callable[[int, list[ReplicaId]], None]
 
 
 class ShardRecord(Frozen):
@@ -154,7 +171,12 @@ class ShardManager:
     def __init__(self, *, node_id: NodeId, agent_dir: Path, engine_host: str,
                  port_range: tuple[int, int], key_secret: bytes,
                  llama_server_path: Path | None = None,
-                 adapter_factory: Callable[[ShardSpec], EngineAdapter] | None = None) -> None:
+                 adapter_factory: Callable[[ShardSpec], EngineAdapter] | None = None,
+                 max_concurrent_startups: int = 1,
+                 available_memory: Callable[[], int | None] = read_available_memory,
+                 ) -> None:
+        """``available_memory`` reads the node's free memory (capped by what it declares)
+        for the fit check after the start-up queue; None from it skips the check."""
         self.node_id = node_id
         self._records = agent_dir / "shards"
         self._logs = agent_dir / "logs"
@@ -168,6 +190,10 @@ class ShardManager:
         self._locks: dict[ReplicaId, asyncio.Lock] = {}
         self._port_lock = asyncio.Lock()
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+        self._gate = StartupGate(max_concurrent_startups)
+        self._available_memory = available_memory
+        #: Starts waiting at the gate, for reports: they have no process yet.
+        self._queued: dict[ReplicaId, ShardSpec] = {}
 
     async def close(self) -> None:
         """Release the HTTP client. Engines keep running: a restarted agent adopts them."""
@@ -188,6 +214,8 @@ class ShardManager:
     def _forget(self, replica_id: ReplicaId) -> None:
         self._shards.pop(replica_id, None)
         self._record_path(replica_id).unlink(missing_ok=True)
+        # An engine that is gone loads nothing: its slot passes to the next in line.
+        self._gate.leave(replica_id)
 
     def recover(self) -> tuple[list[ReplicaId], list[int]]:
         """Adopt recorded engines still running; kill our engines nobody recorded.
@@ -235,33 +263,113 @@ class ShardManager:
     def _lock(self, replica_id: ReplicaId) -> asyncio.Lock:
         return self._locks.setdefault(replica_id, asyncio.Lock())
 
-    async def start(self, spec: ShardSpec,
-                    on_progress: Callable[[FetchProgress], None]) -> ShardEndpoint:
+    async def start(self, spec: ShardSpec, on_progress: Callable[[FetchProgress], None], *,
+                    on_queued: QueuedCallback | None = None,
+                    answer_within_s: float | None = None) -> ShardEndpoint:
         """Start ``spec`` and return once it is ready; idempotent per replica id.
 
-        Raises :class:`ShardStartError` when the engine exits or misses its start timeout;
-        in both cases nothing of it is left running.
+        A new engine first fetches its weights, then waits its turn at the node's
+        start-up gate (``on_queued`` is told its place meanwhile; without it, progress
+        says "queued"), then its fit is checked again, and only then does it launch. Its
+        start timeout counts from the launch. ``answer_within_s``: the time the caller
+        gives this whole call (Temporal's start-to-close); it bounds the queue wait, so
+        that the answer comes before the caller's own timeout (see
+        :func:`agent.startup_gate.queue_limit_s`).
+
+        Raises :class:`ShardStartError` when the engine exits or misses its start timeout,
+        when it no longer fits, or when it waited too long or was stopped in the queue;
+        in every case nothing of it is left running.
         """
+        answer_by = None if answer_within_s is None else time.monotonic() + answer_within_s
         async with self._lock(spec.replica_id):
             live = self._shards.get(spec.replica_id)
             if live is not None and self._poll_exit(live) is not None:
                 self._forget(spec.replica_id)
                 live = None
             if live is None:
-                live = await self._launch(spec, on_progress)
+                spec = await self._fetch(spec, on_progress)
+                await self._pass_gate(spec, on_progress, on_queued=on_queued,
+                                      answer_by=answer_by)
+                try:
+                    live = await self._launch(spec, on_progress)
+                except BaseException:
+                    self._gate.leave(spec.replica_id)
+                    raise
+            elif live.record.state is ShardState.STARTING:
+                # Launched before this call (adopted while loading): it loads already, so
+                # it holds a slot without queueing. Adoption alone takes no slot: with
+                # nobody bound to give it back, a slot held for an engine the keeper has
+                # given up on would stall every start on the node.
+                self._gate.occupy(spec.replica_id)
             try:
                 await self._wait_ready(live, on_progress)
             except BaseException:
                 # Covers cancellation too: a start the workflow gave up on must not linger.
-                await self.stop(spec.replica_id, grace_s=5.0)
+                await self.stop(spec.replica_id, grace_s=START_FAILED_STOP_GRACE_S)
                 raise
+            finally:
+                # Ready, failed or cancelled: it loads no more, the next in line may.
+                self._gate.leave(spec.replica_id)
             return live.endpoint(self.node_id)
+
+    async def _fetch(self, spec: ShardSpec,
+                     on_progress: Callable[[FetchProgress], None]) -> ShardSpec:
+        """Weights come before the queue: a download disturbs no engine's load."""
+        if not is_remote(spec.source):
+            return spec
+        path = await self._fetcher.fetch(spec.source, on_progress)
+        return spec.model_copy(update={"source": str(path)})
+
+    async def _pass_gate(self, spec: ShardSpec, on_progress: Callable[[FetchProgress], None],
+                         *, on_queued: QueuedCallback | None, answer_by: float | None) -> None:
+        """Wait for a start-up slot, then check the fit again; on return the slot is held."""
+        replica_id = spec.replica_id
+        within = None if answer_by is None else answer_by - time.monotonic()
+        limit = queue_limit_s(spec.start_timeout_s, within)
+        logged = False
+
+        def queued(place: Queued) -> None:
+            nonlocal logged
+            if not logged:
+                log.info("%s queued at the start-up gate, position %d, behind %s",
+                         replica_id, place.position, ", ".join(place.waiting_for) or "-")
+                logged = True
+            # The caller's heartbeat: a queued start must still show it is alive.
+            if on_queued is not None:
+                on_queued(place.position, list(place.waiting_for))
+            else:
+                on_progress(FetchProgress(phase="queued"))
+
+        self._queued[replica_id] = spec
+        entered = time.monotonic()
+        try:
+            outcome = await self._gate.wait_turn(replica_id, limit_s=limit, on_queued=queued,
+                                                 poll_s=POLL_INTERVAL_S)
+        finally:
+            self._queued.pop(replica_id, None)
+        match outcome:
+            case TimedOut():
+                log.warning("%s", outcome.detail())
+                raise ShardStartError(ShardExit(replica_id=replica_id,
+                                                kind=ExitKind.START_TIMEOUT,
+                                                detail=outcome.detail()))
+            case Removed():
+                raise ShardStartError(ShardExit(replica_id=replica_id, kind=ExitKind.STOPPED,
+                                                detail=outcome.detail()))
+            case Admitted():
+                if logged:
+                    log.info("%s leaves the start-up queue after %.1fs", replica_id,
+                             time.monotonic() - entered)
+        shortfall = check_fit(spec, self._available_memory())
+        if shortfall is not None:
+            self._gate.leave(replica_id)
+            log.warning("%s", shortfall.detail())
+            # ERROR, not OOM_KILLED: nothing was killed, the engine never ran.
+            raise ShardStartError(ShardExit(replica_id=replica_id, kind=ExitKind.ERROR,
+                                            detail=shortfall.detail()))
 
     async def _launch(self, spec: ShardSpec,
                       on_progress: Callable[[FetchProgress], None]) -> LiveShard:
-        if is_remote(spec.source):
-            path = await self._fetcher.fetch(spec.source, on_progress)
-            spec = spec.model_copy(update={"source": str(path)})
         on_progress(FetchProgress(phase="launching"))
         adapter = self._adapter_factory(spec)
         async with self._port_lock:
@@ -310,10 +418,13 @@ class ShardManager:
             # A hung engine accepts connections and never answers: bound each probe by
             # what is left of the start timeout, so the timeout holds.
             budget = max(0.2, min(10.0, deadline - time.time()))
+            # asyncio.timeout, not wait_for: on 3.11 wait_for returns the probe's answer
+            # when a cancellation lands as the probe ends, and the cancelled start would
+            # go on loading an engine nobody waits for.
             try:
-                check = await asyncio.wait_for(
-                    adapter.check_ready(self._http, live.record.url, key, spec.model_id),
-                    budget)
+                async with asyncio.timeout(budget):
+                    check = await adapter.check_ready(self._http, live.record.url, key,
+                                                      spec.model_id)
             except TimeoutError:
                 check = None
                 detail = f"no answer within {budget:.1f}s"
@@ -323,7 +434,7 @@ class ShardManager:
                 detail = check.detail
             if time.time() > deadline:
                 tail = _tail(Path(live.record.log_path))
-                await self.stop(spec.replica_id, grace_s=5.0)
+                await self.stop(spec.replica_id, grace_s=START_FAILED_STOP_GRACE_S)
                 raise ShardStartError(ShardExit(
                     replica_id=spec.replica_id, kind=ExitKind.START_TIMEOUT,
                     detail=f"not ready after {spec.start_timeout_s:.0f}s (last probe: "
@@ -383,7 +494,16 @@ class ShardManager:
                 live.unwatched_since = time.monotonic()
 
     async def stop(self, replica_id: ReplicaId, grace_s: float) -> ShardExit:
-        """SIGTERM the engine's group, SIGKILL it after ``grace_s``; harmless if gone."""
+        """SIGTERM the engine's group, SIGKILL it after ``grace_s``; harmless if gone.
+
+        Never waits for the start-up gate. A start still queued there is taken out of the
+        queue at once: its engine was never launched, and its start fails as stopped.
+        """
+        if self._gate.remove_waiter(replica_id):
+            log.info("%s stopped while queued at the start-up gate", replica_id)
+            return ShardExit(replica_id=replica_id, kind=ExitKind.STOPPED,
+                             detail="stopped on request while queued at the start-up gate "
+                                    "(never launched)")
         live = self._shards.get(replica_id)
         if live is None:
             return ShardExit(replica_id=replica_id, kind=ExitKind.UNKNOWN_SHARD,
@@ -406,13 +526,22 @@ class ShardManager:
                                         "detail": f"stopped on request ({ended.detail})"})
 
     def reports(self) -> list[ShardReport]:
-        """What this agent runs, for registration and `list_shards`."""
-        return [
+        """What this agent runs, for registration and `list_shards`; then the starts
+        queued at the start-up gate, in queue order (starting, no process yet)."""
+        running = [
             ShardReport(replica_id=s.record.spec.replica_id, model_id=s.record.spec.model_id,
                         rank=s.record.spec.rank, state=s.record.state, port=s.record.port,
                         pid=s.record.pid, url=s.record.url, adopted=s.adopted)
             for s in self._shards.values() if self._poll_exit(s) is None
         ]
+        queued = [
+            ShardReport(replica_id=rid, model_id=spec.model_id, rank=spec.rank,
+                        state=ShardState.STARTING, port=0, pid=0, url=None, adopted=False,
+                        queued_position=position)
+            for rid, position in self._gate.positions().items()
+            if (spec := self._queued.get(rid)) is not None
+        ]
+        return running + queued
 
     async def reap_orphans(self, grace_s: float) -> list[ReplicaId]:
         """Stop ready shards nobody has watched for ``grace_s``: the control plane has

@@ -176,6 +176,14 @@ class Settings(BaseSettings):
         description="An agent stops a shard nobody has watched for this long (split-brain "
         "guard: the control plane declared it lost and placed it elsewhere).",
     )
+    max_concurrent_startups: int = Field(
+        default=1, ge=1,
+        description="Engines an agent lets load at once; later starts wait their turn "
+        "(first come, first served), shown as queued, and their fit is checked again "
+        "when it comes. An engine sizes itself from the memory it finds while loading "
+        "(vLLM asserts free memory did not change), so two loads on one node can break "
+        "each other. Stops are never delayed.",
+    )
 
     # -- gateway -----------------------------------------------------------------------------
     gateway_auth: bool = Field(

@@ -132,6 +132,10 @@ class ShardReport(Tolerant):
     pid: int
     url: str | None
     adopted: bool
+    #: Set while the start waits at the node's start-up gate: 1 is next in line. Such a
+    #: shard is ``starting`` with no process yet, so its port and pid are 0. None (and
+    #: absent, from an older agent) for a shard that runs.
+    queued_position: int | None = Field(default=None, ge=1)
 
 
 class FetchProgress(Frozen):
