@@ -238,8 +238,25 @@ class Gateway:
             log.info("routing %s to replica %s at %s", endpoint.model, endpoint.replica_id,
                      endpoint.url)
         for endpoint in change.removed:
+            if endpoint.in_flight == 0:
+                # With requests still open its series goes when they end (_left), or the
+                # gauge would be counted down from nothing.
+                self.metrics.forget_replica(endpoint.model, endpoint.replica_id)
+            log.info("replica %s of %s is out of routing (%d request(s) in flight)",
+                     endpoint.replica_id, endpoint.model, endpoint.in_flight)
+        if change.removed and self._usage is not None:
+            # A drain waits for this worker's row written after the replica left routing.
+            self._usage.nudge()
+
+    def _left(self, endpoint: Endpoint) -> None:
+        """The last request of an endpoint out of routing ended: write that down now (a
+        drain is waiting for it) and drop its series, unless the replica is routed again
+        at another address, whose series it shares."""
+        if self._usage is not None:
+            self._usage.nudge()
+        entry = self.table.models.get(endpoint.model)
+        if entry is None or all(e.replica_id != endpoint.replica_id for e in entry.endpoints):
             self.metrics.forget_replica(endpoint.model, endpoint.replica_id)
-            log.info("replica %s of %s is out of routing", endpoint.replica_id, endpoint.model)
 
     # -- ASGI ------------------------------------------------------------------------------
 
@@ -513,6 +530,8 @@ class Gateway:
             entry = self.table.models.get(endpoint.model)
             if entry is not None:
                 entry.notify_changed()
+        if endpoint.leaving and endpoint.in_flight == 0:
+            self._left(endpoint)
 
     def _upstream_error(self, endpoint: Endpoint, exc: BaseException,
                         kind: str | None = None) -> None:

@@ -5,6 +5,10 @@ but an :class:`Endpoint` object, which carries a replica's in-flight count and b
 is kept for as long as its replica stays ready at the same address. A replica that was
 serving therefore keeps its counts and its breaker when another replica of the same
 model appears, moves or goes, instead of starting from cold.
+
+An endpoint that leaves routing (its replica is draining, stopping or gone) with requests
+still open is kept aside, in :attr:`RoutingTable.leaving`, until the usage reporter has
+written its count down to 0: a drain waits for exactly that row before the engine stops.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from .breaker import Breaker, BreakerState
 class Endpoint:
     """A ready replica and what the gateway knows about it right now."""
 
-    __slots__ = ("breaker", "deployment_id", "headers", "in_flight", "last_used", "model",
-                 "replica_id", "requests", "url")
+    __slots__ = ("breaker", "deployment_id", "headers", "in_flight", "last_used", "leaving",
+                 "model", "replica_id", "requests", "url")
 
     def __init__(self, replica_id: str, url: str, deployment_id: str, model: str,
                  headers: dict[str, str], breaker: Breaker) -> None:
@@ -40,6 +44,9 @@ class Endpoint:
         self.requests = 0
         #: Wall-clock time (``time.time()``) the last request ended; 0 when never used.
         self.last_used = 0.0
+        #: Out of routing for good: no request picks it any more, and the ones it still
+        #: has open are counted until they end (the table's :attr:`~RoutingTable.leaving`).
+        self.leaving = False
 
     def __repr__(self) -> str:
         return (f"Endpoint({self.replica_id!r}, {self.url!r}, in_flight={self.in_flight}, "
@@ -120,6 +127,9 @@ class RoutingTable:
         self._make_endpoint = make_endpoint
         self.models: dict[str, ModelRoute] = {}
         self._model_of: dict[str, str] = {}  # deployment id -> model id
+        #: Endpoints out of routing whose count has not yet been written down to 0: the
+        #: usage reporter still writes their rows, so a drain sees their requests end.
+        self.leaving: set[Endpoint] = set()
 
     def endpoints(self) -> Iterator[Endpoint]:
         """Every endpoint of every model."""
@@ -150,7 +160,9 @@ class RoutingTable:
         entry.endpoints = tuple(kept)
         self._model_of[route.deployment_id] = route.model_id
         entry.notify_changed()
-        return TableChange(tuple(added), tuple(old_by_id.values()))
+        removed = tuple(old_by_id.values())
+        self._leave(removed)
+        return TableChange(tuple(added), removed)
 
     def remove(self, deployment_id: str) -> TableChange:
         """Forget a deleted deployment; requests waiting for it are woken (to a 404)."""
@@ -159,7 +171,22 @@ class RoutingTable:
             return TableChange()
         entry = self.models.pop(model)
         entry.notify_changed()
+        self._leave(entry.endpoints)
         return TableChange(removed=entry.endpoints)
+
+    def _leave(self, endpoints: Iterable[Endpoint]) -> None:
+        """Set aside endpoints that left routing, idle ones too: one row written after
+        they left, even at 0, is what tells a drain that this worker holds nothing there."""
+        for endpoint in endpoints:
+            endpoint.leaving = True
+            self.leaving.add(endpoint)
+
+    def forget_left(self, reported: Iterable[Endpoint]) -> None:
+        """Drop endpoints out of routing whose count of 0 is now in the store; they get
+        no new requests, so their count stays 0 and their row stays true."""
+        for endpoint in reported:
+            if endpoint.in_flight == 0:
+                self.leaving.discard(endpoint)
 
     def replace_all(self, routes: Iterable[DeploymentRoute]) -> TableChange:
         """Take in every deployment at once (at start and after a reconnection); those not

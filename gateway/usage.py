@@ -3,6 +3,11 @@
 Requests only touch counters in memory (the endpoint's in-flight count and last-used
 time, the model's waiting count); this task copies them to the store once per tick, so
 the database sees one write per worker per tick however many requests there are.
+
+Two moments do not wait for the tick (:meth:`UsageReporter.nudge`): a replica leaving
+routing, and the last request of a replica out of routing ending. A drain waits for just
+those rows, and a tick can be long; both happen once per replica that leaves, not per
+request.
 """
 
 from __future__ import annotations
@@ -11,13 +16,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import asyncpg
 
 from modelkeeper.store.routing import DeploymentUsage, ReplicaUsage, RoutingStore
 
-from .table import RoutingTable
+from .table import Endpoint, RoutingTable
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +32,47 @@ def _when(timestamp: float) -> datetime | None:
     return datetime.fromtimestamp(timestamp, UTC) if timestamp else None
 
 
-def snapshot(table: RoutingTable) -> tuple[list[ReplicaUsage], list[DeploymentUsage]]:
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The usage rows describing a table at one moment."""
+
+    #: Replicas routed to.
+    replicas: list[ReplicaUsage]
+    #: Replicas out of routing with a count not yet written down to 0.
+    leaving: list[ReplicaUsage]
+    deployments: list[DeploymentUsage]
+    #: Endpoints out of routing counted at 0 here: once written, the table forgets them.
+    done: list[Endpoint]
+
+
+def _add(row: ReplicaUsage | None, endpoint: Endpoint) -> ReplicaUsage:
+    """``row`` with ``endpoint``'s requests added: one replica can have an endpoint in
+    routing and one leaving (it moved), or several leaving, and the store keeps one row
+    per worker and replica."""
+    if row is None:
+        return ReplicaUsage(endpoint.replica_id, endpoint.in_flight, _when(endpoint.last_used))
+    last = _when(endpoint.last_used)
+    if row.last_used_at is not None and (last is None or row.last_used_at > last):
+        last = row.last_used_at
+    return ReplicaUsage(row.replica_id, row.in_flight + endpoint.in_flight, last)
+
+
+def snapshot(table: RoutingTable) -> Snapshot:
     """The usage rows describing ``table`` right now."""
-    replicas = [ReplicaUsage(e.replica_id, e.in_flight, _when(e.last_used))
-                for e in table.endpoints()]
+    routed = {e.replica_id: ReplicaUsage(e.replica_id, e.in_flight, _when(e.last_used))
+              for e in table.endpoints()}
+    leaving: dict[str, ReplicaUsage] = {}
+    done: list[Endpoint] = []
+    for endpoint in table.leaving:
+        if endpoint.in_flight == 0:
+            done.append(endpoint)
+        # Counted in the routed row if the replica is routed again (at a new address):
+        # that row is the one the store checks against the replica's state.
+        rows = routed if endpoint.replica_id in routed else leaving
+        rows[endpoint.replica_id] = _add(rows.get(endpoint.replica_id), endpoint)
     deployments = [DeploymentUsage(m.route.deployment_id, m.waiting, _when(m.last_request))
                    for m in table.models.values()]
-    return replicas, deployments
+    return Snapshot(list(routed.values()), list(leaving.values()), deployments, done)
 
 
 class UsageReporter:
@@ -48,20 +88,34 @@ class UsageReporter:
         #: Completed flushes (tests wait on it).
         self.flushes = 0
         self._failing_since: float | None = None
+        #: Set by :meth:`nudge`: flush now instead of at the end of the tick.
+        self._wake = asyncio.Event()
 
     def start(self) -> None:
         """Start the ticking task."""
         self._task = asyncio.create_task(self._run(), name="usage-reporter")
 
+    def nudge(self) -> None:
+        """Flush as soon as possible rather than at the next tick: a replica left routing,
+        or the last request of one out of routing ended, and a drain waits for that row.
+        Nudges during a flush bring one more flush, not one each."""
+        self._wake.set()
+
     async def flush(self) -> None:
         """Write the current usage now."""
-        replicas, deployments = snapshot(self._table)
-        await self._routes.write_usage(self._gateway_id, replicas, deployments)
+        rows = snapshot(self._table)
+        await self._routes.write_usage(self._gateway_id, rows.replicas, rows.deployments,
+                                       leaving=rows.leaving)
+        # Only once written: after a failed write, they are reported again next time.
+        self._table.forget_left(rows.done)
         self.flushes += 1
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self._interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._interval_s):
+                    await self._wake.wait()
+            self._wake.clear()
             try:
                 await self.flush()
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError,

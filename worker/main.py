@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from temporalio.worker import Worker
 
+from activities.routing import RoutingActivities
 from activities.store import StoreActivities
 from modelkeeper.infra import temporal as temporal_client
 from modelkeeper.names import CONTROL_TASK_QUEUE
@@ -30,13 +31,15 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
         client = await temporal_client.connect(
             settings.temporal_address, settings.temporal_namespace, wait=30)
         store_activities = StoreActivities(store, settings, client)
+        routing_activities = RoutingActivities(
+            store, usage_flush_interval_s=settings.usage_flush_interval_s)
         await store_activities.start_settling_sampler()
         with ThreadPoolExecutor(max_workers=4) as executor:
             worker = Worker(
                 client,
                 task_queue=CONTROL_TASK_QUEUE,
                 workflows=ALL_WORKFLOWS,
-                activities=store_activities.all(),
+                activities=[*store_activities.all(), *routing_activities.all()],
                 activity_executor=executor,
             )
             # Removes what a terminated deployment left in the store (see worker/sweep.py).

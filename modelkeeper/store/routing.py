@@ -210,30 +210,43 @@ class RoutingStore:
     # -- usage -------------------------------------------------------------------------------
 
     async def write_usage(self, gateway_id: str, replicas: Sequence[ReplicaUsage],
-                          deployments: Sequence[DeploymentUsage]) -> None:
+                          deployments: Sequence[DeploymentUsage], *,
+                          leaving: Sequence[ReplicaUsage] = ()) -> None:
         """Upsert one worker's usage rows in one transaction (one round trip per table).
 
-        Rows of replicas or deployments deleted meanwhile are skipped by the joins, so a
-        replica that vanished does not fail the whole batch.
+        ``replicas`` are those the worker routes to; ``leaving``, those it took out of
+        routing and still reports until their count is 0. Each replica appears once in
+        the two together. Rows of replicas or deployments deleted meanwhile are skipped
+        by the joins, so a replica that vanished does not fail the whole batch.
+
+        A row of a replica the worker still routes but the store no longer does is
+        skipped as well, and its older row stays: the worker has not yet heard the
+        notification, so its count could still grow. Hence a row stamped after a drain's
+        mark (``updated_at`` is the transaction's start, and this statement reads the
+        replica's state later) comes from a worker that had already dropped the replica,
+        and its count can only fall: the drain relies on that.
         """
+        rows = [*((u, True) for u in replicas), *((u, False) for u in leaving)]
         async with self._pool.acquire() as conn, conn.transaction():
-            if replicas:
+            if rows:
                 await conn.execute(
                     """
                     INSERT INTO replica_usage (gateway_id, replica_id, in_flight,
                                                last_used_at, updated_at)
                     SELECT $1, u.replica_id, u.in_flight, u.last_used_at, now()
-                    FROM unnest($2::text[], $3::int[], $4::timestamptz[])
-                         AS u (replica_id, in_flight, last_used_at)
-                    JOIN replicas USING (replica_id)
+                    FROM unnest($2::text[], $3::int[], $4::timestamptz[], $5::bool[])
+                         AS u (replica_id, in_flight, last_used_at, routed)
+                    JOIN replicas r USING (replica_id)
+                    WHERE NOT u.routed OR r.state = ANY($6::text[])
                     ON CONFLICT (gateway_id, replica_id) DO UPDATE
                     SET in_flight = EXCLUDED.in_flight,
                         last_used_at = COALESCE(EXCLUDED.last_used_at,
                                                 replica_usage.last_used_at),
                         updated_at = now()
                     """,
-                    gateway_id, [u.replica_id for u in replicas],
-                    [u.in_flight for u in replicas], [u.last_used_at for u in replicas])
+                    gateway_id, [u.replica_id for u, _ in rows],
+                    [u.in_flight for u, _ in rows], [u.last_used_at for u, _ in rows],
+                    [routed for _, routed in rows], self._routable)
             if deployments:
                 await conn.execute(
                     """
