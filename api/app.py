@@ -1,8 +1,8 @@
 """`modelkeeper api`: the FastAPI application.
 
-The routes live on module-level routers (``monitoring``, ``nodes``, ``deployments``) and
-reach the store, Temporal and the settings through the dependencies in ``deps``, all read
-from ``app.state``: building an app is only wiring.
+The routes live on module-level routers (``monitoring``, ``nodes``, ``deployments``,
+``operations``) and reach the store, Temporal and the settings through the dependencies in
+``deps``, all read from ``app.state``: building an app is only wiring.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from modelkeeper.infra import temporal as temporal_client
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 
-from . import deployments, liveness, monitoring, nodes
+from . import deployments, liveness, monitoring, nodes, operations
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -28,6 +28,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(nodes.router)
     app.include_router(liveness.router)
     app.include_router(deployments.router)
+    app.include_router(operations.router)
     return app
 
 

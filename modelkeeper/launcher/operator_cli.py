@@ -1,4 +1,6 @@
-"""`modelkeeper deploy / ls / rm / nodes / explain / models`: thin wrappers over the API.
+"""`modelkeeper deploy / ls / rm / nodes / explain / models`, the changes (`scale`, `retry`,
+`restart`, `switch`, `reconfigure`, `cordon`, `uncordon`, `drain`) and `ops`, which lists,
+shows and cancels the sagas: thin wrappers over the API.
 
 One table, ``COMMANDS``, holds every operator command: its flags, the request it sends
 (method, path and body, built from the parsed arguments alone) and how it shows the
@@ -136,18 +138,99 @@ def _ls_request(args: argparse.Namespace) -> Request:
 
 
 def _rm_request(args: argparse.Namespace) -> Request:
-    return Request("GET", "/deployments", then=partial(_delete_deployment, args.target))
+    return _on_deployment(args, lambda d: Request("DELETE", f"/deployments/{d}"))
 
 
-def _delete_deployment(target: str, deployments: list[dict[str, Any]]) -> Request:
-    """The DELETE of the deployment whose id or model id is ``target``."""
+def _on_deployment(args: argparse.Namespace, then: Callable[[str], Request]) -> Request:
+    """Look ``args.target`` up by deployment id or model id, then send ``then(its id)``."""
+    return Request("GET", "/deployments",
+                   then=partial(_deployment_request, args.command, args.target, then))
+
+
+def _deployment_request(command: str, target: str, then: Callable[[str], Request],
+                        deployments: list[dict[str, Any]]) -> Request:
+    """``then`` of the deployment whose id or model id is ``target``."""
     match = next((d for d in deployments if target in (d["deployment_id"], d["model_id"])),
                  None)
     if match is None:
         known = ", ".join(sorted(d["model_id"] for d in deployments)) or "none"
-        raise UsageError(f"rm {target!r}: no deployment has that id or model id "
+        raise UsageError(f"{command} {target!r}: no deployment has that id or model id "
                          f"(deployed models: {known})")
-    return Request("DELETE", f"/deployments/{match['deployment_id']}")
+    return then(match["deployment_id"])
+
+
+def _on_node(args: argparse.Namespace, then: Callable[[str], Request]) -> Request:
+    """Look ``args.node`` up by node id or name, then send ``then(its id)``."""
+    return Request("GET", "/nodes", then=partial(_node_request, args.command, args.node, then))
+
+
+def _node_request(command: str, target: str, then: Callable[[str], Request],
+                  nodes: list[dict[str, Any]]) -> Request:
+    """``then`` of the node whose id or name is ``target``."""
+    match = next((n for n in nodes if n["node_id"] == target), None) \
+        or next((n for n in nodes if n["name"] == target), None)
+    if match is None:
+        known = ", ".join(sorted(n["name"] for n in nodes)) or "none"
+        raise UsageError(f"{command} {target!r}: no node has that id or name "
+                         f"(nodes: {known})")
+    return then(match["node_id"])
+
+
+def _scale_request(args: argparse.Namespace) -> Request:
+    return _on_deployment(args, lambda d: Request("PATCH", f"/deployments/{d}",
+                                                  body={"replicas": args.replicas}))
+
+
+def _retry_request(args: argparse.Namespace) -> Request:
+    return _on_deployment(args, lambda d: Request("POST", f"/deployments/{d}/retry"))
+
+
+def _restart_request(args: argparse.Namespace) -> Request:
+    return _on_deployment(args, lambda d: Request("POST", f"/deployments/{d}/restart"))
+
+
+def _switch_request(args: argparse.Namespace) -> Request:
+    return _on_deployment(args, lambda d: Request("POST", f"/deployments/{d}/switch",
+                                                  body={"model_id": args.model_id}))
+
+
+def _reconfigure_request(args: argparse.Namespace) -> Request:
+    # Parsed before any request: a malformed pair never reaches the API.
+    engine_args = _engine_args(args.engine_args, flag="engine argument")
+    return _on_deployment(args, lambda d: Request("POST", f"/deployments/{d}/reconfigure",
+                                                  body={"engine_args": engine_args}))
+
+
+def _cordon_request(args: argparse.Namespace) -> Request:
+    body: dict[str, Any] = {"cordoned": True}
+    if args.reason is not None:
+        body["cordon_reason"] = args.reason
+    return _on_node(args, lambda n: Request("PATCH", f"/nodes/{n}", body=body))
+
+
+def _uncordon_request(args: argparse.Namespace) -> Request:
+    return _on_node(args, lambda n: Request("PATCH", f"/nodes/{n}", body={"cordoned": False}))
+
+
+def _drain_request(args: argparse.Namespace) -> Request:
+    body: dict[str, Any] = {"uncordon_on_cancel": args.uncordon_on_cancel}
+    if args.grace is not None:
+        body["grace_s"] = args.grace
+    return _on_node(args, lambda n: Request("POST", f"/nodes/{n}/drain", body=body))
+
+
+def _ops_request(args: argparse.Namespace) -> Request:
+    if args.action == "ls":
+        params = {k: str(v) for k, v in (("deployment", args.deployment), ("node", args.node),
+                                         ("state", args.state), ("limit", args.limit))
+                  if v is not None}
+        return Request("GET", "/operations", params=params or None)
+    if not args.operation_id:
+        raise UsageError(f"ops {args.action} needs an operation id such as restart/d1/1, "
+                         "and none was given (modelkeeper ops lists them)")
+    if args.action == "show":
+        return Request("GET", f"/operations/{args.operation_id}")
+    return Request("POST", f"/operations/{args.operation_id}/cancel")
 
 
 def _nodes_request(args: argparse.Namespace) -> Request:
@@ -188,9 +271,9 @@ def _removed(model_id: str, _answer: None) -> dict[str, Any]:
     return {"model_id": model_id, "deleted": True}
 
 
-def _engine_args(items: Sequence[str]) -> dict[str, Any]:
+def _engine_args(items: Sequence[str], *, flag: str = "--engine-arg") -> dict[str, Any]:
     parsed: dict[str, Any] = {}
-    for key, value in parse_pairs(items, flag="--engine-arg").items():
+    for key, value in parse_pairs(items, flag=flag).items():
         try:
             parsed[key] = json.loads(value)  # numbers and booleans keep their type
         except ValueError:
@@ -283,6 +366,57 @@ def _models_text(args: argparse.Namespace, result: Any) -> str:
             return f"model {result['model_id']} added ({_mem(result['memory_bytes'])})"
 
 
+def _scale_text(args: argparse.Namespace, result: Any) -> str:
+    return (f"deployment {result['deployment_id']} of {result['model_id']}: "
+            f"{result['desired_replicas']} wanted, {result['ready_replicas']} ready "
+            f"({result['status']})")
+
+
+def _retry_text(args: argparse.Namespace, result: Any) -> str:
+    return f"deployment {result['deployment_id']}: retry requested (it was {result['status']})"
+
+
+def _started_text(args: argparse.Namespace, result: Any) -> str:
+    """A saga the API started: what it does, and how to watch and cancel it."""
+    op = result["operation_id"]
+    return (f"{op} started: {result['summary']}\n"
+            f"watch: modelkeeper ops show {op}; cancel: modelkeeper ops cancel {op}")
+
+
+def _cordon_text(args: argparse.Namespace, result: Any) -> str:
+    if not result["cordoned"]:
+        return f"node {result['name']} ({result['node_id']}): uncordoned"
+    reason = f": {result['cordon_reason']}" if result["cordon_reason"] else ""
+    return f"node {result['name']} ({result['node_id']}): cordoned{reason}"
+
+
+def _ops_text(args: argparse.Namespace, result: Any) -> str:
+    match args.action:
+        case "ls":
+            return table([[o["operation_id"], o["state"], o["updated_at"] or "",
+                           o["summary"], o["error"] or ""] for o in result],
+                         ["id", "state", "updated", "summary", "error"])
+        case "show":
+            return _operation_text(result)
+        case _:
+            op = result["operation_id"]
+            return (f"{op}: cancel requested; the saga undoes what it started and ends "
+                    f"cancelled (watch: modelkeeper ops show {op})")
+
+
+def _operation_text(op: dict[str, Any]) -> str:
+    """One operation: its outcome, what it is, and each step in order."""
+    on = op["deployment_id"] or op["node_id"]
+    lines = [f"{op['operation_id']}: {op['state']} ({op['kind']} of {on}, requested by "
+             f"{op['requested_by'] or '-'}, updated {op['updated_at']})", op["summary"]]
+    if op["error"]:
+        lines.append(f"error: {op['error']}")
+    if op["steps"]:
+        lines.append(table([[s["name"], s["state"], s["detail"]] for s in op["steps"]],
+                           ["step", "state", "detail"]))
+    return "\n".join(line for line in lines if line)
+
+
 # ----------------------------------------------------------------------------------------
 # The flags each command adds to the common ones (--api-url, --json)
 
@@ -307,6 +441,52 @@ def _rm_flags(parser: argparse.ArgumentParser) -> None:
 
 def _explain_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_id")
+
+
+def _deployment_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", metavar="DEPLOYMENT", help="deployment id or model id")
+
+
+def _scale_flags(parser: argparse.ArgumentParser) -> None:
+    _deployment_flags(parser)
+    parser.add_argument("replicas", type=int, metavar="N")
+
+
+def _switch_flags(parser: argparse.ArgumentParser) -> None:
+    _deployment_flags(parser)
+    parser.add_argument("model_id", metavar="MODEL", help="the catalog model to serve")
+
+
+def _reconfigure_flags(parser: argparse.ArgumentParser) -> None:
+    _deployment_flags(parser)
+    parser.add_argument("engine_args", nargs="+", metavar="KEY=VALUE",
+                        help="allow-listed engine argument")
+
+
+def _node_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("node", metavar="NODE", help="node id or name")
+
+
+def _cordon_flags(parser: argparse.ArgumentParser) -> None:
+    _node_flags(parser)
+    parser.add_argument("--reason", help="shown with the node (e.g. 'disk swap')")
+
+
+def _drain_flags(parser: argparse.ArgumentParser) -> None:
+    _node_flags(parser)
+    parser.add_argument("--grace", type=float, metavar="SECONDS",
+                        help="time to move the replicas elsewhere (default 300)")
+    parser.add_argument("--uncordon-on-cancel", action="store_true",
+                        help="cancelling the drain uncordons the node too")
+
+
+def _ops_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", nargs="?", choices=["ls", "show", "cancel"], default="ls")
+    parser.add_argument("operation_id", nargs="?", metavar="ID")
+    parser.add_argument("--deployment", help="ls: only this deployment's")
+    parser.add_argument("--node", help="ls: only this node's")
+    parser.add_argument("--state", help="ls: only in this state (running, failed, ...)")
+    parser.add_argument("--limit", type=int, help="ls: at most this many (default 50)")
 
 
 def _models_flags(parser: argparse.ArgumentParser) -> None:
@@ -344,6 +524,24 @@ COMMANDS: tuple[Command, ...] = (
             _explain_request, _explain_text),
     Command("models", "list the model catalog, or add/remove a model", _models_flags,
             _models_request, _models_text),
+    Command("scale", "set a deployment's replica count", _scale_flags, _scale_request,
+            _scale_text),
+    Command("retry", "un-park a parked deployment", _deployment_flags, _retry_request,
+            _retry_text),
+    Command("restart", "replace each replica of a deployment in turn", _deployment_flags,
+            _restart_request, _started_text),
+    Command("switch", "serve another model under a deployment's name, with rollback",
+            _switch_flags, _switch_request, _started_text),
+    Command("reconfigure", "change a deployment's engine arguments, with rollback",
+            _reconfigure_flags, _reconfigure_request, _started_text),
+    Command("cordon", "place nothing new on a node", _cordon_flags, _cordon_request,
+            _cordon_text),
+    Command("uncordon", "let placement use a node again", _node_flags, _uncordon_request,
+            _cordon_text),
+    Command("drain", "cordon a node and move its replicas elsewhere", _drain_flags,
+            _drain_request, _started_text),
+    Command("ops", "list operations (restarts, drains, switches), or show or cancel one",
+            _ops_flags, _ops_request, _ops_text),
 )
 
 OPERATOR_COMMANDS: Mapping[str, Command] = {c.name: c for c in COMMANDS}

@@ -65,15 +65,24 @@ def parse(*argv: str) -> Any:
     return build_parser().parse_args(list(argv))
 
 
+#: The fewest positional arguments each command takes.
+POSITIONALS: dict[str, list[str]] = {
+    "deploy": ["x"], "rm": ["x"], "explain": ["x"], "scale": ["x", "1"], "retry": ["x"],
+    "restart": ["x"], "switch": ["x", "m"], "reconfigure": ["x", "k=v"], "cordon": ["n"],
+    "uncordon": ["n"], "drain": ["n"]}
+
+
 # --- The table ---------------------------------------------------------------------------
 
 
-def test_the_table_holds_the_six_commands_in_help_order() -> None:
-    assert [c.name for c in COMMANDS] == ["deploy", "ls", "rm", "nodes", "explain", "models"]
+def test_the_table_holds_every_command_in_help_order() -> None:
+    assert [c.name for c in COMMANDS] == [
+        "deploy", "ls", "rm", "nodes", "explain", "models", "scale", "retry", "restart",
+        "switch", "reconfigure", "cordon", "uncordon", "drain", "ops"]
     assert set(OPERATOR_COMMANDS) == {c.name for c in COMMANDS}
     for command in COMMANDS:  # each is registered with the common flags
-        args = parse(command.name, *(["x"] if command.name in ("deploy", "rm", "explain")
-                                     else []), "--json", "--api-url", API)
+        args = parse(command.name, *POSITIONALS.get(command.name, []), "--json",
+                     "--api-url", API)
         assert (args.command, args.json, args.api_url) == (command.name, True, API)
 
 
@@ -94,6 +103,13 @@ def test_the_table_holds_the_six_commands_in_help_order() -> None:
     (["models", "add", "m", "--engine", "sim", "--source", "sim"],
      Request("POST", "/models", body={"model_id": "m", "engine": "sim", "source": "sim",
                                       "engine_args": {}})),
+    (["ops"], Request("GET", "/operations")),
+    (["ops", "ls", "--deployment", "d1", "--state", "running", "--limit", "5"],
+     Request("GET", "/operations", params={"deployment": "d1", "state": "running",
+                                           "limit": "5"})),
+    (["ops", "--node", "n1"], Request("GET", "/operations", params={"node": "n1"})),
+    (["ops", "show", "restart/d1/1"], Request("GET", "/operations/restart/d1/1")),
+    (["ops", "cancel", "drain/n1/2"], Request("POST", "/operations/drain/n1/2/cancel")),
     (["models", "add", "m", "--engine", "vllm", "--source", "org/m", "--memory", "12GiB",
       "--engine-arg", "tensor_parallel_size=2", "--engine-arg", "enforce_eager=true",
       "--engine-arg", "dtype=bfloat16", "--engine-arg", "x=a=b"],
@@ -126,6 +142,49 @@ def test_rm_of_an_unknown_target_is_a_usage_error_naming_it_and_what_exists() ->
     with pytest.raises(UsageError) as info:
         lookup.then(DEPLOYMENTS)
     assert "'nope'" in str(info.value) and "big, sim-12g" in str(info.value)
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["scale", "sim-12g", "3"], Request("PATCH", "/deployments/d2", body={"replicas": 3})),
+    (["retry", "d1"], Request("POST", "/deployments/d1/retry")),
+    (["restart", "sim-12g"], Request("POST", "/deployments/d2/restart")),
+    (["switch", "d2", "big"], Request("POST", "/deployments/d2/switch",
+                                      body={"model_id": "big"})),
+    (["reconfigure", "sim-12g", "load_time_s=2", "fail_at_start=true", "x=a=b"],
+     Request("POST", "/deployments/d2/reconfigure", body={"engine_args": {
+         "load_time_s": 2, "fail_at_start": True, "x": "a=b"}})),
+])
+def test_deployment_changes_look_the_target_up_by_id_or_model_then_send(
+    argv: list[str], expected: Request,
+) -> None:
+    lookup = OPERATOR_COMMANDS[argv[0]].request(parse(*argv))
+    assert (lookup.method, lookup.path) == ("GET", "/deployments") and lookup.then
+    assert lookup.then(DEPLOYMENTS) == expected
+    with pytest.raises(UsageError) as info:
+        lookup.then([])
+    assert str(info.value) == (f"{argv[0]} {argv[1]!r}: no deployment has that id or model "
+                               "id (deployed models: none)")
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["cordon", "small"], Request("PATCH", "/nodes/n1", body={"cordoned": True})),
+    (["cordon", "n2", "--reason", "disk swap"],
+     Request("PATCH", "/nodes/n2", body={"cordoned": True, "cordon_reason": "disk swap"})),
+    (["uncordon", "small"], Request("PATCH", "/nodes/n1", body={"cordoned": False})),
+    (["drain", "bare"], Request("POST", "/nodes/n2/drain",
+                                body={"uncordon_on_cancel": False})),
+    (["drain", "n1", "--grace", "30", "--uncordon-on-cancel"],
+     Request("POST", "/nodes/n1/drain", body={"uncordon_on_cancel": True, "grace_s": 30.0})),
+])
+def test_node_changes_look_the_node_up_by_id_or_name_then_send(
+    argv: list[str], expected: Request,
+) -> None:
+    lookup = OPERATOR_COMMANDS[argv[0]].request(parse(*argv))
+    assert (lookup.method, lookup.path) == ("GET", "/nodes") and lookup.then
+    assert lookup.then(NODES) == expected
+    with pytest.raises(UsageError) as info:
+        lookup.then([])
+    assert str(info.value) == f"{argv[0]} {argv[1]!r}: no node has that id or name (nodes: none)"
 
 
 def test_models_rm_deletes_and_reports_what_it_removed() -> None:
@@ -224,10 +283,64 @@ def test_deploy_and_rm_render_one_line() -> None:
         "deployment d1: deleting"
 
 
+OPERATION: dict[str, Any] = {
+    "operation_id": "restart/d2/1", "kind": "restart", "deployment_id": "d2",
+    "node_id": None, "state": "failed",
+    "summary": "restart d2 (sim-12g): replace its 2 replicas one at a time",
+    "steps": [{"name": "replace d2-r1", "state": "done", "detail": "d2-r3 ready"},
+              {"name": "replace d2-r2", "state": "failed", "detail": "no room"}],
+    "error": "d2-r2: no node has room for a second copy", "requested_by": "api",
+    "created_at": "2024-01-01T00:00:00Z", "updated_at": "2024-01-01T00:01:00Z"}
+
+
+def test_operations_render_as_a_list_one_with_its_steps_and_a_cancel() -> None:
+    running = {**OPERATION, "operation_id": "drain/n1/1", "kind": "drain",
+               "deployment_id": None, "node_id": "n1", "state": "running", "error": None,
+               "summary": "drain node small (n1)", "steps": []}
+    assert text(["ops"], [running, OPERATION]).splitlines() == [
+        "ID            STATE    UPDATED               SUMMARY"
+        "                                                     ERROR",
+        "drain/n1/1    running  2024-01-01T00:01:00Z  drain node small (n1)",
+        "restart/d2/1  failed   2024-01-01T00:01:00Z  restart d2 (sim-12g): replace its 2 "
+        "replicas one at a time  d2-r2: no node has room for a second copy",
+    ]
+    assert text(["ops", "show", "restart/d2/1"], OPERATION).splitlines() == [
+        "restart/d2/1: failed (restart of d2, requested by api, updated "
+        "2024-01-01T00:01:00Z)",
+        "restart d2 (sim-12g): replace its 2 replicas one at a time",
+        "error: d2-r2: no node has room for a second copy",
+        "STEP           STATE   DETAIL",
+        "replace d2-r1  done    d2-r3 ready",
+        "replace d2-r2  failed  no room",
+    ]
+    assert text(["ops", "cancel", "drain/n1/1"], running) == (
+        "drain/n1/1: cancel requested; the saga undoes what it started and ends cancelled "
+        "(watch: modelkeeper ops show drain/n1/1)")
+
+
+def test_changes_render_one_sentence_each() -> None:
+    started = {**OPERATION, "state": "running", "error": None, "steps": []}
+    for argv in (["restart", "d2"], ["switch", "d2", "big"], ["reconfigure", "d2", "a=1"],
+                 ["drain", "n1"]):
+        assert text(argv, started).splitlines() == [
+            "restart/d2/1 started: restart d2 (sim-12g): replace its 2 replicas one at a time",
+            "watch: modelkeeper ops show restart/d2/1; cancel: modelkeeper ops cancel "
+            "restart/d2/1"]
+    assert text(["scale", "d2", "2"], DEPLOYMENTS[1]) == \
+        "deployment d2 of sim-12g: 2 wanted, 2 ready (serving)"
+    assert text(["retry", "d1"], {"deployment_id": "d1", "status": "parked"}) == \
+        "deployment d1: retry requested (it was parked)"
+    node = {"name": "small", "node_id": "n1", "cordoned": True, "cordon_reason": "disk swap"}
+    assert text(["cordon", "n1"], node) == "node small (n1): cordoned: disk swap"
+    assert text(["cordon", "n1"], {**node, "cordon_reason": None}) == \
+        "node small (n1): cordoned"
+    assert text(["uncordon", "n1"], {**node, "cordoned": False, "cordon_reason": None}) == \
+        "node small (n1): uncordoned"
+
+
 def test_json_prints_the_answer_as_it_is_for_every_command() -> None:
     for command in COMMANDS:
-        args = parse(command.name, *(["x"] if command.name in ("deploy", "rm", "explain")
-                                     else []), "--json")
+        args = parse(command.name, *POSITIONALS.get(command.name, []), "--json")
         assert json.loads(render(args, DEPLOYMENTS)) == DEPLOYMENTS
 
 
@@ -332,6 +445,9 @@ def unreachable(request: httpx.Request) -> httpx.Response:
     (["models", "add", "m", "--source", "s"], ["--engine", "required", "'m'", "vllm, sglang"]),
     (["models", "add", "m", "--engine", "sim"], ["--source", "required", "'m'", ".gguf"]),
     (["models", "rm"], ["models rm", "MODEL_ID"]),
+    (["reconfigure", "d1", "ctx_size=4096", "=1"], ["engine argument", "'=1'", "KEY=VALUE"]),
+    (["ops", "show"], ["ops show", "operation id", "restart/d1/1"]),
+    (["ops", "cancel"], ["ops cancel", "operation id"]),
     (["agent", "--label", "zone"], ["--label", "'zone'", "KEY=VALUE"]),
 ])
 def test_a_malformed_argument_exits_2_with_one_sentence_before_any_request(
@@ -357,6 +473,42 @@ def test_a_4xx_exits_2_and_a_failing_api_exits_1(
     code, lines = exit_of(["ls"], capsys, lambda _: httpx.Response(500, text="boom"),
                           monkeypatch)
     assert (code, lines) == (1, ["modelkeeper ls: 500 boom"])
+
+
+def test_a_saga_refused_by_the_api_exits_2_with_its_sentence(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    running = ("restart/d2/1 (restart) is running on d2; wait for it or cancel it: "
+               "modelkeeper ops cancel restart/d2/1")
+    seen: list[tuple[str, str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.url.path))
+        if request.url.path == "/deployments":
+            return httpx.Response(200, json=DEPLOYMENTS)
+        return httpx.Response(409, json={"detail": running})
+
+    code, lines = exit_of(["switch", "sim-12g", "big"], capsys, handler, monkeypatch)
+    assert (code, lines) == (2, [f"modelkeeper switch: 409 {running}"])
+    assert seen == [("GET", "/deployments"), ("POST", "/deployments/d2/switch")]
+    code, lines = exit_of(["ops", "cancel", "restart/d2/9"], capsys, lambda _: httpx.Response(
+        404, json={"detail": "operation 'restart/d2/9' does not exist"}), monkeypatch)
+    assert (code, lines) == (2, ["modelkeeper ops: 404 operation 'restart/d2/9' does not "
+                                 "exist"])
+
+
+def test_a_started_saga_reaches_the_api_and_prints_how_to_watch_it() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/nodes":
+            return httpx.Response(200, json=NODES)
+        assert (request.method, request.url.path) == ("POST", "/nodes/n1/drain")
+        assert json.loads(request.content) == {"uncordon_on_cancel": False, "grace_s": 60.0}
+        return httpx.Response(202, json={**OPERATION, "operation_id": "drain/n1/1",
+                                         "summary": "drain node small (n1)"})
+
+    assert run(["drain", "small", "--grace", "60"], handler) == [
+        "drain/n1/1 started: drain node small (n1)\n"
+        "watch: modelkeeper ops show drain/n1/1; cancel: modelkeeper ops cancel drain/n1/1"]
 
 
 def test_a_bad_flag_type_is_argparses_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
