@@ -14,13 +14,14 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
-from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdate
+from modelkeeper.domain.catalog import CatalogModel, DeploymentStatusUpdate, ReplicaStateUpdate
 from modelkeeper.domain.control import (
     DeleteDeploymentInput,
     PlaceReplicaInput,
     PlaceReplicaResult,
     ReleaseReplicaInput,
 )
+from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
 from modelkeeper.domain.events import Event, NewEvent
 from modelkeeper.domain.nodes import NodeState
 from modelkeeper.domain.placement import CantPlace, PlacementRequest
@@ -34,6 +35,7 @@ from modelkeeper.names import (
     ACTIVITY_RECORD_EVENT,
     ACTIVITY_RECORD_REPLICA_STATE,
     ACTIVITY_RELEASE_REPLICA,
+    ERROR_ENGINE_CONFIG,
     ERROR_SETTLING,
     ERROR_UNKNOWN_MODEL,
 )
@@ -98,7 +100,13 @@ class StoreActivities:
 
     @activity.defn(name=ACTIVITY_PLACE_REPLICA)
     async def place_replica(self, request: PlaceReplicaInput) -> PlaceReplicaResult:
-        """Pick nodes and claim their resources in one transaction."""
+        """Pick nodes and claim their resources in one transaction.
+
+        The replica runs ``request.generation`` (its model, its engine arguments over the
+        catalog entry's) when given, else the deployment's model as the catalog has it;
+        it goes on none of ``request.avoid_nodes``. A model missing from the catalog, or
+        engine arguments its engine refuses, is a non-retryable error: retrying cannot
+        fix either."""
         now = self._clock()
         if not self.settling.settled(now):
             # Retryable: the workflow's retry policy brings it back once settled.
@@ -110,29 +118,58 @@ class StoreActivities:
                     seconds=min(SETTLING_RETRY_MAX_S, self.settling.remaining_s(now))
                     or SETTLING_RETRY_MIN_S))
         spec = request.spec
-        model = await self._store.get_model(spec.model_id)
-        if model is None:
-            raise ApplicationError(f"model {spec.model_id!r} is not in the catalog",
-                                   type=ERROR_UNKNOWN_MODEL, non_retryable=True)
+        model = await self._runs(request)
         placement_request = PlacementRequest(
-            model_id=spec.model_id, memory_bytes=model.memory_bytes,
+            model_id=model.model_id, memory_bytes=model.memory_bytes,
             cpu_cores=model.cpu_cores, gpus=model.gpus,
             min_nodes=max(spec.min_nodes, model.min_nodes),
-            node_ids=spec.node_ids, labels=spec.labels)
+            node_ids=spec.node_ids, labels=spec.labels, avoid_node_ids=request.avoid_nodes,
+            deployment_id=spec.deployment_id)
         result = await self._store.place_replica(
             deployment_id=spec.deployment_id, replica_id=request.replica_id,
             request=placement_request, model=model, now=datetime.now(UTC),
             unreachable_after_s=self._settings.node_unreachable_after_s,
             lost_after_s=self._settings.node_lost_after_s,
-            start_timeout_s=request.start_timeout_s)
+            start_timeout_s=request.start_timeout_s, generation=request.generation)
         if isinstance(result, CantPlace):
             return PlaceReplicaResult(cant_place=result.summary)
+        # The engine serves the deployment's name (what clients send as ``model``, which
+        # the gateway passes on), whatever catalog model the generation runs: a switch
+        # changes the weights behind the name, not the name. vLLM refuses any other name.
+        result = [s.model_copy(update={"model_id": spec.model_id}) for s in result]
+        # Read back, not taken from this attempt: a retry whose first attempt committed
+        # placed nothing now, and must answer the note that attempt found.
+        note = await self._store.replica_placement_note(request.replica_id)
+        nodes = [s.node_id for s in result]
         await self._append(NewEvent(
             kind="replica.placed", deployment_id=spec.deployment_id,
             replica_id=request.replica_id,
-            message=f"placed on {', '.join(s.node_id for s in result)}",
-            data={"nodes": [s.node_id for s in result]}))
-        return PlaceReplicaResult(shards=result)
+            message=f"placed on {', '.join(nodes)}" + (f"; {note}" if note else ""),
+            data={"nodes": nodes, "model_id": model.model_id, "note": note,
+                  "generation": None if request.generation is None
+                  else request.generation.number}))
+        return PlaceReplicaResult(shards=result, note=note)
+
+    async def _runs(self, request: PlaceReplicaInput) -> CatalogModel:
+        """The catalog entry the replica runs, with the generation's engine arguments laid
+        over the entry's and checked against its engine's allow-list, as the catalog checks
+        an entry's own."""
+        generation = request.generation
+        model_id = request.spec.model_id if generation is None else generation.model_id
+        model = await self._store.get_model(model_id)
+        if model is None:
+            raise ApplicationError(f"model {model_id!r} is not in the catalog",
+                                   type=ERROR_UNKNOWN_MODEL, non_retryable=True)
+        if generation is None:
+            return model
+        engine_args = {**model.engine_args, **generation.engine_args}
+        try:
+            check_engine_arg_names(model.engine, engine_args)
+        except EngineConfigError as exc:
+            raise ApplicationError(
+                f"generation {generation.number} of model {model_id!r}: {exc}",
+                type=ERROR_ENGINE_CONFIG, non_retryable=True) from exc
+        return model.model_copy(update={"engine_args": engine_args})
 
     @activity.defn(name=ACTIVITY_RECORD_REPLICA_STATE)
     async def record_replica_state(self, update: ReplicaStateUpdate) -> None:

@@ -26,7 +26,7 @@ from modelkeeper.domain.catalog import (
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
 from modelkeeper.domain.ids import DeploymentId, NodeId
 from modelkeeper.domain.keeper import DeploymentSpec, KeeperConfig
-from modelkeeper.domain.placement import PlacementRequest, explain, place
+from modelkeeper.domain.placement import Placement, PlacementRequest, explain, place
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.infra.model_files import resolve_model_path
@@ -54,6 +54,7 @@ from workflows.deployment import (
     initial_state,
 )
 
+from . import operations
 from .deps import SettingsDep, StoreDep, TemporalDep
 
 router = APIRouter()
@@ -89,6 +90,9 @@ class Explanation(BaseModel):
     nodes_chosen: list[str]
     summary: str | None
     nodes: list[NodeVerdict]
+    #: When the replica would share a node with another replica of the model's deployment
+    #: (no other node has room): which node, and each other node's reason.
+    note: str | None = None
 
 
 def field_error(field: str, value: Any, message: str) -> RequestValidationError:
@@ -273,10 +277,19 @@ async def retry_deployment(deployment_id: str, store: StoreDep,
     return Accepted(deployment_id=deployment_id, status=view.status.value)
 
 
-@router.patch("/deployments/{deployment_id}", response_model=DeploymentView)
-async def scale_deployment(deployment_id: str, request: ScaleRequest, store: StoreDep, *,
-                           temporal: TemporalDep) -> DeploymentView:
-    """Change the replica count (a Temporal update, validated by the workflow)."""
+@router.patch("/deployments/{deployment_id}",
+              response_model=DeploymentView | operations.OperationStarted)
+async def scale_deployment(deployment_id: str, patch: operations.DeploymentPatch,
+                           store: StoreDep, *, temporal: TemporalDep, response: Response,
+                           ) -> DeploymentView | operations.OperationStarted:
+    """Change the replica count (a Temporal update, validated by the workflow), or, given
+    ``engine_args``, start a reconfigure as POST .../reconfigure does (202)."""
+    if patch.engine_args is not None:
+        response.status_code = 202
+        return await operations.start_reconfigure(deployment_id, patch.engine_args,
+                                                  store=store, temporal=temporal)
+    assert patch.replicas is not None  # DeploymentPatch holds exactly one of the two
+    request = ScaleRequest(replicas=patch.replicas)
     view = await _existing(store, deployment_id)
     try:
         await temporal.get_workflow_handle(view.workflow_id).execute_update(
@@ -301,23 +314,31 @@ async def explain_placement(
     node_ids: list[str] | None = Query(default=None),  # noqa: B008 - FastAPI's idiom
     min_nodes: int = Query(default=1, ge=1, le=64),
 ) -> Explanation:
-    """Dry run: where one replica would go now, or every node and why it was rejected."""
+    """Dry run: where one replica would go now, or every node and why it was rejected.
+    When the model is deployed, its replicas' nodes count as placement counts them: a node
+    without one is preferred, and the note says when the replica would have to share."""
     model = await store.get_model(model_id)
     if model is None:
         raise HTTPException(404, f"model {model_id!r} is not in the catalog")
-    request = PlacementRequest(model_id=model.model_id, memory_bytes=model.memory_bytes,
-                               cpu_cores=model.cpu_cores, gpus=model.gpus,
-                               min_nodes=max(min_nodes, model.min_nodes),
-                               node_ids=[NodeId(n) for n in node_ids] if node_ids else None)
+    deployment = await store.get_deployment_by_model(model_id)
+    request = PlacementRequest(
+        model_id=model.model_id, memory_bytes=model.memory_bytes, cpu_cores=model.cpu_cores,
+        gpus=model.gpus, min_nodes=max(min_nodes, model.min_nodes),
+        node_ids=[NodeId(n) for n in node_ids] if node_ids else None,
+        deployment_id=None if deployment is None else deployment.deployment_id,
+        sibling_node_ids=[] if deployment is None else
+        sorted({n for r in deployment.replicas for n in r.nodes}))
     views = await store.list_node_views(
         datetime.now(UTC), unreachable_after_s=settings.node_unreachable_after_s,
         lost_after_s=settings.node_lost_after_s)
     decisions = explain(request, views)
     result = place(request, views)
-    chosen = [] if not hasattr(result, "node_ids") else list(result.node_ids)
+    if isinstance(result, Placement):
+        chosen, summary, note = list(result.node_ids), None, result.note
+    else:
+        chosen, summary, note = [], result.summary, None
     return Explanation(
-        model_id=model_id, fits=bool(chosen), nodes_chosen=chosen,
-        summary=getattr(result, "summary", None),
+        model_id=model_id, fits=bool(chosen), nodes_chosen=chosen, summary=summary, note=note,
         nodes=[NodeVerdict(node_id=d.node_id, name=d.node_name, fits=d.fits,
                            reason=d.rejection.reason_code.value if d.rejection else None,
                            message=d.message) for d in decisions])

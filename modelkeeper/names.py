@@ -127,6 +127,11 @@ ERROR_NO_DEPLOYMENT = "NoDeployment"
 WORKFLOW_RESTART = "RestartSaga"
 WORKFLOW_DRAIN = "DrainSaga"
 WORKFLOW_SWITCH = "SwitchSaga"
+#: The query every saga answers with its OperationRecord.
+QUERY_OPERATION = "operation"
+#: A saga that ends failed, rolled back or rollback_incomplete fails its workflow with this
+#: error type, the record's error as its message and the record as its detail.
+ERROR_OPERATION_FAILED = "OperationFailed"
 
 
 def operation_workflow_id(kind: str, subject: str, n: int) -> str:

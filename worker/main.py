@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from temporalio.worker import Worker
 
 from activities.operations import OperationsActivities
+from activities.ops import OpsActivities
 from activities.routing import RoutingActivities
 from activities.store import StoreActivities
 from modelkeeper.infra import temporal as temporal_client
@@ -41,7 +42,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
                 task_queue=CONTROL_TASK_QUEUE,
                 workflows=ALL_WORKFLOWS,
                 activities=[*store_activities.all(), *routing_activities.all(),
-                            *OperationsActivities(store, client).all()],
+                            *OperationsActivities(store, client).all(),
+                            *OpsActivities(client).all()],
                 activity_executor=executor,
             )
             # Removes what a terminated deployment left in the store (see worker/sweep.py).

@@ -5,5 +5,8 @@
 ALL_WORKFLOWS: list[type] = []  # filled below, once the modules exist
 
 from .deployment import DeploymentWorkflow  # noqa: E402 - after the list it fills
+from .drain import DrainSaga  # noqa: E402
+from .restart import RestartSaga  # noqa: E402
+from .switch import SwitchSaga  # noqa: E402
 
-ALL_WORKFLOWS.append(DeploymentWorkflow)
+ALL_WORKFLOWS.extend([DeploymentWorkflow, RestartSaga, DrainSaga, SwitchSaga])

@@ -33,18 +33,22 @@ with workflow.unsafe.imports_passed_through():
         PlaceReplicaResult,
         ReleaseReplicaInput,
     )
+    from modelkeeper.domain.draining import DrainReplicaInput
     from modelkeeper.domain.events import NewEvent
-    from modelkeeper.domain.ids import DeploymentId, ReplicaId
+    from modelkeeper.domain.ids import DeploymentId, OpId, ReplicaId
     from modelkeeper.domain.keeper import (
         Action,
         Delete,
         DeploymentSpec,
         Exited,
         Finish,
+        GenerationSet,
         KeeperConfig,
         KeeperState,
         NodesChanged,
         Observation,
+        OpAsked,
+        OpCancelled,
         Phase,
         Placed,
         PlacementCrashed,
@@ -62,15 +66,29 @@ with workflow.unsafe.imports_passed_through():
         Tick,
         Unplaceable,
         WatchReplica,
+        brief,
+        current_generation,
         decide,
         details,
         next_wake,
+        op_outcome,
         overview,
+        placement_note,
+        refuse_op,
         resume,
         status,
         stored_state,
     )
     from modelkeeper.domain.nodes import NodeSilentInput
+    from modelkeeper.domain.ops import (
+        OP_ENDED,
+        AwaitOpRequest,
+        CancelOpRequest,
+        DeploymentBrief,
+        OpOutcome,
+        OpRequest,
+        SetGenerationRequest,
+    )
     from modelkeeper.domain.shards import (
         ShardEndpoint,
         ShardExit,
@@ -83,6 +101,7 @@ with workflow.unsafe.imports_passed_through():
     from modelkeeper.domain.status import DeploymentStatus
     from modelkeeper.names import (
         ACTIVITY_DELETE_DEPLOYMENT,
+        ACTIVITY_DRAIN_REPLICA,
         ACTIVITY_LIST_SHARDS,
         ACTIVITY_PLACE_REPLICA,
         ACTIVITY_RECORD_DEPLOYMENT_STATUS,
@@ -94,13 +113,19 @@ with workflow.unsafe.imports_passed_through():
         ACTIVITY_WATCH_SHARD,
         CONTROL_TASK_QUEUE,
         ERROR_DELETING,
+        ERROR_OP_REFUSED,
         ERROR_UNKNOWN_MODEL,
+        QUERY_BRIEF,
         QUERY_STATUS,
         SIGNAL_DELETE,
         SIGNAL_NODE_SILENT,
         SIGNAL_NODES_CHANGED,
         SIGNAL_RETRY,
+        UPDATE_AWAIT_OP,
+        UPDATE_CANCEL_OP,
+        UPDATE_OP,
         UPDATE_SCALE,
+        UPDATE_SET_GENERATION,
         node_task_queue,
     )
 
@@ -140,9 +165,22 @@ START_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
 #: deadline plus this slack, so the agent's own answer (a start timeout with the engine's
 #: log, an exit after the kill) arrives before a bare Temporal timeout would.
 AGENT_DEADLINE_SLACK = timedelta(seconds=30)
+#: ... and a start may first wait at its node's start-up gate (agent/startup_gate.py) for
+#: up to half its start timeout, which does not count against that timeout: the deadline
+#: is the start timeout times this, plus the slack. (Timeouts are not part of replay: a
+#: history recorded with the old deadline replays.)
+START_QUEUE_ALLOWANCE = 1.5
 #: A watch lasts as long as its engine runs, for months: its heartbeat timeout, not its
 #: start-to-close, notices a dead node. Ten years stands for "unbounded".
 WATCH_LIFETIME = timedelta(days=3650)
+#: drain_replica waits up to the grace period for in-flight requests; it heartbeats each
+#: second, so 10 s of silence means the control worker died (another picks it up, and the
+#: retry goes on with the same wait). Its start-to-close is the grace plus this slack.
+DRAIN_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
+DRAIN_SLACK = timedelta(seconds=30)
+#: A drain is a courtesy to in-flight requests: tried three times, then the stop goes on
+#: (a database outage must not keep a retired replica running).
+DRAIN_RETRY = RetryPolicy(maximum_attempts=3)
 #: An engine's exit or failed start keeps this many of its last log lines in its audit
 #: event (GET /events?deployment_id=...): what an agent sends (ShardExit.log_tail), and
 #: a bound should one ever send more, since the event is an activity input in history.
@@ -199,6 +237,11 @@ PATCH_BACKGROUND_STORE_WRITES = "store-writes-in-background"
 #: activity's result or failure in Temporal's history. Checked only with
 #: PATCH_BACKGROUND_STORE_WRITES, which carries the events.
 PATCH_ENGINE_LOG_EVENTS = "engine-log-events"
+#: A ready replica retired by a scale-down, an op or a delete is drained first
+#: (drain_replica: out of routing, its in-flight requests finished within
+#: WorkflowTimings.drain_grace_s), then stopped: KeeperConfig.graceful_stop. Before it,
+#: its engine got SIGTERM while the gateway could still send it requests.
+PATCH_GRACEFUL_STOP = "graceful-stop"
 
 
 class WorkflowTimings(Tolerant):
@@ -229,6 +272,9 @@ class WorkflowTimings(Tolerant):
     #: Continue-as-new past this many history events even if the server has not yet
     #: suggested it; keeps replays fast. (Tests set it low to exercise the path.)
     continue_as_new_after_events: int = 10_000
+    #: A graceful stop waits this long at most for a retired replica's in-flight requests
+    #: (the issue's default; a long generation is cut off past it).
+    drain_grace_s: float = 30.0
 
 
 class DeploymentWorkflowState(Tolerant):
@@ -313,6 +359,13 @@ class DeploymentWorkflow:
         self._writing = False  # a write is in flight
         self._events: list[NewEvent] = []  # audit events not yet appended, oldest first
         self._store_closed = False  # the deployment's row is being deleted: no more writes
+        self._graceful_stop = False  # PATCH_GRACEFUL_STOP
+        # Observations decided so far: a handler that queued one waits until it is past
+        # this count, so it answers from the state that includes it.
+        self._decided = 0
+        # Continue-as-new is due: long polls (await_op) answer now, so that every handler
+        # can finish and the run can continue.
+        self._continuing = False
 
     # -- signals, updates, queries -------------------------------------------------------
 
@@ -350,6 +403,87 @@ class DeploymentWorkflow:
         if self._state.keeper.deleting:
             raise ApplicationError("deployment is being deleted; it cannot be scaled",
                                    type=ERROR_DELETING)
+
+    # -- ops: what sagas ask for (modelkeeper.domain.ops) ---------------------------------
+
+    @workflow.update(name=UPDATE_OP)
+    async def op(self, request: OpRequest) -> OpOutcome:
+        """Surge, replace or retire; answers the op as it stands once it is registered (a
+        retried request is answered again and changes nothing)."""
+        if op_outcome(self._state.keeper, request.op_id) is None:
+            await self._decide_now(OpAsked(request=request))
+        return self._outcome(request.op_id)
+
+    @op.validator
+    def _validate_op(self, request: OpRequest) -> None:
+        reason = refuse_op(self._state.keeper, request, self._state.config)
+        if reason is not None:
+            raise ApplicationError(reason, type=ERROR_OP_REFUSED, non_retryable=True)
+
+    @workflow.update(name=UPDATE_AWAIT_OP)
+    async def await_op(self, request: AwaitOpRequest) -> OpOutcome:
+        """A long poll: the op once it has ended, or as it stands after ``wait_s`` (or
+        sooner, when the run is about to continue as new)."""
+        def ended() -> bool:
+            outcome = op_outcome(self._state.keeper, request.op_id)
+            return outcome is None or outcome.state in OP_ENDED or self._continuing
+        with contextlib.suppress(builtins.TimeoutError):
+            await workflow.wait_condition(ended, timeout=request.wait_s)
+        return self._outcome(request.op_id)
+
+    @await_op.validator
+    def _validate_await_op(self, request: AwaitOpRequest) -> None:
+        self._known_op(request.op_id)
+
+    @workflow.update(name=UPDATE_CANCEL_OP)
+    async def cancel_op(self, request: CancelOpRequest) -> OpOutcome:
+        """The compensation: retire what the op surged, keep what it would have retired."""
+        await self._decide_now(OpCancelled(op_id=request.op_id))
+        return self._outcome(request.op_id)
+
+    @cancel_op.validator
+    def _validate_cancel_op(self, request: CancelOpRequest) -> None:
+        self._known_op(request.op_id)
+
+    @workflow.update(name=UPDATE_SET_GENERATION)
+    async def set_generation(self, request: SetGenerationRequest) -> None:
+        """New replicas run ``request.generation`` from now on."""
+        await self._decide_now(GenerationSet(op_id=request.op_id,
+                                             generation=request.generation))
+
+    @set_generation.validator
+    def _validate_set_generation(self, request: SetGenerationRequest) -> None:
+        if self._state.keeper.deleting:
+            raise ApplicationError(
+                f"deployment {self._state.keeper.spec.deployment_id} is being deleted",
+                type=ERROR_DELETING, non_retryable=True)
+
+    @workflow.query(name=QUERY_BRIEF)
+    def brief(self) -> DeploymentBrief:
+        """The deployment as a saga sees it: generation, desired count, replicas."""
+        return brief(self._state.keeper, config=self._state.config)
+
+    async def _decide_now(self, observation: Observation) -> None:
+        """Queue ``observation`` and wait until the loop has decided it."""
+        self._inbox.append(observation)
+        target = self._decided + len(self._inbox)
+        await workflow.wait_condition(lambda: self._decided >= target)
+
+    def _outcome(self, op_id: OpId) -> OpOutcome:
+        outcome = op_outcome(self._state.keeper, op_id)
+        if outcome is None:
+            # Registered ops leave the registry only long after they end (OPS_KEPT).
+            raise ApplicationError(f"op_id: {op_id} is not an op of "
+                                   f"{self._state.keeper.spec.deployment_id} (any more)",
+                                   type=ERROR_OP_REFUSED, non_retryable=True)
+        return outcome
+
+    def _known_op(self, op_id: OpId) -> None:
+        if op_outcome(self._state.keeper, op_id) is None:
+            known = ", ".join(op.op_id for op in self._state.keeper.ops) or "none"
+            raise ApplicationError(
+                f"op_id: {op_id} is not an op of {self._state.keeper.spec.deployment_id} "
+                f"(known: {known})", type=ERROR_OP_REFUSED, non_retryable=True)
 
     @workflow.query(name=QUERY_STATUS)
     def status(self) -> WorkflowStatus:
@@ -415,6 +549,7 @@ class DeploymentWorkflow:
                     info.is_continue_as_new_suggested()
                     or info.get_current_history_length()
                     >= state.timings.continue_as_new_after_events):
+                self._continuing = True
                 if not self._can_waits_for_inbox:
                     await self._continue_as_new()
                 elif not self._writer_idle():
@@ -460,6 +595,9 @@ class DeploymentWorkflow:
             switches |= {"surge_on_unreachable": True, "precise_status": True}
         if workflow.patched(PATCH_CANT_PLACE_BACKOFF):
             switches |= {"cant_place_backoff": True}
+        self._graceful_stop = workflow.patched(PATCH_GRACEFUL_STOP)
+        if self._graceful_stop:
+            switches |= {"graceful_stop": True}
         if switches:
             config = self._state.config.model_copy(update=switches)
             self._state = self._state.model_copy(update={"config": config})
@@ -470,6 +608,7 @@ class DeploymentWorkflow:
             keeper, actions = decide(self._state.keeper, observation, workflow.now(),
                                      self._state.config, workflow.random().random())
             self._state = self._state.model_copy(update={"keeper": keeper})
+            self._decided += 1
             for action in actions:
                 self._launch(action)
 
@@ -545,12 +684,18 @@ class DeploymentWorkflow:
 
     def _current_status(self) -> DeploymentStatusUpdate:
         keeper = self._state.keeper
+        runs = current_generation(keeper)
         return DeploymentStatusUpdate(
             deployment_id=keeper.spec.deployment_id,
             status=status(keeper, config=self._state.config),
             placement_error=keeper.placement_error,
             consecutive_failures=keeper.consecutive_failures,
-            last_failure=keeper.last_failure, desired_replicas=keeper.spec.replicas)
+            last_failure=keeper.last_failure, desired_replicas=keeper.spec.replicas,
+            # Defaults (0, None) until a generation is set or a replica shares a node, so
+            # a history recorded before them writes what it wrote.
+            generation=runs.number,
+            runs_model_id=runs.model_id if keeper.spec.generation is not None else None,
+            placement_note=placement_note(keeper))
 
     async def _write_in_background(self) -> None:
         """The one store writer (PATCH_BACKGROUND_STORE_WRITES), a task of its own.
@@ -655,7 +800,8 @@ class DeploymentWorkflow:
                 # stop.
                 for task in self._tasks.pop(action.replica_id, []):
                     task.cancel()
-                self._spawn(action.replica_id, self._stop(action.replica_id), busy=True)
+                self._spawn(action.replica_id, self._stop(action.replica_id, drain=action.drain),
+                            busy=True)
             case Finish():
                 self._spawn("__finish__", self._finish(), busy=True)
             case _:
@@ -682,11 +828,15 @@ class DeploymentWorkflow:
         return self._state.shards.get(replica_id, [])
 
     async def _place(self, replica_id: ReplicaId) -> None:
+        replica = next((r for r in self._state.keeper.replicas if r.replica_id == replica_id),
+                       None)
         try:
             result: PlaceReplicaResult = await workflow.execute_activity(
                 ACTIVITY_PLACE_REPLICA,
                 PlaceReplicaInput(spec=self._state.keeper.spec, replica_id=replica_id,
-                                  start_timeout_s=self._state.timings.start_timeout_s),
+                                  start_timeout_s=self._state.timings.start_timeout_s,
+                                  avoid_nodes=replica.avoid_nodes if replica else [],
+                                  generation=replica.generation if replica else None),
                 result_type=PlaceReplicaResult, task_queue=CONTROL_TASK_QUEUE,
                 start_to_close_timeout=STORE_TIMEOUT,
                 schedule_to_close_timeout=timedelta(
@@ -704,7 +854,7 @@ class DeploymentWorkflow:
         shards[replica_id] = result.shards
         self._state = self._state.model_copy(update={"shards": shards})
         self._inbox.append(Placed(replica_id=replica_id,
-                                  nodes=[s.node_id for s in result.shards]))
+                                  nodes=[s.node_id for s in result.shards], note=result.note))
 
     async def _release_crashed_placement(self, replica_id: ReplicaId,
                                          exc: ActivityError) -> None:
@@ -732,7 +882,8 @@ class DeploymentWorkflow:
             ACTIVITY_START_SHARD, StartShardInput(spec=spec), result_type=ShardEndpoint,
             task_queue=node_task_queue(spec.node_id),
             schedule_to_start_timeout=timedelta(seconds=timings.node_schedule_to_start_s),
-            start_to_close_timeout=timedelta(seconds=spec.start_timeout_s) + AGENT_DEADLINE_SLACK,
+            start_to_close_timeout=timedelta(
+                seconds=spec.start_timeout_s * START_QUEUE_ALLOWANCE) + AGENT_DEADLINE_SLACK,
             heartbeat_timeout=START_HEARTBEAT_TIMEOUT, retry_policy=ONCE)) for spec in specs]
         try:
             endpoints: list[ShardEndpoint] = []
@@ -803,8 +954,19 @@ class DeploymentWorkflow:
                 break
         self._inbox.append(ProbeResult(replica_id=replica_id, running=running))
 
-    async def _stop(self, replica_id: ReplicaId) -> None:
+    async def _stop(self, replica_id: ReplicaId, *, drain: bool = False) -> None:
         timings = self._state.timings
+        if drain and self._graceful_stop:
+            # Out of routing first, and its in-flight requests finish (bounded by the
+            # grace period); a drain that fails for good does not hold up the stop.
+            with contextlib.suppress(ActivityError):
+                await workflow.execute_activity(
+                    ACTIVITY_DRAIN_REPLICA,
+                    DrainReplicaInput(replica_id=replica_id, grace_s=timings.drain_grace_s),
+                    task_queue=CONTROL_TASK_QUEUE,
+                    start_to_close_timeout=timedelta(seconds=timings.drain_grace_s)
+                    + DRAIN_SLACK, heartbeat_timeout=DRAIN_HEARTBEAT_TIMEOUT,
+                    retry_policy=DRAIN_RETRY)
         stops = [asyncio.create_task(workflow.execute_activity(
             ACTIVITY_STOP_SHARD,
             StopShardInput(replica_id=replica_id, grace_s=timings.stop_grace_s),

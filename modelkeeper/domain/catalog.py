@@ -74,6 +74,12 @@ class ReplicaView(Frozen):
     endpoint: str | None
     started_at: datetime | None
     ready_at: datetime | None
+    #: The deployment's generation it was placed on (0: before generations existed).
+    generation: int = 0
+    #: The catalog model it runs; None: the deployment's ``model_id``.
+    runs_model_id: ModelId | None = None
+    #: Placed on an older generation than its deployment's: due to be replaced.
+    outdated: bool = False
 
 
 class DeploymentView(Frozen):
@@ -94,6 +100,12 @@ class DeploymentView(Frozen):
     workflow_id: str
     created_at: datetime
     updated_at: datetime
+    #: What the deployment runs now (see modelkeeper.domain.ops.Generation).
+    generation: int = 0
+    #: The catalog model behind the served name; None: ``model_id`` itself.
+    runs_model_id: ModelId | None = None
+    #: Why the last replica placed shares a node with another (no other had room).
+    placement_note: str | None = None
 
 
 class DeploymentStatusUpdate(Frozen):
@@ -105,6 +117,11 @@ class DeploymentStatusUpdate(Frozen):
     consecutive_failures: int
     last_failure: str | None
     desired_replicas: int
+    #: The deployment's generation, the model behind its served name (None: ``model_id``
+    #: itself) and the last placement's sharing note, written as they stand.
+    generation: int = 0
+    runs_model_id: ModelId | None = None
+    placement_note: str | None = None
 
 
 class ReplicaStateUpdate(Frozen):

@@ -34,6 +34,9 @@ class PlaceReplicaResult(Frozen):
 
     shards: list[ShardSpec] = Field(default_factory=list)
     cant_place: str | None = None
+    #: Placed, but on a node that already holds another replica of the deployment (no
+    #: other node had room): which node, and each other node's reason.
+    note: str | None = None
 
 
 class ReleaseReplicaInput(Frozen):

@@ -140,6 +140,8 @@ class Replica(Tolerant):
     #: Placed by this op and leased to it: it does not count toward the desired number
     #: (it is the op's surge) until the op hands it over (see "Ops" in the docstring).
     op_id: OpId | None = None
+    #: Why its placement had to share a node with another replica of the deployment.
+    placement_note: str | None = None
 
 
 class DeploymentSpec(Tolerant):
@@ -268,6 +270,8 @@ class Placed(Frozen):
     kind: Literal["placed"] = "placed"
     replica_id: ReplicaId
     nodes: list[NodeId]
+    #: It shares a node with another replica of the deployment, and why.
+    note: str | None = None
 
 
 class Unplaceable(Frozen):
@@ -545,7 +549,7 @@ def _observe(state: KeeperState, obs: Observation, *, now: datetime, config: Kee
         case Stopped():
             return _on_stopped(state, obs)
         case OpAsked():
-            return _on_op_asked(state, obs, now=now)
+            return _on_op_asked(state, obs, now=now, config=config)
         case OpCancelled():
             return _on_op_cancelled(state, obs, now=now, config=config, actions=actions)
         case GenerationSet():
@@ -605,7 +609,8 @@ def _on_placed(state: KeeperState, obs: Placed, *, actions: list[Action]) -> Kee
     replica = _replica_in(state, obs.replica_id, Phase.PLACING)
     if replica is None:
         return state
-    placed = replica.model_copy(update={"phase": Phase.STARTING, "nodes": obs.nodes})
+    placed = replica.model_copy(update={"phase": Phase.STARTING, "nodes": obs.nodes,
+                                        "placement_note": obs.note})
     state = _replace(state, placed).model_copy(update={"placement_error": None,
                                                        "placement_retry_at": None,
                                                        "unplaceable_in_a_row": 0})
@@ -953,7 +958,8 @@ def _op_failed(state: KeeperState, op_id: OpId, error: str, *, now: datetime) ->
     return _end_op(state, op, OpState.FAILED, now=now, error=error)
 
 
-def _on_op_asked(state: KeeperState, obs: OpAsked, *, now: datetime) -> KeeperState:
+def _on_op_asked(state: KeeperState, obs: OpAsked, *, now: datetime,
+                 config: KeeperConfig) -> KeeperState:
     # A retried update finds its op and changes nothing; _reconcile advances a new one.
     request = obs.request
     if _find_op(state, request.op_id) is not None:
@@ -962,6 +968,12 @@ def _on_op_asked(state: KeeperState, obs: OpAsked, *, now: datetime) -> KeeperSt
             avoid_nodes=request.avoid_nodes, generation=request.generation,
             stop_first=request.stop_first, balances=request.balances,
             reason=request.reason, started_at=now)
+    # The validator saw the state before observations still queued with this one (two
+    # surges asked at once both pass it): checked again here, and refused as a failed op.
+    refusal = refuse_op(state, request, config)
+    if refusal is not None:
+        op = op.model_copy(update={"state": OpState.FAILED, "ended_at": now,
+                                   "error": refusal})
     return state.model_copy(update={"ops": [*state.ops, op]})
 
 
@@ -1163,6 +1175,13 @@ def brief(state: KeeperState, *, config: KeeperConfig | None = None) -> Deployme
                   for r in state.replicas])
 
 
+def placement_note(state: KeeperState) -> str | None:
+    """Why replicas of the deployment share a node, if any do (from their placements)."""
+    notes = [f"{r.replica_id} {r.placement_note}" for r in state.replicas
+             if r.placement_note and r.phase is not Phase.STOPPING]
+    return "; ".join(notes) or None
+
+
 def outdated(state: KeeperState) -> list[ReplicaId]:
     """Replicas running an older generation than the deployment's current one."""
     number = current_generation(state).number
@@ -1292,12 +1311,23 @@ def details(state: KeeperState, *, config: KeeperConfig | None = None) -> str:
     details: status, ready/desired, each replica with its phase and nodes, and the last
     failure and placement error (each cut to ``DETAILS_REASON_CHARS``)."""
     view = overview(state, config=config)
+    runs = current_generation(state)
     lines = [f"**{view.status.value}**: {view.ready}/{view.desired} ready, "
-             f"model `{state.spec.model_id}`"]
+             f"model `{state.spec.model_id}`"
+             + (f" running `{runs.model_id}` (generation {runs.number})"
+                if state.spec.generation is not None else "")]
     if state.replicas:
+        stale = set(outdated(state))
         lines += ["", "| replica | phase | nodes |", "|---|---|---|"]
         lines += [f"| {r.replica_id} | {r.phase.value}{' (retiring)' if r.retiring else ''}"
+                  f"{' (outdated)' if r.replica_id in stale else ''}"
+                  f"{f' (op {r.op_id})' if r.op_id else ''}"
                   f" | {', '.join(r.nodes) or '-'} |" for r in state.replicas]
+    running = [op for op in state.ops if op.state is OpState.RUNNING]
+    if running:
+        lines += ["", "Ops: " + "; ".join(
+            f"{op.kind.value} {op.replica_id or ''} ({op.op_id})".replace("  ", " ")
+            for op in running)]
     for label, text in (("Can't place", state.placement_error),
                         ("Last failure", state.last_failure)):
         if text:

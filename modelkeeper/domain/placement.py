@@ -6,19 +6,26 @@ and replay it). Imports stdlib and pydantic only.
 
 Rules, in the order each node is checked (the first that fails is that node's reason):
 
-1. state: only ``ready`` nodes take new shards. A cordoned node is cordoned for a reason;
+1. ``avoid_node_ids``: never a node the request avoids (one being drained), whatever its
+   state. First, so the drain's own cordon does not hide why: the reason reads
+   "avoided (being drained)".
+2. state: only ``ready`` nodes take new shards. A cordoned node is cordoned for a reason;
    an unreachable one may come back, but a shard sent there now would not start.
-2. ``node_ids``: when the request names nodes, only those.
-3. ``labels``: the node must carry every requested label with the requested value.
+3. ``node_ids``: when the request names nodes, only those.
+4. ``labels``: the node must carry every requested label with the requested value.
    Labels say things capacity cannot ("this node is for coding models").
-4. memory: the node's free memory must hold one shard, ``ceil(memory_bytes / min_nodes)``
+5. memory: the node's free memory must hold one shard, ``ceil(memory_bytes / min_nodes)``
    (rounded up so the shards together never understate the model).
-5. CPU: when both the request and the node declare cores, the shard's cores must fit in
+6. CPU: when both the request and the node declare cores, the shard's cores must fit in
    the node's unclaimed cores.
-6. GPUs: the node must have enough healthy, unclaimed GPUs; the lowest indices are taken.
+7. GPUs: the node must have enough healthy, unclaimed GPUs; the lowest indices are taken.
 
 Then, among the nodes that fit:
 
+* spread: a node holding no replica of the deployment (``sibling_node_ids``) is preferred
+  over one that does, before the packing below: two replicas on one node are one crash
+  from both gone. Where the replica must share (fewer such nodes fit than it needs), the
+  placement's ``note`` names the node it shares and why no other would do;
 * one-node replicas (``min_nodes == 1``) are bin-packed onto the node left with the least
   free memory, so partly used nodes fill up and whole nodes stay free for models too big
   to go anywhere else;
@@ -42,7 +49,7 @@ from enum import StrEnum
 from pydantic import Field, field_validator, model_validator
 
 from .base import Frozen
-from .ids import ModelId, NodeId
+from .ids import DeploymentId, ModelId, NodeId
 from .nodes import NodeState
 from .units import format_gib
 
@@ -134,6 +141,13 @@ class PlacementRequest(Frozen):
     node_ids: list[NodeId] | None = None
     #: Labels a node must carry, each with this exact value.
     labels: dict[str, str] = Field(default_factory=dict)
+    #: Never these nodes (a node being drained): each is rejected as avoided.
+    avoid_node_ids: list[NodeId] = Field(default_factory=list)
+    #: The deployment the replica belongs to; names it in the sharing note.
+    deployment_id: DeploymentId | None = None
+    #: Nodes already holding a replica of that deployment: a node not among them is
+    #: preferred, so one node's crash takes one replica, not two. A preference, not a rule.
+    sibling_node_ids: list[NodeId] = Field(default_factory=list)
 
     @property
     def shard_memory_bytes(self) -> int:
@@ -164,6 +178,9 @@ class Placement(Frozen):
     """A successful placement: one assignment per shard, rank 0 first."""
 
     assignments: list[ShardAssignment] = Field(min_length=1)
+    #: Set when a shard shares a node with another replica of the deployment, saying which
+    #: node and why no other would do (bounded like ``CantPlace.summary``).
+    note: str | None = None
 
     @model_validator(mode="after")
     def _ranks_and_nodes(self) -> Placement:
@@ -188,6 +205,8 @@ class RejectionReason(StrEnum):
     #: A state that is not ready and has no more specific code below. Every current
     #: NodeState has one; this is what a state added later reports until it gets its own.
     NOT_READY = "not_ready"
+    #: The request avoids the node (it is being drained).
+    AVOIDED = "avoided"
     UNREACHABLE = "unreachable"
     LOST = "lost"
     CORDONED = "cordoned"
@@ -281,7 +300,15 @@ def _reject(node: NodeView, reason: RejectionReason, message: str) -> NodeDecisi
     )
 
 
+#: What an avoided node's rejection says. Avoiding is how a drain moves replicas off a
+#: node, its only use so far; a new use would bring its own words.
+AVOIDED_MESSAGE = "avoided (being drained)"
+
+
 def _decide(request: PlacementRequest, node: NodeView) -> NodeDecision:
+    if node.node_id in request.avoid_node_ids:
+        return _reject(node, RejectionReason.AVOIDED, AVOIDED_MESSAGE)
+
     if node.state is not NodeState.READY:
         reason = _STATE_REASONS.get(node.state, RejectionReason.NOT_READY)
         return _reject(node, reason, str(node.state))
@@ -356,7 +383,7 @@ def explain(request: PlacementRequest, nodes: Sequence[NodeView]) -> list[NodeDe
 
     A node either fits (with its free memory before and after, its free cores and the
     GPUs it would give) or carries exactly one rejection: the first rule it fails, in the
-    order state, node_ids, labels, memory, CPU, GPUs. Raises ``ValueError`` if a node id
+    order avoid, state, node_ids, labels, memory, CPU, GPUs. Raises ``ValueError`` if a node id
     is listed twice, which means the snapshot itself is wrong.
     """
     _check_unique(nodes)
@@ -397,6 +424,8 @@ _CLOSENESS: dict[RejectionReason, int] = {
     RejectionReason.UNREACHABLE: 6,
     RejectionReason.NOT_READY: 7,
     RejectionReason.LOST: 8,
+    # Last: an avoided node will not take this replica whatever happens to it.
+    RejectionReason.AVOIDED: 9,
 }
 
 
@@ -422,7 +451,21 @@ def _summary(
     if len(text.encode()) <= SUMMARY_LIMIT_BYTES:
         return text
     # Too long to store: the closest nodes with their numbers, then counts by cause.
-    budget = SUMMARY_LIMIT_BYTES - _TAIL_BYTES
+    listed, omitted = _closest_within(request, rejected, SUMMARY_LIMIT_BYTES - _TAIL_BYTES)
+    text = _summary_of(request, listed, fitting, unknown_ids, omitted=omitted)
+    return _cut(text)
+
+
+def _cut(text: str) -> str:
+    # Names and unknown ids are bounded by the API, but be certain: cut at a character.
+    return text.encode()[:SUMMARY_LIMIT_BYTES].decode(errors="ignore")
+
+
+def _closest_within(
+    request: PlacementRequest, rejected: Sequence[NodeDecision], budget: int
+) -> tuple[list[NodeDecision], list[NodeDecision]]:
+    """The rejections closest to fitting whose parts fit in ``budget`` bytes, and the
+    rest (to be counted by cause instead)."""
     listed: list[NodeDecision] = []
     used = 0
     ranked = sorted(rejected, key=lambda d: _closest_first(request, d))
@@ -432,20 +475,13 @@ def _summary(
             break
         listed.append(decision)
         used += part
-    text = _summary_of(request, listed, fitting, unknown_ids, omitted=ranked[len(listed):])
-    # Names and unknown ids are bounded by the API, but be certain: cut at a character.
-    return text.encode()[:SUMMARY_LIMIT_BYTES].decode(errors="ignore")
+    return listed, ranked[len(listed):]
 
 
-def _summary_of(
-    request: PlacementRequest,
-    rejected: Sequence[NodeDecision],
-    fitting: Sequence[NodeDecision],
-    unknown_ids: Sequence[NodeId],
-    *,
-    omitted: Sequence[NodeDecision],
-) -> str:
-    reasons = "; ".join(f"node {d.node_name}: {d.message}" for d in rejected)
+def _reasons(listed: Sequence[NodeDecision], omitted: Sequence[NodeDecision]) -> str:
+    """The listed nodes with their reasons ("node b: 8.0 GiB free, needs 24.0 GiB; node c:
+    cordoned"), then the omitted ones counted by cause."""
+    reasons = "; ".join(f"node {d.node_name}: {d.message}" for d in listed)
     if omitted:
         counts: dict[str, int] = {}
         for d in omitted:
@@ -456,6 +492,18 @@ def _summary_of(
                              sorted(counts.items(), key=lambda item: (-item[1], item[0])))
         reasons += (f"; and {len(omitted)} more ({by_cause}): "
                     "`modelkeeper explain` lists every node")
+    return reasons
+
+
+def _summary_of(
+    request: PlacementRequest,
+    rejected: Sequence[NodeDecision],
+    fitting: Sequence[NodeDecision],
+    unknown_ids: Sequence[NodeId],
+    *,
+    omitted: Sequence[NodeDecision],
+) -> str:
+    reasons = _reasons(rejected, omitted)
     if request.min_nodes > 1:
         head = f"needs {request.min_nodes} nodes, {len(fitting)} fit"
         if fitting:
@@ -471,11 +519,44 @@ def _summary_of(
     return text
 
 
+def _sharing_note(
+    request: PlacementRequest,
+    decisions: Sequence[NodeDecision],
+    chosen: Sequence[NodeDecision],
+) -> str | None:
+    """None when no chosen node holds a replica of the deployment; else which ones do,
+    and why no other node would do: "shares node n1 with another replica of d1: no other
+    node has room (node n2: 1.0 GiB free, needs 2.0 GiB)"."""
+    siblings = set(request.sibling_node_ids)
+    shared = [d.node_name for d in chosen if d.node_id in siblings]
+    if not shared:
+        return None
+    deployment = request.deployment_id or "this deployment"
+    if len(shared) == 1:
+        head = f"shares node {shared[0]} with another replica of {deployment}"
+    else:
+        head = f"shares nodes {', '.join(shared)} with other replicas of {deployment}"
+    others = [d for d in decisions if d.node_id not in siblings]
+    if request.min_nodes == 1:
+        why = "no other node has room" if others else "every node holds one already"
+    else:
+        room = sum(1 for d in others if d.fits)
+        nodes = "other node has" if room == 1 else "other nodes have"
+        why = f"needs {request.min_nodes} nodes, {room} {nodes} room"
+    rejected = [d for d in others if not d.fits]
+    reasons = _reasons(rejected, [])
+    if len(reasons.encode()) > SUMMARY_LIMIT_BYTES - _TAIL_BYTES:
+        reasons = _reasons(*_closest_within(request, rejected,
+                                            SUMMARY_LIMIT_BYTES - 2 * _TAIL_BYTES))
+    return _cut(f"{head}: {why} ({reasons})" if reasons else f"{head}: {why}")
+
+
 def place(request: PlacementRequest, nodes: Sequence[NodeView]) -> Placement | CantPlace:
     """Place one replica on ``nodes``, or say why it cannot be placed.
 
     Returns a ``Placement`` with exactly ``request.min_nodes`` shards on distinct nodes,
-    rank 0 first, or a ``CantPlace`` listing every node that was rejected with its reason,
+    rank 0 first (with a ``note`` when it must share a node with another replica of the
+    deployment), or a ``CantPlace`` listing every node that was rejected with its reason,
     plus the shortfall when fewer nodes fit than the replica needs. See the module
     docstring for the rules. Deterministic: the order of ``nodes`` does not matter.
     Raises ``ValueError`` if a node id is listed twice.
@@ -493,10 +574,13 @@ def place(request: PlacementRequest, nodes: Sequence[NodeView]) -> Placement | C
             summary=_summary(request, decisions, fitting, unknown),
         )
 
+    siblings = set(request.sibling_node_ids)
     if request.min_nodes == 1:
-        chosen = [min(fitting, key=_bin_pack_key)]
+        chosen = [min(fitting, key=lambda d: (d.node_id in siblings, *_bin_pack_key(d)))]
     else:
-        chosen = sorted(fitting, key=_emptiest_key)[: request.min_nodes]
+        chosen = sorted(fitting, key=lambda d: (d.node_id in siblings, *_emptiest_key(d)))[
+            : request.min_nodes
+        ]
 
     gpu_memory = {n.node_id: {g.index: g.memory_bytes for g in n.gpus} for n in nodes}
     assignments = []
@@ -514,7 +598,7 @@ def place(request: PlacementRequest, nodes: Sequence[NodeView]) -> Placement | C
                 ),
             )
         )
-    return Placement(assignments=assignments)
+    return Placement(assignments=assignments, note=_sharing_note(request, decisions, chosen))
 
 
 def apply(nodes: Sequence[NodeView], placement: Placement) -> list[NodeView]:

@@ -25,9 +25,11 @@ from ..domain.catalog import (
     ReplicaStateUpdate,
     ReplicaView,
 )
+from ..domain.draining import UsageReport
 from ..domain.events import Event, NewEvent
 from ..domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from ..domain.nodes import AgentRegistration, Inventory, NodeRecord, NodeUpdate, node_state
+from ..domain.ops import Generation
 from ..domain.placement import (
     CantPlace,
     GpuView,
@@ -440,17 +442,20 @@ class Store:
             deployment_id, replicas)
 
     async def record_deployment_status(self, update: DeploymentStatusUpdate) -> None:
-        """Write the keeper's status; the deleting status set by the API is kept."""
+        """Write the keeper's status; the deleting status set by the API is kept. The
+        generation, the model it runs and the placement note are written as they stand."""
         await self._pool.execute(
             """
             UPDATE deployments SET
                 status = CASE WHEN status = 'deleting' THEN status ELSE $2 END,
                 placement_error = $3, consecutive_failures = $4, last_failure = $5,
-                replicas = $6, updated_at = now()
+                replicas = $6, generation = $7, runs_model_id = $8, placement_note = $9,
+                updated_at = now()
             WHERE deployment_id = $1
             """,
             update.deployment_id, update.status.value, update.placement_error,
-            update.consecutive_failures, update.last_failure, update.desired_replicas)
+            update.consecutive_failures, update.last_failure, update.desired_replicas,
+            update.generation, update.runs_model_id, update.placement_note)
 
     async def get_deployment(self, deployment_id: str) -> DeploymentView | None:
         """One deployment with its replicas; None when unknown."""
@@ -503,7 +508,8 @@ class Store:
                 last_failure=row["last_failure"], min_nodes=row["min_nodes"],
                 node_ids=row["node_ids"], labels=row["labels"], replicas=reps,
                 workflow_id=row["workflow_id"], created_at=row["created_at"],
-                updated_at=row["updated_at"]))
+                updated_at=row["updated_at"], generation=row["generation"],
+                runs_model_id=row["runs_model_id"], placement_note=row["placement_note"]))
         return views
 
     # -- replicas and placement -----------------------------------------------------------
@@ -516,8 +522,15 @@ class Store:
     async def place_replica(self, *, deployment_id: DeploymentId, replica_id: ReplicaId,
                             request: PlacementRequest, model: CatalogModel,
                             now: datetime, unreachable_after_s: float, lost_after_s: float,
-                            start_timeout_s: float) -> list[ShardSpec] | CantPlace:
+                            start_timeout_s: float, generation: Generation | None = None,
+                            ) -> list[ShardSpec] | CantPlace:
         """Pick nodes and claim their memory (and CPUs, GPUs); never the same memory twice.
+
+        ``model`` is what the replica runs, engine arguments already laid over the catalog
+        entry's; ``generation`` (None: the deployment's model as the catalog has it, at
+        generation 0) is recorded on the replica's row. The nodes already holding a replica
+        of the deployment go to :func:`place` as ``sibling_node_ids``, so replicas spread;
+        when this one must share a node, :meth:`replica_placement_note` says why.
 
         No node row is locked: heartbeats update those rows every few seconds, and when
         every placement locked every row, a heartbeat at 1,000 nodes waited p99 5.5 s behind
@@ -527,13 +540,15 @@ class Store:
            if any. Idempotent per replica id: a retried call, or a duplicate racing the
            first, waits for the first to commit and returns its claims, exactly as it
            returned them (``gpu_memory_bytes`` included);
-        2. reads the nodes without row locks and runs :func:`place` on that snapshot;
+        2. reads the nodes, and where the deployment's other replicas are, without row
+           locks and runs :func:`place` on that snapshot;
         3. takes the advisory lock of each chosen node, in key order (two placements
            wanting the same nodes queue instead of deadlocking), re-reads those nodes and
            checks each shard still fits. Every claimer holds a node's lock from its check
            to its commit, so what this re-read shows cannot grow until this commit: no
-           over-claim. If a racing placement took the room, the attempt rolls back and
-           starts again from fresh state.
+           over-claim, and no replica of the deployment arriving unseen on a node chosen
+           as free of them. If a racing placement took the room (or that node), the
+           attempt rolls back and starts again from fresh state.
 
         Heartbeats and operator updates never take these locks, so they never wait for a
         placement; a capacity they change after the re-read counts as changed after the
@@ -545,7 +560,8 @@ class Store:
         """
         args = _ClaimArgs(deployment_id=deployment_id, replica_id=replica_id, request=request,
                           model=model, now=now, unreachable_after_s=unreachable_after_s,
-                          lost_after_s=lost_after_s, start_timeout_s=start_timeout_s)
+                          lost_after_s=lost_after_s, start_timeout_s=start_timeout_s,
+                          generation=generation)
         async with self._pool.acquire() as conn:
             for _ in range(_OPTIMISTIC_ATTEMPTS):
                 try:
@@ -553,6 +569,14 @@ class Store:
                 except _ClaimsMoved:
                     continue
             return await _claim(conn, args, serialized=True)
+
+    async def replica_placement_note(self, replica_id: str) -> str | None:
+        """Why the replica shares a node with another replica of its deployment, as its
+        placement found (None: it does not, or it is unknown). Written with its claims,
+        so a retried placement reads what the first attempt found."""
+        note: str | None = await self._pool.fetchval(
+            "SELECT placement_note FROM replicas WHERE replica_id = $1", replica_id)
+        return note
 
     async def record_replica_state(self, update: ReplicaStateUpdate) -> None:
         """Write a replica's state (and endpoint once ready)."""
@@ -570,6 +594,52 @@ class Store:
         done = await self._pool.execute("DELETE FROM replicas WHERE replica_id = $1",
                                         replica_id)
         return bool(done.endswith(" 1"))
+
+    # -- draining -------------------------------------------------------------------------
+
+    async def mark_replica_draining(self, replica_id: str
+                                    ) -> tuple[ReplicaState, datetime] | None:
+        """Take a replica out of routing by marking it ``draining``: only ``ready`` is
+        routed, and the gateways hear of the change through NOTIFY (migration 0002).
+
+        Idempotent: a replica already ``draining`` or ``stopping`` is left as it is (a
+        stop under way never goes back to draining), and so notifies nobody. Returns the
+        replica's state after the call and the store's clock read once the change has
+        committed, so a usage row stamped later was written by a worker that could see
+        it; None when the replica is gone.
+        """
+        async with self._pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE replicas SET state = $2 "
+                "WHERE replica_id = $1 AND state <> ALL($3::text[])",
+                replica_id, ReplicaState.DRAINING.value,
+                [ReplicaState.DRAINING.value, ReplicaState.STOPPING.value])
+            # A statement of its own, after the UPDATE's commit: a clock read inside the
+            # UPDATE could precede its commit, and a usage write starting in between would
+            # be stamped after the mark while still seeing the replica ready.
+            row = await conn.fetchrow(
+                "SELECT state, clock_timestamp() AS at FROM replicas WHERE replica_id = $1",
+                replica_id)
+        return None if row is None else (ReplicaState(row["state"]), row["at"])
+
+    async def replica_usage_since(self, replica_id: str, since: datetime
+                                  ) -> tuple[datetime, list[UsageReport]]:
+        """The store's clock now, and each gateway worker's usage row of ``replica_id``
+        written after ``since`` (a drain reads how many requests are still in flight)."""
+        row = await self._pool.fetchrow(
+            """
+            SELECT clock_timestamp() AS now,
+                   array_agg(gateway_id ORDER BY gateway_id) AS gateway_ids,
+                   array_agg(in_flight ORDER BY gateway_id) AS in_flight,
+                   array_agg(updated_at ORDER BY gateway_id) AS updated_at
+            FROM replica_usage WHERE replica_id = $1 AND updated_at > $2
+            """,
+            replica_id, since)
+        assert row is not None  # an aggregate without GROUP BY always returns one row
+        reports = [UsageReport(gateway_id=g, in_flight=n, updated_at=at)
+                   for g, n, at in zip(row["gateway_ids"] or [], row["in_flight"] or [],
+                                       row["updated_at"] or [], strict=True)]
+        return row["now"], reports
 
 
 _NODE_SELECT = """
@@ -594,7 +664,7 @@ _NODE_SELECT = """
 
 _REPLICA_SELECT = """
     SELECT r.replica_id, r.deployment_id, d.model_id, r.state, r.endpoint, r.started_at,
-           r.ready_at,
+           r.ready_at, r.generation, r.runs_model_id, r.generation < d.generation AS outdated,
            COALESCE((SELECT array_agg(a.node_id ORDER BY a.rank) FROM allocations a
                      WHERE a.replica_id = r.replica_id), '{}') AS nodes
     FROM replicas r JOIN deployments d USING (deployment_id)
@@ -621,6 +691,7 @@ class _ClaimArgs:
     unreachable_after_s: float
     lost_after_s: float
     start_timeout_s: float
+    generation: Generation | None
 
     def views(self, records: list[asyncpg.Record]) -> list[NodeView]:
         return [_node_view(NodeRecord(**_record(row)), self.now, self.unreachable_after_s,
@@ -656,7 +727,10 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
                     for a in existing]
         lock = "pg_advisory_xact_lock" if serialized else "pg_advisory_xact_lock_shared"
         await conn.execute(f"SELECT {lock}($1, $2)", *_PLACEMENT_LOCK)
-        result = place(args.request,
+        siblings = await _sibling_nodes(conn, args.deployment_id)
+        request = args.request.model_copy(update={
+            "deployment_id": args.deployment_id, "sibling_node_ids": sorted(siblings)})
+        result = place(request,
                        args.views(await conn.fetch(_NODE_SELECT + " ORDER BY n.node_id")))
         if isinstance(result, CantPlace):
             return result
@@ -669,13 +743,23 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
                                    _NODE_LOCK_SPACE, key)
             fresh = {v.node_id: v for v in args.views(await conn.fetch(
                 _NODE_SELECT + " WHERE n.node_id = ANY($1::text[])", result.node_ids))}
-            if not all(_fits_now(args.request, a, fresh.get(a.node_id))
+            if not all(_fits_now(request, a, fresh.get(a.node_id))
                        for a in result.assignments):
                 raise _ClaimsMoved(args.replica_id)
+            # A replica of the deployment placed since the read, on a node chosen as free
+            # of them: spread would have gone elsewhere. Its placer held that node's lock
+            # until it committed, so this read sees it.
+            arrived = await _sibling_nodes(conn, args.deployment_id) - siblings
+            if arrived & set(result.node_ids):
+                raise _ClaimsMoved(args.replica_id)
+        gen = args.generation
         await conn.execute(
-            "INSERT INTO replicas (replica_id, deployment_id, state, started_at) "
-            "VALUES ($1, $2, $3, now())",
-            args.replica_id, args.deployment_id, ReplicaState.STARTING.value)
+            "INSERT INTO replicas (replica_id, deployment_id, state, started_at, generation, "
+            "runs_model_id, engine_args, placement_note) "
+            "VALUES ($1, $2, $3, now(), $4, $5, $6, $7)",
+            args.replica_id, args.deployment_id, ReplicaState.STARTING.value,
+            0 if gen is None else gen.number, None if gen is None else gen.model_id,
+            None if gen is None else gen.engine_args, result.note)
         shards = []
         for a in result.assignments:
             await conn.execute(
@@ -688,6 +772,15 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
                                       len(result.assignments), a.memory_bytes, a.cpu_cores,
                                       a.gpu_indices, a.gpu_memory_bytes, args.start_timeout_s))
         return shards
+
+
+async def _sibling_nodes(conn: asyncpg.Connection, deployment_id: DeploymentId
+                         ) -> set[NodeId]:
+    """The nodes holding a claim of any replica of the deployment, in any state."""
+    rows = await conn.fetch(
+        "SELECT DISTINCT a.node_id FROM allocations a JOIN replicas r USING (replica_id) "
+        "WHERE r.deployment_id = $1", deployment_id)
+    return {NodeId(row["node_id"]) for row in rows}
 
 
 def _fits_now(request: PlacementRequest, shard: ShardAssignment, node: NodeView | None

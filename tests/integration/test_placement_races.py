@@ -7,7 +7,9 @@ What must hold while placements race each other and heartbeats:
 * a heartbeat never waits behind a placement (at 1,000 nodes it used to: p99 5.5 s);
 * two attempts for the same replica end with one set of claims, which both return;
 * a retried call returns exactly the shard specs the first returned (gpu_memory_bytes too:
-  vLLM and SGLang derive their memory fraction from it).
+  vLLM and SGLang derive their memory fraction from it);
+* two replicas of one deployment placed at once still go on distinct nodes when room
+  allows: the one that read first's claim was not committed yet sees it under the lock.
 
 To catch a placement with its transaction open, ``ClaimGate`` installs a trigger that makes
 every allocation insert wait on an advisory lock the test holds: the placement has then
@@ -273,6 +275,34 @@ async def test_placement_re_checks_claims_committed_while_it_waited(
     assert not isinstance(r1, CantPlace) and not isinstance(r2, CantPlace)
     assert [s.node_id for s in r1] == ["a"]
     assert [s.node_id for s in r2] == ["b"]
+
+
+@pytest.mark.parametrize("optimistic_attempts", [None, 0], ids=["default", "serialized-only"])
+async def test_racing_replicas_of_one_deployment_still_spread(
+        store: Store, database_url: str, monkeypatch: pytest.MonkeyPatch,
+        optimistic_attempts: int | None) -> None:
+    # Room on a for both: r2's snapshot shows a free of replicas (r1's claim is written, not
+    # committed) and picks it, the lower id of two equal nodes. Under a's lock it must see
+    # r1 there and go to b, which spread prefers; memory alone would let it stay on a.
+    if optimistic_attempts is not None:
+        monkeypatch.setattr(control, "_OPTIMISTIC_ATTEMPTS", optimistic_attempts)
+    model = _model(2)
+    inv = _inventory(64 * GIB)
+    await _setup(store, nodes={"a": inv, "b": inv}, model=model)
+    gate = await ClaimGate.install(database_url)
+    try:
+        first = asyncio.create_task(_place(store, model, "r1"))
+        await gate.wait_for_waiters(1)
+        second = asyncio.create_task(_place(store, model, "r2"))
+        await gate.wait_for_waiters(2)  # r2 waits for a's lock (or, serialized, its turn)
+        await gate.open()
+        r1, r2 = await asyncio.gather(first, second)
+    finally:
+        await gate.close()
+    assert not isinstance(r1, CantPlace) and not isinstance(r2, CantPlace)
+    assert [s.node_id for s in r1] == ["a"]
+    assert [s.node_id for s in r2] == ["b"]
+    assert await store.replica_placement_note("r2") is None
 
 
 async def test_placements_ranking_nodes_in_opposite_orders_do_not_deadlock(

@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from modelkeeper.domain.ids import ModelId, NodeId
+from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId
 from modelkeeper.domain.placement import (
+    AVOIDED_MESSAGE,
     SUMMARY_LIMIT_BYTES,
     CantPlace,
     GpuView,
@@ -73,6 +74,8 @@ def req(
     min_nodes: int = 1,
     node_ids: list[str] | None = None,
     labels: dict[str, str] | None = None,
+    avoid: Sequence[str] = (),
+    siblings: Sequence[str] = (),
 ) -> PlacementRequest:
     return PlacementRequest(
         model_id=MODEL,
@@ -82,6 +85,9 @@ def req(
         min_nodes=min_nodes,
         node_ids=None if node_ids is None else [NodeId(i) for i in node_ids],
         labels=labels or {},
+        avoid_node_ids=[NodeId(i) for i in avoid],
+        deployment_id=DeploymentId("d1") if siblings else None,
+        sibling_node_ids=[NodeId(i) for i in siblings],
     )
 
 
@@ -98,6 +104,32 @@ def cant(result: Placement | CantPlace) -> CantPlace:
 def reason_of(result: CantPlace, node_id: str) -> tuple[RejectionReason, str]:
     (r,) = [r for r in result.rejections if r.node_id == node_id]
     return r.reason_code, r.message
+
+
+# --- avoid ---------------------------------------------------------------------------
+
+
+def test_an_avoided_node_is_never_chosen() -> None:
+    # The avoided node is the better bin-packing fit (and the only fit for 24 GiB).
+    nodes = [node("a", mem_gib=16), node("b", mem_gib=64)]
+    assert placed(place(req(8), nodes)).node_ids == ["a"]
+    assert placed(place(req(8, avoid=["a"]), nodes)).node_ids == ["b"]
+    result = cant(place(req(24, avoid=["b"]), nodes))
+    assert reason_of(result, "b") == (RejectionReason.AVOIDED, AVOIDED_MESSAGE)
+    assert result.summary == (
+        "node a: 16.0 GiB free, needs 24.0 GiB; node b: avoided (being drained)")
+
+
+def test_avoid_is_reported_before_the_drains_own_cordon() -> None:
+    # A drain cordons the node it empties; "cordoned" would hide why it was skipped.
+    n = node("a", state=NodeState.CORDONED, mem_gib=1)
+    result = cant(place(req(100, node_ids=["z"], avoid=["a"]), [n]))
+    assert reason_of(result, "a") == (RejectionReason.AVOIDED, "avoided (being drained)")
+
+
+def test_avoiding_an_unknown_node_changes_nothing() -> None:
+    nodes = [node("a"), node("b")]
+    assert place(req(8, avoid=["zz"]), nodes) == place(req(8), nodes)
 
 
 # --- state ---------------------------------------------------------------------------
@@ -301,6 +333,63 @@ def test_multi_node_shards_each_need_their_own_gpus_and_cpus() -> None:
     ]
 
 
+# --- spread: replicas of one deployment on distinct nodes -------------------------------
+
+
+def test_a_node_without_a_replica_of_the_deployment_is_preferred() -> None:
+    # Bin-packing alone would stack the second replica on "a" with the first.
+    nodes = [node("a", mem_gib=64, claimed_gib=32), node("b", mem_gib=128)]
+    assert placed(place(req(8), nodes)).node_ids == ["a"]
+    p = placed(place(req(8, siblings=["a"]), nodes))
+    assert p.node_ids == ["b"]
+    assert p.note is None
+
+
+def test_spread_is_preferred_over_bin_packing_among_the_others_too() -> None:
+    nodes = [node("a", mem_gib=16), node("b", mem_gib=128), node("c", mem_gib=32)]
+    # Among the nodes without a replica, the tightest fit still wins.
+    assert placed(place(req(8, siblings=["a"]), nodes)).node_ids == ["c"]
+
+
+def test_sharing_a_node_says_so_and_why_no_other_node_would_do() -> None:
+    nodes = [
+        node("n1", mem_gib=64),
+        node("n2", mem_gib=16, claimed_gib=15),
+        node("n3", state=NodeState.CORDONED),
+        node("n4", mem_gib=64),
+    ]
+    p = placed(place(req(2, avoid=["n4"], siblings=["n1"]), nodes))
+    assert p.node_ids == ["n1"]
+    assert p.note == (
+        "shares node n1 with another replica of d1: no other node has room "
+        "(node n2: 1.0 GiB free, needs 2.0 GiB; node n3: cordoned; "
+        "node n4: avoided (being drained))")
+
+
+def test_a_lone_node_is_shared_without_complaint_about_other_nodes() -> None:
+    p = placed(place(req(2, siblings=["n1"]), [node("n1")]))
+    assert p.note == "shares node n1 with another replica of d1: every node holds one already"
+
+
+def test_a_multi_node_replica_spreads_and_names_each_node_it_shares() -> None:
+    nodes = [node("a", mem_gib=128), node("b", mem_gib=96), node("c", mem_gib=64),
+             node("d", mem_gib=8)]
+    # Emptiest first would take a and b; both hold a replica, so c first, then a.
+    p = placed(place(req(32, min_nodes=2, siblings=["a", "b"]), nodes))
+    assert p.node_ids == ["c", "a"]
+    assert p.note == (
+        "shares node a with another replica of d1: needs 2 nodes, 1 other node has room "
+        "(node d: 8.0 GiB free, needs 16.0 GiB per shard)")
+    p = placed(place(req(32, min_nodes=3, siblings=["a", "b", "c"]), nodes))
+    assert p.note is not None
+    assert p.note.startswith("shares nodes a, b, c with other replicas of d1: "
+                             "needs 3 nodes, 0 other nodes have room")
+
+
+def test_without_siblings_the_placement_has_no_note() -> None:
+    assert placed(place(req(8), [node("a")])).note is None
+
+
 # --- the summary ---------------------------------------------------------------------
 
 
@@ -366,6 +455,37 @@ def test_the_summary_stays_under_4_kb_at_a_thousand_nodes() -> None:
     counts = tail.split("(", 1)[1].split(")", 1)[0]
     assert sum(int(part.split()[0]) for part in counts.split(", ")) == omitted
     assert "250 lost" in counts and "250 unreachable" in counts and "`modelkeeper explain`" in tail
+
+
+def test_the_summary_stays_under_4_kb_at_a_thousand_nodes_with_half_avoided() -> None:
+    nodes = thousand_node_fleet()
+    avoid = [n.node_id for n in nodes[::2]]
+    result = cant(place(req(24, avoid=avoid), nodes))
+    assert len(result.summary.encode()) <= SUMMARY_LIMIT_BYTES
+    assert sum(r.reason_code is RejectionReason.AVOIDED for r in result.rejections) == 500
+    tail = result.summary.split("; and ", 1)[1]
+    counts = tail.split("(", 1)[1].split(")", 1)[0]
+    # Avoided nodes are counted by cause like the rest, and listed last: they will never
+    # take this replica, so the nodes closer to fitting get the room.
+    assert "500 avoided" in counts
+    assert AVOIDED_MESSAGE not in result.summary
+    listed = result.summary.count("node node-")
+    assert listed + int(tail.split(" more", 1)[0]) == 1000
+
+
+def test_the_sharing_note_stays_under_4_kb_at_a_thousand_nodes() -> None:
+    nodes = [*thousand_node_fleet(), node("home", mem_gib=64)]
+    avoid = [n.node_id for n in nodes[1:1000:2]]
+    p = placed(place(req(24, avoid=avoid, siblings=["home"]), nodes))
+    assert p.node_ids == ["home"]
+    assert p.note is not None
+    assert len(p.note.encode()) <= SUMMARY_LIMIT_BYTES
+    assert p.note.startswith("shares node home with another replica of d1: no other node "
+                             "has room (node node-0000-in-a-rack-with-a-long-name: 16.0 GiB")
+    tail = p.note.split("; and ", 1)[1]
+    assert "avoided" in tail and "`modelkeeper explain`" in tail
+    listed = p.note.count("node node-")
+    assert listed + int(tail.split(" more", 1)[0]) == 1000
 
 
 def test_a_short_summary_is_not_cut() -> None:
@@ -486,6 +606,9 @@ def requests(draw: st.DrawFn) -> PlacementRequest:
     labels = {
         k: draw(st.sampled_from(v)) for k, v in LABELS.items() if draw(st.integers(0, 5)) == 0
     }
+    avoid = []
+    if draw(st.integers(0, 3)) == 0:
+        avoid = draw(st.lists(st.sampled_from([*POOL, "zz"]), unique=True, max_size=3))
     return PlacementRequest(
         model_id=MODEL,
         memory_bytes=memory,
@@ -494,12 +617,15 @@ def requests(draw: st.DrawFn) -> PlacementRequest:
         min_nodes=draw(st.sampled_from([1, 1, 1, 2, 2, 3, 4])),
         node_ids=None if node_ids is None else [NodeId(i) for i in node_ids],
         labels=labels,
+        avoid_node_ids=[NodeId(i) for i in avoid],
     )
 
 
 def oracle_fits(request: PlacementRequest, n: NodeView) -> bool:
     """Could ``n`` take one shard? Written from the rules, not from placement.py."""
     need = math.ceil(request.memory_bytes / request.min_nodes)
+    if n.node_id in request.avoid_node_ids:
+        return False
     if n.state != NodeState.READY:
         return False
     if request.node_ids is not None and n.node_id not in request.node_ids:
@@ -565,6 +691,7 @@ def test_every_placement_is_valid_and_every_refusal_is_justified(
             n = by_id[a.node_id]
             assert oracle_fits(request, n)
             assert n.state == NodeState.READY
+            assert a.node_id not in request.avoid_node_ids
             assert request.node_ids is None or a.node_id in request.node_ids
             assert all(n.labels.get(k) == v for k, v in request.labels.items())
             assert a.memory_bytes == math.ceil(request.memory_bytes / request.min_nodes)
@@ -677,3 +804,26 @@ def test_placing_until_nothing_fits_never_over_claims(
             assert n.memory_claimed_bytes == start.memory_claimed_bytes
         if n.cpu_count is not None and request.cpu_cores is not None:
             assert n.cpu_claimed <= max(n.cpu_count + 1e-9, start.cpu_claimed)
+
+
+@PROPERTY
+@given(request=requests(), nodes=clusters(), data=st.data())
+def test_replicas_share_a_node_only_when_too_few_others_fit(
+    request: PlacementRequest, nodes: list[NodeView], data: st.DataObject
+) -> None:
+    siblings = data.draw(st.lists(st.sampled_from(POOL), unique=True, max_size=8))
+    spread = request.model_copy(update={"deployment_id": DeploymentId("d1"),
+                                        "sibling_node_ids": [NodeId(i) for i in siblings]})
+    result = place(spread, nodes)
+    # Spread is a preference, never a rule: it places exactly when placement without it does.
+    assert isinstance(result, Placement) == isinstance(place(request, nodes), Placement)
+    if not isinstance(result, Placement):
+        return
+    free_of_them = [n for n in nodes if oracle_fits(request, n) and n.node_id not in siblings]
+    shared = [i for i in result.node_ids if i in siblings]
+    assert len(shared) == max(0, request.min_nodes - len(free_of_them))
+    assert (result.note is None) == (not shared)
+    if result.note is not None:
+        assert len(result.note.encode()) <= SUMMARY_LIMIT_BYTES
+        names = {n.node_id: n.name for n in nodes}
+        assert all(names[i] in result.note for i in shared)

@@ -37,10 +37,22 @@ from modelkeeper.domain.control import (
     PlaceReplicaResult,
     ReleaseReplicaInput,
 )
+from modelkeeper.domain.draining import DrainReplicaInput, DrainReplicaResult
 from modelkeeper.domain.events import Event, NewEvent
-from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
+from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, OpId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec, KeeperConfig
 from modelkeeper.domain.nodes import NodeSilentInput
+from modelkeeper.domain.ops import (
+    AwaitOpRequest,
+    CancelOpRequest,
+    DeploymentBrief,
+    Generation,
+    OpKind,
+    OpOutcome,
+    OpRequest,
+    OpState,
+    SetGenerationRequest,
+)
 from modelkeeper.domain.shards import (
     EngineKind,
     ExitKind,
@@ -54,7 +66,16 @@ from modelkeeper.domain.shards import (
     WatchShardInput,
 )
 from modelkeeper.domain.status import DeploymentStatus
-from modelkeeper.names import CONTROL_TASK_QUEUE, node_task_queue
+from modelkeeper.names import (
+    CONTROL_TASK_QUEUE,
+    ERROR_OP_REFUSED,
+    QUERY_BRIEF,
+    UPDATE_AWAIT_OP,
+    UPDATE_CANCEL_OP,
+    UPDATE_OP,
+    UPDATE_SET_GENERATION,
+    node_task_queue,
+)
 from workflows.deployment import (
     DESIRED_KEY,
     NODES_KEY,
@@ -110,6 +131,9 @@ class FakeCluster:
     start_failure_log: list[str] = field(default_factory=list)
     #: Every record_event, in order.
     events: list[NewEvent] = field(default_factory=list)
+    #: Each drain_replica (a graceful stop), and each stop_shard, in one order.
+    drained: list[str] = field(default_factory=list)
+    stop_order: list[str] = field(default_factory=list)
     #: list_shards answers only once this status was written to the store. The store
     #: writes coalesce (each writes what is current when it starts), so a status that
     #: lasts only until a probe answers in milliseconds need never be written otherwise.
@@ -200,9 +224,16 @@ class FakeCluster:
                 replica_id=req.replica_id, kind=ExitKind.SIGNALLED, signal=9,
                 detail="killed by SIGKILL", log_tail=self.exit_log))
 
+        @activity.defn(name="drain_replica")
+        async def drain_replica(req: DrainReplicaInput) -> DrainReplicaResult:
+            self.drained.append(req.replica_id)
+            self.stop_order.append(f"drain {req.replica_id}")
+            return DrainReplicaResult(waited_s=0.0, in_flight_left=0, timed_out=False)
+
         @activity.defn(name="stop_shard")
         async def stop_shard(req: StopShardInput) -> ShardExit:
             self.stopped.append(req.replica_id)
+            self.stop_order.append(f"stop {req.replica_id}")
             return ShardExit(replica_id=req.replica_id, kind=ExitKind.STOPPED)
 
         @activity.defn(name="list_shards")
@@ -217,7 +248,7 @@ class FakeCluster:
                 adopted=True)) for r in sorted(self.agent_runs)]
 
         control = [place_replica, record_replica_state, release_replica,
-                   record_deployment_status, delete_deployment, record_event]
+                   record_deployment_status, delete_deployment, record_event, drain_replica]
         node = [start_shard, watch_shard, stop_shard, list_shards]
         return control, node
 
@@ -1026,3 +1057,78 @@ async def test_a_serving_deployment_adds_no_history_events_while_its_watch_heart
         assert cluster.watches == ["d1-r1"]
         await run.handle.signal(DeploymentWorkflow.delete)
         await asyncio.wait_for(run.handle.result(), 20)
+
+
+# -- ops: what sagas ask for -----------------------------------------------------------
+
+
+async def _await_op(run: Running, op_id: str) -> OpOutcome:
+    while True:
+        outcome: OpOutcome = await run.handle.execute_update(
+            UPDATE_AWAIT_OP, AwaitOpRequest(op_id=OpId(op_id), wait_s=5),
+            result_type=OpOutcome)
+        if outcome.state is not OpState.RUNNING:
+            return outcome
+
+
+async def test_replace_through_updates_drains_the_old_replica_before_it_stops(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    new = Generation(number=1, model_id=ModelId("m2"), engine_args={"ctx_size": 512})
+    async with _run(time_skipping_env, cluster, replicas=2) as run:
+        await run.until(DeploymentStatus.SERVING)
+        request = OpRequest(op_id=OpId("restart/d1/1:replace-d1-r1"), kind=OpKind.REPLACE,
+                            replica_id=ReplicaId("d1-r1"), generation=new,
+                            reason="restart/d1/1")
+        first: OpOutcome = await run.handle.execute_update(UPDATE_OP, request,
+                                                           result_type=OpOutcome)
+        assert first.state is OpState.RUNNING and first.surged == "d1-r3"
+        # A retried update (the saga's activity retried) is answered again, not repeated.
+        again: OpOutcome = await run.handle.execute_update(UPDATE_OP, request,
+                                                           result_type=OpOutcome)
+        assert again.surged == "d1-r3"
+        done = await _await_op(run, request.op_id)
+        assert done.state is OpState.SUCCEEDED and done.retired == "d1-r1"
+        assert cluster.placements == ["d1-r1", "d1-r2", "d1-r3"]
+        # Out of routing and drained first, then stopped.
+        assert cluster.stop_order == ["drain d1-r1", "stop d1-r1"]
+        await asyncio.wait_for(_until(lambda: cluster.released == ["d1-r1"]), 20)
+
+        # The same replica again is refused with a reason, and nothing changes.
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
+            await run.handle.execute_update(UPDATE_OP, OpRequest(
+                op_id=OpId("x:1"), kind=OpKind.RETIRE, replica_id=ReplicaId("d1-r1")))
+        cause = refused.value.cause
+        assert isinstance(cause, ApplicationError) and cause.type == ERROR_OP_REFUSED
+        assert cause.message == ("replica_id: d1-r1 is not a live replica of d1 "
+                                 "(live: d1-r2, d1-r3)")
+
+        await run.handle.execute_update(UPDATE_SET_GENERATION, SetGenerationRequest(
+            op_id=OpId("restart/d1/1:commit"), generation=new))
+        view: DeploymentBrief = await run.handle.query(QUERY_BRIEF,
+                                                       result_type=DeploymentBrief)
+        assert view.generation == new
+        assert [(r.replica_id, r.generation.number if r.generation else None)
+                for r in view.replicas] == [("d1-r2", 0), ("d1-r3", 1)]
+        await record_history(run.handle, "ops_replace_generation")
+
+
+async def test_cancel_op_retires_the_surge_and_keeps_the_replica(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    cluster.start_gates["d1-r2"] = asyncio.Event()  # the new replica loads for ever
+    async with _run(time_skipping_env, cluster) as run:
+        await run.until(DeploymentStatus.SERVING)
+        await run.handle.execute_update(UPDATE_OP, OpRequest(
+            op_id=OpId("s:1"), kind=OpKind.REPLACE, replica_id=ReplicaId("d1-r1")))
+        await asyncio.wait_for(_until(lambda: "d1-r2" in cluster.started), 20)
+        cancelled: OpOutcome = await run.handle.execute_update(
+            UPDATE_CANCEL_OP, CancelOpRequest(op_id=OpId("s:1")), result_type=OpOutcome)
+        assert cancelled.state is OpState.CANCELLED
+        await asyncio.wait_for(_until(lambda: cluster.released == ["d1-r2"]), 20)
+        # Not started, so not drained; d1-r1 serves on.
+        assert cluster.stop_order == ["stop d1-r2"]
+        view = await run.view()
+        assert [(r.replica_id, r.phase.value) for r in view.keeper.replicas] == [
+            ("d1-r1", "ready")]
+        await record_history(run.handle, "ops_cancel")

@@ -1,0 +1,178 @@
+"""The sagas' hands on a deployment: activities that ask its workflow for ops (run by the
+control worker).
+
+A Python workflow cannot send an update to another workflow, so a saga (workflows/restart.py,
+drain.py, switch.py) asks through these. Each is one update or query of the deployment's
+workflow (``deployment/<id>``), the single writer of its replicas; none touches a replica
+itself. The contract is :mod:`modelkeeper.domain.ops`.
+
+Failures a retry cannot mend are non-retryable, with the deployment's own words:
+
+* the workflow refused the update (its validator: an unknown replica, one leased to another
+  op, the surge limit, a deployment being deleted): ``ERROR_OP_REFUSED`` (or the type the
+  workflow gave), with its message;
+* the workflow is not running (deleted, never started): ``ERROR_NO_DEPLOYMENT``, naming the
+  deployment.
+
+Anything else (the server unreachable, an RPC timeout, the deployment's worker down) is
+raised as it is and retried by the saga's retry policy: asking again is safe, since op ids
+make every update idempotent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+from temporalio import activity
+from temporalio.api.errordetails.v1 import NamespaceNotFoundFailure
+from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
+
+from modelkeeper.domain.ids import DeploymentId
+from modelkeeper.domain.ops import (
+    OP_ENDED,
+    AwaitOpCall,
+    CancelOpCall,
+    DeploymentBrief,
+    DescribeDeploymentInput,
+    OpCall,
+    OpOutcome,
+    SetGenerationCall,
+)
+from modelkeeper.names import (
+    ACTIVITY_AWAIT_OP,
+    ACTIVITY_CANCEL_OP,
+    ACTIVITY_DESCRIBE_DEPLOYMENT,
+    ACTIVITY_REQUEST_OP,
+    ACTIVITY_SET_GENERATION,
+    ERROR_NO_DEPLOYMENT,
+    ERROR_OP_REFUSED,
+    QUERY_BRIEF,
+    UPDATE_AWAIT_OP,
+    UPDATE_CANCEL_OP,
+    UPDATE_OP,
+    UPDATE_SET_GENERATION,
+    deployment_workflow_id,
+)
+
+_R = TypeVar("_R")
+
+#: What the server says of an update to a workflow that has closed, or that closed while
+#: the update was in flight. Matched in lower case: it is text, not a code.
+_COMPLETED_MARKERS = ("workflow execution already completed",
+                      "workflow completed before the update completed")
+
+
+class OpsActivities:
+    """Activities bound to one Temporal client: each asks one deployment's workflow."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def _handle(self, deployment_id: DeploymentId) -> WorkflowHandle[Any, Any]:
+        # By workflow id alone: the latest run, whatever continue-as-new has done.
+        return self._client.get_workflow_handle(deployment_workflow_id(deployment_id))
+
+    async def _update(self, deployment_id: DeploymentId, update: str, arg: BaseModel, *,
+                      result_type: type[_R], update_id: str | None = None) -> _R:
+        """One update, its refusals and a closed workflow turned into non-retryable
+        errors (the module docstring says which)."""
+        try:
+            result: _R = await self._handle(deployment_id).execute_update(
+                update, arg, id=update_id, result_type=result_type)
+        except WorkflowUpdateFailedError as err:
+            cause = err.cause
+            if _says_completed(str(cause)):
+                raise _no_deployment(deployment_id) from err
+            if isinstance(cause, ApplicationError):
+                # The workflow's own answer (its validator or handler): asking again asks
+                # the same question of the same state.
+                raise ApplicationError(cause.message, type=cause.type or ERROR_OP_REFUSED,
+                                       non_retryable=True) from err
+            raise
+        except RPCError as err:
+            if _not_running(err):
+                raise _no_deployment(deployment_id) from err
+            raise
+        return result
+
+    @activity.defn(name=ACTIVITY_REQUEST_OP)
+    async def request_op(self, call: OpCall) -> OpOutcome:
+        """Ask for a surge, replace or retire; answers the op as it stands (usually
+        running). A retry asks again with the same op id and is answered, never repeated."""
+        return await self._update(call.deployment_id, UPDATE_OP, call.request,
+                                  result_type=OpOutcome,
+                                  update_id=f"{UPDATE_OP}:{call.request.op_id}")
+
+    @activity.defn(name=ACTIVITY_AWAIT_OP)
+    async def await_op(self, call: AwaitOpCall) -> OpOutcome:
+        """Long-poll the op until it has ended, heartbeating between polls.
+
+        Each poll is one ``await_op`` update that answers within ``call.request.wait_s``;
+        the saga's heartbeat timeout outlasts one. It only reads, so a retry (after a
+        worker crash or a missed heartbeat) simply polls again. No update id: each poll
+        must be answered afresh, not from the server's memory of the first."""
+        while True:
+            outcome = await self._update(call.deployment_id, UPDATE_AWAIT_OP, call.request,
+                                         result_type=OpOutcome)
+            if outcome.state in OP_ENDED:
+                return outcome
+            activity.heartbeat(outcome.state.value)
+
+    @activity.defn(name=ACTIVITY_CANCEL_OP)
+    async def cancel_op(self, call: CancelOpCall) -> OpOutcome:
+        """The compensation: retire what the op surged, keep what it would have
+        retired. Answers the op as it stands after the cancel."""
+        return await self._update(call.deployment_id, UPDATE_CANCEL_OP, call.request,
+                                  result_type=OpOutcome,
+                                  update_id=f"{UPDATE_CANCEL_OP}:{call.request.op_id}")
+
+    @activity.defn(name=ACTIVITY_SET_GENERATION)
+    async def set_generation(self, call: SetGenerationCall) -> None:
+        """Set what the deployment runs from now on (a switch's commit, or a restart's)."""
+        await self._update(call.deployment_id, UPDATE_SET_GENERATION, call.request,
+                           result_type=type(None),
+                           update_id=f"{UPDATE_SET_GENERATION}:{call.request.op_id}")
+
+    @activity.defn(name=ACTIVITY_DESCRIBE_DEPLOYMENT)
+    async def describe_deployment(self, request: DescribeDeploymentInput) -> DeploymentBrief:
+        """The deployment as a saga sees it: generation, desired count, replicas."""
+        try:
+            brief: DeploymentBrief = await self._handle(request.deployment_id).query(
+                QUERY_BRIEF, result_type=DeploymentBrief)
+        except RPCError as err:
+            if _not_running(err):
+                raise _no_deployment(request.deployment_id) from err
+            raise
+        return brief
+
+    def all(self) -> list[Callable[..., Any]]:
+        """Every activity this class defines, for the worker to register."""
+        return [self.request_op, self.await_op, self.cancel_op, self.set_generation,
+                self.describe_deployment]
+
+
+def _says_completed(message: str) -> bool:
+    lowered = message.lower()
+    return any(marker in lowered for marker in _COMPLETED_MARKERS)
+
+
+def _not_running(err: RPCError) -> bool:
+    """Whether the error says the deployment's workflow is not there to answer.
+
+    A NOT_FOUND that names the namespace is a misconfigured client, not a missing
+    deployment: it stays retryable (and visible) rather than failing every saga."""
+    if err.status is not RPCStatusCode.NOT_FOUND:
+        return _says_completed(err.message)
+    return not any(detail.Is(NamespaceNotFoundFailure.DESCRIPTOR)
+                   for detail in err.grpc_status.details)
+
+
+def _no_deployment(deployment_id: DeploymentId) -> ApplicationError:
+    return ApplicationError(
+        f"deployment {deployment_id!r} has no running workflow "
+        f"({deployment_workflow_id(deployment_id)}): it was deleted or never started",
+        type=ERROR_NO_DEPLOYMENT, non_retryable=True)

@@ -1,0 +1,623 @@
+"""What the saga workflows share: the step record, the op helpers, and how a cancel lands.
+
+A saga (restart.py, drain.py, switch.py) never touches a replica. It asks the deployment's
+workflow for ops (:mod:`modelkeeper.domain.ops`) through the activities named in
+:mod:`modelkeeper.names` (``activities.ops``; workflows do not import activity modules), and
+shows every step, each compensation included, in its :class:`OperationRecord`.
+
+**The record.** :class:`Saga` holds the record; each step is appended (running), then
+ended (done or failed). A compensation is a step of its own, named ``undo: ...``, that
+ends done or failed; the step it compensates becomes ``undone`` or ``undo_failed``. Every
+change is shown at once in the web UI's current details and written to the store by one
+background writer (``record_operation``), which writes whatever is current when its last
+write ends. So writes never overtake each other, a slow database never delays the saga, and
+:meth:`Saga.flush` waits for the last one before the saga ends.
+
+**Cancels.** Temporal delivers a workflow cancel once, to the main task, at whatever it
+awaits. Two kinds of await must not be cut short:
+
+* asking for something (an op, a cordon, the commit): cut short, the request may land or
+  not, and the compensation could not know what to undo. These run :meth:`Saga.atomic`: to
+  their end, and the cancel takes effect right after;
+* the compensation itself: a rollback left half-way is worse than either end. It runs
+  :meth:`Saga.uninterrupted`, and a cancel during it changes nothing.
+
+Waiting (await_op's long poll, a timer, a describe) is cut short at once: it only reads.
+A cancelled activity surfaces in the workflow as an ``ActivityError`` whose cause is a
+cancel; :meth:`Saga.call` turns it into ``asyncio.CancelledError``, which each saga catches
+in ``run``.
+
+Deterministic: no I/O, no clock but ``workflow.now()``, tasks only through
+``asyncio.create_task`` inside the workflow's own loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import (
+    ActivityError,
+    ApplicationError,
+    TimeoutError,
+    TimeoutType,
+    is_cancelled_exception,
+)
+
+with workflow.unsafe.imports_passed_through():
+    from modelkeeper.domain.ids import DeploymentId, NodeId, OperationId, OpId, ReplicaId
+    from modelkeeper.domain.ops import (
+        OP_ENDED,
+        AwaitOpCall,
+        AwaitOpRequest,
+        CancelOpCall,
+        CancelOpRequest,
+        DeploymentBrief,
+        DescribeDeploymentInput,
+        Generation,
+        OpCall,
+        OperationKind,
+        OperationRecord,
+        OperationState,
+        OperationStep,
+        OpOutcome,
+        OpRequest,
+        OpState,
+        ReplicaBrief,
+        SetGenerationCall,
+        SetGenerationRequest,
+        StepState,
+    )
+    from modelkeeper.names import (
+        ACTIVITY_AWAIT_OP,
+        ACTIVITY_BEGIN_OPERATION,
+        ACTIVITY_CANCEL_OP,
+        ACTIVITY_DESCRIBE_DEPLOYMENT,
+        ACTIVITY_RECORD_OPERATION,
+        ACTIVITY_REQUEST_OP,
+        ACTIVITY_SET_GENERATION,
+        CONTROL_TASK_QUEUE,
+        ERROR_NO_DEPLOYMENT,
+        ERROR_OP_REFUSED,
+        ERROR_OPERATION_CONFLICT,
+        ERROR_OPERATION_FAILED,
+    )
+
+_T = TypeVar("_T")
+
+# Timeouts and retry policies of the sagas' activities, each named once beside its reason.
+
+#: Store activities (begin_operation, record_operation, set_cordon, node_deployments) are
+#: one short transaction each: 30 s covers a slow database without hiding a dead one.
+STORE_TIMEOUT = timedelta(seconds=30)
+#: ... retried quickly and for as long as it takes: a database restart must delay a saga,
+#: not fail it half-way with nobody to compensate.
+STORE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
+                          maximum_interval=timedelta(seconds=10))
+#: begin_operation and record_operation likewise, except that another saga running on the
+#: same deployment or node (OperationConflict) stays so: the saga fails at once, naming it.
+OPERATION_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
+                          maximum_interval=timedelta(seconds=10),
+                          non_retryable_error_types=[ERROR_OPERATION_CONFLICT])
+#: request_op, cancel_op, set_generation and describe_deployment are one update or query
+#: each, answered as soon as the deployment's worker runs a workflow task (milliseconds);
+#: 30 s also covers a worker's backlog after a restart.
+UPDATE_TIMEOUT = timedelta(seconds=30)
+#: ... retried like the store: op ids make every update idempotent, so asking again after
+#: a lost answer is safe. A refusal or a deployment that is gone is the deployment's
+#: answer, not a fault: those are not retried.
+UPDATE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
+                           maximum_interval=timedelta(seconds=10),
+                           non_retryable_error_types=[ERROR_OP_REFUSED, ERROR_NO_DEPLOYMENT])
+#: One await_op poll: the activity asks the deployment to answer within this (its
+#: AwaitOpRequest.wait_s) and heartbeats between polls. Short, so a saga's worker that
+#: died is noticed within AWAIT_HEARTBEAT_TIMEOUT; long enough that polling costs nothing.
+AWAIT_POLL = timedelta(seconds=20)
+#: Three polls without a heartbeat: the worker running await_op is gone; retry elsewhere.
+AWAIT_HEARTBEAT_TIMEOUT = timedelta(seconds=60)
+#: An op ends by the deployment's own deadlines (placement's schedule-to-close, the start
+#: timeout, the stop grace), and a start queued at a node's start-up gate waits its turn
+#: on top: minutes, not hours. A day is only a backstop; the heartbeat notices a dead
+#: worker, and an operator can cancel the saga at any time.
+AWAIT_LIFETIME = timedelta(days=1)
+
+#: An op that failed for want of room says so first (OpOutcome.error): the sagas then try
+#: a stop-first replace, or wait for room.
+NO_ROOM = "no room"
+#: A replica's phase once its stop is under way (modelkeeper.domain.keeper.Phase.STOPPING;
+#: ReplicaBrief carries it as text): such a replica is not restarted, switched or restored.
+STOPPING = "stopping"
+#: ... and the phase of one that serves: those are replaced first.
+READY = "ready"
+#: The web UI's current details list at most this many steps (the newest): a drain of a
+#: large node has hundreds, and the store's record keeps them all.
+DETAILS_STEPS = 20
+
+_STEP_MARKS = {StepState.RUNNING: "running", StepState.DONE: "done",
+               StepState.FAILED: "failed", StepState.UNDONE: "undone",
+               StepState.UNDO_FAILED: "undo failed"}
+
+
+@dataclass
+class Op:
+    """An op a saga asked for, and what it last heard of it."""
+
+    deployment_id: DeploymentId
+    request: OpRequest
+    #: Its step in the record.
+    step: int
+    #: As last heard (the request's answer, then await_op's).
+    outcome: OpOutcome | None = None
+    #: The request was refused (or the deployment is gone): nothing started, nothing to
+    #: undo.
+    refused: str | None = None
+    #: ... and the refusal's error type (ERROR_OP_REFUSED, ERROR_NO_DEPLOYMENT, ...).
+    refused_type: str | None = None
+    #: How await_op failed, if it did: the op's end is unknown.
+    lost: str | None = None
+
+    @property
+    def ended(self) -> bool:
+        return (self.refused is not None or self.lost is not None or (
+            self.outcome is not None and self.outcome.state in OP_ENDED))
+
+    @property
+    def succeeded(self) -> bool:
+        return self.outcome is not None and self.outcome.state is OpState.SUCCEEDED \
+            and self.lost is None
+
+    @property
+    def no_room(self) -> bool:
+        """It failed because the new replica found no room (a stop-first may fit)."""
+        return (self.outcome is not None and self.outcome.state is OpState.FAILED
+                and (self.outcome.error or "").lower().startswith(NO_ROOM))
+
+    @property
+    def error(self) -> str:
+        """Why it did not succeed, in the deployment's words."""
+        if self.refused is not None:
+            return self.refused
+        if self.lost is not None:
+            return self.lost
+        if self.outcome is None:
+            return "no answer"
+        return self.outcome.error or f"op {self.outcome.state.value}"
+
+
+@dataclass(frozen=True)
+class UndoFailed:
+    """A compensation that could not be carried out, and why."""
+
+    reason: str
+
+
+class Saga:
+    """One saga's record, its ops and how a cancel lands (the module docstring says why).
+
+    Built in the workflow's ``@workflow.init``, so handlers (the ``operation`` query) never
+    see it half-built; its writer starts with :meth:`begin`.
+    """
+
+    def __init__(self, record: OperationRecord, *, title: str) -> None:
+        self.record = record
+        #: The first line of the web UI's current details (markdown).
+        self.title = title
+        self.ops: list[Op] = []
+        self._version = 0  # changes made to the record
+        self._written = 0  # changes the store has
+        self._writer: asyncio.Task[None] | None = None
+        self._show()
+
+    # -- the record -----------------------------------------------------------------------
+
+    def step(self, name: str, detail: str = "") -> int:
+        """Append a running step; returns its index."""
+        now = workflow.now()
+        steps = [*self.record.steps, OperationStep(name=name, state=StepState.RUNNING,
+                                                   detail=detail, started_at=now)]
+        self._change(steps=steps)
+        return len(steps) - 1
+
+    def end_step(self, index: int, state: StepState, detail: str | None = None) -> None:
+        """End a step (done or failed), or mark one compensated (undone, undo_failed)."""
+        step = self.record.steps[index]
+        changes: dict[str, Any] = {"state": state}
+        if detail is not None:
+            changes["detail"] = detail
+        if step.ended_at is None:
+            changes["ended_at"] = workflow.now()
+        steps = list(self.record.steps)
+        steps[index] = step.model_copy(update=changes)
+        self._change(steps=steps)
+
+    def update(self, **changes: Any) -> None:
+        """Change the record's own fields (state, summary, error)."""
+        self._change(**changes)
+
+    def _change(self, **changes: Any) -> None:
+        self.record = self.record.model_copy(update={**changes, "updated_at": workflow.now()})
+        self._version += 1
+        self._show()
+
+    def _show(self) -> None:
+        """The web UI's current details (no command: replay is unaffected)."""
+        text = details(self.record, title=self.title)
+        if text != workflow.get_current_details():
+            workflow.set_current_details(text)
+
+    async def _write(self) -> None:
+        while True:
+            await workflow.wait_condition(lambda: self._written < self._version)
+            version, record = self._version, self.record
+            await workflow.execute_activity(
+                ACTIVITY_RECORD_OPERATION, record, task_queue=CONTROL_TASK_QUEUE,
+                start_to_close_timeout=STORE_TIMEOUT, retry_policy=OPERATION_RETRY)
+            self._written = version
+
+    async def flush(self) -> None:
+        """Wait until the store has the record as it is now."""
+        if self._writer is None:
+            return
+        writer = self._writer
+        await workflow.wait_condition(lambda: self._written >= self._version or writer.done())
+        self.check_writer()
+
+    def check_writer(self) -> None:
+        """Raise what the writer failed with, if it did: only a conflict can (another saga
+        took the subject after the API judged this one's start failed), and then this saga
+        must ask for nothing more. Checked before every op and at the end."""
+        writer = self._writer
+        if writer is None or not writer.done():
+            return
+        err = writer.exception()
+        conflict = _conflict(err) if isinstance(err, ActivityError) else None
+        if conflict is not None:
+            raise conflict from err
+        writer.result()
+
+    # -- beginning and ending --------------------------------------------------------------
+
+    async def begin(self) -> None:
+        """Register the operation (begin_operation), then start writing the record.
+
+        Another saga on the same deployment or node is a non-retryable OperationConflict:
+        the saga fails with the store's message, which names the running one."""
+        try:
+            stored: OperationRecord | None = await self.atomic(self.call(
+                ACTIVITY_BEGIN_OPERATION, self.record, result_type=OperationRecord,
+                retry_policy=OPERATION_RETRY))
+        except ActivityError as err:
+            conflict = _conflict(err)
+            if conflict is not None:
+                raise conflict from err
+            raise
+        else:
+            if stored is not None and stored.created_at is not None:
+                # The API inserted the row when it was asked: that is when it began.
+                self.record = self.record.model_copy(update={"created_at": stored.created_at})
+        finally:
+            if self._writer is None:
+                # Also after a cancel during the begin: the record must say cancelled.
+                self._writer = asyncio.create_task(self._write())
+
+    async def finish(self, state: OperationState, *, error: str | None = None,
+                     summary: str | None = None) -> OperationRecord:
+        """Record how the saga ended and wait until the store has it."""
+        for index, step in enumerate(self.record.steps):
+            if step.state is StepState.RUNNING:
+                # Cut short by a cancel (a wait, a read): it neither did nor undid anything.
+                cut = f"cut short: {state.value}"
+                self.end_step(index, StepState.FAILED,
+                              f"{step.detail}; {cut}" if step.detail else cut)
+        changes: dict[str, Any] = {"state": state, "error": error}
+        if summary is not None:
+            changes["summary"] = summary
+        self.update(**changes)
+        await self.uninterrupted(self.flush())
+        return self.record
+
+    def failure(self) -> ApplicationError:
+        """What the workflow fails with once :meth:`finish` recorded a failed state."""
+        return ApplicationError(self.record.error or self.record.state.value,
+                                self.record.model_dump(mode="json"),
+                                type=ERROR_OPERATION_FAILED, non_retryable=True)
+
+    # -- how a cancel lands -----------------------------------------------------------------
+
+    async def atomic(self, awaitable: Awaitable[_T]) -> _T:
+        """Run to the end even if the saga is cancelled meanwhile; the cancel then takes
+        effect right after (asyncio.CancelledError), once the caller knows what happened.
+        For requests: cut short, one might land or not, unknown to the compensation."""
+        task = asyncio.ensure_future(awaitable)
+        cancelled = await _wait_out(task)
+        if cancelled:
+            if not task.cancelled() and task.exception() is not None:
+                raise asyncio.CancelledError() from task.exception()
+            raise asyncio.CancelledError()
+        return task.result()
+
+    async def uninterrupted(self, awaitable: Awaitable[_T]) -> _T:
+        """Run to the end; a cancel meanwhile changes nothing. For the compensation: a
+        rollback left half-way is worse than either end."""
+        task = asyncio.ensure_future(awaitable)
+        await _wait_out(task)
+        return task.result()
+
+    # -- activities and ops ----------------------------------------------------------------
+
+    async def call(self, activity: str, arg: Any, *, result_type: type | None = None,
+                   start_to_close: timedelta = STORE_TIMEOUT,
+                   retry_policy: RetryPolicy = STORE_RETRY,
+                   heartbeat_timeout: timedelta | None = None) -> Any:
+        """One activity on the control queue, by name. A cancel of the saga that
+        cancelled it is raised as asyncio.CancelledError (see the module docstring)."""
+        try:
+            return await workflow.execute_activity(
+                activity, arg, result_type=result_type, task_queue=CONTROL_TASK_QUEUE,
+                start_to_close_timeout=start_to_close, retry_policy=retry_policy,
+                heartbeat_timeout=heartbeat_timeout)
+        except ActivityError as err:
+            if is_cancelled_exception(err):
+                raise asyncio.CancelledError() from err
+            raise
+
+    def op_id(self, step: str) -> OpId:
+        """The op id of one of this saga's steps: its workflow id and the step."""
+        return OpId(f"{self.record.operation_id}:{step}")
+
+    async def describe(self, deployment_id: DeploymentId) -> DeploymentBrief:
+        """The deployment as it stands (describe_deployment)."""
+        brief: DeploymentBrief = await self.call(
+            ACTIVITY_DESCRIBE_DEPLOYMENT, DescribeDeploymentInput(deployment_id=deployment_id),
+            result_type=DeploymentBrief, start_to_close=UPDATE_TIMEOUT,
+            retry_policy=UPDATE_RETRY)
+        return brief
+
+    async def op(self, deployment_id: DeploymentId, request: OpRequest, *,
+                 name: str) -> Op:
+        """Ask for an op as a step called ``name`` and wait until it has ended.
+
+        The request is atomic; the wait is not: a cancel during it leaves the op running
+        (not ended), for the compensation to cancel. The step ends done when the op
+        succeeded, else failed with its error."""
+        self.check_writer()
+        step = self.step(name)
+        op = Op(deployment_id=deployment_id, request=request, step=step)
+        self.ops.append(op)
+        await self.atomic(self._request(op))
+        if op.refused is not None:
+            self.end_step(step, StepState.FAILED, f"refused: {op.refused}")
+            return op
+        if not op.ended:
+            op.outcome = await self._await(op)
+        self.end_step(step, StepState.DONE if op.succeeded else StepState.FAILED,
+                      describe_outcome(op))
+        return op
+
+    async def _request(self, op: Op) -> None:
+        try:
+            op.outcome = await self.call(
+                ACTIVITY_REQUEST_OP, OpCall(deployment_id=op.deployment_id,
+                                            request=op.request),
+                result_type=OpOutcome, start_to_close=UPDATE_TIMEOUT,
+                retry_policy=UPDATE_RETRY)
+        except ActivityError as err:
+            op.refused = describe_failure(err)
+            if isinstance(err.cause, ApplicationError):
+                op.refused_type = err.cause.type
+
+    async def _await(self, op: Op) -> OpOutcome | None:
+        """Until the op ends (await_op long-polls and heartbeats). Failing that (the
+        deployment gone meanwhile), the op is marked lost: its end is unknown."""
+        try:
+            outcome: OpOutcome = await self.call(
+                ACTIVITY_AWAIT_OP, AwaitOpCall(
+                    deployment_id=op.deployment_id,
+                    request=AwaitOpRequest(op_id=op.request.op_id,
+                                           wait_s=AWAIT_POLL.total_seconds())),
+                result_type=OpOutcome, start_to_close=AWAIT_LIFETIME,
+                retry_policy=UPDATE_RETRY, heartbeat_timeout=AWAIT_HEARTBEAT_TIMEOUT)
+        except ActivityError as err:
+            op.lost = f"its outcome is unknown: {describe_failure(err)}"
+            return op.outcome
+        return outcome
+
+    def open_ops(self) -> list[Op]:
+        """Ops asked for and not known to have ended, oldest first."""
+        return [op for op in self.ops if not op.ended]
+
+    async def cancel(self, op: Op) -> OpOutcome | UndoFailed:
+        """The compensation of ``op`` (cancel_op) as a step ``undo: cancel <its step>``,
+        waiting until the cancel has ended. The op's own step becomes undone (or
+        undo_failed).
+
+        Answers the op as it stands after the cancel: ``succeeded`` when it had already
+        succeeded (nothing to undo by a cancel; a switch then replaces it back)."""
+        step = self.step(f"undo: cancel {self.record.steps[op.step].name}")
+        try:
+            outcome: OpOutcome = await self.call(
+                ACTIVITY_CANCEL_OP, CancelOpCall(deployment_id=op.deployment_id,
+                                                 request=CancelOpRequest(op_id=op.request.op_id)),
+                result_type=OpOutcome, start_to_close=UPDATE_TIMEOUT,
+                retry_policy=UPDATE_RETRY)
+        except ActivityError as err:
+            reason = describe_failure(err)
+            self.end_step(step, StepState.FAILED, reason)
+            self.end_step(op.step, StepState.UNDO_FAILED)
+            return UndoFailed(reason=reason)
+        if outcome.state not in OP_ENDED:
+            cancelled = Op(deployment_id=op.deployment_id, request=op.request, step=step,
+                           outcome=outcome)
+            awaited = await self._await(cancelled)
+            if cancelled.lost is not None or awaited is None:
+                reason = cancelled.lost or "no answer"
+                self.end_step(step, StepState.FAILED, reason)
+                self.end_step(op.step, StepState.UNDO_FAILED)
+                return UndoFailed(reason=reason)
+            outcome = awaited
+        op.outcome = outcome
+        op.lost = None
+        if outcome.state is OpState.SUCCEEDED:
+            self.end_step(step, StepState.DONE,
+                          f"too late to cancel: it had succeeded; {outcome.detail}".rstrip("; "))
+            return outcome
+        self.end_step(step, StepState.DONE, outcome.detail or (
+            "cancelled: what it placed is retired, what it would have retired is kept"
+            if outcome.state is OpState.CANCELLED
+            else f"it had {outcome.state.value}: what it placed is retired"))
+        self.end_step(op.step, StepState.UNDONE)
+        return outcome
+
+    async def set_generation(self, deployment_id: DeploymentId, generation: Generation, *,
+                             step: int) -> str | None:
+        """set_generation as the step ``step`` (already appended, so a caller can tell
+        after a cancel whether it was done). Atomic: a commit cut short might land or not.
+        Returns why it failed, or None."""
+        self.check_writer()
+        call = SetGenerationCall(deployment_id=deployment_id, request=SetGenerationRequest(
+            op_id=self.op_id(f"generation-{generation.number}"), generation=generation))
+        return await self.atomic(self._set_generation(call, step))
+
+    async def _set_generation(self, call: SetGenerationCall, step: int) -> str | None:
+        try:
+            await self.call(ACTIVITY_SET_GENERATION, call, start_to_close=UPDATE_TIMEOUT,
+                            retry_policy=UPDATE_RETRY)
+        except ActivityError as err:
+            error = describe_failure(err)
+            self.end_step(step, StepState.FAILED, error)
+            return error
+        self.end_step(step, StepState.DONE, f"the deployment runs generation "
+                                            f"{call.request.generation.number} from now on")
+        return None
+
+
+def new_record(kind: OperationKind, *, summary: str, requested_by: str,
+               deployment_id: DeploymentId | None = None,
+               node_id: NodeId | None = None) -> OperationRecord:
+    """A saga's record as it begins: its id is its workflow id (``restart/d1/3``)."""
+    now = workflow.now()
+    return OperationRecord(operation_id=OperationId(workflow.info().workflow_id), kind=kind,
+                           deployment_id=deployment_id, node_id=node_id, summary=summary,
+                           requested_by=requested_by, created_at=now, updated_at=now)
+
+
+def next_replica(brief: DeploymentBrief, generation: Generation, *,
+                 tried: set[ReplicaId]) -> ReplicaBrief | None:
+    """The next replica to move onto ``generation``: one not on it yet, not on its way out,
+    not leased to an op in flight (the deployment would refuse it) and not tried already;
+    ready ones first, then in the deployment's order.
+
+    Asked of a fresh brief before each replica, so one the keeper placed meanwhile (on the
+    deployment's generation, the old one) is moved too."""
+    candidates = [r for r in brief.replicas
+                  if r.phase != STOPPING and r.replica_id not in tried and r.op_id is None
+                  and (r.generation is None or r.generation.number < generation.number)]
+    candidates.sort(key=lambda r: r.phase != READY)  # stable: keeps the order otherwise
+    return candidates[0] if candidates else None
+
+
+# -- text ----------------------------------------------------------------------------------
+
+def details(record: OperationRecord, *, title: str) -> str:
+    """The web UI's current details: what the saga is for, how it stands, its steps."""
+    lines = [title, "", f"State: **{record.state.value}**"]
+    if record.summary:
+        lines.append(record.summary)
+    if record.error:
+        lines.append(f"Error: {record.error}")
+    steps = record.steps
+    if steps:
+        lines.append("")
+        if len(steps) > DETAILS_STEPS:
+            lines.append(f"({len(steps) - DETAILS_STEPS} earlier steps)")
+        for step in steps[-DETAILS_STEPS:]:
+            line = f"- {_STEP_MARKS[step.state]}: {step.name}"
+            lines.append(f"{line}: {step.detail}" if step.detail else line)
+    return "\n".join(lines)
+
+
+def describe_outcome(op: Op) -> str:
+    """A step's detail for an op: what happened, in the deployment's words."""
+    outcome = op.outcome
+    if op.lost is not None:
+        return op.lost
+    if outcome is None:
+        return op.error
+    parts = []
+    if outcome.surged and outcome.state is OpState.SUCCEEDED:
+        parts.append(f"{outcome.surged} ready")
+    if outcome.retired and outcome.state is OpState.SUCCEEDED:
+        parts.append(f"{outcome.retired} retired")
+    if outcome.state is not OpState.SUCCEEDED:
+        parts.append(f"{outcome.state.value}: {op.error}")
+    if outcome.detail:
+        parts.append(outcome.detail)
+    return "; ".join(parts)
+
+
+def outage(outcome: OpOutcome | None) -> str:
+    """A stop-first replace's outage window, from the retire to the new replica's
+    readiness (OpOutcome.started_at to ended_at), as a sentence."""
+    if outcome is None or outcome.started_at is None or outcome.ended_at is None:
+        return "outage window unknown"
+    seconds = (outcome.ended_at - outcome.started_at).total_seconds()
+    return (f"out of service {seconds:.0f} s, from {_clock(outcome.started_at)} "
+            f"to {_clock(outcome.ended_at)}")
+
+
+def _clock(at: datetime) -> str:
+    return at.strftime("%H:%M:%S")
+
+
+def generation_label(generation: Generation) -> str:
+    """A generation as an operator reads it: the model, and its engine arguments if any."""
+    if not generation.engine_args:
+        return generation.model_id
+    args = ", ".join(f"{k}={v}" for k, v in sorted(generation.engine_args.items()))
+    return f"{generation.model_id} ({args})"
+
+
+async def _wait_out(task: asyncio.Future[Any]) -> bool:
+    """Wait for ``task``; a cancel of the waiting task does not reach it (workflow.wait
+    never cancels what it waits for). Returns whether a cancel came meanwhile."""
+    cancelled = False
+    while not task.done():
+        try:
+            await workflow.wait([task])
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
+
+
+def _conflict(err: ActivityError) -> ApplicationError | None:
+    """The store's OperationConflict (another saga runs on this subject) as the saga's own
+    failure, with the store's message, which names the other saga; None for another
+    error."""
+    cause = err.cause
+    if isinstance(cause, ApplicationError) and cause.type == ERROR_OPERATION_CONFLICT:
+        return ApplicationError(cause.message, type=ERROR_OPERATION_CONFLICT,
+                                non_retryable=True)
+    return None
+
+
+def describe_failure(err: ActivityError) -> str:
+    """The innermost message of an activity failure, for a step's detail."""
+    cause = err.cause
+    if isinstance(cause, TimeoutError):
+        kind = {TimeoutType.HEARTBEAT: "its worker went silent",
+                TimeoutType.SCHEDULE_TO_START: "no worker picked it up in time"}.get(
+                    cause.type or TimeoutType.START_TO_CLOSE, "it took too long")
+        return f"{err.activity_type} timed out: {kind}"
+    if isinstance(cause, ApplicationError):
+        return cause.message
+    return str(cause or err)
+
+
+def lives(brief: DeploymentBrief, replica_id: ReplicaId) -> bool:
+    """Whether ``replica_id`` is among ``brief``'s replicas and not on its way out."""
+    return any(r.replica_id == replica_id and r.phase != STOPPING for r in brief.replicas)
