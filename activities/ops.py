@@ -21,6 +21,7 @@ make every update idempotent.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -64,6 +65,11 @@ _R = TypeVar("_R")
 #: the update was in flight. Matched in lower case: it is text, not a code.
 _COMPLETED_MARKERS = ("workflow execution already completed",
                       "workflow completed before the update completed")
+
+
+#: await_op heartbeats this often, during a poll as well as between polls; the saga's
+#: heartbeat timeout (workflows/saga.py AWAIT_HEARTBEAT_TIMEOUT) is several of these.
+AWAIT_HEARTBEAT_EVERY_S = 2.0
 
 
 class OpsActivities:
@@ -116,8 +122,17 @@ class OpsActivities:
         worker crash or a missed heartbeat) simply polls again. No update id: each poll
         must be answered afresh, not from the server's memory of the first."""
         while True:
-            outcome = await self._update(call.deployment_id, UPDATE_AWAIT_OP, call.request,
-                                         result_type=OpOutcome)
+            poll = asyncio.ensure_future(self._update(
+                call.deployment_id, UPDATE_AWAIT_OP, call.request, result_type=OpOutcome))
+            try:
+                # Heartbeat while the poll waits too: the saga's heartbeat timeout can then
+                # be short, and a worker killed mid-poll is replaced in seconds.
+                while not poll.done():
+                    activity.heartbeat("polling")
+                    await asyncio.wait({poll}, timeout=AWAIT_HEARTBEAT_EVERY_S)
+            finally:
+                poll.cancel()
+            outcome = poll.result()
             if outcome.state in OP_ENDED:
                 return outcome
             activity.heartbeat(outcome.state.value)

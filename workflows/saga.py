@@ -115,11 +115,13 @@ UPDATE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coeffi
                            maximum_interval=timedelta(seconds=10),
                            non_retryable_error_types=[ERROR_OP_REFUSED, ERROR_NO_DEPLOYMENT])
 #: One await_op poll: the activity asks the deployment to answer within this (its
-#: AwaitOpRequest.wait_s) and heartbeats between polls. Short, so a saga's worker that
-#: died is noticed within AWAIT_HEARTBEAT_TIMEOUT; long enough that polling costs nothing.
+#: AwaitOpRequest.wait_s); long enough that polling costs the deployment's history little.
 AWAIT_POLL = timedelta(seconds=20)
-#: Three polls without a heartbeat: the worker running await_op is gone; retry elsewhere.
-AWAIT_HEARTBEAT_TIMEOUT = timedelta(seconds=60)
+#: The activity heartbeats every 2 s, during polls too (activities/ops.py): 10 s without
+#: one means its worker is gone, and another worker retries the poll. Measured with a
+#: kill -9 of the control worker mid-restart (bench/sagas): a 60 s timeout here held the
+#: restart up for a minute after the worker came back.
+AWAIT_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
 #: An op ends by the deployment's own deadlines (placement's schedule-to-close, the start
 #: timeout, the stop grace), and a start queued at a node's start-up gate waits its turn
 #: on top: minutes, not hours. A day is only a backstop; the heartbeat notices a dead

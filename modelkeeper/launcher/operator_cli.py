@@ -323,10 +323,27 @@ def _deploy_text(args: argparse.Namespace, result: Any) -> str:
             f"{result['status']} (workflow {result['workflow_id']})")
 
 
+def _notes(deployment: dict[str, Any]) -> str:
+    """What an operator should know beside the status: the model behind the served name
+    after a switch, replicas on an older generation (outdated: a restart, switch or
+    reconfigure has not reached them), and replicas that had to share a node."""
+    notes = []
+    runs = deployment.get("runs_model_id")
+    if runs and runs != deployment["model_id"]:
+        notes.append(f"runs {runs}")
+    stale = [r["replica_id"] for r in deployment.get("replicas", []) if r.get("outdated")]
+    if stale:
+        notes.append(f"outdated: {', '.join(stale)}")
+    if deployment.get("placement_note"):
+        notes.append(str(deployment["placement_note"]))
+    return "; ".join(notes)
+
+
 def _ls_text(args: argparse.Namespace, result: Any) -> str:
     return table([[d["deployment_id"], d["model_id"], d["status"],
                    f"{d['ready_replicas']}/{d['desired_replicas']}",
-                   str(d["consecutive_failures"]), _reason(d)] for d in result],
+                   str(d["consecutive_failures"]),
+                   "; ".join(x for x in (_reason(d), _notes(d)) if x)] for d in result],
                  ["id", "model", "status", "ready", "failures", "reason"])
 
 

@@ -584,7 +584,10 @@ class Store:
             """
             UPDATE replicas SET state = $2, endpoint = COALESCE($3, endpoint),
                    ready_at = CASE WHEN $2 = 'ready' AND ready_at IS NULL THEN now()
-                                   ELSE ready_at END
+                                   ELSE ready_at END,
+                   left_routing_at = CASE WHEN $2 = 'ready' THEN NULL
+                                          WHEN state = 'ready' THEN clock_timestamp()
+                                          ELSE left_routing_at END
             WHERE replica_id = $1
             """,
             update.replica_id, update.state.value, update.endpoint)
@@ -604,23 +607,33 @@ class Store:
 
         Idempotent: a replica already ``draining`` or ``stopping`` is left as it is (a
         stop under way never goes back to draining), and so notifies nobody. Returns the
-        replica's state after the call and the store's clock read once the change has
-        committed, so a usage row stamped later was written by a worker that could see
-        it; None when the replica is gone.
+        replica's state after the call and the time from which a usage row counts: the
+        store's clock read once this change has committed, so a row stamped later was
+        written by a worker that could see it; or, for a replica already out of routing,
+        when it left (``left_routing_at``). None when the replica is gone.
         """
         async with self._pool.acquire() as conn:
+            # Out of routing already (the keeper's stopping write came first): count from
+            # then (migration 0009), not from now.
+            left = await conn.fetchval(
+                "SELECT left_routing_at FROM replicas WHERE replica_id = $1", replica_id)
             await conn.execute(
-                "UPDATE replicas SET state = $2 "
+                "UPDATE replicas SET state = $2, "
+                "       left_routing_at = CASE WHEN state = 'ready' THEN clock_timestamp()"
+                "                              ELSE left_routing_at END "
                 "WHERE replica_id = $1 AND state <> ALL($3::text[])",
                 replica_id, ReplicaState.DRAINING.value,
                 [ReplicaState.DRAINING.value, ReplicaState.STOPPING.value])
             # A statement of its own, after the UPDATE's commit: a clock read inside the
             # UPDATE could precede its commit, and a usage write starting in between would
-            # be stamped after the mark while still seeing the replica ready.
+            # be stamped after the mark while still seeing the replica ready. (A time
+            # stamped by another writer's UPDATE has that window, microseconds wide.)
             row = await conn.fetchrow(
                 "SELECT state, clock_timestamp() AS at FROM replicas WHERE replica_id = $1",
                 replica_id)
-        return None if row is None else (ReplicaState(row["state"]), row["at"])
+        if row is None:
+            return None
+        return ReplicaState(row["state"]), left if left is not None else row["at"]
 
     async def replica_usage_since(self, replica_id: str, since: datetime
                                   ) -> tuple[datetime, list[UsageReport]]:

@@ -25,6 +25,7 @@ from temporalio.testing import ActivityEnvironment
 from activities.routing import RoutingActivities
 from gateway.server import GatewayServer
 from gateway.table import Endpoint
+from modelkeeper.domain.catalog import ReplicaStateUpdate
 from modelkeeper.domain.draining import DrainReplicaInput, DrainReplicaResult
 from modelkeeper.domain.ids import ReplicaId
 from modelkeeper.domain.status import ReplicaState
@@ -219,7 +220,8 @@ async def test_mark_is_idempotent_and_never_undoes_a_stop(
     first = await store.mark_replica_draining("r-1")
     assert first is not None and first[0] is ReplicaState.DRAINING
     again = await store.mark_replica_draining("r-1")
-    assert again is not None and again[0] is ReplicaState.DRAINING and again[1] > first[1]
+    # Already out of routing: it counts from when it left (no later than the first mark).
+    assert again is not None and again[0] is ReplicaState.DRAINING and again[1] <= first[1]
     stopping = await store.mark_replica_draining("r-2")
     assert stopping is not None and stopping[0] is ReplicaState.STOPPING
     assert await replica_state(db, "r-2") == "stopping", "a stop never goes back"
@@ -269,3 +271,25 @@ async def test_a_replica_no_gateway_serves_is_drained_after_one_flush_interval(
     # And one that is gone is drained at once.
     gone = await asyncio.wait_for(drain(store, "r-none", 30.0, flush_interval_s=0.5), 5)
     assert gone == DrainReplicaResult(waited_s=0.0, in_flight_left=0, timed_out=False)
+
+
+async def test_a_replica_the_keeper_already_took_out_of_routing_drains_from_that_moment(
+        tmp_path: Path, database_url: str, db: asyncpg.Connection, store: Store) -> None:
+    """The keeper's own write (stopping) can land before the drain's mark: the gateway
+    drops the replica then, writes its 0 once, and never writes about it again. The drain
+    counts from when it left routing (migration 0009); counting from its own later mark,
+    it waited out the stale-row rule (5 flush intervals, 5 s by default) for nothing."""
+    flush_s = 1.0
+    async with two_replicas(tmp_path, database_url, db) as (server, _http):
+        await store.record_replica_state(ReplicaStateUpdate(
+            replica_id=ReplicaId("r-a"), state=ReplicaState.STOPPING))
+        await until(lambda: ready_replicas(server, MODEL) == ["r-b"], what="r-a dropped")
+        endpoint = next(e for e in server.gateway.table.leaving if e.replica_id == "r-a")
+        await until(lambda: endpoint not in server.gateway.table.leaving,
+                    what="its 0 written")
+        started = time.monotonic()
+        result = await asyncio.wait_for(drain(store, "r-a", 30, flush_interval_s=flush_s), 10)
+        took = time.monotonic() - started
+        assert not result.timed_out and result.in_flight_left == 0
+        assert took < 2 * flush_s, f"waited {took:.1f}s for a replica already drained"
+        assert await replica_state(db, "r-a") == ReplicaState.STOPPING

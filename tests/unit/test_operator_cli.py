@@ -516,3 +516,18 @@ def test_a_bad_flag_type_is_argparses_exit_2(capsys: pytest.CaptureFixture[str])
         cli.run(["deploy", "m", "--replicas", "two"])
     assert info.value.code == 2
     assert "--replicas: invalid int value: 'two'" in capsys.readouterr().err
+
+
+def test_ls_names_the_model_behind_a_switched_name_outdated_replicas_and_shared_nodes() -> None:
+    deployments = [
+        {"deployment_id": "d7", "model_id": "chat", "status": "serving", "ready_replicas": 2,
+         "desired_replicas": 2, "consecutive_failures": 0, "placement_error": None,
+         "last_failure": None, "workflow_id": "w7", "runs_model_id": "chat-v2",
+         "placement_note": "d7-r4 shares node n1 with another replica of d7: no other "
+                           "node has room",
+         "replicas": [{"replica_id": "d7-r3", "outdated": True},
+                      {"replica_id": "d7-r4", "outdated": False}]},
+    ]
+    assert text(["ls"], deployments).splitlines()[1] == (
+        "d7  chat   serving  2/2    0         runs chat-v2; outdated: d7-r3; d7-r4 shares "
+        "node n1 with another replica of d7: no other node has room")

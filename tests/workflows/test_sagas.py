@@ -901,7 +901,10 @@ async def test_the_activities_ask_the_deployment_workflow(
         ended = await env.run(ops.await_op, AwaitOpCall(
             deployment_id=D1, request=AwaitOpRequest(op_id=outcome.op_id, wait_s=1)))
         assert ended.state is OpState.SUCCEEDED
-        assert heartbeats == [("running",), ("running",)]  # one between each two polls
+        # One as each poll begins (and every 2 s while it waits), one between two polls.
+        between = [h for h in heartbeats if h != ("polling",)]
+        assert between == [("running",), ("running",)]
+        assert heartbeats[0] == ("polling",) and len(heartbeats) >= 5
         cancelled = await env.run(ops.cancel_op, CancelOpCall(
             deployment_id=D1, request=CancelOpRequest(op_id=outcome.op_id)))
         assert cancelled.state is OpState.CANCELLED
