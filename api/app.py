@@ -1,6 +1,7 @@
 """`modelkeeper api`: the FastAPI application.
 
-The routes live on module-level routers (``monitoring``, ``nodes``, ``deployments``,
+The routes live on module-level routers (``monitoring``, ``agents`` and ``liveness`` (what
+agents call), ``nodes``, ``deployments``,
 ``operations``) and reach the store, Temporal and the settings through the dependencies in
 ``deps``, all read from ``app.state``: building an app is only wiring.
 """
@@ -17,7 +18,7 @@ from modelkeeper.infra import temporal as temporal_client
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 
-from . import deployments, liveness, monitoring, nodes, operations
+from . import agents, deployments, liveness, monitoring, nodes, operations
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -25,6 +26,7 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="modelkeeper", version=__version__, lifespan=_lifespan)
     app.state.settings = settings
     app.include_router(monitoring.router)
+    app.include_router(agents.router)
     app.include_router(nodes.router)
     app.include_router(liveness.router)
     app.include_router(deployments.router)

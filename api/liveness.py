@@ -60,8 +60,8 @@ from modelkeeper.domain.nodes import NodeSilentInput
 from modelkeeper.names import SIGNAL_NODE_SILENT, deployment_workflow_id
 from modelkeeper.store import Store
 
+from .agents import check_join_token
 from .deps import SettingsDep, StoreDep, TemporalDep
-from .nodes import check_join_token
 from .signals import signal_waiting_deployments
 
 log = logging.getLogger(__name__)
