@@ -330,43 +330,103 @@ async def switch_stop_first(bench: Bench) -> Scenario:
                         "claims_bytes": (await bench.claims_match())["claimed_bytes"]})
 
 
-async def worker_killed_mid_saga(bench: Bench) -> Scenario:
+async def _kill_worker_when(bench: Bench, operation_id: str, step_prefix: str) -> None:
+    """kill -9 the control worker once the saga has begun a step named ``step_prefix``,
+    and start another at once (what a process manager does)."""
+    async def step_started() -> bool:
+        resp = await bench.api.get(f"/operations/{operation_id}")
+        steps = resp.json().get("steps", []) if resp.status_code == 200 else []
+        return any(s["name"].startswith(step_prefix) for s in steps)
+    await bench.until(step_started, f"{operation_id}: a step {step_prefix!r} began")
+    worker = next(p for p in bench.fleet.started if p.name == "worker")
+    signal_group(worker.pid, signal.SIGKILL)
+    worker.stop(grace=0)
+    worker.start()
+
+
+async def _placed(bench: Bench, deployment_id: str) -> int:
+    """Replicas ever placed for the deployment (one replica.placed event each)."""
+    conn = await asyncpg.connect(bench.fleet.database_url)
+    try:
+        placed: int = await conn.fetchval(
+            "SELECT count(*) FROM events WHERE deployment_id = $1 AND kind = 'replica.placed'",
+            deployment_id)
+    finally:
+        await conn.close()
+    return placed
+
+
+async def worker_killed_mid_restart(bench: Bench) -> Scenario:
     """kill -9 the control worker while a rolling restart runs; start another."""
     await bench.model("sim-a")
     dep = await bench.deploy("sim-a", 2)
     bench.start_clients("sim-a")
     await asyncio.sleep(2)
     operation_id = await bench.operation(f"/deployments/{dep}/restart")
-
-    async def first_replace_running() -> bool:
-        resp = await bench.api.get(f"/operations/{operation_id}")
-        steps = resp.json().get("steps", []) if resp.status_code == 200 else []
-        return any(s["name"].startswith("replace") for s in steps)
-    await bench.until(first_replace_running, "the first replace started")
-    worker = next(p for p in bench.fleet.started if p.name == "worker")
-    signal_group(worker.pid, signal.SIGKILL)
-    worker.stop(grace=0)
-    worker.start()
+    await _kill_worker_when(bench, operation_id, "replace")
     record = await bench.ended(operation_id)
     await bench.until(lambda: bench.serving(dep, 2), f"{dep} serving 2")
-    conn = await asyncpg.connect(bench.fleet.database_url)
-    try:
-        placed = await conn.fetchval(
-            "SELECT count(*) FROM events WHERE deployment_id = $1 AND kind = 'replica.placed'",
-            dep)
-    finally:
-        await conn.close()
     sent, failed = await bench.stop_clients()
     return Scenario("kill -9 of the control worker mid-restart", sent, failed, record,
                     _replacement_times(record), {
-                        "state": record["state"], "replicas_placed_in_all": placed,
+                        "state": record["state"],
+                        # 2 first placements + one per replacement: nothing placed twice.
+                        "placed": await _placed(bench, dep), "placed_expected": 4,
+                        "claims": await bench.claims_match()})
+
+
+async def worker_killed_mid_drain(bench: Bench) -> Scenario:
+    """kill -9 the control worker while a drain moves a replica; start another."""
+    nodes = await bench.node_ids()
+    target, others = nodes[0], nodes[1:]
+    for node in others:
+        await bench.cordon(node, True)
+    await bench.model("sim-a")
+    dep = await bench.deploy("sim-a", 1)
+    for node in others:
+        await bench.cordon(node, False)
+    bench.start_clients("sim-a")
+    await asyncio.sleep(2)
+    operation_id = await bench.operation(f"/nodes/{target}/drain", {"grace_s": 60})
+    await _kill_worker_when(bench, operation_id, "replace")
+    record = await bench.ended(operation_id)
+    await bench.until(lambda: bench.serving(dep, 1), f"{dep} serving 1")
+    where = [n for r in (await bench.deployment(dep))["replicas"] for n in r["nodes"]]
+    sent, failed = await bench.stop_clients()
+    return Scenario("kill -9 of the control worker mid-drain", sent, failed, record,
+                    _replacement_times(record), {
+                        "state": record["state"], "left_on_drained_node": where.count(target),
+                        "placed": await _placed(bench, dep), "placed_expected": 2,
+                        "claims": await bench.claims_match()})
+
+
+async def worker_killed_mid_switch(bench: Bench) -> Scenario:
+    """kill -9 the control worker while a switch that fails rolls back; start another."""
+    await bench.model("sim-a")
+    # Loads for 3 s, then fails: the worker dies while B is loading.
+    await bench.model("sim-bad", fail_at_start=True, load_time_s=3.0)
+    dep = await bench.deploy("sim-a", 1)
+    bench.start_clients("sim-a")
+    await asyncio.sleep(2)
+    operation_id = await bench.operation(f"/deployments/{dep}/switch",
+                                         {"model_id": "sim-bad"})
+    await _kill_worker_when(bench, operation_id, "replace")
+    record = await bench.ended(operation_id)
+    serving = await bench.serving(dep, 1)
+    sent, failed = await bench.stop_clients()
+    return Scenario("kill -9 of the control worker mid-switch (B fails, rolled back)", sent,
+                    failed, record, [], {
+                        "state": record["state"], "serving_after": serving,
+                        "placed": await _placed(bench, dep), "placed_expected": 2,
                         "claims": await bench.claims_match()})
 
 
 SCENARIOS: dict[str, Callable[[Bench], Awaitable[Scenario]]] = {
     "restart": rolling_restart, "drain": drain, "drain-no-room": drain_without_room,
     "switch-rollback": switch_rollback, "switch-stop-first": switch_stop_first,
-    "worker-kill": worker_killed_mid_saga,
+    "worker-kill-restart": worker_killed_mid_restart,
+    "worker-kill-drain": worker_killed_mid_drain,
+    "worker-kill-switch": worker_killed_mid_switch,
 }
 QUICK = ("restart", "switch-rollback")
 
