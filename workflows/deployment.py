@@ -242,6 +242,13 @@ PATCH_ENGINE_LOG_EVENTS = "engine-log-events"
 #: WorkflowTimings.drain_grace_s), then stopped: KeeperConfig.graceful_stop. Before it,
 #: its engine got SIGTERM while the gateway could still send it requests.
 PATCH_GRACEFUL_STOP = "graceful-stop"
+#: A deployment whose row is deleted sets DeploymentStatus to "deleted" as its last act,
+#: so a closed workflow never matches a live status in a search (`DeploymentStatus=
+#: 'cant_place'` listed deleted deployments). Before it, the last status stayed.
+PATCH_FINAL_STATUS = "final-status-deleted"
+#: The DeploymentStatus search attribute of a deployment that is gone (not a
+#: DeploymentStatus: nothing in the store or the API ever shows it).
+FINAL_STATUS = "deleted"
 
 
 class WorkflowTimings(Tolerant):
@@ -360,6 +367,7 @@ class DeploymentWorkflow:
         self._events: list[NewEvent] = []  # audit events not yet appended, oldest first
         self._store_closed = False  # the deployment's row is being deleted: no more writes
         self._graceful_stop = False  # PATCH_GRACEFUL_STOP
+        self._final_status = False  # PATCH_FINAL_STATUS
         # Observations decided so far: a handler that queued one waits until it is past
         # this count, so it answers from the state that includes it.
         self._decided = 0
@@ -596,6 +604,7 @@ class DeploymentWorkflow:
         if workflow.patched(PATCH_CANT_PLACE_BACKOFF):
             switches |= {"cant_place_backoff": True}
         self._graceful_stop = workflow.patched(PATCH_GRACEFUL_STOP)
+        self._final_status = workflow.patched(PATCH_FINAL_STATUS)
         if self._graceful_stop:
             switches |= {"graceful_stop": True}
         if switches:
@@ -1002,6 +1011,8 @@ class DeploymentWorkflow:
             DeleteDeploymentInput(deployment_id=self._state.keeper.spec.deployment_id),
             task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=STORE_TIMEOUT,
             retry_policy=STORE_RETRY)
+        if self._final_status and self._state.search_attributes:
+            workflow.upsert_search_attributes([STATUS_KEY.value_set(FINAL_STATUS)])
 
 
 def _cancel_all(tasks: list[asyncio.Task[Any]]) -> None:

@@ -1132,3 +1132,19 @@ async def test_cancel_op_retires_the_surge_and_keeps_the_replica(
         assert [(r.replica_id, r.phase.value) for r in view.keeper.replicas] == [
             ("d1-r1", "ready")]
         await record_history(run.handle, "ops_cancel")
+
+
+async def test_a_deleted_deployment_leaves_deleted_as_its_status_not_a_live_one(
+    local_temporal_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """A closed workflow must not match a live status in a search: its last act sets
+    DeploymentStatus to "deleted" (PATCH_FINAL_STATUS)."""
+    async with _run(local_temporal_env, cluster, search_attributes=True) as run:
+        await run.until(DeploymentStatus.SERVING)
+        await _until_search_attributes(run, status="serving", ready=1, desired=1,
+                                       nodes=["n1"])
+        await run.handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(run.handle.result(), 30)
+        found = (await run.handle.describe()).typed_search_attributes
+        assert found.get(STATUS_KEY) == "deleted"
+        await record_history(run.handle, "final_status_deleted")
