@@ -12,7 +12,7 @@ from typing import Any
 
 from temporalio import activity
 from temporalio.client import Client
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from modelkeeper.domain.catalog import CatalogModel, DeploymentStatusUpdate, ReplicaStateUpdate
 from modelkeeper.domain.control import (
@@ -109,11 +109,14 @@ class StoreActivities:
         fix either."""
         now = self._clock()
         if not self.settling.settled(now):
-            # Retryable: the workflow's retry policy brings it back once settled.
+            # Retryable: the workflow's retry policy brings it back once settled. An
+            # expected wait, not a failure: BENIGN keeps the SDK from logging it as a
+            # WARNING with a traceback, and it is said here in one INFO line instead.
+            message = (f"control plane settling: placement waits up to "
+                       f"{self.settling.remaining_s(now):.1f}s more for agents to report in")
+            log.info("%s: %s", request.replica_id, message)
             raise ApplicationError(
-                f"control plane settling: placement waits up to "
-                f"{self.settling.remaining_s(now):.1f}s more for agents to report in",
-                type=ERROR_SETTLING,
+                message, type=ERROR_SETTLING, category=ApplicationErrorCategory.BENIGN,
                 next_retry_delay=timedelta(
                     seconds=min(SETTLING_RETRY_MAX_S, self.settling.remaining_s(now))
                     or SETTLING_RETRY_MIN_S))
@@ -173,8 +176,20 @@ class StoreActivities:
 
     @activity.defn(name=ACTIVITY_RECORD_REPLICA_STATE)
     async def record_replica_state(self, update: ReplicaStateUpdate) -> None:
-        """Write a replica's state; the gateway hears of it through NOTIFY."""
-        await self._store.record_replica_state(update)
+        """Write a replica's state; the gateway hears of it through NOTIFY.
+
+        An endpoint off its node's registered address or engine ports is not recorded
+        (the store clears it, so no gateway routes there) and the refusal goes to the
+        audit log, once however often this is retried.
+        """
+        refused = await self._store.record_replica_state(update)
+        if refused is not None:
+            log.warning("replica %s: endpoint refused: %s", refused.replica_id, refused.reason)
+            await self._append(NewEvent(
+                kind="replica.endpoint_refused", deployment_id=refused.deployment_id,
+                replica_id=refused.replica_id, node_id=refused.node_id,
+                message=f"endpoint {refused.endpoint!r} refused: {refused.reason}",
+                data=refused.model_dump(mode="json")))
 
     @activity.defn(name=ACTIVITY_RELEASE_REPLICA)
     async def release_replica(self, request: ReleaseReplicaInput) -> None:

@@ -21,6 +21,8 @@ import random
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 from temporalio.worker import Worker
@@ -30,13 +32,21 @@ from temporalio.worker import Worker
 from activities.node import NodeActivities
 from modelkeeper import __version__
 from modelkeeper.domain.liveness import BYE, PING
-from modelkeeper.domain.nodes import AgentHeartbeat, AgentRegistration, AgentWelcome, Inventory
+from modelkeeper.domain.nodes import (
+    NODE_CREDENTIAL_HEADER,
+    AgentHeartbeat,
+    AgentRegistration,
+    AgentWelcome,
+    Inventory,
+    PortRange,
+    is_loopback,
+)
 from modelkeeper.domain.units import parse_bytes
 from modelkeeper.infra import temporal
-from modelkeeper.infra.secrets import read_engine_key_secret
+from modelkeeper.infra.secrets import read_join_token
 from modelkeeper.settings import Settings
 
-from .identity import load_or_create_node_id
+from .identity import load_credential, load_or_create_node_id, save_credential
 from .inventory import read_available_memory, read_inventory
 from .shards import ShardManager
 
@@ -57,8 +67,75 @@ LIVENESS_RETRY_MAX_S = 2.0
 LIVENESS_BYE_TIMEOUT_S = 2.0
 
 
+#: Answers to a registration that retrying cannot change: the join token or the node's
+#: credential is wrong, or the agent advertises an address that is not its own (403), or
+#: its registration is malformed (422).
+REGISTRATION_REFUSALS = frozenset({401, 403, 422})
+
+
 class AgentConfigError(Exception):
     """A setting the agent cannot run with; reported as one line."""
+
+
+class NodeIdentity:
+    """What the agent presents: the join token to join, then the node's own credential
+    (kept in its data dir, mode 0600, beside its id). Headers are built per request, since
+    a registration may issue a new credential while the liveness stream retries."""
+
+    def __init__(self, agent_dir: Path, join_token: str | None) -> None:
+        self._dir = agent_dir
+        self._join_token = join_token
+        self.credential = load_credential(agent_dir)
+
+    def registration_headers(self) -> dict[str, str]:
+        """The join token (a first join, or a return after the node was removed) and the
+        credential (a return): the API takes whichever this node may use."""
+        headers = {}
+        if self._join_token is not None:
+            headers["Authorization"] = f"Bearer {self._join_token}"
+        if self.credential is not None:
+            headers[NODE_CREDENTIAL_HEADER] = self.credential
+        return headers
+
+    def node_headers(self) -> dict[str, str]:
+        """For heartbeats and the liveness stream: the node's credential."""
+        return {} if self.credential is None else {"Authorization": f"Bearer {self.credential}"}
+
+    def welcomed(self, welcome: AgentWelcome, manager: ShardManager) -> None:
+        """Keep what a registration handed over: a new credential, and the node key."""
+        if welcome.node_credential is not None:
+            save_credential(self._dir, welcome.node_credential)
+            self.credential = welcome.node_credential
+        manager.use_node_key(welcome.node_key)
+
+
+def advertised_engine_host(settings: Settings) -> str:
+    """The address engines listen on and endpoints carry: ``engine_host`` when set.
+
+    Unset, and with the API on another machine, it is this machine's address towards the
+    API, which is what the API sees the registration come from and accepts endpoints on
+    (docs/security.md): so a second machine needs only the API's URL and the join token.
+    """
+    if "engine_host" in settings.model_fields_set:
+        return settings.engine_host
+    parts = urlsplit(settings.api_url)
+    host = parts.hostname
+    if host is None or is_loopback(host):
+        return settings.engine_host
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        family, kind, proto, _, address = socket.getaddrinfo(host, port,
+                                                             type=socket.SOCK_DGRAM)[0]
+        # A datagram socket's connect sends nothing: it only picks the route, and so the
+        # local address a connection to the API would come from.
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(address)
+            local: str = probe.getsockname()[0]
+    except OSError as exc:
+        log.warning("cannot find this machine's address towards %s (%s); engines use "
+                    "engine_host %s", host, exc, settings.engine_host)
+        return settings.engine_host
+    return local
 
 
 def _declared_memory(settings: Settings) -> int | None:
@@ -73,17 +150,36 @@ def _inventory_reader(settings: Settings) -> Callable[[], Inventory]:
     return lambda: read_inventory(declared_memory=memory, declared_cpus=settings.node_cpus)
 
 
+async def _register_once(http: httpx.AsyncClient, reg: AgentRegistration,
+                         identity: NodeIdentity, manager: ShardManager) -> AgentWelcome:
+    """One registration; what it hands over is kept (see :meth:`NodeIdentity.welcomed`).
+    Raises AgentConfigError for a refusal, httpx.HTTPError for anything to retry."""
+    resp = await http.post("/nodes/register", json=reg.model_dump(mode="json"),
+                           headers=identity.registration_headers())
+    if resp.status_code in REGISTRATION_REFUSALS:
+        raise AgentConfigError(f"the API refused to register node {reg.node_id} "
+                               f"({resp.status_code}): {_detail(resp)}")
+    resp.raise_for_status()
+    welcome = AgentWelcome.model_validate(resp.json())
+    identity.welcomed(welcome, manager)
+    return welcome
+
+
+def _detail(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json().get("detail", resp.text))
+    except ValueError:
+        return resp.text
+
+
 async def _register(http: httpx.AsyncClient, reg: Callable[[], AgentRegistration],
+                    identity: NodeIdentity, manager: ShardManager,
                     stop: asyncio.Event) -> AgentWelcome | None:
     """Register, retrying while the API is unreachable; None if stopped first."""
     delay = 0.2
     while not stop.is_set():
         try:
-            resp = await http.post("/nodes/register", json=reg().model_dump(mode="json"))
-            if resp.status_code == 401:
-                raise AgentConfigError(f"the API refused the join token: {resp.text}")
-            resp.raise_for_status()
-            return AgentWelcome.model_validate(resp.json())
+            return await _register_once(http, reg(), identity, manager)
         except httpx.HTTPError as exc:
             log.warning("registration failed (%s); retrying in %.1fs", exc, delay)
         with contextlib.suppress(TimeoutError):
@@ -93,21 +189,26 @@ async def _register(http: httpx.AsyncClient, reg: Callable[[], AgentRegistration
 
 
 async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
-    """Run the agent until ``stop`` is set."""
-    secret = read_engine_key_secret(settings)
-    if not secret:
-        raise AgentConfigError(
-            "set MODELKEEPER_ENGINE_KEY_SECRET (or run with the data dir of `modelkeeper up`, "
-            f"which keeps it in {settings.engine_key_secret_file}): each engine's API key is "
-            "derived from it, and the gateway must hold the same one")
+    """Run the agent until ``stop`` is set.
+
+    It needs the API's URL and, to join from another machine, the join token; no cluster
+    secret: the API hands it its node's key at registration.
+    """
+    try:
+        join_token = read_join_token(settings)
+    except ValueError as exc:
+        raise AgentConfigError(str(exc)) from None
     inventory = _inventory_reader(settings)
     declared_memory = _declared_memory(settings)
     node_id = load_or_create_node_id(settings.agent_dir)
+    identity = NodeIdentity(settings.agent_dir, join_token)
     name = settings.node_name or socket.gethostname()
+    engine_host = advertised_engine_host(settings)
+    low, high = settings.engine_ports
+    engine_ports = PortRange(low=low, high=high)
     manager = ShardManager(node_id=node_id, agent_dir=settings.agent_dir,
-                           engine_host=settings.engine_host,
+                           engine_host=engine_host,
                            port_range=settings.engine_ports,
-                           key_secret=secret.encode(),
                            llama_server_path=settings.llama_server_path,
                            max_concurrent_startups=settings.max_concurrent_startups,
                            available_memory=lambda: read_available_memory(
@@ -119,20 +220,23 @@ async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
     def registration() -> AgentRegistration:
         return AgentRegistration(node_id=node_id, name=name, labels=settings.node_labels,
                                  inventory=inventory(), shards=manager.reports(),
-                                 agent_version=__version__)
+                                 agent_version=__version__, engine_host=engine_host,
+                                 engine_ports=engine_ports)
 
-    headers = {"Authorization": f"Bearer {settings.join_token}"} if settings.join_token else {}
     try:
-        async with httpx.AsyncClient(base_url=settings.api_url, headers=headers,
+        async with httpx.AsyncClient(base_url=settings.api_url,
                                      timeout=httpx.Timeout(5.0)) as http:
-            welcome = await _register(http, registration, stop)
+            welcome = await _register(http, registration, identity, manager, stop)
             if welcome is None:
                 return
             liveness = asyncio.create_task(
-                _liveness_loop(http, node_id, settings.liveness_interval_s, stop))
+                _liveness_loop(http, node_id, identity, settings.liveness_interval_s, stop))
             try:
-                client = await temporal.connect(welcome.temporal_address,
-                                                welcome.temporal_namespace)
+                # The address comes from the API; the TLS material and key never do: each
+                # machine keeps its own (docs/security.md).
+                client = await temporal.connect(
+                    welcome.temporal_address, welcome.temporal_namespace,
+                    security=temporal.security_from_settings(settings))
                 # The SDK's default heartbeat throttle: a watch heartbeats to Temporal once
                 # per 0.8 x watch_heartbeat_timeout_s (48 s at 60 s), since the liveness
                 # stream, not the watch, is what notices a dead node.
@@ -141,7 +245,7 @@ async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
                                 max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES)
                 async with worker:
                     log.info("node %s registered; polling %s", node_id, welcome.task_queue)
-                    await _heartbeat_loop(http, node_id, welcome, inventory, manager,
+                    await _heartbeat_loop(http, node_id, identity, inventory, manager,
                                           registration, settings, stop)
             finally:
                 await _end_liveness(liveness, stop)
@@ -152,7 +256,7 @@ async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
         await manager.close()
 
 
-async def _heartbeat_loop(http: httpx.AsyncClient, node_id: str, welcome: AgentWelcome,
+async def _heartbeat_loop(http: httpx.AsyncClient, node_id: str, identity: NodeIdentity,
                           inventory: Callable[[], Inventory], manager: ShardManager,
                           registration: Callable[[], AgentRegistration],
                           settings: Settings, stop: asyncio.Event) -> None:
@@ -165,21 +269,25 @@ async def _heartbeat_loop(http: httpx.AsyncClient, node_id: str, welcome: AgentW
         beat = AgentHeartbeat(inventory=inventory(), shards=manager.reports())
         try:
             resp = await http.post(f"/nodes/{node_id}/heartbeat",
-                                   json=beat.model_dump(mode="json"))
+                                   json=beat.model_dump(mode="json"),
+                                   headers=identity.node_headers())
             if resp.status_code == 404:
-                # The control plane forgot us (a fresh database): register again.
-                await http.post("/nodes/register",
-                                json=registration().model_dump(mode="json"))
+                # The control plane forgot us (a fresh database, or an operator removed
+                # the node): join again, with the join token.
+                await _register_once(http, registration(), identity, manager)
             elif resp.status_code >= 400:
-                log.warning("heartbeat refused: %s %s", resp.status_code, resp.text)
+                log.warning("heartbeat refused: %s %s", resp.status_code, _detail(resp))
         except httpx.HTTPError as exc:
             # The API being down must not touch engines: they keep serving.
             log.warning("heartbeat failed: %s", exc)
+        except AgentConfigError as exc:
+            # Engines keep serving; an operator must act (the log says how).
+            log.error("%s", exc)
         await manager.reap_orphans(settings.orphan_grace_s)
 
 
-async def _liveness_loop(http: httpx.AsyncClient, node_id: str, interval_s: float,
-                         stop: asyncio.Event) -> None:
+async def _liveness_loop(http: httpx.AsyncClient, node_id: str, identity: NodeIdentity,
+                         interval_s: float, stop: asyncio.Event) -> None:
     """Keep one liveness stream open to the API until ``stop``, which ends it with ``bye``.
 
     Reopened whenever it ends otherwise (the API restarted, the network broke, the API
@@ -190,9 +298,10 @@ async def _liveness_loop(http: httpx.AsyncClient, node_id: str, interval_s: floa
         opened_at = time.monotonic()
         try:
             resp = await http.post(f"/nodes/{node_id}/liveness",
-                                   content=_pings(interval_s, stop))
+                                   content=_pings(interval_s, stop),
+                                   headers=identity.node_headers())
             outcome = f"answered {resp.status_code} {resp.text.strip()}"
-            if resp.status_code == 401:
+            if resp.status_code in (401, 403):
                 log.error("the API refused the liveness stream: %s", resp.text)
         except httpx.HTTPError as exc:
             outcome = f"failed ({exc!r})"

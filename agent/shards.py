@@ -16,7 +16,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,7 +26,7 @@ import psutil
 from pydantic import Field
 
 from modelkeeper.domain.base import Frozen
-from modelkeeper.domain.engine_keys import derive_engine_key
+from modelkeeper.domain.engine_keys import derive_engine_key, scrub_keys
 from modelkeeper.domain.ids import NodeId, ReplicaId
 from modelkeeper.domain.shards import (
     ExitKind,
@@ -61,6 +61,23 @@ log = logging.getLogger(__name__)
 #: including ones whose record was lost.
 NODE_ENV = "MODELKEEPER_NODE_ID"
 REPLICA_ENV = "MODELKEEPER_REPLICA_ID"
+
+#: What an engine inherits from the agent's environment, by exact name: what any process
+#: needs (search paths, user, locale, temp dir, CA roots). Nothing else passes, above all
+#: none of the agent's own MODELKEEPER_* settings (its join token among them).
+INHERITED_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR",
+    "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "SSL_CERT_FILE", "SSL_CERT_DIR",
+})
+#: ... and by prefix: the locale's parts, and what GPU engines read to find devices,
+#: libraries, compilers and model caches.
+INHERITED_PREFIXES = ("LC_", "XDG_", "CUDA_", "NVIDIA_", "NCCL_", "HF_", "TRANSFORMERS_",
+                      "TORCH", "TRITON_", "OMP_", "MKL_", "VLLM_", "SGLANG_")
+#: A variable whose name holds one of these is never inherited, whatever its prefix
+#: (``HF_TOKEN``, ``VLLM_API_KEY``): an engine gets its own key from its plan and no
+#: other secret. Weights come through the agent's fetcher, which needs no engine-side
+#: token.
+SECRET_NAME_WORDS = ("KEY", "SECRET", "TOKEN", "PASSWORD", "CREDENTIAL")
 
 #: The watch reports the end of an engine with this many of its last log lines.
 LOG_TAIL_LINES = 200
@@ -142,7 +159,23 @@ def kernel_oom_pids() -> frozenset[int]:
     return frozenset(pids)
 
 
+def engine_environment(parent: Mapping[str, str], plan_env: Mapping[str, str], *,
+                       node_id: NodeId, replica_id: ReplicaId) -> dict[str, str]:
+    """The whole environment of one engine: the allow-listed part of ``parent`` (the
+    agent's), the plan's own variables (its key among them), and the markers that let a
+    restarted agent recognise it. Never the agent's environment as a whole."""
+    env = {
+        name: value for name, value in parent.items()
+        if (name in INHERITED_NAMES or name.startswith(INHERITED_PREFIXES))
+        and not any(word in name.upper() for word in SECRET_NAME_WORDS)
+    }
+    return {**env, **plan_env, NODE_ENV: node_id, REPLICA_ENV: replica_id}
+
+
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
+    """The last ``lines`` of an engine's log, keys scrubbed: the tail leaves the node (in
+    ShardExit, then Temporal's history and the audit log), and an engine may log its own
+    key (SGLang prints its server arguments at start)."""
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
@@ -152,7 +185,7 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
             text = f.read().decode(errors="replace")
     except OSError:
         return []
-    return text.splitlines()[-lines:]
+    return [scrub_keys(line) for line in text.splitlines()[-lines:]]
 
 
 def _process_matches(pid: int, create_time: float) -> bool:
@@ -169,20 +202,22 @@ class ShardManager:
     """Runs this node's engines."""
 
     def __init__(self, *, node_id: NodeId, agent_dir: Path, engine_host: str,
-                 port_range: tuple[int, int], key_secret: bytes,
+                 port_range: tuple[int, int], node_key: str | None = None,
                  llama_server_path: Path | None = None,
                  adapter_factory: Callable[[ShardSpec], EngineAdapter] | None = None,
                  max_concurrent_startups: int = 1,
                  available_memory: Callable[[], int | None] = read_available_memory,
                  ) -> None:
-        """``available_memory`` reads the node's free memory (capped by what it declares)
+        """``node_key``: the key the API handed this node at registration, from which each
+        engine's key is derived (None until then: see :meth:`use_node_key`).
+        ``available_memory`` reads the node's free memory (capped by what it declares)
         for the fit check after the start-up queue; None from it skips the check."""
         self.node_id = node_id
         self._records = agent_dir / "shards"
         self._logs = agent_dir / "logs"
         self._host = engine_host
         self._ports = port_range
-        self._secret = key_secret
+        self._node_key = node_key
         self._fetcher = WeightFetcher(agent_dir / "weights")
         self._adapter_factory = adapter_factory or (
             lambda spec: adapter_for(spec.engine, llama_server_path=llama_server_path))
@@ -198,6 +233,17 @@ class ShardManager:
     async def close(self) -> None:
         """Release the HTTP client. Engines keep running: a restarted agent adopts them."""
         await self._http.aclose()
+
+    def use_node_key(self, node_key: str) -> None:
+        """Derive engine keys from ``node_key`` from now on (each registration hands one)."""
+        self._node_key = node_key
+
+    def _engine_key(self, replica_id: ReplicaId) -> str:
+        if self._node_key is None:
+            # The worker that runs starts polls only after registration: a programming error.
+            raise RuntimeError(f"node {self.node_id} has no node key yet: it must register "
+                               "before it starts engines")
+        return derive_engine_key(self._node_key.encode(), replica_id)
 
     # -- persistence and adoption --------------------------------------------------------
 
@@ -376,10 +422,10 @@ class ShardManager:
             taken = {s.record.port for s in self._shards.values()}
             port = choose_port(*self._ports, taken,
                                lambda p: port_is_free(self._host, p))
-            key = derive_engine_key(self._secret, spec.replica_id)
+            key = self._engine_key(spec.replica_id)
             plan = adapter.launch_plan(spec, host=self._host, port=port, api_key=key)
-            env = {**os.environ, **plan.env, NODE_ENV: self.node_id,
-                   REPLICA_ENV: spec.replica_id}
+            env = engine_environment(os.environ, plan.env, node_id=self.node_id,
+                                     replica_id=spec.replica_id)
             log_path = self._logs / f"{spec.replica_id}.log"
             proc = ManagedProcess(f"engine {spec.replica_id}", plan.argv, log_path, env=env)
             oom_before = read_oom_kills()
@@ -406,7 +452,7 @@ class ShardManager:
             return
         deadline = live.record.started_at.timestamp() + spec.start_timeout_s
         adapter = self._adapter_factory(spec)
-        key = derive_engine_key(self._secret, spec.replica_id)
+        key = self._engine_key(spec.replica_id)
         detail = "not probed yet"
         while True:
             ended = self._poll_exit(live)
@@ -431,7 +477,8 @@ class ShardManager:
             if check is not None and check.ready:
                 break
             if check is not None:
-                detail = check.detail
+                # The engine's own words, which leave the node in ShardExit.detail.
+                detail = scrub_keys(check.detail)
             if time.time() > deadline:
                 tail = _tail(Path(live.record.log_path))
                 await self.stop(spec.replica_id, grace_s=START_FAILED_STOP_GRACE_S)

@@ -1,53 +1,205 @@
 """Routes agents call: registration and heartbeats (their liveness stream is in
 ``liveness``). Kept apart from the operators' routes: agents authenticate as nodes, not as
-operators."""
+operators.
+
+How a node authenticates (docs/security.md, "Nodes and engine keys"):
+
+* **Joining.** A new node presents the join token (``Authorization: Bearer``) and gets, in
+  the answer, its own credential (shown once, stored hashed) and its node key. With no join
+  token set, only registrations from loopback are accepted, and the API says so at start.
+* **After that** the node id and its credential authenticate every call: heartbeats and
+  the liveness stream carry ``Authorization: Bearer <credential>``, a re-registration
+  carries it in ``X-Node-Credential``. A node speaks only for itself: another node's
+  credential is a 403 and changes nothing.
+* **A lost credential.** The join token alone never takes over a node that holds a
+  credential (it would let any node that joined speak for any other): an operator removes
+  the node (``modelkeeper nodes rm``) and the agent joins again. The one exception is a
+  credential never used since it was issued, whose answer may have been lost on the way:
+  the join token may issue that node a new one.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
+from http import HTTPStatus
 from typing import Annotated
 
-from fastapi import APIRouter, Header, HTTPException, Response
+from fastapi import APIRouter, FastAPI, Header, HTTPException, Request, Response
 
+from modelkeeper.domain.engine_keys import derive_node_key
 from modelkeeper.domain.events import NewEvent
-from modelkeeper.domain.nodes import AgentHeartbeat, AgentRegistration, AgentWelcome
+from modelkeeper.domain.nodes import (
+    NODE_CREDENTIAL_HEADER,
+    Admitted,
+    AgentHeartbeat,
+    AgentRegistration,
+    AgentWelcome,
+    NodeAuth,
+    Refused,
+    admit_registration,
+    credential_digest,
+    credential_matches,
+    is_loopback,
+    node_address,
+)
+from modelkeeper.infra.secrets import new_node_credential, read_engine_key_secret, read_join_token
 from modelkeeper.names import node_task_queue
 from modelkeeper.settings import Settings
+from modelkeeper.store import Store
 
 from .deps import SettingsDep, StoreDep, TemporalDep
 from .signals import signal_waiting_deployments
 
-router = APIRouter()
+log = logging.getLogger(__name__)
+
+#: Sent with a 401, as HTTP asks.
+_BEARER_CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+#: What refusing a node's call answers, documented on each route that authenticates one.
+NODE_AUTH_RESPONSES: dict[int | str, dict[str, str]] = {
+    401: {"description": "No node credential (Authorization: Bearer)."},
+    403: {"description": "The credential is not this node's."},
+    404: {"description": "The node is not registered: register again."},
+}
+#: ... and refusing a registration.
+REGISTRATION_RESPONSES: dict[int | str, dict[str, str]] = {
+    401: {"description": "Joining needs the join token, and it is missing or wrong."},
+    403: {"description": "The node is registered with another credential; or no join "
+                         "token is set and the agent is not on loopback; or it advertises "
+                         "an engine address that is not its own."},
+    503: {"description": "The API holds no engine key secret, or cannot read its join "
+                         "token."},
+}
 
 
-def check_join_token(authorization: str | None, settings: Settings) -> None:
-    """401 unless the agent presents the join token (when one is set).
+@asynccontextmanager
+async def _announce_registration_policy(app: FastAPI) -> AsyncIterator[None]:
+    """Say once, at start, who may register (merged into the app's lifespan by
+    ``include_router``)."""
+    settings: Settings = app.state.settings
+    for line in registration_warnings(settings):
+        log.warning("%s", line)
+    yield
 
-    Called from the route body rather than declared as a dependency: a dependency would be
-    checked before the request body, turning a malformed body's 422 into a 401.
+
+router = APIRouter(lifespan=_announce_registration_policy)
+
+
+def registration_warnings(settings: Settings) -> list[str]:
+    """What the API warns about at start: registration limited to loopback, or impossible."""
+    warnings = []
+    try:
+        token = read_join_token(settings)
+    except ValueError as err:
+        warnings.append(f"agent registration will fail: {err}")
+        token = ""
+    if token is None:
+        warnings.append(
+            "no join token is set (MODELKEEPER_JOIN_TOKEN or MODELKEEPER_JOIN_TOKEN_FILE): "
+            "only agents on this machine (loopback) can register. Set one to add other "
+            "machines.")
+    if read_engine_key_secret(settings) is None:
+        warnings.append(
+            "no engine key secret (MODELKEEPER_ENGINE_KEY_SECRET): agent registrations "
+            "will be refused, since each node's key is derived from it.")
+    return warnings
+
+
+def bearer(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header; None for anything else."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def _join_token(settings: Settings) -> str | None:
+    try:
+        return read_join_token(settings)
+    except ValueError as err:
+        raise HTTPException(503, f"the API cannot read its join token: {err}") from None
+
+
+async def authenticate_node(node_id: str, authorization: str | None, store: Store) -> NodeAuth:
+    """The node, once ``authorization`` carries its own credential.
+
+    401 without a credential, 404 for a node that is not registered (the agent registers
+    again), 403 for a credential that is not this node's: nothing is written before this
+    returns.
     """
-    if settings.join_token is None:
-        return
-    if authorization != f"Bearer {settings.join_token}":
-        raise HTTPException(401, "agent registration needs the join token "
-                                 "(Authorization: Bearer <MODELKEEPER_JOIN_TOKEN>)")
+    presented = bearer(authorization)
+    if presented is None:
+        raise HTTPException(401, f"node {node_id!r}: this call needs the node's credential "
+                                 "(Authorization: Bearer <credential from registration>)",
+                            headers=_BEARER_CHALLENGE)
+    auth = await store.node_auth(node_id)
+    if auth is None:
+        raise HTTPException(404, f"node {node_id!r} is not registered")
+    if not credential_matches(presented, auth.credential_sha256):
+        log.warning("refused a call for node %s: the credential presented is not its own",
+                    node_id)
+        raise HTTPException(403, f"node {node_id!r}: the credential presented is not this "
+                                 "node's; a node may speak only for itself")
+    if not auth.credential_confirmed:
+        await store.confirm_node_credential(node_id)
+    return auth
 
 
-@router.post("/nodes/register", response_model=AgentWelcome)
-async def register_node(reg: AgentRegistration, store: StoreDep, temporal: TemporalDep, *,
-                        settings: SettingsDep,
+@router.post("/nodes/register", response_model=AgentWelcome,
+             responses=REGISTRATION_RESPONSES)
+async def register_node(reg: AgentRegistration, request: Request, store: StoreDep, *,
+                        temporal: TemporalDep, settings: SettingsDep,
                         authorization: Annotated[str | None, Header()] = None,
+                        credential: Annotated[str | None,
+                                              Header(alias=NODE_CREDENTIAL_HEADER)] = None,
                         ) -> AgentWelcome:
-    """An agent (re)registers; the answer says where its worker must poll."""
-    check_join_token(authorization, settings)
-    await store.register_node(reg)
+    """An agent (re)registers; the answer says where its worker must poll, and carries
+    its node key (and, when this call issued one, its credential). 401: the join token is
+    missing or wrong; 403: the node is another's, a remote agent with no join token set, or
+    an agent that advertises an engine address that is not its own."""
+    secret = read_engine_key_secret(settings)
+    if secret is None:
+        raise HTTPException(503, "the API holds no engine key secret "
+                                 "(MODELKEEPER_ENGINE_KEY_SECRET): it cannot give the node "
+                                 "its key")
+    peer = request.client.host if request.client is not None else None
+    match admit_registration(
+            reg.node_id, known=await store.node_auth(reg.node_id),
+            credential=credential, token_presented=bearer(authorization),
+            join_token=_join_token(settings), peer_loopback=is_loopback(peer)):
+        case Refused(status=status, reason=reason):
+            log.warning("refused the registration of node %s from %s: %s", reg.node_id,
+                        peer, reason)
+            raise HTTPException(status, reason, headers=_BEARER_CHALLENGE
+                                if status == HTTPStatus.UNAUTHORIZED else None)
+        case Admitted() as verdict:
+            pass
+    try:
+        address = node_address(peer, reg.engine_host)
+    except ValueError as err:
+        raise HTTPException(HTTPStatus.FORBIDDEN, str(err)) from None
+    issued = new_node_credential() if verdict.issue_credential else None
+    await store.register_node(
+        reg, address=address,
+        credential_sha256=None if issued is None else credential_digest(issued))
+    if verdict.confirms:
+        await store.confirm_node_credential(reg.node_id)
     # What it already runs is adopted by each owning deployment's probe, and stopped by
     # the agent itself if nobody watches it within its orphan grace; logged here so an
-    # operator can see what came back with the node.
+    # operator can see what came back with the node. No key or credential in it.
     await store.record_event(NewEvent(
         kind="node.registered", node_id=reg.node_id,
-        message=f"node {reg.name} registered, running {len(reg.shards)} shard(s)",
-        data={"shards": [r.model_dump(mode="json") for r in reg.shards]}))
+        message=f"node {reg.name} registered from {address} ({verdict.admitted_by}), "
+                f"running {len(reg.shards)} shard(s)",
+        data={"shards": [r.model_dump(mode="json") for r in reg.shards],
+              "address": address, "peer": peer, "engine_host": reg.engine_host,
+              "admitted_by": verdict.admitted_by,
+              "engine_ports": None if reg.engine_ports is None else str(reg.engine_ports),
+              "credential_issued": issued is not None}))
     # A node joining is exactly when an unplaceable deployment may now fit.
     await signal_waiting_deployments(store, temporal)
     return AgentWelcome(
@@ -55,18 +207,21 @@ async def register_node(reg: AgentRegistration, store: StoreDep, temporal: Tempo
         temporal_address=settings.agent_temporal_address or settings.temporal_address,
         temporal_namespace=settings.temporal_namespace,
         task_queue=node_task_queue(reg.node_id),
-        heartbeat_interval_s=settings.heartbeat_interval_s)
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        node_key=derive_node_key(secret.encode(), reg.node_id),
+        node_credential=issued)
 
 
-@router.post("/nodes/{node_id}/heartbeat", status_code=204)
+@router.post("/nodes/{node_id}/heartbeat", status_code=204, responses=NODE_AUTH_RESPONSES)
 async def heartbeat_node(node_id: str, beat: AgentHeartbeat, store: StoreDep, *,
                          temporal: TemporalDep, settings: SettingsDep,
                          authorization: Annotated[str | None, Header()] = None,
                          ) -> Response:
-    """An agent's periodic report; 404 tells it to register again. It also clears a
-    liveness silence that began before it arrived (see ``Store.heartbeat_node``)."""
+    """An agent's periodic report, with its node's credential; 404 tells it to register
+    again, 403 that the credential is another node's (nothing is written). It also clears
+    a liveness silence that began before it arrived (see ``Store.heartbeat_node``)."""
     received_at = datetime.now(UTC)
-    check_join_token(authorization, settings)
+    await authenticate_node(node_id, authorization, store)
     changed = await store.heartbeat_node(node_id, beat.inventory,
                                          settings.node_unreachable_after_s,
                                          received_at=received_at)

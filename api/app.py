@@ -4,33 +4,50 @@ The routes live on module-level routers (``monitoring``, ``agents`` and ``livene
 agents call), ``nodes``, ``deployments``,
 ``operations``) and reach the store, Temporal and the settings through the dependencies in
 ``deps``, all read from ``app.state``: building an app is only wiring.
+
+Who may call what is wired here too (``auth``): every route answers only to the allowed
+Host names, and the operators' routers need an operator token; health and the agents'
+routes do not.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from modelkeeper import __version__
 from modelkeeper.infra import temporal as temporal_client
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 
-from . import agents, deployments, liveness, monitoring, nodes, operations
+from . import agents, auth, deployments, limits, liveness, monitoring, nodes, operations
+
+log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings) -> FastAPI:
     """The API application, bound to the store and Temporal named by ``settings``."""
     app = FastAPI(title="modelkeeper", version=__version__, lifespan=_lifespan)
     app.state.settings = settings
-    app.include_router(monitoring.router)
+    app.add_middleware(auth.HostAllowlist, allowed=auth.allowed_hosts(settings))
+    limits.install(app)  # the body limit, outermost; 422s that echo any input
+    if not settings.api_auth:
+        log.warning("api_auth is off: anyone who reaches this API may deploy, delete and "
+                    "cordon without a token")
+    # On the router, not per route: a route added to an operator router later is guarded.
+    guarded = [Depends(auth.require_operator)]
+    app.include_router(monitoring.health)
+    app.include_router(monitoring.router, dependencies=guarded, responses=auth.AUTH_RESPONSES)
     app.include_router(agents.router)
-    app.include_router(nodes.router)
+    app.include_router(nodes.router, dependencies=guarded, responses=auth.AUTH_RESPONSES)
     app.include_router(liveness.router)
-    app.include_router(deployments.router)
-    app.include_router(operations.router)
+    app.include_router(deployments.router, dependencies=guarded,
+                       responses=auth.AUTH_RESPONSES)
+    app.include_router(operations.router, dependencies=guarded,
+                       responses=auth.AUTH_RESPONSES)
     return app
 
 
@@ -51,7 +68,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.store = store
         app.state.liveness = follow
         app.state.temporal = await temporal_client.connect(
-            settings.temporal_address, settings.temporal_namespace, wait=30)
+            settings.temporal_address, settings.temporal_namespace,
+            security=temporal_client.security_from_settings(settings), wait=30)
         yield
     finally:
         follow.closing.set()

@@ -28,8 +28,9 @@ from modelkeeper.domain.ids import DeploymentId, NodeId
 from modelkeeper.domain.keeper import DeploymentSpec, KeeperConfig
 from modelkeeper.domain.placement import Placement, PlacementRequest, explain, place
 from modelkeeper.domain.shards import EngineKind
+from modelkeeper.domain.sources import SourceKind, SourcePolicy, SourceRefused, check_source
 from modelkeeper.domain.status import DeploymentStatus
-from modelkeeper.infra.model_files import resolve_model_path
+from modelkeeper.infra.model_files import resolve_model_path, source_policy
 from modelkeeper.names import (
     CONTROL_TASK_QUEUE,
     SIGNAL_DELETE,
@@ -55,7 +56,9 @@ from workflows.deployment import (
 )
 
 from . import operations
+from .auth import OperatorDep, change
 from .deps import SettingsDep, StoreDep, TemporalDep
+from .problems import problems
 
 router = APIRouter()
 
@@ -115,10 +118,26 @@ def workflow_timings(settings: Settings) -> WorkflowTimings:
     return WorkflowTimings(watch_heartbeat_timeout_s=settings.watch_heartbeat_timeout_s)
 
 
-def catalog_entry(spec: ModelSpec) -> CatalogModel:
-    """Validate a model declaration and fill in its memory; raises a 422 naming the field."""
+def catalog_entry(spec: ModelSpec, policy: SourcePolicy) -> CatalogModel:
+    """Validate a model declaration and fill in its memory; raises a 422 naming the field.
+
+    The source is judged by the policy before anything else, and a path is read (for its
+    size) only once it is known to lie under an allowed root: the API must not stat
+    whatever path a client names on its own host.
+    """
+    verdict = check_source(policy, spec.source)
+    if isinstance(verdict, SourceRefused):
+        raise field_error("source", spec.source, verdict.message)
+    if spec.secret is not None and verdict.kind is not SourceKind.URL:
+        raise field_error("secret", spec.secret,
+                          f"a secret is sent with a download, and source {spec.source!r} "
+                          "is not a URL")
+    if spec.sha256 is not None and verdict.kind is SourceKind.NAME:
+        raise field_error("sha256", spec.sha256,
+                          f"a sha256 checks one file, and source {spec.source!r} names no "
+                          "file (give a URL or a path)")
     try:
-        check_engine_arg_names(spec.engine, spec.engine_args)
+        check_engine_arg_names(spec.engine, spec.engine_args, claim_bytes=spec.memory_bytes)
     except EngineConfigError as exc:
         raise field_error("engine_args", spec.engine_args, str(exc)) from None
     if spec.memory_bytes is not None:
@@ -128,7 +147,7 @@ def catalog_entry(spec: ModelSpec) -> CatalogModel:
                           f"required for engine {spec.engine.value!r}: only a local .gguf "
                           "file's size can be used to estimate it")
     try:
-        path = resolve_model_path(spec.source)
+        path = resolve_model_path(spec.source, policy=policy)
     except EngineConfigError as exc:
         raise field_error("memory_bytes", None,
                           f"cannot be estimated ({exc}); declare it") from None
@@ -139,15 +158,19 @@ def catalog_entry(spec: ModelSpec) -> CatalogModel:
 
 # -- catalog ---------------------------------------------------------------------------
 
-@router.post("/models", status_code=201, response_model=CatalogModel)
-async def create_model(spec: ModelSpec, store: StoreDep) -> CatalogModel:
+@router.post("/models", status_code=201, response_model=CatalogModel, responses=problems(409))
+async def create_model(spec: ModelSpec, store: StoreDep, operator: OperatorDep, *,
+                       settings: SettingsDep) -> CatalogModel:
     """Add a model to the catalog. Memory is estimated from the file when absent."""
-    entry = catalog_entry(spec)
+    entry = catalog_entry(spec, source_policy(settings))
     try:
-        return await store.create_model(entry)
+        created = await store.create_model(entry)
     except ModelExistsError:
         raise HTTPException(409, f"model {spec.model_id!r} is already in the catalog") \
             from None
+    await store.record_event(change(operator, "model.added", f"model {created.model_id} "
+                                    f"added ({created.engine.value}, {created.source})"))
+    return created
 
 
 @router.get("/models", response_model=list[CatalogModel])
@@ -156,7 +179,7 @@ async def list_models(store: StoreDep) -> list[CatalogModel]:
     return await store.list_models()
 
 
-@router.get("/models/{model_id:path}", response_model=CatalogModel)
+@router.get("/models/{model_id:path}", response_model=CatalogModel, responses=problems(404))
 async def get_model(model_id: str, store: StoreDep) -> CatalogModel:
     """One catalog entry; 404 when unknown."""
     model = await store.get_model(model_id)
@@ -165,8 +188,8 @@ async def get_model(model_id: str, store: StoreDep) -> CatalogModel:
     return model
 
 
-@router.delete("/models/{model_id:path}", status_code=204)
-async def delete_model(model_id: str, store: StoreDep) -> None:
+@router.delete("/models/{model_id:path}", status_code=204, responses=problems(404, 409))
+async def delete_model(model_id: str, store: StoreDep, operator: OperatorDep) -> None:
     """Remove a model; 409 while it is deployed."""
     try:
         if not await store.delete_model(model_id):
@@ -174,14 +197,16 @@ async def delete_model(model_id: str, store: StoreDep) -> None:
     except ModelInUseError:
         raise HTTPException(409, f"model {model_id!r} has a deployment; delete it first") \
             from None
+    await store.record_event(change(operator, "model.removed", f"model {model_id} removed"))
 
 
 # -- deployments -----------------------------------------------------------------------
 
-@router.post("/deployments", status_code=201, response_model=DeploymentView)
+@router.post("/deployments", status_code=201, response_model=DeploymentView,
+             responses=problems(409, 503))
 async def create_deployment(request: DeploymentRequest, store: StoreDep,
                             temporal: TemporalDep, *, settings: SettingsDep,
-                            ) -> DeploymentView:
+                            operator: OperatorDep) -> DeploymentView:
     """Keep a model served. 409 if it already has a deployment (also under a race)."""
     model = await store.get_model(request.model_id)
     if model is None:
@@ -217,6 +242,8 @@ async def create_deployment(request: DeploymentRequest, store: StoreDep,
         await store.delete_deployment_row(deployment_id)
         raise HTTPException(503, f"could not start the deployment's workflow: {exc}") \
             from None
+    await store.record_event(change(operator, "deployment.created", _summary(request),
+                                    deployment_id=deployment_id))
     view = await store.get_deployment(deployment_id)
     assert view is not None
     return view
@@ -228,15 +255,19 @@ async def list_deployments(store: StoreDep) -> list[DeploymentView]:
     return await store.list_deployments()
 
 
-@router.get("/deployments/{deployment_id}", response_model=DeploymentView)
+@router.get("/deployments/{deployment_id}", response_model=DeploymentView,
+            responses=problems(404))
 async def get_deployment(deployment_id: str, store: StoreDep) -> DeploymentView:
     """One deployment; 404 when unknown."""
     return await _existing(store, deployment_id)
 
 
-@router.delete("/deployments/{deployment_id}", status_code=202, response_model=Accepted)
+@router.delete("/deployments/{deployment_id}", status_code=202, response_model=Accepted,
+               responses={200: {"model": Accepted, "description": "Its workflow was gone: "
+                                "the API removed the deployment itself (status deleted)."},
+                          **problems(404, 503)})
 async def delete_deployment(deployment_id: str, store: StoreDep, temporal: TemporalDep, *,
-                            response: Response) -> Accepted:
+                            response: Response, operator: OperatorDep) -> Accepted:
     """Stop and delete the replicas this deployment placed; repeating it is harmless.
 
     The workflow is signalled first, and the row shows ``deleting`` only once the signal
@@ -261,33 +292,49 @@ async def delete_deployment(deployment_id: str, store: StoreDep, temporal: Tempo
                 f"{view.workflow_id!r} could not be signalled ({exc}); the deployment is "
                 "unchanged, and repeating the request is safe") from exc
         await store.delete_deployment_row(deployment_id)
+        await store.record_event(change(operator, "deployment.delete_requested",
+                                        f"delete {deployment_id}: its workflow was gone, so "
+                                        "its row and claims were removed here",
+                                        deployment_id=view.deployment_id))
         response.status_code = 200
         return Accepted(deployment_id=deployment_id, status=DELETED)
     # After the signal: the workflow may have removed the row already, which is fine.
     await store.mark_deleting(deployment_id)
+    await store.record_event(change(operator, "deployment.delete_requested",
+                                    f"delete {deployment_id} ({view.model_id})",
+                                    deployment_id=view.deployment_id))
     return Accepted(deployment_id=deployment_id, status=DeploymentStatus.DELETING.value)
 
 
-@router.post("/deployments/{deployment_id}/retry", status_code=202, response_model=Accepted)
+@router.post("/deployments/{deployment_id}/retry", status_code=202, response_model=Accepted,
+             responses=problems(404, 503))
 async def retry_deployment(deployment_id: str, store: StoreDep,
-                           temporal: TemporalDep) -> Accepted:
+                           temporal: TemporalDep, operator: OperatorDep) -> Accepted:
     """Un-park a parked deployment."""
     view = await _existing(store, deployment_id)
     await temporal.get_workflow_handle(view.workflow_id).signal(SIGNAL_RETRY)
+    await store.record_event(change(operator, "deployment.retry_requested",
+                                    f"retry {deployment_id} (it was {view.status.value})",
+                                    deployment_id=view.deployment_id))
     return Accepted(deployment_id=deployment_id, status=view.status.value)
 
 
 @router.patch("/deployments/{deployment_id}",
-              response_model=DeploymentView | operations.OperationStarted)
+              response_model=DeploymentView | operations.OperationStarted,
+              responses={202: {"model": operations.OperationStarted,
+                               "description": "engine_args given: a reconfigure started."},
+                         **problems(404, 409, 503)})
 async def scale_deployment(deployment_id: str, patch: operations.DeploymentPatch,
                            store: StoreDep, *, temporal: TemporalDep, response: Response,
+                           operator: OperatorDep,
                            ) -> DeploymentView | operations.OperationStarted:
     """Change the replica count (a Temporal update, validated by the workflow), or, given
     ``engine_args``, start a reconfigure as POST .../reconfigure does (202)."""
     if patch.engine_args is not None:
         response.status_code = 202
         return await operations.start_reconfigure(deployment_id, patch.engine_args,
-                                                  store=store, temporal=temporal)
+                                                  store=store, temporal=temporal,
+                                                  operator=operator)
     assert patch.replicas is not None  # DeploymentPatch holds exactly one of the two
     request = ScaleRequest(replicas=patch.replicas)
     view = await _existing(store, deployment_id)
@@ -297,6 +344,10 @@ async def scale_deployment(deployment_id: str, patch: operations.DeploymentPatch
     except WorkflowUpdateFailedError as exc:
         raise HTTPException(409, str(exc.cause or exc)) from None
     await store.set_desired_replicas(deployment_id, request.replicas)
+    await store.record_event(change(operator, "deployment.scaled",
+                                    f"scale {deployment_id} from {view.desired_replicas} to "
+                                    f"{request.replicas} replica(s)",
+                                    deployment_id=view.deployment_id))
     return await _existing(store, deployment_id)
 
 
@@ -308,7 +359,7 @@ async def list_replicas(store: StoreDep) -> list[ReplicaView]:
     return await store.list_replicas()
 
 
-@router.get("/placement/explain", response_model=Explanation)
+@router.get("/placement/explain", response_model=Explanation, responses=problems(404))
 async def explain_placement(
     store: StoreDep, settings: SettingsDep, model_id: str, *,
     node_ids: list[str] | None = Query(default=None),  # noqa: B008 - FastAPI's idiom

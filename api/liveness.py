@@ -60,8 +60,8 @@ from modelkeeper.domain.nodes import NodeSilentInput
 from modelkeeper.names import SIGNAL_NODE_SILENT, deployment_workflow_id
 from modelkeeper.store import Store
 
-from .agents import check_join_token
-from .deps import SettingsDep, StoreDep, TemporalDep
+from .agents import NODE_AUTH_RESPONSES, authenticate_node
+from .deps import StoreDep, TemporalDep
 from .signals import signal_waiting_deployments
 
 log = logging.getLogger(__name__)
@@ -130,20 +130,25 @@ def _liveness(request: Request) -> Liveness:
 LivenessDep = Annotated[Liveness, Depends(_liveness)]
 
 
-@router.post("/nodes/{node_id}/liveness", status_code=204)
+@router.post("/nodes/{node_id}/liveness", status_code=204, responses={
+    **NODE_AUTH_RESPONSES,
+    409: {"description": "A newer liveness stream of the node replaced this one."},
+    503: {"description": "The API is shutting down: reconnect."}})
 async def liveness_stream(node_id: NodeId, request: Request, store: StoreDep, *,
-                          temporal: TemporalDep, settings: SettingsDep,
-                          liveness: LivenessDep,
+                          temporal: TemporalDep, liveness: LivenessDep,
                           authorization: Annotated[str | None, Header()] = None,
                           ) -> Response:
-    """An agent's liveness stream: a ``ping`` line every ``liveness_interval_s``, ``bye``
-    before a planned stop. Answered when the stream ends: 204 after ``bye``, 409 when a
-    newer stream of the node replaced it, 503 when the API is shutting down, 404 when the
-    node is not registered (the agent registers again through its heartbeat)."""
+    """An agent's liveness stream, opened with its node's credential (``Authorization:
+    Bearer``): a ``ping`` line every ``liveness_interval_s``, ``bye`` before a planned stop.
+    Answered when the stream ends: 204 after ``bye``, 409 when a newer stream of the node
+    replaced it, 503 when the API is shutting down; at once with 404 when the node is not
+    registered (the agent registers again through its heartbeat), 401 or 403 without the
+    node's own credential (no stream of another node is replaced, nothing is written)."""
     try:
-        check_join_token(authorization, settings)
+        await authenticate_node(node_id, authorization, store)
     except HTTPException as refused:
-        raise HTTPException(refused.status_code, refused.detail, headers=_CLOSE) from None
+        raise HTTPException(refused.status_code, refused.detail,
+                            headers={**(refused.headers or {}), **_CLOSE}) from None
     cleared = await store.mark_node_alive(node_id, at=datetime.now(UTC))
     if cleared is None:
         raise HTTPException(404, f"node {node_id!r} is not registered", headers=_CLOSE)

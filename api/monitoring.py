@@ -1,8 +1,11 @@
-"""Routes an operator watches: health, Prometheus metrics and the audit log."""
+"""Routes an operator watches: health, Prometheus metrics and the audit log.
+
+Health is on a router of its own (``health``), open to all: `up` and readiness probes
+call it without a token. Metrics and the audit log need a viewer (``router``)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 from pydantic import BaseModel
 from temporalio.api.enums.v1 import TaskQueueType
@@ -20,6 +23,11 @@ from modelkeeper.names import CONTROL_TASK_QUEUE
 from .deps import SettingsDep, StoreDep, TemporalDep
 
 router = APIRouter()
+health = APIRouter()
+
+#: The most audit entries one GET /events answers: a day of a busy cluster, and still a
+#: response of a few MB. A negative or huge limit is a 422, not a query PostgreSQL refuses.
+MAX_EVENTS_LIMIT = 10_000
 
 
 class Health(BaseModel):
@@ -32,7 +40,7 @@ class Health(BaseModel):
     control_workers: int
 
 
-@router.get("/healthz", response_model=Health)
+@health.get("/healthz", response_model=Health)
 async def healthz(response: Response, store: StoreDep, temporal: TemporalDep, *,
                   settings: SettingsDep) -> Health:
     """Liveness of the API and its dependencies; 503 when one is down."""
@@ -57,9 +65,11 @@ async def metrics(store: StoreDep) -> Response:
 
 
 @router.get("/events", response_model=list[Event])
-async def list_events(store: StoreDep, deployment_id: str | None = None,
-                      limit: int = 100) -> list[Event]:
-    """The audit log, newest ``limit`` entries, oldest first."""
+async def list_events(
+    store: StoreDep, deployment_id: str | None = None,
+    limit: int = Query(default=100, ge=1, le=MAX_EVENTS_LIMIT),
+) -> list[Event]:
+    """The audit log, newest ``limit`` entries (1 to 10,000), oldest first."""
     return await store.list_events(deployment_id=deployment_id, limit=limit)
 
 

@@ -9,16 +9,21 @@ from datetime import UTC, datetime
 from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel
 
+from modelkeeper.domain.ids import NodeId
 from modelkeeper.domain.nodes import (
     GpuInfo,
     NodeRecord,
+    NodeRemoval,
     NodeState,
     NodeUpdate,
     node_state,
 )
 from modelkeeper.settings import Settings
 
+from .auth import OperatorDep, change
 from .deps import SettingsDep, StoreDep, TemporalDep
+from .liveness import signal_node_silent
+from .problems import problems
 from .signals import signal_waiting_deployments
 
 router = APIRouter()
@@ -72,7 +77,7 @@ async def list_nodes(store: StoreDep, settings: SettingsDep) -> list[NodeInfo]:
     return [node_info(n, settings) for n in await store.list_nodes()]
 
 
-@router.get("/nodes/{node_id}", response_model=NodeInfo)
+@router.get("/nodes/{node_id}", response_model=NodeInfo, responses=problems(404))
 async def get_node(node_id: str, store: StoreDep, settings: SettingsDep) -> NodeInfo:
     """One node; 404 when unknown."""
     record = await store.get_node(node_id)
@@ -81,14 +86,52 @@ async def get_node(node_id: str, store: StoreDep, settings: SettingsDep) -> Node
     return node_info(record, settings)
 
 
-@router.patch("/nodes/{node_id}", response_model=NodeInfo)
+@router.patch("/nodes/{node_id}", response_model=NodeInfo, responses=problems(404))
 async def update_node(node_id: str, update: NodeUpdate, store: StoreDep, *,
-                      temporal: TemporalDep, settings: SettingsDep) -> NodeInfo:
+                      temporal: TemporalDep, settings: SettingsDep,
+                      operator: OperatorDep) -> NodeInfo:
     """Operator settings: labels and cordon. They outrank the agent's own."""
     record = await store.update_node(node_id, update)
     if record is None:
         raise HTTPException(404, f"node {node_id!r} is not registered")
+    changed = update.model_dump(exclude_none=True)
+    await store.record_event(change(
+        operator, "node.updated", f"node {record.name} ({record.node_id}): "
+        + (", ".join(f"{k}={v}" for k, v in changed.items()) or "nothing changed"),
+        node_id=record.node_id, data=changed))
     if update.cordoned is False or update.labels is not None:
         # Uncordoned or relabelled: a node a waiting deployment was refused may take it now.
         await signal_waiting_deployments(store, temporal)
     return node_info(record, settings)
+
+
+@router.delete("/nodes/{node_id}", response_model=NodeRemoval,
+               responses={404: {"description": "No such node."},
+                          409: {"description": "Replicas hold claims on the node; "
+                                               "`?force=true` removes it anyway."}})
+async def remove_node(node_id: str, store: StoreDep, *, temporal: TemporalDep,
+                      operator: OperatorDep, force: bool = False) -> NodeRemoval:
+    """Remove a node and its credential. 409 while replicas hold claims on it (drain it
+    first), unless ``force``: then their claims go with it and their deployments are told
+    the node is gone (as when it goes silent), so they place those replicas again.
+
+    An agent still running on the node joins again with the join token at its next
+    heartbeat, as a new node: stop the agent first to keep it out.
+    """
+    removal = await store.delete_node(node_id, force=force)
+    if removal is None:
+        raise HTTPException(404, f"node {node_id!r} is not registered")
+    held = sum(len(ids) for ids in removal.replicas.values())
+    if not removal.removed:
+        named = ", ".join(r for ids in removal.replicas.values() for r in ids)
+        raise HTTPException(409, f"node {removal.name!r} ({node_id}) holds {held} "
+                                 f"replica(s) ({named}): move them first (`modelkeeper "
+                                 f"drain {removal.name}`), or remove it anyway with "
+                                 f"force=true (`modelkeeper nodes rm {removal.name} --force`)")
+    told = await signal_node_silent(temporal, NodeId(node_id), removal.replicas)
+    await store.record_event(change(
+        operator, "node.removed",
+        f"node {removal.name} ({node_id}) removed"
+        + (f", with {held} replica(s) on it; told {told} deployment(s)" if held else ""),
+        node_id=NodeId(node_id), data=removal.model_dump(mode="json")))
+    return removal

@@ -28,6 +28,7 @@ from modelkeeper.domain.base import Frozen, Tolerant
 from modelkeeper.domain.catalog import MAX_REPLICAS, DeploymentView
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId
+from modelkeeper.domain.operators import Operator
 from modelkeeper.domain.ops import (
     DrainInput,
     OperationKind,
@@ -46,12 +47,11 @@ from modelkeeper.names import (
 from modelkeeper.store import OperationConflictError, OperationsStore, Store
 from modelkeeper.store.operations import MAX_LIST_LIMIT, OperationNumberingError
 
+from .auth import OperatorDep, change
 from .deps import StoreDep, TemporalDep
+from .problems import problems
 
 router = APIRouter()
-
-#: ``requested_by`` of what the API starts (an operator token's name, once there are any).
-REQUESTED_BY_API = "api"
 
 #: A running row whose workflow Temporal does not know is left alone this long: the API
 #: inserts the row before it starts the workflow, and a start in flight must not see its
@@ -110,9 +110,10 @@ class DeploymentPatch(Frozen):
 # -- starts ----------------------------------------------------------------------------
 
 @router.post("/deployments/{deployment_id}/restart", status_code=202,
-             response_model=OperationStarted)
+             response_model=OperationStarted, responses=problems(404, 409, 503))
 async def restart_deployment(deployment_id: str, store: StoreDep,
-                             temporal: TemporalDep) -> OperationStarted:
+                             temporal: TemporalDep, *, operator: OperatorDep
+                             ) -> OperationStarted:
     """Replace each replica in turn beside itself (RestartSaga)."""
     view = await _changeable(store, deployment_id)
     plural = "replica" if view.desired_replicas == 1 else "replicas"
@@ -120,14 +121,14 @@ async def restart_deployment(deployment_id: str, store: StoreDep,
                f"{view.desired_replicas} {plural} one at a time")
     return await _start(
         store, temporal, kind=OperationKind.RESTART, deployment_id=view.deployment_id,
-        workflow=WORKFLOW_RESTART, summary=summary,
-        arg=RestartInput(deployment_id=view.deployment_id, requested_by=REQUESTED_BY_API))
+        workflow=WORKFLOW_RESTART, summary=summary, operator=operator,
+        arg=RestartInput(deployment_id=view.deployment_id, requested_by=operator.name))
 
 
 @router.post("/deployments/{deployment_id}/switch", status_code=202,
-             response_model=OperationStarted)
+             response_model=OperationStarted, responses=problems(404, 409, 503))
 async def switch_deployment(deployment_id: str, request: SwitchRequest, store: StoreDep, *,
-                            temporal: TemporalDep) -> OperationStarted:
+                            temporal: TemporalDep, operator: OperatorDep) -> OperationStarted:
     """Serve another catalog model under the same name, with rollback (SwitchSaga)."""
     view = await _changeable(store, deployment_id)
     if await store.get_model(request.model_id) is None:
@@ -140,23 +141,24 @@ async def switch_deployment(deployment_id: str, request: SwitchRequest, store: S
     summary = f"switch {view.deployment_id} from {_runs(view)} to {request.model_id}"
     return await _start(
         store, temporal, kind=OperationKind.SWITCH, deployment_id=view.deployment_id,
-        workflow=WORKFLOW_SWITCH, summary=summary,
+        workflow=WORKFLOW_SWITCH, summary=summary, operator=operator,
         arg=SwitchInput(deployment_id=view.deployment_id, model_id=request.model_id,
-                        requested_by=REQUESTED_BY_API))
+                        requested_by=operator.name))
 
 
 @router.post("/deployments/{deployment_id}/reconfigure", status_code=202,
-             response_model=OperationStarted)
+             response_model=OperationStarted, responses=problems(404, 409, 503))
 async def reconfigure_deployment(deployment_id: str, request: ReconfigureRequest,
-                                 store: StoreDep, *, temporal: TemporalDep
-                                 ) -> OperationStarted:
+                                 store: StoreDep, *, temporal: TemporalDep,
+                                 operator: OperatorDep) -> OperationStarted:
     """Run the same model with other engine arguments, with rollback (SwitchSaga)."""
     return await start_reconfigure(deployment_id, request.engine_args, store=store,
-                                   temporal=temporal)
+                                   temporal=temporal, operator=operator)
 
 
 async def start_reconfigure(deployment_id: str, engine_args: dict[str, Any], *,
-                            store: Store, temporal: Client) -> OperationStarted:
+                            store: Store, temporal: Client,
+                            operator: Operator) -> OperationStarted:
     """A reconfigure, from POST .../reconfigure or PATCH /deployments/{id}: 422 naming
     an argument the model's engine does not allow."""
     view = await _changeable(store, deployment_id)
@@ -174,12 +176,15 @@ async def start_reconfigure(deployment_id: str, engine_args: dict[str, Any], *,
         store, temporal, kind=OperationKind.RECONFIGURE, deployment_id=view.deployment_id,
         workflow=WORKFLOW_SWITCH, summary=f"reconfigure {view.deployment_id} "
                                           f"({model.model_id}): {shown}",
+        operator=operator,
         arg=SwitchInput(deployment_id=view.deployment_id, engine_args=engine_args,
-                        requested_by=REQUESTED_BY_API))
+                        requested_by=operator.name))
 
 
-@router.post("/nodes/{node_id}/drain", status_code=202, response_model=OperationStarted)
+@router.post("/nodes/{node_id}/drain", status_code=202, response_model=OperationStarted,
+             responses=problems(404, 409, 503))
 async def drain_node(node_id: str, store: StoreDep, temporal: TemporalDep, *,
+                     operator: OperatorDep,
                      request: DrainRequest | None = None) -> OperationStarted:
     """Cordon the node and move each replica on it elsewhere (DrainSaga)."""
     node = await store.get_node(node_id)
@@ -188,7 +193,7 @@ async def drain_node(node_id: str, store: StoreDep, temporal: TemporalDep, *,
     request = request or DrainRequest()
     try:
         # The contract's own limits and default grace apply: validated there, named here.
-        arg = DrainInput.model_validate({"node_id": node_id, "requested_by": REQUESTED_BY_API,
+        arg = DrainInput.model_validate({"node_id": node_id, "requested_by": operator.name,
                                          **request.model_dump(exclude_none=True)})
     except ValidationError as exc:
         raise RequestValidationError(
@@ -198,11 +203,12 @@ async def drain_node(node_id: str, store: StoreDep, temporal: TemporalDep, *,
     summary = (f"drain node {node.name} ({node_id}): move its {replicas} replica(s) of "
                f"{len(on_node)} deployment(s) elsewhere within {arg.grace_s:g}s")
     return await _start(store, temporal, kind=OperationKind.DRAIN, node_id=arg.node_id,
-                        workflow=WORKFLOW_DRAIN, summary=summary, arg=arg)
+                        workflow=WORKFLOW_DRAIN, summary=summary, arg=arg, operator=operator)
 
 
 async def _start(store: Store, temporal: Client, *, kind: OperationKind, workflow: str,
-                 arg: Tolerant, summary: str, deployment_id: DeploymentId | None = None,
+                 arg: Tolerant, summary: str, operator: Operator,
+                 deployment_id: DeploymentId | None = None,
                  node_id: NodeId | None = None) -> OperationStarted:
     """Insert the operation's row (409 while another runs on its subject), then start its
     workflow under the row's id; a failed start ends the row as failed (503)."""
@@ -210,7 +216,8 @@ async def _start(store: Store, temporal: Client, *, kind: OperationKind, workflo
     subject = node_id if kind is OperationKind.DRAIN else deployment_id
     assert subject is not None  # each route names the one its kind needs
     record = await _begin(ops, temporal, kind=kind, subject=subject, summary=summary,
-                          deployment_id=deployment_id, node_id=node_id)
+                          deployment_id=deployment_id, node_id=node_id,
+                          requested_by=operator.name)
     try:
         await temporal.start_workflow(workflow, arg, id=record.operation_id,
                                       task_queue=CONTROL_TASK_QUEUE,
@@ -223,19 +230,23 @@ async def _start(store: Store, temporal: Client, *, kind: OperationKind, workflo
         raise HTTPException(503, f"{record.operation_id} was not started: its workflow "
                                  f"could not be started ({exc}); nothing changed, and "
                                  "repeating the request is safe") from exc
+    await store.record_event(change(operator, "operation.started",
+                                    f"{record.operation_id} started: {summary}",
+                                    deployment_id=deployment_id, node_id=node_id,
+                                    data={"operation_id": record.operation_id}))
     return OperationStarted(**record.model_dump(), workflow_id=record.operation_id)
 
 
 async def _begin(ops: OperationsStore, temporal: Client, *, kind: OperationKind,
                  subject: str, summary: str, deployment_id: DeploymentId | None,
-                 node_id: NodeId | None) -> OperationRecord:
+                 node_id: NodeId | None, requested_by: str) -> OperationRecord:
     """The new operation's row; 409 naming the one that runs on ``subject``. A running
     one whose workflow has ended without recording it is ended first, once."""
     for attempt in range(2):
         try:
             return await ops.begin_next(kind, subject, deployment_id=deployment_id,
                                         node_id=node_id, summary=summary,
-                                        requested_by=REQUESTED_BY_API)
+                                        requested_by=requested_by)
         except OperationConflictError as exc:
             if attempt == 1 or await _end_if_abandoned(ops, temporal, exc.running) is None:
                 raise HTTPException(409, str(exc)) from None
@@ -258,16 +269,17 @@ async def list_operations(
                                      limit=limit)
 
 
-@router.get("/operations/{operation_id:path}", response_model=OperationRecord)
+@router.get("/operations/{operation_id:path}", response_model=OperationRecord,
+            responses=problems(404))
 async def get_operation(operation_id: str, ops: OperationsDep) -> OperationRecord:
     """One operation with its steps and outcome; 404 when unknown."""
     return await _existing(ops, operation_id)
 
 
 @router.post("/operations/{operation_id:path}/cancel", status_code=202,
-             response_model=OperationRecord)
-async def cancel_operation(operation_id: str, ops: OperationsDep,
-                           temporal: TemporalDep) -> OperationRecord:
+             response_model=OperationRecord, responses=problems(404, 409, 503))
+async def cancel_operation(operation_id: str, ops: OperationsDep, temporal: TemporalDep, *,
+                           store: StoreDep, operator: OperatorDep) -> OperationRecord:
     """Ask the saga to stop and undo what it started (a Temporal cancellation: the saga
     runs its compensations and records ``cancelled``). 409 once it has ended."""
     record = await _existing(ops, operation_id)
@@ -286,6 +298,10 @@ async def cancel_operation(operation_id: str, ops: OperationsDep,
         ended = await _end_if_abandoned(ops, temporal, record) \
             or await _existing(ops, operation_id)
         raise HTTPException(409, _ended(ended)) from None
+    await store.record_event(change(operator, "operation.cancel_requested",
+                                    f"cancel {operation_id}: {record.summary}",
+                                    deployment_id=record.deployment_id, node_id=record.node_id,
+                                    data={"operation_id": operation_id}))
     return record
 
 

@@ -5,9 +5,10 @@ request than everything the gateway itself does, and the gateway has five routes
 upstream client is aiohttp, whose connection pool stays cheap under concurrency (httpx's
 did not: see bench/results/gateway.md for the measured choice).
 
-Per request, on the hot path: check the key (one SHA-256 and a dict lookup), parse the
-body to find the model, pick the ready replica with the fewest requests open, send the
-body unchanged with the replica's own engine key, and pass the answer back. Everything
+Per request, on the hot path: check the key (a clock read for the keys' freshness, one
+SHA-256 and a dict lookup), parse the body to find the model, pick the ready replica with
+the fewest requests open, send the body unchanged with the replica's own engine key, and
+pass the answer back. Everything
 else (no replica to pick, a connection failing before the answer) is decided off that
 path, in :mod:`gateway.dispatch`.
 """
@@ -18,6 +19,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -26,7 +28,8 @@ from typing import Any
 import aiohttp
 import asyncpg
 
-from modelkeeper.domain.engine_keys import derive_engine_key
+from modelkeeper.domain.engine_keys import replica_engine_key
+from modelkeeper.infra.secrets import read_previous_engine_key_secret
 from modelkeeper.settings import Settings
 from modelkeeper.store.routing import (
     ChangeListener,
@@ -41,7 +44,7 @@ from .dispatch import GiveUp, Hold, HoldPolicy, SendTo, Tried, next_step, record
 from .metrics import CONTENT_TYPE, UNKNOWN_MODEL, GatewayMetrics
 from .responses import JSON_HEADERS, ErrorReply, Headers
 from .table import Endpoint, ModelRoute, RoutingTable, TableChange
-from .table_listener import TableListener
+from .table_listener import KEY_REFRESH_S, TableListener
 from .usage import UsageReporter
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,8 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 #: HTTP status the gateway records for a request whose client went away (nginx's).
 CLIENT_CLOSED = 499
+#: What an engine answers a key it does not hold.
+ENGINE_KEY_REFUSED = 401
 #: Failures before the first byte that are safe to send to another replica: the engine
 #: never saw the request (refused), or dropped the connection before answering.
 RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
@@ -64,6 +69,73 @@ RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
 #: go back to that replica at once (rule 3 of :mod:`gateway.dispatch`), while a dropped
 #: connection (perhaps a kept-alive one the engine had closed) may be tried once more.
 REFUSED = aiohttp.ClientConnectorError
+
+
+#: Retry-After (seconds) of the 503 for keys too stale to trust: the gateway re-reads
+#: them every few seconds, so a client may try again soon.
+STALE_KEYS_RETRY_AFTER_S = 5
+#: The fields by which a request asks for a number of tokens (the second is the name
+#: newer OpenAI clients use for chat completions).
+TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+def bound_max_tokens(payload: dict[str, Any], body: bytes, bound: int) -> bytes | ErrorReply:
+    """The body to send under a ``bound`` on tokens per request: unchanged when it asks
+    for at most ``bound``; with ``max_tokens`` set to ``bound`` when it names no number
+    (an engine would otherwise generate until its context is full); a 400 naming the field,
+    its value and the bound when it asks for more.
+
+    The field is appended to the body's bytes rather than the payload dumped again: the
+    body has been parsed as an object with a ``model``, so it ends in ``}`` after its
+    last member, and a duplicate ``null`` member, if any, is overridden by the last one.
+    """
+    named = False
+    for name in TOKEN_FIELDS:
+        value = payload.get(name)
+        if value is None:
+            continue
+        named = True
+        if isinstance(value, bool) or not isinstance(value, int) or value > bound:
+            return responses.bad_request(
+                f"`{name}` is {value!r}; this gateway allows at most {bound} tokens per "
+                "request", "max_tokens_exceeded")
+    if named:
+        return body
+    end = body.rstrip().rindex(b"}")
+    return body[:end] + b',"max_tokens":' + str(bound).encode() + body[end:]
+
+
+class KeyRateLimiter:
+    """A token bucket per API key: ``burst`` requests at once, refilled at ``rate_per_s``.
+
+    In this worker's memory: each gateway worker limits the connections it serves.
+    """
+
+    __slots__ = ("_buckets", "burst", "rate_per_s")
+
+    def __init__(self, rate_per_s: float, burst: int) -> None:
+        self.rate_per_s = rate_per_s
+        self.burst = float(burst)
+        #: key id -> [tokens left, when they were counted (time.monotonic())]
+        self._buckets: dict[str, list[float]] = {}
+
+    def take(self, key_id: str, now: float) -> ErrorReply | None:
+        """Spend one request of ``key_id``'s bucket; a 429 saying when to retry if empty."""
+        bucket = self._buckets.get(key_id)
+        if bucket is None:
+            bucket = self._buckets[key_id] = [self.burst, now]
+        tokens = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate_per_s)
+        bucket[1] = now
+        if tokens < 1.0:
+            bucket[0] = tokens
+            wait = math.ceil((1.0 - tokens) / self.rate_per_s)
+            return ErrorReply(
+                429, f"This API key is over its rate of {self.rate_per_s:g} requests per "
+                f"second (bursts of {self.burst:g}); retry in {wait} s.",
+                "rate_limit_error", "rate_limit_exceeded",
+                headers=[(b"retry-after", str(wait).encode())])
+        bucket[0] = tokens - 1.0
+        return None
 
 
 class _TooLarge(Exception):
@@ -157,10 +229,26 @@ class Gateway:
         self.database_url = database_url
         self.gateway_id = gateway_id
         self._secret = engine_key_secret
+        previous = read_previous_engine_key_secret(settings)
+        #: The cluster secret being rotated out, while its grace period lasts.
+        self._previous_secret = None if previous is None else previous.encode()
+        #: Per replica, headers with the key derived from the previous secret: tried once
+        #: when the engine refuses the current one (it started before the rotation).
+        self._fallback_headers: dict[str, dict[str, str]] = {}
         self.metrics = GatewayMetrics()
         self.table = RoutingTable(self._make_endpoint)
         self._key_hashes: dict[str, str] = {}
         self._auth = settings.gateway_auth
+        #: When (``time.monotonic()``) the read that gave ``_key_hashes`` began, and until
+        #: when they may be trusted: a revoked key must stop working within the bound
+        #: even while the store is unreachable, so past it every keyed request is refused.
+        self._keys_read_at = float("-inf")
+        self._keys_trusted_until = float("-inf")
+        self._key_max_staleness_s = settings.gateway_key_max_staleness_s
+        self._max_tokens = settings.gateway_max_tokens
+        self._limiter = (None if settings.gateway_key_rate_per_s is None else
+                         KeyRateLimiter(settings.gateway_key_rate_per_s,
+                                        settings.gateway_key_burst))
         self.routes: RoutingStore | None = None
         self._changes: TableListener | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -172,8 +260,8 @@ class Gateway:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def startup(self) -> None:
-        """Connect to the store (applying pending migrations), load routes and keys, and
-        start listening for changes."""
+        """Connect to the store (applying pending migrations unless it has a role of its
+        own, which may not), load routes and keys, and start listening for changes."""
         if not self._auth:
             for line in ("*" * 72,
                          "CLIENT AUTHENTICATION IS OFF (MODELKEEPER_GATEWAY_AUTH=false).",
@@ -181,9 +269,12 @@ class Gateway:
                          "For local use only; create keys with `modelkeeper keys create`.",
                          "*" * 72):
                 log.warning("%s", line)
-        self.routes = await RoutingStore.connect(self.database_url)
+        self.routes = await RoutingStore.connect(self.database_url,
+                                                 migrate=self.settings.gateway_migrates)
         self._changes = TableListener(self.database_url, self.routes, self.table,
-                                      on_change=self._applied, on_keys=self._keys_read)
+                                      on_change=self._applied, on_keys=self._keys_read,
+                                      key_refresh_s=min(KEY_REFRESH_S,
+                                                        self._key_max_staleness_s / 3))
         await self._changes.start()
         timeout = aiohttp.ClientTimeout(total=None,
                                         connect=self.settings.gateway_connect_timeout_s,
@@ -224,13 +315,19 @@ class Gateway:
         return None if self._changes is None else self._changes.listener
 
     def _make_endpoint(self, replica: ReplicaRoute, route: DeploymentRoute) -> Endpoint:
-        key = derive_engine_key(self._secret, replica.replica_id)
+        # The engine's key derives from the key of the node its endpoint was checked
+        # against (modelkeeper.domain.engine_keys): the gateway holds the cluster secret,
+        # so it derives both steps.
+        key = replica_engine_key(self._secret, node_id=replica.node_id,
+                                 replica_id=replica.replica_id)
+        if self._previous_secret is not None:
+            self._fallback_headers[replica.replica_id] = _engine_headers(replica_engine_key(
+                self._previous_secret, node_id=replica.node_id,
+                replica_id=replica.replica_id))
         breaker = Breaker(self.settings.gateway_breaker_failures,
                           self.settings.gateway_breaker_open_s)
         return Endpoint(replica.replica_id, replica.endpoint, route.deployment_id,
-                        route.model_id,
-                        {"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-                        breaker)
+                        route.model_id, _engine_headers(key), breaker)
 
     def _applied(self, change: TableChange) -> None:
         for endpoint in change.added:
@@ -292,16 +389,16 @@ class Gateway:
             if method != "POST":
                 await self._reply(send, ErrorReply(405, "use POST", "invalid_request_error",
                                                    "method_not_allowed"))
-            elif not self._authorized(scope):
-                await self._unauthorized(send)
+            elif (refusal := self._admit(scope)) is not None:
+                await self._refuse(send, refusal)
             else:
                 await self._completion(path, receive, send)
         elif path == "/v1/models":
             if method != "GET":
                 await self._reply(send, ErrorReply(405, "use GET", "invalid_request_error",
                                                    "method_not_allowed"))
-            elif not self._authorized(scope):
-                await self._unauthorized(send)
+            elif (refusal := self._admit(scope)) is not None:
+                await self._refuse(send, refusal)
             else:
                 await self._send_json(send, 200, responses.dumps(self._models()))
         elif path == "/metrics":
@@ -310,10 +407,13 @@ class Gateway:
         elif path == "/healthz":
             # 200 even while the store is unreachable: the gateway keeps routing with what
             # it last read, and a load balancer pulling every gateway during a database
-            # outage would turn it into a full one.
+            # outage would turn it into a full one. Keyed requests are refused once the
+            # keys are too stale to trust ("keys": "stale"; see _admit).
             listening = self.listener is not None and self.listener.connected.is_set()
+            keys_current = not self._auth or time.monotonic() <= self._keys_trusted_until
             await self._send_json(send, 200, responses.dumps({
                 "status": "ok", "store": "listening" if listening else "unreachable",
+                "keys": "current" if keys_current else "stale",
                 "models": len(self.table.models),
                 "ready_replicas": sum(1 for _ in self.table.endpoints())}))
         else:
@@ -322,28 +422,59 @@ class Gateway:
 
     # -- auth ------------------------------------------------------------------------------
 
-    def _keys_read(self, key_hashes: dict[str, str]) -> None:
-        """Take the key hashes the table listener read from the store."""
+    def _keys_read(self, key_hashes: dict[str, str], read_at: float) -> None:
+        """Take the key hashes the table listener read from the store, in a read that
+        began at ``read_at``. An older read finishing after a newer one is ignored: its
+        keys could bring back one the newer read no longer has."""
+        if read_at < self._keys_read_at:
+            return
         self._key_hashes = key_hashes
+        self._keys_read_at = read_at
+        self._keys_trusted_until = read_at + self._key_max_staleness_s
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _admit(self, scope: Scope) -> ErrorReply | None:
+        """Why a request to /v1 is refused: keys too stale to trust (503), no valid key
+        (401), or its key over its rate (429); None to serve it. Costs a clock read, one
+        SHA-256 and a dict lookup, and the rate limiter's arithmetic when one is set."""
         if not self._auth:
-            return True
+            return None
+        now = time.monotonic()
+        if now > self._keys_trusted_until:
+            return self._stale_keys(now)
+        key_id = self._key_id(scope)
+        if key_id is None:
+            return responses.unauthorized(
+                "Missing or invalid API key: send `Authorization: Bearer <key>` with a key "
+                "from `modelkeeper keys create`.")
+        if self._limiter is not None:
+            return self._limiter.take(key_id, now)
+        return None
+
+    def _key_id(self, scope: Scope) -> str | None:
+        """The id of the key the request presents; None when it presents no valid one."""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
                 if scheme.lower() != b"bearer":
-                    return False
+                    return None
                 # Keys are 256-bit random strings, so a plain hash is a safe stored form
                 # and a dict of hashes is the whole check: one SHA-256, no database trip.
-                return hashlib.sha256(token.strip()).hexdigest() in self._key_hashes
-        return False
+                return self._key_hashes.get(hashlib.sha256(token.strip()).hexdigest())
+        return None
 
-    async def _unauthorized(self, send: Send) -> None:
-        self.metrics.answered(UNKNOWN_MODEL, 401, 0.0)
-        await self._reply(send, responses.unauthorized(
-            "Missing or invalid API key: send `Authorization: Bearer <key>` with a key from "
-            "`modelkeeper keys create`."))
+    def _stale_keys(self, now: float) -> ErrorReply:
+        age = now - self._keys_read_at
+        shown = "never read" if age == float("inf") else f"last read {age:.0f} s ago"
+        return ErrorReply(
+            503, f"The gateway cannot confirm API keys: they were {shown}, and it trusts "
+            f"them for {self._key_max_staleness_s:g} s (the store is unreachable). Requests "
+            "are refused until it reads them again, so that a revoked key cannot be used.",
+            "service_unavailable", "keys_unconfirmed",
+            headers=[(b"retry-after", str(STALE_KEYS_RETRY_AFTER_S).encode())])
+
+    async def _refuse(self, send: Send, reply: ErrorReply) -> None:
+        self.metrics.answered(UNKNOWN_MODEL, reply.status, 0.0)
+        await self._reply(send, reply)
 
     # -- /v1/models ------------------------------------------------------------------------
 
@@ -378,11 +509,23 @@ class Gateway:
             await self._finish_error(send, UNKNOWN_MODEL, started,
                                      responses.bad_request("the body is not valid JSON"))
             return
+        except RecursionError:
+            # The parser recurses per level: a body nested a thousand deep is hostile,
+            # and its failure must be the client's 400, not the server's 500.
+            await self._finish_error(send, UNKNOWN_MODEL, started, responses.bad_request(
+                "the body's JSON is nested too deeply", "json_too_deep"))
+            return
         model = payload.get("model") if isinstance(payload, dict) else None
         if not isinstance(model, str):
             await self._finish_error(send, UNKNOWN_MODEL, started, responses.bad_request(
                 "`model` is required: the name of a deployed model", "model_required"))
             return
+        if self._max_tokens is not None:
+            bounded = bound_max_tokens(payload, body, self._max_tokens)
+            if isinstance(bounded, ErrorReply):
+                await self._finish_error(send, UNKNOWN_MODEL, started, bounded)
+                return
+            body = bounded
         entry = self.table.models.get(model)
         if entry is None:
             await self._finish_error(send, UNKNOWN_MODEL, started,
@@ -481,8 +624,7 @@ class Gateway:
         verdict: bool | None = None
         try:
             try:
-                response = await self._session_post(endpoint.url + path, body,
-                                                    endpoint.headers)
+                response = await self._post_with_key_fallback(endpoint, path, body)
             except RETRYABLE as exc:
                 # The engine never saw the request or dropped it unanswered.
                 verdict = False
@@ -509,6 +651,25 @@ class Gateway:
                       headers: dict[str, str]) -> Awaitable[aiohttp.ClientResponse]:
         assert self._session is not None
         return self._session.post(url, data=body, headers=headers)
+
+    async def _post_with_key_fallback(self, endpoint: Endpoint, path: str,
+                                      body: bytes) -> aiohttp.ClientResponse:
+        """Send the request with the replica's key; while a secret rotation's grace period
+        lasts, an engine that refuses it (401: it started before the rotation, with a key
+        derived from the previous secret) gets the request once more with that key, which
+        the endpoint keeps from then on. A 401 means the engine did not run the request,
+        so sending it again is safe."""
+        response = await self._session_post(endpoint.url + path, body, endpoint.headers)
+        if response.status != ENGINE_KEY_REFUSED:
+            return response
+        fallback = self._fallback_headers.pop(endpoint.replica_id, None)
+        if fallback is None:
+            return response
+        response.close()
+        log.info("replica %s refused the current engine key; using the previous secret's "
+                 "(it started before the rotation)", endpoint.replica_id)
+        endpoint.headers = fallback
+        return await self._session_post(endpoint.url + path, body, endpoint.headers)
 
     def _finish_attempt(self, endpoint: Endpoint, verdict: bool | None) -> None:
         endpoint.in_flight -= 1
@@ -657,3 +818,8 @@ class Gateway:
         await send({"type": "http.response.start", "status": status,
                     "headers": [*headers, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+def _engine_headers(key: str) -> dict[str, str]:
+    """What the gateway sends an engine with each request: its key and a content type."""
+    return {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}

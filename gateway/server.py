@@ -24,6 +24,7 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from modelkeeper.infra.processes import port_is_free
 from modelkeeper.infra.secrets import read_engine_key_secret
@@ -43,15 +44,20 @@ class GatewayConfigError(Exception):
     """A setting the gateway cannot run with; reported as one line."""
 
 
+_NO_STORE = ("set MODELKEEPER_GATEWAY_DATABASE_URL (the gateway's own role, which may not "
+             "change the schema) or MODELKEEPER_DATABASE_URL: the store the gateway routes "
+             "from")
+
+
 def engine_key_secret(settings: Settings) -> bytes:
     """The secret engine keys derive from: the setting, or the file `up` keeps."""
-    # The agent's reader too, so the two cannot disagree on where the secret lives.
+    # The API's reader too, so the two cannot disagree on where the secret lives.
     secret = read_engine_key_secret(settings)
     if not secret:
         raise GatewayConfigError(
             "set MODELKEEPER_ENGINE_KEY_SECRET (or run with the data dir of `modelkeeper up`, "
             f"which keeps it in {settings.engine_key_secret_file}): the gateway derives each "
-            "engine's API key from it, as the agents do")
+            "engine's API key from it, and the API each node's key")
     return secret.encode()
 
 
@@ -77,11 +83,127 @@ def bind_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
     return sock
 
 
+#: The most bytes a request line and headers may take. An OpenAI client sends well under
+#: 2 KiB; nginx's default for large headers is 32 KiB. Over it, the parser's error is a 400.
+MAX_HEADER_BYTES = 64 << 10
+#: What a request that is late with its headers or body gets before its connection closes.
+_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"
+                     b"connection: close\r\ncontent-length: 26\r\n\r\n"
+                     b"request not sent in time\r\n")
+#: Which part of a request a connection is reading.
+_IDLE, _HEADERS, _BODY = 0, 1, 2
+
+
+class HeaderTooLarge(Exception):
+    """Raised from a parser callback: the parser's error makes the server answer 400."""
+
+
+class TimedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, with a deadline on each part of a request.
+
+    uvicorn bounds only the idle time between requests (its keep-alive timeout), and
+    stops counting at the first byte: a client sending a byte every few seconds, or headers
+    and then nothing, holds its connection, and a task, for as long as it likes
+    (slowloris). Here a new connection, and a request once begun, must deliver its headers
+    within ``header_timeout_s``, and its body within ``body_timeout_s`` of the headers,
+    or get a 408 and a closed connection; headers may take ``MAX_HEADER_BYTES`` at most.
+
+    A deadline is armed only when a part of a request is still missing after the bytes
+    at hand are parsed: a request that arrives whole, as most do, costs no timer.
+    """
+
+    header_timeout_s = 10.0
+    body_timeout_s = 60.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._reading = _HEADERS  # a new connection owes its first request
+        self._header_bytes = 0
+        self._deadline: asyncio.TimerHandle | None = None
+        self._deadline_for = _IDLE
+        self._arm(_HEADERS)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        reading = self._reading
+        if reading == _IDLE or self.transport.is_closing():
+            self._disarm()
+        elif self._deadline_for != reading:
+            self._arm(reading)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._reading = _HEADERS
+        self._header_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._count_header_bytes(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_header_bytes(len(name) + len(value))
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._reading = _BODY
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._reading = _IDLE
+        super().on_message_complete()
+
+    def _count_header_bytes(self, size: int) -> None:
+        self._header_bytes += size
+        if self._header_bytes > MAX_HEADER_BYTES:
+            raise HeaderTooLarge(f"request headers over {MAX_HEADER_BYTES} bytes")
+
+    def _arm(self, reading: int) -> None:
+        self._disarm()
+        delay = self.header_timeout_s if reading == _HEADERS else self.body_timeout_s
+        self._deadline = self.loop.call_later(delay, self._late, reading)
+        self._deadline_for = reading
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._deadline_for = _IDLE
+
+    def _late(self, reading: int) -> None:
+        """The deadline for ``reading`` passed: if that part is still missing, answer 408
+        (unless a response has begun) and close."""
+        self._deadline = None
+        self._deadline_for = _IDLE
+        if self._reading != reading or self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is None or not cycle.response_started:
+            self.transport.write(_TIMEOUT_RESPONSE)
+        if cycle is not None and not cycle.response_complete:
+            # The app's pending receive() then reads a disconnect, and stops.
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.close()
+
+
+def timed_protocol(settings: Settings) -> type[TimedHttpProtocol]:
+    """:class:`TimedHttpProtocol` with the settings' deadlines (uvicorn builds one per
+    connection from the class it is given)."""
+    return type("TimedHttpProtocol", (TimedHttpProtocol,), {
+        "header_timeout_s": settings.gateway_header_timeout_s,
+        "body_timeout_s": settings.gateway_body_timeout_s})
+
+
 def uvicorn_config(app: Gateway, settings: Settings) -> uvicorn.Config:
-    """The server settings: the measured-fastest protocol stack, no access log (a log line
-    per request would cost more than the gateway's own work)."""
+    """The server settings: the measured-fastest protocol stack (httptools, bounded in
+    time and header size by :class:`TimedHttpProtocol`), no access log (a log line per
+    request would cost more than the gateway's own work)."""
     return uvicorn.Config(
-        app, loop="uvloop", http="httptools", lifespan="on", access_log=False,
+        app, loop="uvloop", http=timed_protocol(settings), lifespan="on", access_log=False,
         log_config=None, log_level=settings.log_level.lower(),
         # OpenAI clients keep connections open between requests; closing them after 5 s
         # idle (uvicorn's default) would make them reconnect all the time.
@@ -95,10 +217,12 @@ def uvicorn_config(app: Gateway, settings: Settings) -> uvicorn.Config:
 
 
 def _build_gateway(settings: Settings, secret: bytes, worker: int) -> Gateway:
-    if settings.database_url is None:
-        raise GatewayConfigError("set MODELKEEPER_DATABASE_URL (the store the gateway routes "
-                                 "from)")
-    return Gateway(settings, database_url=settings.database_url, engine_key_secret=secret,
+    # Its own role's DSN when it has one (no DDL rights; Gateway.startup then applies no
+    # migrations), so the process that faces clients cannot change the schema.
+    database_url = settings.gateway_store_url
+    if database_url is None:
+        raise GatewayConfigError(_NO_STORE)
+    return Gateway(settings, database_url=database_url, engine_key_secret=secret,
                    gateway_id=gateway_id(worker))
 
 
@@ -120,9 +244,8 @@ def _worker_main(settings: Settings, secret: bytes, worker: int) -> None:
 def run_gateway(settings: Settings) -> int:
     """`modelkeeper gateway`: serve until SIGINT/SIGTERM; the exit code."""
     secret = engine_key_secret(settings)
-    if settings.database_url is None:
-        raise GatewayConfigError("set MODELKEEPER_DATABASE_URL (the store the gateway routes "
-                                 "from)")
+    if settings.gateway_store_url is None:
+        raise GatewayConfigError(_NO_STORE)
     host, port = settings.bind_host, settings.gateway_port
     # Checked without SO_REUSEPORT: another gateway on the port would otherwise quietly
     # share its traffic with this one.

@@ -8,11 +8,17 @@ namespace, which use the ``temporal`` CLI's own names (``TEMPORAL_ADDRESS``,
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Literal
 
-from pydantic import AliasChoices, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from .domain.sources import DEFAULT_MAX_DOWNLOAD_BYTES, HUGGING_FACE_HOSTS
 
 Port = int
+#: The URL schemes the agent can download from (modelkeeper.domain.sources.KNOWN_SCHEMES).
+SourceScheme = Literal["https", "http"]
+_HTTPS: SourceScheme = "https"
 
 
 def _default_data_dir() -> Path:
@@ -50,6 +56,13 @@ class Settings(BaseSettings):
         default=None,
         description="PostgreSQL DSN. Unset under `up`, which points it at its embedded server.",
     )
+    gateway_database_url: str | None = Field(
+        default=None,
+        description="PostgreSQL DSN the gateway connects with: a role without DDL rights "
+        "(`up` uses modelkeeper_gateway, made by migration 0013), so the process facing "
+        "clients cannot change the schema. Set, the gateway never applies migrations; "
+        "unset, it uses database_url and migrates like every component.",
+    )
     temporal_address: str = Field(
         default="127.0.0.1:7233",
         validation_alias=AliasChoices("TEMPORAL_ADDRESS", "MODELKEEPER_TEMPORAL_ADDRESS"),
@@ -59,6 +72,43 @@ class Settings(BaseSettings):
         default="default",
         validation_alias=AliasChoices("TEMPORAL_NAMESPACE", "MODELKEEPER_TEMPORAL_NAMESPACE"),
         description="Temporal namespace (the temporal CLI's variable).",
+    )
+    # Temporal TLS, mTLS and API key. Each machine keeps its own: an agent takes Temporal's
+    # address from the API at registration but never its certificates or key, so the API
+    # holds nothing that would let it (or whoever answers in its place) hand them out.
+    # Secrets are files, read at start: a value in the environment shows in `ps e`,
+    # /proc/PID/environ and `docker inspect`.
+    temporal_tls: bool = Field(
+        default=False,
+        description="Connect to Temporal over TLS, checking the server against the "
+        "system's CA roots (or temporal_tls_ca_file). Any temporal_tls_* setting or an "
+        "API key turns it on too: none is ever sent in the clear.",
+    )
+    temporal_tls_ca_file: Path | None = Field(
+        default=None,
+        description="PEM file of the CA certificates that signed the Temporal server's "
+        "certificate. Unset: the system's roots.",
+    )
+    temporal_tls_cert_file: Path | None = Field(
+        default=None,
+        description="PEM file of this process's client certificate, for mTLS (with "
+        "temporal_tls_key_file). A server that maps certificates to permissions (see "
+        "docs/security.md) gives each agent its own, limited to its node's task queue.",
+    )
+    temporal_tls_key_file: Path | None = Field(
+        default=None,
+        description="PEM file of the private key of temporal_tls_cert_file (mode 0600).",
+    )
+    temporal_tls_server_name: str | None = Field(
+        default=None,
+        description="Name to check the Temporal server's certificate against, when the "
+        "address's host is not on it (an IP address, a load balancer).",
+    )
+    temporal_api_key_file: Path | None = Field(
+        default=None,
+        description="File holding a Temporal API key (Temporal Cloud), sent as a bearer "
+        "token over TLS. A file, never the key itself, so it stays out of the environment "
+        "and every log.",
     )
     log_level: str = Field(default="INFO", description="Python logging level.")
 
@@ -82,6 +132,49 @@ class Settings(BaseSettings):
         "its deployments are told at once and placement skips it (3 missed pings at the "
         "default 0.5 s). A stream that breaks without a goodbye is silent at once.",
     )
+
+    # -- control API: operators ----------------------------------------------------------
+    api_auth: bool = Field(
+        default=True,
+        description="Require an operator token (`modelkeeper tokens create`) on the "
+        "operators' routes: viewer reads, admin also changes. Off: anyone who reaches the "
+        "API's port may deploy, delete and cordon; for tests only.",
+    )
+    api_allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Host names the API answers besides localhost, 127.0.0.1, ::1 and "
+        "bind_host (unless 0.0.0.0), comma-separated: the names clients and agents use to "
+        "reach it. Any other Host header gets a 400, which stops DNS rebinding (a web page "
+        "whose own name points at the API). '*' answers every host (behind a proxy that "
+        "checks it).",
+    )
+    token: str | None = Field(
+        default=None,
+        description="Operator token the CLI sends to the API (Authorization: Bearer). "
+        "Unset: the CLI reads token_file.",
+    )
+    token_file: Path | None = Field(
+        default=None,
+        description="File holding the CLI's operator token. Unset: "
+        "<data_dir>/operator-token, where `up` writes an admin token, when it exists.",
+    )
+
+    @field_validator("api_allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: object) -> object:
+        """Comma-separated in the environment; each a host name without port or scheme."""
+        hosts = ([h.strip() for h in value.split(",") if h.strip()] if isinstance(value, str)
+                 else value)
+        if not isinstance(hosts, list):
+            return hosts  # pydantic names the type it wanted
+        for host in hosts:
+            if not isinstance(host, str):
+                continue
+            if not host or "/" in host or host.count(":") == 1 or any(c.isspace() for c in host):
+                raise ValueError(f"{host!r} is not a host name: give names or addresses "
+                                 "only, comma-separated, without scheme or port "
+                                 "(e.g. api.example.com,10.0.0.5)")
+        return [h.lower() if isinstance(h, str) else h for h in hosts]
 
     # -- keeper (deployment workflows) -----------------------------------------------------
     watch_heartbeat_timeout_s: float = Field(
@@ -126,13 +219,26 @@ class Settings(BaseSettings):
     )
     join_token: str | None = Field(
         default=None,
-        description="Shared token agents present to register. Unset: registration is open "
-        "(local use only; the API warns).",
+        description="Shared token an agent presents once, to join: it gets its own node "
+        "credential in exchange. Unset: the API accepts registrations from loopback only, "
+        "and warns at start.",
+    )
+    join_token_file: Path | None = Field(
+        default=None,
+        description="A file holding the join token (`--join-token-file`): keeps it off "
+        "the command line. MODELKEEPER_JOIN_TOKEN wins when both are set.",
     )
     engine_key_secret: str | None = Field(
         default=None,
-        description="Secret from which each replica's engine API key is derived "
-        "(HMAC of the replica id). Only agents and the gateway hold it. `up` generates one.",
+        description="Cluster secret from which each node's key, and from that each "
+        "replica's engine API key, is derived (HMAC). Only the API and the gateway hold "
+        "it; agents get their node's key at registration. `up` generates one.",
+    )
+    engine_key_secret_previous: str | None = Field(
+        default=None,
+        description="The cluster secret being rotated out: while set, the gateway falls "
+        "back to keys derived from it for engines started before the rotation. Unset it "
+        "once every replica has been restarted (docs/security.md).",
     )
     node_name: str | None = Field(
         default=None, description="The agent's node name; defaults to the host name.")
@@ -185,6 +291,40 @@ class Settings(BaseSettings):
         "each other. Stops are never delayed.",
     )
 
+    # -- model sources (the API checks a catalog entry, the agent checks it again) ------------
+    source_schemes: Annotated[list[SourceScheme], NoDecode] = Field(
+        default_factory=lambda: [_HTTPS],
+        description="URL schemes a model's source may use, comma-separated. http is off by "
+        "default: weights fetched in the clear can be swapped on the way (unless the "
+        "catalog entry has a sha256).",
+    )
+    source_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: list(HUGGING_FACE_HOSTS),
+        description="Hosts a source URL, and every redirect its download follows, may "
+        "name, comma-separated: exact names, *.suffix for a domain's hosts, or * for any "
+        "host name (never a loopback, private or link-local address unless listed). Empty: "
+        "no downloads. Default: Hugging Face's hub and its download CDNs.",
+    )
+    source_local_roots: Annotated[list[Path], NoDecode] | None = Field(
+        default=None,
+        description="Folders, comma-separated, under which a source path must lie (checked "
+        "again after resolving links). Unset: the data dir and the packaged models' "
+        "folder. The API reads a file's size to estimate memory only under these.",
+    )
+    source_max_download_bytes: int = Field(
+        default=DEFAULT_MAX_DOWNLOAD_BYTES, gt=0,
+        description="Largest weights file an agent downloads; a longer one is stopped and "
+        "removed. The default (512 GiB) holds one GGUF of a 405B model at 8 bits.",
+    )
+
+    @field_validator("source_schemes", "source_hosts", "source_local_roots", mode="before")
+    @classmethod
+    def _split_sources(cls, value: object) -> object:
+        """Comma-separated in the environment, as api_allowed_hosts."""
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
     # -- gateway -----------------------------------------------------------------------------
     gateway_auth: bool = Field(
         default=True,
@@ -234,6 +374,52 @@ class Settings(BaseSettings):
         description="How often each gateway worker writes per-replica usage (in-flight, "
         "waiting, last used) to the store, in one batch.",
     )
+    gateway_key_max_staleness_s: float = Field(
+        default=15.0, gt=0, le=300,
+        description="Longest a gateway trusts the API keys it last read from the store. "
+        "It re-reads them every third of this (and at once on a change), so a revoked key "
+        "stops working within it; while the store is unreachable for longer, every keyed "
+        "request is refused with a 503 (fail closed) until a read succeeds again.",
+    )
+    gateway_max_tokens: int | None = Field(
+        default=None, ge=1,
+        description="Most tokens one request may ask for, for every key: a larger "
+        "max_tokens (or max_completion_tokens) is a 400 naming it, and a request naming "
+        "none is sent with max_tokens set to this. Unset: no bound.",
+    )
+    gateway_key_rate_per_s: float | None = Field(
+        default=None, gt=0,
+        description="Requests per second each API key may make, per gateway worker (a "
+        "client's connection stays on one worker); beyond it, 429 with Retry-After. "
+        "Unset: no limit.",
+    )
+    gateway_key_burst: int = Field(
+        default=20, ge=1,
+        description="Requests a key may make at once before gateway_key_rate_per_s "
+        "applies (a token bucket's size).",
+    )
+    gateway_header_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="Longest a client may take to send a request's headers (and a new "
+        "connection its first request): a slow or stalled sender holds a connection no "
+        "longer.",
+    )
+    gateway_body_timeout_s: float = Field(
+        default=60.0, gt=0,
+        description="Longest a client may take to send a request's body once its headers "
+        "are in: the largest body (32 MiB) at 1 MB/s, with room.",
+    )
+
+    @property
+    def gateway_store_url(self) -> str | None:
+        """The DSN the gateway connects with: its own role's, or else database_url."""
+        return self.gateway_database_url or self.database_url
+
+    @property
+    def gateway_migrates(self) -> bool:
+        """Whether the gateway applies pending migrations at start: only on database_url's
+        role. A role of its own has no DDL rights to apply them with, by design."""
+        return self.gateway_database_url is None
 
     @property
     def postgres_dir(self) -> Path:
@@ -249,6 +435,11 @@ class Settings(BaseSettings):
     def engine_key_secret_file(self) -> Path:
         """Where `up` keeps the engine key secret it generated (mode 0600)."""
         return self.data_dir / "engine_key_secret"
+
+    @property
+    def operator_token_file(self) -> Path:
+        """Where `up` keeps the local user's admin token (mode 0600); the CLI's default."""
+        return self.data_dir / "operator-token"
 
     @property
     def agent_dir(self) -> Path:

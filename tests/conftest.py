@@ -144,18 +144,19 @@ async def local_temporal_env() -> AsyncIterator[WorkflowEnvironment]:
 async def app(local_temporal_env: WorkflowEnvironment,
               database_url: str) -> AsyncIterator[FastAPI]:
     """The API in process, on the test database and Temporal server, with no worker: its
-    workflows start and stay running, never placing."""
+    workflows start and stay running, never placing. Without operator tokens
+    (``api_auth=False``): tests/security/ builds its own app with them."""
     client = local_temporal_env.client
     app = create_app(Settings(database_url=database_url,
                               temporal_address=client.service_client.config.target_host,
-                              temporal_namespace=client.namespace))
+                              temporal_namespace=client.namespace, api_auth=False))
     async with app.router.lifespan_context(app):
         yield app
 
 
 @pytest.fixture
 async def api(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    """An HTTP client of :func:`app`."""
+    """An HTTP client of :func:`app`, by a name the API answers to (its Host allowlist)."""
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://api") as http:
+                                 base_url="http://localhost") as http:
         yield http

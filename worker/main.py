@@ -28,10 +28,13 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
     """Run the worker until ``stop`` is set, then drain it gracefully."""
     if settings.database_url is None:
         raise SystemExit("modelkeeper worker: set MODELKEEPER_DATABASE_URL")
+    # Before the store: a missing certificate is a one-line error, not a half-started worker.
+    security = temporal_client.security_from_settings(settings)
     store = await Store.connect(settings.database_url)
     try:
         client = await temporal_client.connect(
-            settings.temporal_address, settings.temporal_namespace, wait=30)
+            settings.temporal_address, settings.temporal_namespace, security=security,
+            wait=30)
         store_activities = StoreActivities(store, settings, client)
         routing_activities = RoutingActivities(
             store, usage_flush_interval_s=settings.usage_flush_interval_s)

@@ -44,7 +44,7 @@ class LaunchPlan(Frozen):
     #: False for a multi-node rank other than 0: it joins the leader's process group and
     #: serves no HTTP, so only its liveness can be watched.
     serves_http: bool = True
-    #: Warnings for the operator (for example a key that is visible on the command line).
+    #: Warnings for the operator (for example an argument this engine build ignores).
     notes: list[str] = Field(default_factory=list)
 
 

@@ -1,14 +1,16 @@
 """SGLang's server, for nodes with NVIDIA GPUs.
 
 SGLang takes its API key only as ``--api-key`` on the command line, where every user on
-the node can read it; each plan says so in its notes. Multi-node replicas use SGLang's
-own launcher (``--nnodes``, ``--node-rank``, ``--dist-init-addr``); ranks other than 0
-join rank 0 and serve no HTTP.
+the node can read it. So the plan runs our entry script (:mod:`agent.engines.sglang_main`)
+with SGLang's interpreter: it takes the key from the environment and sets it on SGLang's
+parsed arguments. Multi-node replicas use SGLang's own launcher (``--nnodes``,
+``--node-rank``, ``--dist-init-addr``); ranks other than 0 join rank 0 and serve no HTTP.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import httpx
 
@@ -25,6 +27,9 @@ from .gpu import (
     parallelism,
 )
 
+# Re-exported: where the entry script reads the key (it imports nothing from ours).
+from .sglang_main import API_KEY_ENV as API_KEY_ENV
+
 #: Optional arguments and their flags; as for vLLM, nothing that loads code or moves
 #: the listener.
 _FLAGS: dict[str, tuple[str, ArgKind]] = {
@@ -37,12 +42,8 @@ _FLAGS: dict[str, tuple[str, ArgKind]] = {
 
 ALLOWED_ARGS: frozenset[str] = ALLOWED_ENGINE_ARGS[EngineKind.SGLANG]
 
-ENTRY_MODULE = "sglang.launch_server"
-
-KEY_ON_COMMAND_LINE = (
-    "SGLang accepts its API key only as --api-key: the key is visible on the command "
-    "line to every user of the node"
-)
+#: The script the plan runs, by path (SGLang's interpreter need not have modelkeeper).
+ENTRY_SCRIPT = Path(__file__).with_name("sglang_main.py")
 
 
 class SglangAdapter:
@@ -59,7 +60,7 @@ class SglangAdapter:
         reject_unknown_args(self.kind, spec.engine_args, ALLOWED_ARGS)
         layout = parallelism(spec)
         argv = [
-            self.python, "-m", ENTRY_MODULE,
+            self.python, str(ENTRY_SCRIPT),
             "--model-path", spec.source,
             "--served-model-name", spec.model_id,
             "--host", host,
@@ -68,7 +69,6 @@ class SglangAdapter:
             "--pp-size", str(layout.pipeline),
             # SGLang's counterpart of vLLM's --gpu-memory-utilization.
             "--mem-fraction-static", memory_fraction(spec),
-            "--api-key", api_key,
             *optional_flags(spec.engine_args, _FLAGS),
         ]  # fmt: skip
         if spec.world_size > 1:
@@ -82,9 +82,8 @@ class SglangAdapter:
             ]  # fmt: skip
         return LaunchPlan(
             argv=argv,
-            env=cuda_env(spec),
+            env={**cuda_env(spec), API_KEY_ENV: api_key},
             serves_http=spec.rank == 0,
-            notes=[KEY_ON_COMMAND_LINE],
         )
 
     async def check_ready(

@@ -41,8 +41,11 @@ from modelkeeper.store.routing import RoutingStore
 
 HOST = "127.0.0.1"
 NAMESPACE = "default"
-#: The secret engine keys are derived from; the agents and the gateway must share it.
+#: The cluster secret engine keys are derived from: the API (which hands each node its
+#: key) and the gateway hold it; the agents do not (see _start_agent).
 SECRET = "recovery-bench-secret"
+#: What the agents are not given: an agent holds no cluster secret.
+AGENT_WITHHELD_ENV = frozenset({"MODELKEEPER_ENGINE_KEY_SECRET"})
 #: A Python component on two shared cores takes a few seconds to import and connect; a
 #: minute and a half fails one that hangs without failing a slow one.
 READY_TIMEOUT_S = 90.0
@@ -183,8 +186,9 @@ class Fleet:
         argv = [*self.agent_command, "agent", "--data-dir", str(data_dir),
                 "--name", name, "--memory", self.node_memory,
                 "--engine-port-range", f"{low}-{low + ENGINE_PORTS_PER_AGENT}"]
+        env = {k: v for k, v in self._env.items() if k not in AGENT_WITHHELD_ENV}
         proc = ManagedProcess(f"agent {name}", argv, self.root / "logs" / f"{name}.log",
-                              env=self._env)
+                              env=env)
         proc.start()
         self.agents.append(Agent(name, data_dir, proc))
 

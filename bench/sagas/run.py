@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import platform
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -41,7 +42,9 @@ import psutil
 
 from bench.recovery.client import SteadyClient, tally
 from bench.recovery.fleet import Fleet
+from modelkeeper.domain.operators import OperatorRole
 from modelkeeper.infra.processes import signal_group
+from modelkeeper.store.tokens import TokensStore
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -436,7 +439,7 @@ async def run_one(name: str, root: Path) -> Scenario:
     fleet = Fleet(root=root, node_memory=NODE_MEMORY, agent_count=3)
     try:
         await fleet.start()
-        async with httpx.AsyncClient(base_url=fleet.api_url, timeout=30) as api:
+        async with operator_api(fleet) as api:
             bench = Bench(fleet, api, await fleet.client_key())
             try:
                 return await SCENARIOS[name](bench)
@@ -446,6 +449,17 @@ async def run_one(name: str, root: Path) -> Scenario:
                 await asyncio.gather(*bench.tasks, return_exceptions=True)
     finally:
         await asyncio.to_thread(fleet.stop)
+
+
+@contextlib.asynccontextmanager
+async def operator_api(fleet: Fleet) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client of the fleet's API that presents an admin token (the API refuses
+    operators without one), issued in the store as `modelkeeper tokens create` does."""
+    async with await TokensStore.connect(fleet.database_url) as tokens:
+        _, token = await tokens.create_token("bench", OperatorRole.ADMIN)
+    async with httpx.AsyncClient(base_url=fleet.api_url, timeout=30,
+                                 headers={"Authorization": f"Bearer {token}"}) as api:
+        yield api
 
 
 def render(results: list[Scenario], meta: dict[str, Any]) -> str:

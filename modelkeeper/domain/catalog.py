@@ -3,19 +3,65 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field, StringConstraints
 
 from .base import Frozen
 from .ids import DeploymentId, ModelId, NodeId, ReplicaId
 from .shards import EngineKind
+from .sources import SECRET_NAME_PATTERN, SHA256_PATTERN
 from .status import DeploymentStatus, ReplicaState
 
 #: Model ids appear in URLs, workflow ids and OpenAI requests: keep them plain.
 MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
 #: A generous cap on one deployment's replicas; a typo of 1000 should not try to run.
 MAX_REPLICAS = 64
+
+# Bounds on what clients send. Each is far above real use and far below what the store's
+# columns hold (bigint, integer), so that a huge or infinite number is a 422 that names
+# the field, never a 500 from the database.
+#: Memory of one replica or one node: 1 PiB, beyond any machine (the largest have tens of
+#: TiB) and far below bigint's 8 EiB.
+MAX_MEMORY_BYTES = 1 << 50
+#: CPU cores of one replica or node: the largest machines have under 2,000 threads.
+MAX_CPU_CORES = 4096
+#: GPUs of one replica: 64 nodes of 16.
+MAX_GPUS = 1024
+#: Labels on a deployment or a node. Kubernetes' limits for a label's name (63, plus a
+#: 253-character prefix) and value (63) are the model; placement compares them all on
+#: every decision, so their number is kept small too.
+MAX_LABELS = 64
+MAX_LABEL_KEY_CHARS = 317
+MAX_LABEL_VALUE_CHARS = 253
+#: Node ids a deployment may be pinned to: more than any cluster modelkeeper runs.
+MAX_NODE_IDS = 1024
+#: A node id, as the agents' registration bounds it.
+MAX_NODE_ID_CHARS = 128
+
+#: A label map, bounded in count and in the length of each key and value.
+LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_LABEL_KEY_CHARS)]
+LabelValue = Annotated[str, StringConstraints(max_length=MAX_LABEL_VALUE_CHARS)]
+Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=MAX_LABELS)]
+#: Flags and numbers a client sends are taken as JSON types only: "2" is not 2, nor 1
+#: true. A lax parse would accept what the OpenAPI schema says is invalid, and a client
+#: that sends a string where a number goes has a bug it should hear about.
+STRICT = True
+
+
+def _json_integer(value: object) -> object:
+    """An integer as JSON Schema has it: a number without a fraction (2.0 is 2), never a
+    string or true/false (which a lax parse would take as 2, 1 or 0)."""
+    if isinstance(value, str | bool):
+        raise ValueError(f"must be an integer, not {type(value).__name__} {value!r}")
+    return value
+
+
+#: An integer field of a client's request (see :func:`_json_integer`).
+JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+
+#: A node id as a client names one.
+NodeIdField = Annotated[NodeId, StringConstraints(min_length=1, max_length=MAX_NODE_ID_CHARS)]
 
 #: The packaged SmolLM2 GGUF, by name, so catalogs need no machine-specific path.
 PACKAGED_SMOLLM2 = "smollm2"
@@ -28,21 +74,31 @@ class ModelSpec(Frozen):
     engine: EngineKind
     source: str = Field(min_length=1, max_length=1000,
                         description="a .gguf path, 'smollm2' for the packaged SmolLM2, "
-                                    "a Hugging Face repo id, or an http(s) URL")
-    memory_bytes: int | None = Field(
-        default=None, gt=0,
+                                    "a Hugging Face repo id, or an https URL; judged by "
+                                    "the source policy (docs/security.md)")
+    memory_bytes: JsonInt | None = Field(
+        default=None, gt=0, le=MAX_MEMORY_BYTES,
         description="declared working set per replica; estimated from the file size when "
                     "absent (llama.cpp with a local file only)")
-    cpu_cores: float | None = Field(default=None, gt=0)
-    gpus: int | None = Field(default=None, ge=0)
+    cpu_cores: float | None = Field(default=None, gt=0, le=MAX_CPU_CORES,
+                                    allow_inf_nan=False, strict=STRICT)
+    gpus: JsonInt | None = Field(default=None, ge=0, le=MAX_GPUS)
     engine_args: dict[str, Any] = Field(default_factory=dict)
-    min_nodes: int = Field(default=1, ge=1, le=64)
+    min_nodes: JsonInt = Field(default=1, ge=1, le=64)
+    sha256: str | None = Field(
+        default=None, pattern=SHA256_PATTERN,
+        description="SHA-256 of the weights file (a URL's or a path's), lowercase hex: the "
+                    "agent checks it before the engine reads the file")
+    secret: str | None = Field(
+        default=None, pattern=SECRET_NAME_PATTERN,
+        description="for a URL that needs a token: NAME sends the agent's "
+                    "MODELKEEPER_SOURCE_TOKEN_NAME as a bearer token (never a token here)")
 
 
 class CatalogModel(ModelSpec):
     """A model in the catalog: memory is always known, and says if it was estimated."""
 
-    memory_bytes: int = Field(gt=0)
+    memory_bytes: int = Field(gt=0, le=MAX_MEMORY_BYTES)
     memory_estimated: bool = False
     created_at: datetime | None = None
 
@@ -51,16 +107,16 @@ class DeploymentRequest(Frozen):
     """POST /deployments."""
 
     model_id: ModelId = Field(pattern=MODEL_ID_PATTERN)
-    replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
-    min_nodes: int = Field(default=1, ge=1, le=64)
-    node_ids: list[NodeId] | None = None
-    labels: dict[str, str] = Field(default_factory=dict)
+    replicas: JsonInt = Field(default=1, ge=0, le=MAX_REPLICAS)
+    min_nodes: JsonInt = Field(default=1, ge=1, le=64)
+    node_ids: list[NodeIdField] | None = Field(default=None, max_length=MAX_NODE_IDS)
+    labels: Labels = Field(default_factory=dict)
 
 
 class ScaleRequest(Frozen):
     """PATCH /deployments/{id}."""
 
-    replicas: int = Field(ge=0, le=MAX_REPLICAS)
+    replicas: JsonInt = Field(ge=0, le=MAX_REPLICAS)
 
 
 class ReplicaView(Frozen):

@@ -1,40 +1,100 @@
-"""Per-replica engine API keys, derived rather than stored.
+"""Engine API keys, derived rather than stored: the one module that derives them.
 
-Each engine process gets its own key, ``mk-`` + HMAC-SHA256(secret, replica id) in hex.
-Anything holding the cluster secret (the agent that starts the engine, the gateway that
-calls it) computes the same key independently, so keys are never written to the
-database or sent over the wire, and a key leaked from one replica opens no other.
+Two steps, so that no node holds a secret that opens another node's engines:
+
+1. **Node key** = ``mkn-`` + HMAC-SHA256(cluster secret, ``NODE_KEY_CONTEXT`` + node id),
+   in hex. The API derives it and hands it to the node's agent at registration; the
+   cluster secret itself never leaves the API and the gateway.
+2. **Engine key** = ``mk-`` + HMAC-SHA256(node key, replica id), in hex. The agent derives
+   it from its node key for each engine it starts; the gateway, which holds the cluster
+   secret, derives both steps (:func:`replica_engine_key`).
+
+A node key yields the keys of replicas on that node only: the key of a replica on another
+node is keyed by that node's key, which is an HMAC output the first node cannot compute.
+Keys are never written to the database or sent over Temporal; a key leaked from one
+replica opens no other.
+
+The agent imports this module to derive, the gateway to derive both steps; neither
+imports the other.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 
 #: Marks a string as a modelkeeper engine key, so one found in a log is recognisable.
 KEY_PREFIX = "mk-"
+#: Marks a node key (what an agent gets at registration).
+NODE_KEY_PREFIX = "mkn-"
+#: Marks a node's credential (what an agent presents on every call after registering).
+#: Defined here, beside the other prefixes, so that one pattern scrubs them all.
+NODE_CREDENTIAL_PREFIX = "mkc-"
+
+#: Prefixed to the node id before it is MACed: a node key is then never the HMAC of a
+#: bare string that some other use of the cluster secret might also MAC (an older release
+#: derived engine keys as HMAC(secret, replica id), and a node could be named like a
+#: replica).
+NODE_KEY_CONTEXT = b"modelkeeper node key v1\x00"
+
+#: Anything that looks like one of our keys or credentials: a prefix and at least this
+#: many key characters. 32 is well under every real one (64 hex digits, or 43 base64url
+#: characters) and well over any word a log line would put after "mk-".
+_MIN_SECRET_CHARS = 32
+_SECRET_PATTERN = re.compile(r"mk[nc]?-[A-Za-z0-9_\-]{" + str(_MIN_SECRET_CHARS) + ",}")
+#: What a scrubbed key reads as in a log.
+REDACTED = "mk-<redacted>"
 
 
-def derive_engine_key(secret: bytes, replica_id: str) -> str:
-    """The API key of the engine serving ``replica_id``: ``mk-`` + 64 hex digits."""
+def _mac_hex(key: bytes, message: bytes) -> str:
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def derive_node_key(secret: bytes, node_id: str) -> str:
+    """The node key of ``node_id``: ``mkn-`` + 64 hex digits. The API's and the gateway's."""
     if not secret:
         # HMAC with an empty key is a plain hash of a guessable id: no secret at all.
         raise ValueError("the engine key secret must not be empty")
+    if not node_id:
+        raise ValueError("node_id must not be empty")
+    return NODE_KEY_PREFIX + _mac_hex(secret, NODE_KEY_CONTEXT + node_id.encode("utf-8"))
+
+
+def derive_engine_key(key: bytes, replica_id: str) -> str:
+    """The API key of the engine serving ``replica_id``: ``mk-`` + 64 hex digits.
+
+    ``key`` is the node key of the node the replica's rank 0 runs on (as bytes: the
+    agent's ``node_key.encode()``).
+    """
+    if not key:
+        raise ValueError("the node key must not be empty")
     if not replica_id:
         raise ValueError("replica_id must not be empty")
-    digest = hmac.new(secret, replica_id.encode("utf-8"), hashlib.sha256).hexdigest()
-    return KEY_PREFIX + digest
+    return KEY_PREFIX + _mac_hex(key, replica_id.encode("utf-8"))
 
 
-def verify_engine_key(secret: bytes, replica_id: str, presented: str) -> bool:
-    """Whether ``presented`` is the key of ``replica_id``, compared in constant time.
+def replica_engine_key(secret: bytes, *, node_id: str, replica_id: str) -> str:
+    """Both steps at once: the key the gateway sends to ``replica_id`` on ``node_id``."""
+    return derive_engine_key(derive_node_key(secret, node_id).encode(), replica_id)
+
+
+def verify_engine_key(key: bytes, replica_id: str, presented: str) -> bool:
+    """Whether ``presented`` is the key of ``replica_id`` under ``key``, compared in
+    constant time.
 
     Constant time so that the response time of a wrong guess does not reveal how many
     leading characters were right.
     """
-    expected = derive_engine_key(secret, replica_id)
+    expected = derive_engine_key(key, replica_id)
     # Compared as bytes: compare_digest refuses non-ASCII str, and a presented key comes
     # from outside, so it may hold anything, lone surrogates included.
     return hmac.compare_digest(
         expected.encode("utf-8"), presented.encode("utf-8", errors="surrogatepass")
     )
+
+
+def scrub_keys(text: str) -> str:
+    """``text`` with every engine key, node key and node credential replaced by
+    :data:`REDACTED`: for engine log lines before they leave the node."""
+    return _SECRET_PATTERN.sub(REDACTED, text)

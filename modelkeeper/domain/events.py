@@ -20,6 +20,9 @@ class NewEvent(Frozen):
     node_id: NodeId | None = None
     replica_id: ReplicaId | None = None
     data: dict[str, Any] = Field(default_factory=dict)
+    #: The operator token's name behind a change made through the API; None for what the
+    #: system records itself (the keeper, agents, the sweeper).
+    actor: str | None = None
 
 
 class Event(NewEvent):

@@ -1,15 +1,37 @@
-"""Nodes: what agents report, what operators set, and the node state. Pure."""
+"""Nodes: what agents report, what operators set, the node state, and what a node may
+claim (its credential, its address, its engine ports). Pure."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
 from datetime import datetime
 from enum import StrEnum
+from http import HTTPStatus
+from typing import Self
+from urllib.parse import urlsplit
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .base import Frozen, Tolerant
-from .ids import NodeId, ReplicaId
+from .catalog import MAX_CPU_CORES, MAX_MEMORY_BYTES, STRICT, JsonInt, Labels
+from .ids import DeploymentId, NodeId, ReplicaId
 from .shards import ShardReport
+
+#: GPUs in one node: the largest servers hold 16; a report of more is not a machine.
+MAX_GPUS_PER_NODE = 64
+#: Shards one agent reports: far more engines than one node could hold in memory.
+MAX_SHARDS_PER_NODE = 1024
+#: The highest TCP port.
+MAX_PORT = 65535
+#: The header a re-registering agent presents its node credential in (``Authorization``
+#: carries the join token on registration, so that one request serves a first join and a
+#: return). Here, not in the API, because the agent must not import the API.
+NODE_CREDENTIAL_HEADER = "X-Node-Credential"
+#: Schemes an engine endpoint may have: engines serve plain HTTP (TLS terminates nowhere
+#: between the gateway and an engine today), https for one that does.
+ENDPOINT_SCHEMES = frozenset({"http", "https"})
 
 
 class NodeState(StrEnum):
@@ -24,47 +46,90 @@ class NodeState(StrEnum):
 class GpuInfo(Frozen):
     """One GPU as the agent reports it."""
 
-    index: int = Field(ge=0)
-    name: str
-    memory_bytes: int = Field(ge=0)
-    healthy: bool = True
+    index: JsonInt = Field(ge=0, le=MAX_GPUS_PER_NODE)
+    name: str = Field(max_length=256)
+    memory_bytes: JsonInt = Field(ge=0, le=MAX_MEMORY_BYTES)
+    healthy: bool = Field(default=True, strict=STRICT)
 
 
 class Inventory(Frozen):
     """A node's capacity. ``None`` memory means unknown (an older agent), shown as "-"."""
 
-    memory_total_bytes: int | None = Field(default=None, ge=0)
-    memory_available_bytes: int | None = Field(default=None, ge=0)
-    cpu_count: int | None = Field(default=None, ge=0)
-    gpus: list[GpuInfo] = Field(default_factory=list)
+    # Bounded so that a huge number from a broken or hostile agent is a 422 naming the
+    # field, not a 500 from the store's bigint and integer columns.
+    memory_total_bytes: JsonInt | None = Field(default=None, ge=0, le=MAX_MEMORY_BYTES)
+    memory_available_bytes: JsonInt | None = Field(default=None, ge=0, le=MAX_MEMORY_BYTES)
+    cpu_count: JsonInt | None = Field(default=None, ge=0, le=MAX_CPU_CORES)
+    gpus: list[GpuInfo] = Field(default_factory=list, max_length=MAX_GPUS_PER_NODE)
+
+
+class PortRange(Frozen):
+    """The ports an agent hands to engines, both ends included."""
+
+    low: int = Field(ge=1, le=MAX_PORT)
+    high: int = Field(ge=1, le=MAX_PORT)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.low > self.high:
+            raise ValueError(f"engine_ports.low = {self.low} is above engine_ports.high = "
+                             f"{self.high}: the range must run low to high")
+        return self
+
+    def holds(self, port: int) -> bool:
+        """Whether ``port`` lies in the range."""
+        return self.low <= port <= self.high
+
+    def __str__(self) -> str:
+        return f"{self.low}-{self.high}"
 
 
 class AgentRegistration(Frozen):
-    """What an agent sends when it (re)registers."""
+    """What an agent sends when it (re)registers.
+
+    ``engine_host`` is the address its engines' endpoints will carry and ``engine_ports``
+    the ports it hands them: the API accepts an endpoint from this node only on that host
+    (which must be the address the registration came from, see :func:`node_address`) and
+    in that range. Both optional for agents older than the check, whose endpoints are then
+    refused.
+    """
 
     node_id: NodeId = Field(min_length=1, max_length=128)
     name: str = Field(min_length=1, max_length=253)
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: Labels = Field(default_factory=dict)
     inventory: Inventory
-    shards: list[ShardReport] = Field(default_factory=list)
-    agent_version: str = ""
+    shards: list[ShardReport] = Field(default_factory=list, max_length=MAX_SHARDS_PER_NODE)
+    agent_version: str = Field(default="", max_length=64)
+    engine_host: str | None = Field(default=None, min_length=1, max_length=253)
+    engine_ports: PortRange | None = None
 
 
 class AgentHeartbeat(Frozen):
     """An agent's periodic report."""
 
     inventory: Inventory
-    shards: list[ShardReport] = Field(default_factory=list)
+    shards: list[ShardReport] = Field(default_factory=list, max_length=MAX_SHARDS_PER_NODE)
 
 
 class AgentWelcome(Frozen):
-    """The API's answer to a registration: where the agent's worker must poll."""
+    """The API's answer to a registration: where the agent's worker must poll, the node's
+    key, and (once) its credential.
+
+    The one place a secret crosses the wire: the node key (from which the agent derives
+    its engines' keys) on every registration, and the node credential on the registration
+    that issued it. Both are left out of repr(), so a logged welcome shows neither; never
+    log its JSON.
+    """
 
     node_id: NodeId
     temporal_address: str
     temporal_namespace: str
     task_queue: str
     heartbeat_interval_s: float
+    node_key: str = Field(repr=False)
+    #: Set when this registration issued a credential: the agent must keep it (mode 0600)
+    #: and present it on every later call. None: keep the one you have.
+    node_credential: str | None = Field(default=None, repr=False)
 
 
 class NodeRecord(Frozen):
@@ -97,9 +162,44 @@ class NodeRecord(Frozen):
 class NodeUpdate(Frozen):
     """Operator settings for a node (PATCH /nodes/{id}); both survive re-registration."""
 
-    labels: dict[str, str] | None = None
-    cordoned: bool | None = None
+    labels: Labels | None = None
+    cordoned: bool | None = Field(default=None, strict=STRICT)
     cordon_reason: str | None = Field(default=None, max_length=500)
+
+
+class NodeAuth(Frozen):
+    """What the store holds to authenticate a node and check what it reports."""
+
+    node_id: NodeId
+    name: str
+    #: SHA-256 (hex) of the node's credential; None for a node that never got one.
+    credential_sha256: str | None
+    #: Whether the node has authenticated with that credential since it was issued.
+    credential_confirmed: bool
+    address: str | None
+    engine_ports: PortRange | None
+
+
+class EndpointRefused(Frozen):
+    """An endpoint a node reported that the store would not record: not on the node's
+    registered address, or outside its declared engine ports."""
+
+    replica_id: ReplicaId
+    deployment_id: DeploymentId | None = None
+    node_id: NodeId | None
+    endpoint: str
+    reason: str
+
+
+class NodeRemoval(Frozen):
+    """What ``DELETE /nodes/{id}`` did: ``removed`` False when the node still holds
+    replicas and removal was not forced (the replicas are named either way)."""
+
+    node_id: NodeId
+    name: str
+    removed: bool
+    #: Replicas that held a claim on the node, by deployment.
+    replicas: dict[DeploymentId, list[ReplicaId]] = Field(default_factory=dict)
 
 
 class NodeSilentInput(Tolerant):
@@ -134,3 +234,187 @@ def node_state(record: NodeRecord, now: datetime, *, unreachable_after_s: float,
     if quiet >= unreachable_after_s or record.silent_since is not None:
         return NodeState.UNREACHABLE
     return NodeState.READY
+
+
+# -- credentials ------------------------------------------------------------------------
+
+
+def credential_digest(credential: str) -> str:
+    """The stored form of a node credential: SHA-256 in hex. The credential is 256 random
+    bits, so a plain (unsalted, fast) hash cannot be searched."""
+    return hashlib.sha256(credential.encode("utf-8", errors="surrogatepass")).hexdigest()
+
+
+def credential_matches(presented: str | None, digest: str | None) -> bool:
+    """Whether ``presented`` is the credential stored as ``digest``, in constant time (a
+    wrong guess must not tell how close it was). False when either is missing."""
+    if presented is None or digest is None:
+        return False
+    return hmac.compare_digest(credential_digest(presented).encode(), digest.encode())
+
+
+def secret_matches(presented: str | None, expected: str) -> bool:
+    """Whether ``presented`` equals ``expected`` (a shared token), in constant time."""
+    if presented is None:
+        return False
+    return hmac.compare_digest(presented.encode("utf-8", errors="surrogatepass"),
+                               expected.encode("utf-8", errors="surrogatepass"))
+
+
+# -- addresses and endpoints ------------------------------------------------------------
+
+
+def canonical_host(host: str) -> str:
+    """``host`` in one spelling per address: IPv6 compressed and without brackets, an
+    IPv4-mapped IPv6 address as the IPv4 one, a name lower-cased."""
+    bare = host.strip("[]")
+    try:
+        ip = ipaddress.ip_address(bare)
+    except ValueError:
+        return bare.lower()
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` is a loopback address (or ``localhost``)."""
+    if host is None:
+        return False
+    bare = canonical_host(host)
+    if bare == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:
+        return False
+
+
+def same_host(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` name the same machine for the endpoint rule: the same
+    address, or both loopback (this machine, however spelt)."""
+    return canonical_host(a) == canonical_host(b) or (is_loopback(a) and is_loopback(b))
+
+
+def node_address(peer: str | None, advertised: str | None) -> str:
+    """The address to record for a node: where its registration came from, in the
+    spelling its agent advertises when the two are the same machine.
+
+    The rule (docs/security.md, "Nodes and engine keys"): endpoints must be on the
+    machine the node's own requests come from, so that an agent can point the gateway at
+    itself and nowhere else. Raises ``ValueError`` (a sentence naming the field, the value
+    and the limit) when the agent advertises another address: a node behind NAT, or a
+    name, is refused rather than trusted.
+    """
+    if peer is None:
+        raise ValueError("the registration's peer address is unknown: the node's address "
+                         "cannot be checked")
+    if advertised is None:
+        return canonical_host(peer)
+    if same_host(peer, advertised):
+        return canonical_host(advertised)
+    raise ValueError(
+        f"engine_host = {advertised!r} is not the address this agent's registration came "
+        f"from ({canonical_host(peer)}): a node's endpoints must be on its own address. "
+        f"Leave engine_host unset (the agent then finds it) or set it to "
+        f"{canonical_host(peer)}; a node behind NAT is not supported yet")
+
+
+def endpoint_refusal(endpoint: str, *, address: str | None,
+                     engine_ports: PortRange | None) -> str | None:
+    """Why ``endpoint`` may not be recorded for a node registered at ``address`` with
+    ``engine_ports``; None when it may.
+
+    It must be ``http(s)://HOST:PORT`` with nothing else (no credentials, no path beyond
+    ``/``, no query), HOST the node's address and PORT in its range: the gateway sends
+    prompts and the replica's key to it.
+    """
+    try:
+        parts = urlsplit(endpoint)
+        port = parts.port
+    except ValueError as err:
+        return f"endpoint {endpoint!r} is not a URL: {err}"
+    if parts.scheme not in ENDPOINT_SCHEMES:
+        return (f"endpoint {endpoint!r}: scheme {parts.scheme!r} is not one of "
+                f"{', '.join(sorted(ENDPOINT_SCHEMES))}")
+    if parts.username is not None or parts.password is not None:
+        return f"endpoint {endpoint!r} carries credentials; an endpoint is host:port only"
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        return f"endpoint {endpoint!r} has a path or query; an endpoint is host:port only"
+    host = parts.hostname
+    if not host or port is None:
+        return f"endpoint {endpoint!r} names no host and port"
+    if address is None:
+        return (f"endpoint {endpoint!r}: the node registered no address (an agent older "
+                f"than the check); it must register again")
+    if not same_host(host, address):
+        return (f"endpoint host {host!r} is not the node's registered address "
+                f"{address!r}")
+    if engine_ports is None:
+        return (f"endpoint {endpoint!r}: the node declared no engine port range (an agent "
+                f"older than the check); it must register again")
+    if not engine_ports.holds(port):
+        return (f"endpoint port {port} is outside the node's engine port range "
+                f"{engine_ports}")
+    return None
+
+
+# -- who may register -------------------------------------------------------------------
+
+
+class Admitted(Frozen):
+    """A registration the API accepts."""
+
+    #: How: ``credential`` (the node's own), ``join token``, or ``loopback`` (no join token
+    #: is set and the agent runs on the API's machine).
+    admitted_by: str
+    #: Issue the node a (new) credential in the answer.
+    issue_credential: bool
+    #: The node proved it holds its credential: the join token can no longer replace it.
+    confirms: bool = False
+
+
+class Refused(Frozen):
+    """A registration the API refuses, and the HTTP status that says so."""
+
+    status: HTTPStatus
+    reason: str
+
+
+def admit_registration(node_id: str, *, known: NodeAuth | None, credential: str | None,
+                       token_presented: str | None, join_token: str | None,
+                       peer_loopback: bool) -> Admitted | Refused:
+    """Whether an agent may register as ``node_id``, in order:
+
+    1. A node that holds a credential is re-registered by that credential only. Another
+       credential, or none, is refused (403): the join token is shared by every node, so
+       accepting it here would let any node speak for any other. The one exception: a
+       credential never used since it was issued (its answer may have been lost), which
+       the join token may replace, as for a new node.
+    2. A new node (or one registered before credentials existed) joins with the join
+       token when one is set (401 without it), and gets a credential.
+    3. With no join token set, only an agent on loopback may join (403 otherwise).
+    """
+    if known is not None and known.credential_sha256 is not None:
+        if credential_matches(credential, known.credential_sha256):
+            return Admitted(admitted_by="credential", issue_credential=False, confirms=True)
+        if credential is not None or known.credential_confirmed:
+            why = "the credential presented is not its own" if credential else "none was presented"
+            return Refused(status=HTTPStatus.FORBIDDEN, reason=(
+                f"node {node_id!r} is registered and holds a credential, and {why}: "
+                f"a node may speak only for itself. An agent that lost its credential joins "
+                f"again once an operator has removed the node (`modelkeeper nodes rm "
+                f"{node_id}`)"))
+    if join_token is not None:
+        if secret_matches(token_presented, join_token):
+            return Admitted(admitted_by="join token", issue_credential=True)
+        return Refused(status=HTTPStatus.UNAUTHORIZED, reason=(
+            f"node {node_id!r}: joining needs the join token (Authorization: Bearer "
+            f"<MODELKEEPER_JOIN_TOKEN>); "
+            f"{'the one presented is wrong' if token_presented else 'none was presented'}"))
+    if peer_loopback:
+        return Admitted(admitted_by="loopback", issue_credential=True)
+    return Refused(status=HTTPStatus.FORBIDDEN, reason=(
+        f"node {node_id!r}: no join token is set on the API, so it accepts registrations "
+        f"from loopback only; set MODELKEEPER_JOIN_TOKEN (or MODELKEEPER_JOIN_TOKEN_FILE) "
+        f"on the API and give the agent the same token (--join-token-file)"))

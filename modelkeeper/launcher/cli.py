@@ -14,14 +14,17 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
+from ..domain.operators import OperatorRole
 from ..settings import Settings, config_table_markdown
 from .operator_cli import (
     OPERATOR_COMMANDS,
     ApiError,
     UsageError,
     add_operator_commands,
+    operator_token,
     parse_pairs,
     run_operator_command,
+    run_tokens_command,
 )
 from .ports import PORT_FLAGS
 
@@ -56,7 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     agent = sub.add_parser("agent", help="run a node agent (engines on this machine)")
     _add_common(agent, [])
     agent.add_argument("--api-url", help="overrides MODELKEEPER_API_URL")
-    agent.add_argument("--join-token", help="overrides MODELKEEPER_JOIN_TOKEN")
+    agent.add_argument("--join-token-file", type=Path, metavar="PATH",
+                       help="a file holding the join token (or set MODELKEEPER_JOIN_TOKEN)")
+    # Refused with a sentence rather than unknown to argparse: the flag existed, and a
+    # token on a command line is readable by every user of the machine.
+    agent.add_argument("--join-token", dest="join_token_on_command_line",
+                       help=argparse.SUPPRESS)
+    agent.add_argument("--engine-host", metavar="ADDRESS",
+                       help="address engines listen on and endpoints carry (default: "
+                            "127.0.0.1 with a local API, else this machine's address "
+                            "towards the API)")
     agent.add_argument("--name", dest="node_name", help="node name (default: host name)")
     agent.add_argument("--label", dest="labels", action="append", default=[],
                        metavar="KEY=VALUE", help="a node label; repeatable")
@@ -84,6 +96,23 @@ def build_parser() -> argparse.ArgumentParser:
     revoke = keys_sub.add_parser("revoke", help="revoke a key")
     revoke.add_argument("keys_argument", metavar="ID_OR_PREFIX")
 
+    tokens = sub.add_parser("tokens", help="create, list and revoke operator tokens for the "
+                                           "API (straight in the database)")
+    tokens_sub = tokens.add_subparsers(dest="tokens_action", required=True, metavar="ACTION")
+    create_token = tokens_sub.add_parser("create", help="create a token and print it "
+                                                        "(shown once)")
+    create_token.add_argument("token_name", metavar="NAME",
+                              help="who holds it: the actor the event history records")
+    create_token.add_argument("--role", required=True, choices=[r.value for r in OperatorRole],
+                              help="viewer: reads only; admin: every change too")
+    list_tokens = tokens_sub.add_parser("ls", help="list tokens (prefixes, names and roles, "
+                                                   "never tokens)")
+    revoke_token = tokens_sub.add_parser("revoke", help="revoke a token (at once)")
+    revoke_token.add_argument("token_id", metavar="ID_OR_PREFIX")
+    # On each action, so the flags go where they are typed: `tokens ls --data-dir DIR`.
+    for action in (create_token, list_tokens, revoke_token):
+        _add_common(action, ["postgres_port"])
+
     add_operator_commands(sub, lambda p: _add_common(p, []))
 
     sub.add_parser("config-doc", help="print the configuration table (markdown)")
@@ -92,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_settings(args: argparse.Namespace) -> Settings:
     """Settings from the environment, overridden by whichever flags were given."""
+    if getattr(args, "join_token_on_command_line", None) is not None:
+        raise UsageError("--join-token: a token on the command line is readable by every "
+                         "user of this machine (ps); put it in a file readable only by "
+                         "you and pass --join-token-file PATH, or set "
+                         "MODELKEEPER_JOIN_TOKEN")
     overrides: dict[str, Any] = {
         key: value for key, value in vars(args).items()
         if key in Settings.model_fields and value is not None
@@ -144,9 +178,21 @@ def _cmd_up(settings: Settings, demo: bool = True) -> int:
         raise UsageError(str(exc)) from None
 
 
+def _check_temporal_security(settings: Settings) -> None:
+    """A Temporal TLS or API key file that cannot be used, as one line (exit code 2)
+    before anything starts, rather than a traceback from inside a server's start-up."""
+    from ..infra.temporal import TemporalConfigError, security_from_settings
+
+    try:
+        security_from_settings(settings)
+    except TemporalConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _cmd_worker(settings: Settings) -> int:
     from worker.main import run_worker
 
+    _check_temporal_security(settings)
     _configure_logging(settings)
     asyncio.run(_until_signalled(lambda stop: run_worker(settings, stop)))
     return 0
@@ -157,6 +203,7 @@ def _cmd_api(settings: Settings) -> int:
 
     from api.app import create_app
 
+    _check_temporal_security(settings)
     _configure_logging(settings)
     config = uvicorn.Config(create_app(settings), host=settings.bind_host,
                             port=settings.api_port, log_level=settings.log_level.lower(),
@@ -169,6 +216,7 @@ def _cmd_api(settings: Settings) -> int:
 def _cmd_agent(settings: Settings) -> int:
     from agent.main import AgentConfigError, run_agent
 
+    _check_temporal_security(settings)
     _configure_logging(settings)
     try:
         asyncio.run(_until_signalled(lambda stop: run_agent(settings, stop)))
@@ -194,6 +242,12 @@ def _cmd_keys(settings: Settings, args: argparse.Namespace) -> int:
                             out=print)
 
 
+def _cmd_tokens(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.keys_cli import database_url
+
+    return run_tokens_command(database_url(settings), args, out=print)
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Run one `modelkeeper` command; its exit code (see ``operator_cli`` for 1 and 2)."""
     args = build_parser().parse_args(argv)
@@ -202,13 +256,16 @@ def run(argv: Sequence[str] | None = None) -> int:
             print(config_table_markdown(), end="")
             return 0
         if args.command in OPERATOR_COMMANDS:
-            return run_operator_command(args, load_settings(args).api_url, out=print)
+            operator = load_settings(args)
+            return run_operator_command(args, operator.api_url, out=print,
+                                        token=operator_token(operator))
         settings = load_settings(args)
         commands: dict[str, Callable[[Settings], int]] = {
             "up": lambda s: _cmd_up(s, demo=not args.no_demo),
             "worker": _cmd_worker, "api": _cmd_api,
             "agent": _cmd_agent, "gateway": _cmd_gateway,
             "keys": lambda s: _cmd_keys(s, args),
+            "tokens": lambda s: _cmd_tokens(s, args),
         }
         return commands[args.command](settings)
     except (UsageError, ApiError) as exc:

@@ -1,6 +1,8 @@
 """`modelkeeper deploy / ls / rm / nodes / explain / models`, the changes (`scale`, `retry`,
 `restart`, `switch`, `reconfigure`, `cordon`, `uncordon`, `drain`) and `ops`, which lists,
-shows and cancels the sagas: thin wrappers over the API.
+shows and cancels the sagas: thin wrappers over the API, sending the operator token
+(:func:`operator_token`). `tokens` makes, lists and revokes those tokens straight in the
+database, so the first admin token needs no API.
 
 One table, ``COMMANDS``, holds every operator command: its flags, the request it sends
 (method, path and body, built from the parsed arguments alone) and how it shows the
@@ -23,6 +25,7 @@ Never a traceback for either.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,8 +34,11 @@ from typing import Any
 
 import httpx
 
+from ..domain.operators import OperatorRole, name_problem
 from ..domain.shards import EngineKind
 from ..domain.units import format_gib, parse_bytes
+from ..settings import Settings
+from ..store.tokens import OperatorTokenRecord, TokensStore
 
 Out = Callable[[str], None]
 
@@ -234,7 +240,15 @@ def _ops_request(args: argparse.Namespace) -> Request:
 
 
 def _nodes_request(args: argparse.Namespace) -> Request:
-    return Request("GET", "/nodes")
+    if args.action != "rm":
+        return Request("GET", "/nodes")
+    if args.node is None:
+        raise UsageError("nodes rm: NODE is missing: name the id or name of the node to "
+                         "remove")
+    params = {"force": "true"} if args.force else None
+    return Request("GET", "/nodes", then=partial(
+        _node_request, "nodes rm", args.node,
+        lambda node_id: Request("DELETE", f"/nodes/{node_id}", params=params)))
 
 
 def _explain_request(args: argparse.Namespace) -> Request:
@@ -352,6 +366,10 @@ def _rm_text(args: argparse.Namespace, result: Any) -> str:
 
 
 def _nodes_text(args: argparse.Namespace, result: Any) -> str:
+    if args.action == "rm":
+        held = sum(len(ids) for ids in result["replicas"].values())
+        return (f"node {result['name']} ({result['node_id']}): removed"
+                + (f"; its {held} replica(s) will be placed elsewhere" if held else ""))
     return table([[n["name"], n["node_id"], n["state"], _mem(n["memory_total_bytes"]),
                    _mem(n["memory_claimed_bytes"]), _mem(n["memory_free_bytes"]),
                    "-" if n["cpu_count"] is None else str(n["cpu_count"]),
@@ -480,6 +498,14 @@ def _reconfigure_flags(parser: argparse.ArgumentParser) -> None:
                         help="allow-listed engine argument")
 
 
+def _nodes_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", nargs="?", choices=["ls", "rm"], default="ls")
+    parser.add_argument("node", nargs="?", metavar="NODE", help="rm: node id or name")
+    parser.add_argument("--force", action="store_true",
+                        help="rm: remove it even while replicas hold claims on it (their "
+                             "deployments place them again)")
+
+
 def _node_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("node", metavar="NODE", help="node id or name")
 
@@ -536,7 +562,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("ls", "list deployments", _no_flags, _ls_request, _ls_text),
     Command("rm", "delete a deployment (by id or model id)", _rm_flags, _rm_request,
             _rm_text),
-    Command("nodes", "list nodes", _no_flags, _nodes_request, _nodes_text),
+    Command("nodes", "list nodes, or remove one (nodes rm NODE [--force])", _nodes_flags,
+            _nodes_request, _nodes_text),
     Command("explain", "dry-run placement of one replica of a model", _explain_flags,
             _explain_request, _explain_text),
     Command("models", "list the model catalog, or add/remove a model", _models_flags,
@@ -582,15 +609,91 @@ def render(args: argparse.Namespace, result: Any) -> str:
 
 
 def run_operator_command(args: argparse.Namespace, api_url: str, out: Out, *,
+                         token: str | None = None,
                          transport: httpx.BaseTransport | None = None) -> int:
-    """Run one operator command against the API at ``api_url`` (``--api-url`` wins).
+    """Run one operator command against the API at ``api_url`` (``--api-url`` wins),
+    presenting ``token`` as the operator (none: the API answers 401 saying what it needs).
 
     Raises ``UsageError`` for a user mistake, ``ApiError`` when the API fails; the request
     is built before any connection, so a malformed argument never reaches the API.
     """
     request = OPERATOR_COMMANDS[args.command].request(args)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
     with httpx.Client(base_url=args.api_url or api_url, timeout=API_TIMEOUT_S,
-                      transport=transport) as http:
+                      headers=headers, transport=transport) as http:
         result = execute(request, http)
     out(render(args, result))
     return 0
+
+
+def operator_token(settings: Settings) -> str | None:
+    """The token the CLI presents: ``token`` (MODELKEEPER_TOKEN), else the file
+    ``token_file`` (MODELKEEPER_TOKEN_FILE), else ``<data_dir>/operator-token`` when it
+    exists (where `up` writes the local admin token); None when there is none.
+
+    A ``token_file`` named but missing, unreadable or empty is a ``UsageError``.
+    """
+    if settings.token:
+        return settings.token.strip()
+    path = settings.token_file or settings.operator_token_file
+    named = "token_file (MODELKEEPER_TOKEN_FILE)"
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        if settings.token_file is None:
+            return None
+        raise UsageError(f"{named} = {str(path)!r}: no such file; point it at a file "
+                         "holding an operator token (modelkeeper tokens create)") from None
+    except OSError as exc:
+        raise UsageError(f"{named} = {str(path)!r} cannot be read: {exc.strerror}") from None
+    if not token:
+        raise UsageError(f"{named} = {str(path)!r} is empty; it must hold an operator "
+                         "token (modelkeeper tokens create)")
+    return token
+
+
+# ----------------------------------------------------------------------------------------
+# `tokens`: operator tokens, straight in the database (as `keys` does for client keys)
+
+
+def _token_row(record: OperatorTokenRecord) -> list[str]:
+    revoked = record.revoked_at.isoformat(timespec="seconds") if record.revoked_at else "-"
+    return [record.token_id, record.prefix + "…", record.name, record.role.value,
+            record.created_at.isoformat(timespec="seconds"), revoked]
+
+
+async def _tokens(database_url: str, args: argparse.Namespace, out: Out) -> int:
+    async with await TokensStore.connect(database_url) as tokens:
+        match args.tokens_action:
+            case "create":
+                record, token = await tokens.create_token(args.token_name,
+                                                          OperatorRole(args.role))
+                out(token)
+                out(f"# token {record.token_id} ({record.name}, {record.role.value}); it is "
+                    "shown this once, only its hash is stored. The CLI sends it from "
+                    "MODELKEEPER_TOKEN or the file MODELKEEPER_TOKEN_FILE; others send "
+                    "`Authorization: Bearer <token>`.")
+            case "ls":
+                out(table([_token_row(r) for r in await tokens.list_tokens()],
+                          ["id", "prefix", "name", "role", "created", "revoked"]))
+            case _:
+                revoked = await tokens.revoke_tokens(args.token_id)
+                if not revoked:
+                    raise UsageError(f"tokens revoke {args.token_id!r}: no active token has "
+                                     "that id or prefix (modelkeeper tokens ls lists them)")
+                for record in revoked:
+                    out(f"revoked {record.token_id} ({record.name}, {record.role.value}, "
+                        f"{record.prefix}…)")
+    return 0
+
+
+def run_tokens_command(database_url: str, args: argparse.Namespace, out: Out) -> int:
+    """Run one `tokens` action (``args.tokens_action``) against the database; exit code.
+
+    A name the audit log could not show as one word is a ``UsageError``, before any
+    connection."""
+    if args.tokens_action == "create":
+        problem = name_problem(args.token_name)
+        if problem is not None:
+            raise UsageError(f"tokens create: {problem}")
+    return asyncio.run(_tokens(database_url, args, out))

@@ -30,6 +30,9 @@ def _bin_path() -> Path:
 POSTGRES_BIN_PATH = _bin_path()
 
 SUPERUSER = LOCAL_DATABASE_USER
+#: The gateway's own role, without DDL rights. Migration 0013 creates it where the
+#: migrating role may create roles, as `up`'s superuser may; keep the two names equal.
+GATEWAY_ROLE = "modelkeeper_gateway"
 #: OS account the server runs as when we are root; initdb refuses to run as root.
 SYSTEM_USER_WHEN_ROOT = "embedded_postgres"
 
@@ -133,3 +136,9 @@ def _is_ready(host: str, port: int) -> bool:
 def dsn(host: str, port: int, database: str) -> str:
     """A libpq/asyncpg DSN for the embedded server."""
     return local_database_url(host, port, database)
+
+
+def gateway_dsn(host: str, port: int, database: str) -> str:
+    """The DSN the gateway uses on the embedded server: its own role's, which can read
+    routes and write usage but change no schema. No password: loopback is trusted there."""
+    return f"postgresql://{GATEWAY_ROLE}@{host}:{port}/{database}"

@@ -18,6 +18,7 @@ is ready; then supervises them like a process manager:
 from __future__ import annotations
 
 import asyncio
+import getpass
 import logging
 import os
 import secrets
@@ -35,15 +36,19 @@ import psutil
 
 from agent.shards import NODE_ENV
 
+from ..domain.operators import OperatorRole, name_problem
 from ..infra.processes import ManagedProcess, port_is_free, signal_group
 from ..names import LOCAL_DATABASE_NAME
 from ..settings import Settings, env_var_names
+from ..store.tokens import TokensStore
 from . import postgres, temporal_server
 from .ports import PORTS, PortUse
 
 log = logging.getLogger(__name__)
 
 DATABASE_NAME = LOCAL_DATABASE_NAME
+#: The admin token's name when the local user's cannot name one (see local_operator_name).
+LOCAL_ADMIN = "local-admin"
 
 #: `up` gives up on a component that exits this many times within GIVE_UP_WINDOW_S. One
 #: exit is bad luck, and a dependency that restarts costs its dependants an exit or two
@@ -95,9 +100,33 @@ def check_ports(settings: Settings) -> None:
                              f"{settings.bind_host}; choose another with {use.flag} or {env}")
 
 
+#: Settings that point a process at a production Temporal's TLS and API key. `up`'s dev
+#: server speaks plaintext on loopback, so its children must not inherit them from the
+#: user's shell: they would try TLS against it and never connect.
+TEMPORAL_SECURITY_FIELDS = (
+    "temporal_tls", "temporal_tls_ca_file", "temporal_tls_cert_file", "temporal_tls_key_file",
+    "temporal_tls_server_name", "temporal_api_key_file",
+)
+
+
+#: Settings `up`'s own agent is not given: an agent holds no cluster secret (the API hands
+#: it its node's key) and no database credentials, as on any other machine.
+AGENT_WITHHELD_FIELDS = ("engine_key_secret", "engine_key_secret_previous", "database_url",
+                         "gateway_database_url")
+
+
+def agent_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` (the components' environment) without what an agent must not hold."""
+    withheld = {name for field in AGENT_WITHHELD_FIELDS for name in env_var_names(field)}
+    return {name: value for name, value in env.items() if name not in withheld}
+
+
 def component_env(settings: Settings, database_url: str) -> dict[str, str]:
     """The environment for child components: the parent's, plus where the servers are."""
     env = dict(os.environ)
+    for field in TEMPORAL_SECURITY_FIELDS:
+        for name in env_var_names(field):
+            env.pop(name, None)
     # A small fleet that `up` itself starts: the local agent registers before the demo is
     # deployed, so a long settling window would only delay the first placement.
     env.setdefault("MODELKEEPER_SETTLING_WINDOW_S", "2")
@@ -117,6 +146,11 @@ def component_env(settings: Settings, database_url: str) -> dict[str, str]:
         "MODELKEEPER_API_PORT": str(settings.api_port),
         "MODELKEEPER_GATEWAY_PORT": str(settings.gateway_port),
         "MODELKEEPER_DATABASE_URL": database_url,
+        # The gateway alone reads this: it connects as its own role, which may not change
+        # the schema (migration 0013 made it when the API first migrated, before the
+        # gateway starts), and so it never migrates.
+        "MODELKEEPER_GATEWAY_DATABASE_URL": postgres.gateway_dsn(
+            settings.bind_host, settings.postgres_port, DATABASE_NAME),
         "MODELKEEPER_LOG_LEVEL": settings.log_level,
         "TEMPORAL_ADDRESS": f"{settings.bind_host}:{settings.temporal_port}",
         "TEMPORAL_NAMESPACE": settings.temporal_namespace,
@@ -147,14 +181,53 @@ def ensure_secret_file(path: Path) -> str:
 DEMO_MODEL = {"model_id": "smollm2-135m", "engine": "llamacpp", "source": "smollm2"}
 
 
-def deploy_demo(api_url: str, marker: Path, timeout: float = 120.0) -> str:
+def local_operator_name() -> str:
+    """The name of the admin token `up` makes: the local user's, as the event history shows
+    each change they make; ``local-admin`` when the user has none a token can carry."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry and no $USER: a container's bare uid
+        return LOCAL_ADMIN
+    return user if name_problem(user) is None else LOCAL_ADMIN
+
+
+async def ensure_operator_token(database_url: str, path: Path, name: str) -> str:
+    """The admin token in ``path`` (mode 0600), made on first start.
+
+    The one there is kept while it is an active admin token; otherwise (first start, a
+    file deleted, or its token revoked) a new admin token named ``name`` replaces it, so
+    `up`'s own calls and the CLI on this machine always have one.
+    """
+    async with await TokensStore.connect(database_url) as tokens:
+        if path.exists():
+            token = path.read_text().strip()
+            record = await tokens.authenticate(token) if token else None
+            if record is not None and record.role is OperatorRole.ADMIN:
+                return token
+        _record, token = await tokens.create_token(name, OperatorRole.ADMIN)
+    # Written aside and moved in: the file is never seen half-written or with wider modes.
+    staged = path.with_name(path.name + ".new")
+    staged.unlink(missing_ok=True)
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.replace(staged, path)
+    return token
+
+
+def bearer(token: str) -> dict[str, str]:
+    """The header that presents ``token`` to the API."""
+    return {"Authorization": f"Bearer {token}"}
+
+
+def deploy_demo(api_url: str, marker: Path, *, token: str, timeout: float = 120.0) -> str:
     """On a fresh install, add the demo model and deploy it, then wait until it serves.
 
     The marker file makes it once per data dir: an operator who deletes the demo does not
     get it back at the next `up`.
     """
     model_id = DEMO_MODEL["model_id"]
-    with httpx.Client(base_url=api_url, timeout=30) as http:
+    with httpx.Client(base_url=api_url, timeout=30, headers=bearer(token)) as http:
         if not marker.exists():
             resp = http.post("/models", json=DEMO_MODEL)
             if resp.status_code not in (201, 409):
@@ -187,13 +260,13 @@ def _local_node_id(agent_dir: Path) -> str | None:
         return None
 
 
-def _node_registered(api_url: str, agent_dir: Path) -> Callable[[], bool]:
+def _node_registered(api_url: str, agent_dir: Path, token: str) -> Callable[[], bool]:
     def ready() -> bool:
         node_id = _local_node_id(agent_dir)
         if node_id is None:
             return False
         try:
-            resp = httpx.get(f"{api_url}/nodes/{node_id}", timeout=1.0)
+            resp = httpx.get(f"{api_url}/nodes/{node_id}", timeout=1.0, headers=bearer(token))
         except httpx.HTTPError:
             return False
         return resp.status_code == 200 and resp.json()["state"] == "ready"
@@ -343,6 +416,8 @@ class Stack:
         asyncio.run(_ensure_database(postgres.dsn(s.bind_host, s.postgres_port, "postgres"),
                                      DATABASE_NAME))
         database_url = postgres.dsn(s.bind_host, s.postgres_port, DATABASE_NAME)
+        token = asyncio.run(ensure_operator_token(database_url, s.operator_token_file,
+                                                  local_operator_name()))
 
         self.add(temporal_server.start_dev_server(
             host=s.bind_host, port=s.temporal_port, ui_port=s.temporal_ui_port,
@@ -353,7 +428,8 @@ class Stack:
 
         def component(name: str) -> ManagedProcess:
             proc = ManagedProcess(name, [sys.executable, "-m", "modelkeeper", name],
-                                  s.log_dir / f"{name}.log", env=env)
+                                  s.log_dir / f"{name}.log",
+                                  env=agent_env(env) if name == AGENT else env)
             proc.start()
             return self.add(proc)
 
@@ -365,13 +441,15 @@ class Stack:
         gateway = component("gateway")
         # One local agent for this machine, in its own folder of the data dir.
         agent = component(AGENT)
-        agent.wait_until(_node_registered(api_url, s.agent_dir), timeout=60, interval=0.2)
+        agent.wait_until(_node_registered(api_url, s.agent_dir, token), timeout=60,
+                         interval=0.2)
         gateway.wait_until(_http_ok(f"http://{s.bind_host}:{s.gateway_port}/healthz"),
                            timeout=60, interval=0.2)
         log.info("stack ready in %.1fs: %s", time.monotonic() - t0,
                  ", ".join(f"{c.proc.name} pid {c.proc.pid}" for c in self.components))
         if self.demo:
-            self.demo_status = deploy_demo(api_url, s.data_dir / ".demo-deployed")
+            self.demo_status = deploy_demo(api_url, s.data_dir / ".demo-deployed",
+                                           token=token)
 
     def supervise(self, now: float) -> None:
         """Note what exited, restart what is due; StackError for one to give up on."""
@@ -438,11 +516,13 @@ def banner(settings: Settings, demo_status: str = "") -> str:
         f"(temporal workflow list --address {h}:{settings.temporal_port})",
         f"  PostgreSQL     {postgres.dsn(h, settings.postgres_port, DATABASE_NAME)}",
         f"  data and logs  {settings.data_dir}",
-        "  add a node     MODELKEEPER_ENGINE_KEY_SECRET=$(cat "
-        f"{settings.engine_key_secret_file}) modelkeeper agent --data-dir DIR --memory 16GiB",
+        "  add a node     modelkeeper agent --data-dir DIR --memory 16GiB   (this machine; "
+        "another needs the API's URL and a join token: docs/security.md)",
     ]
     if demo_status:
         lines.append(demo_status)
+    lines.append(f"  operator token {settings.operator_token_file}   (admin; the modelkeeper "
+                 "CLI reads it from there)")
     lines.append("Press Ctrl-C to stop everything.")
     return "\n".join(lines)
 

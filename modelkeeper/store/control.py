@@ -28,7 +28,18 @@ from ..domain.catalog import (
 from ..domain.draining import UsageReport
 from ..domain.events import Event, NewEvent
 from ..domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
-from ..domain.nodes import AgentRegistration, Inventory, NodeRecord, NodeUpdate, node_state
+from ..domain.nodes import (
+    AgentRegistration,
+    EndpointRefused,
+    Inventory,
+    NodeAuth,
+    NodeRecord,
+    NodeRemoval,
+    NodeUpdate,
+    PortRange,
+    endpoint_refusal,
+    node_state,
+)
 from ..domain.ops import Generation
 from ..domain.placement import (
     CantPlace,
@@ -149,20 +160,20 @@ class Store:
         row = await self._pool.fetchrow(
             """
             INSERT INTO events (kind, message, deployment_id, node_id, replica_id, data,
-                                idempotency_key)
-            VALUES ($1, $2, $3, $4, $5, $6, $7)
+                                idempotency_key, actor)
+            VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
             ON CONFLICT (idempotency_key) DO NOTHING
             RETURNING event_id, at
             """,
             event.kind, event.message, event.deployment_id, event.node_id, event.replica_id,
-            event.data, idempotency_key,
+            event.data, idempotency_key, event.actor,
         )
         if row is not None:
             return Event(**event.model_dump(), event_id=row["event_id"], at=row["at"])
         # A separate statement, so its snapshot includes the entry the INSERT waited for.
         stored = await self._pool.fetchrow(
-            "SELECT event_id, at, kind, message, deployment_id, node_id, replica_id, data "
-            "FROM events WHERE idempotency_key = $1", idempotency_key)
+            "SELECT event_id, at, kind, message, deployment_id, node_id, replica_id, data, "
+            "actor FROM events WHERE idempotency_key = $1", idempotency_key)
         assert stored is not None  # events are append-only: a conflicting entry stays
         return Event(**_record(stored))
 
@@ -172,7 +183,8 @@ class Store:
         rows = await self._pool.fetch(
             """
             SELECT * FROM (
-                SELECT event_id, at, kind, message, deployment_id, node_id, replica_id, data
+                SELECT event_id, at, kind, message, deployment_id, node_id, replica_id, data,
+                       actor
                 FROM events
                 WHERE $1::text IS NULL OR deployment_id = $1
                 ORDER BY event_id DESC
@@ -185,19 +197,28 @@ class Store:
 
     # -- nodes ----------------------------------------------------------------------------
 
-    async def register_node(self, reg: AgentRegistration) -> None:
+    async def register_node(self, reg: AgentRegistration, *, address: str | None = None,
+                            credential_sha256: str | None = None) -> None:
         """Insert or refresh a node from its agent's registration.
 
         Operator labels and the cordon are left untouched: they outrank the agent's view
         and survive re-registration. A liveness silence is left too: the agent's liveness
         stream, which it opens right after, or its next heartbeat clears it.
+
+        ``address``: where the registration came from (the API decides it, see
+        :func:`~modelkeeper.domain.nodes.node_address`); None leaves the stored one.
+        ``credential_sha256``: a credential just issued, not yet confirmed; None leaves the
+        stored one. The declared engine ports are always replaced by the registration's.
+        The caller has authenticated the agent: nothing here checks it.
         """
         inv = reg.inventory
+        ports = reg.engine_ports
         await self._pool.execute(
             """
             INSERT INTO nodes (node_id, name, agent_labels, memory_total_bytes,
-                               memory_available_bytes, cpu_count, gpus)
-            VALUES ($1, $2, $3, $4, $5, $6, $7)
+                               memory_available_bytes, cpu_count, gpus, address,
+                               engine_port_low, engine_port_high, credential_sha256)
+            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
             ON CONFLICT (node_id) DO UPDATE SET
                 name = EXCLUDED.name,
                 agent_labels = EXCLUDED.agent_labels,
@@ -205,13 +226,75 @@ class Store:
                 memory_available_bytes = EXCLUDED.memory_available_bytes,
                 cpu_count = EXCLUDED.cpu_count,
                 gpus = EXCLUDED.gpus,
+                address = COALESCE(EXCLUDED.address, nodes.address),
+                engine_port_low = EXCLUDED.engine_port_low,
+                engine_port_high = EXCLUDED.engine_port_high,
+                credential_sha256 = COALESCE(EXCLUDED.credential_sha256,
+                                             nodes.credential_sha256),
+                credential_confirmed_at = CASE WHEN EXCLUDED.credential_sha256 IS NULL
+                                               THEN nodes.credential_confirmed_at END,
                 registered_at = now(),
                 last_seen = now()
             """,
             reg.node_id, reg.name, reg.labels, inv.memory_total_bytes,
             inv.memory_available_bytes, inv.cpu_count,
-            [g.model_dump() for g in inv.gpus],
+            [g.model_dump() for g in inv.gpus], address,
+            None if ports is None else ports.low, None if ports is None else ports.high,
+            credential_sha256,
         )
+
+    async def node_auth(self, node_id: str) -> NodeAuth | None:
+        """What authenticates ``node_id`` and bounds what it reports; None when unknown."""
+        row = await self._pool.fetchrow(
+            "SELECT node_id, name, credential_sha256, "
+            "       credential_confirmed_at IS NOT NULL AS credential_confirmed, address, "
+            "       engine_port_low, engine_port_high "
+            "FROM nodes WHERE node_id = $1", node_id)
+        if row is None:
+            return None
+        return NodeAuth(node_id=row["node_id"], name=row["name"],
+                        credential_sha256=row["credential_sha256"],
+                        credential_confirmed=row["credential_confirmed"],
+                        address=row["address"],
+                        engine_ports=_port_range(row["engine_port_low"],
+                                                 row["engine_port_high"]))
+
+    async def confirm_node_credential(self, node_id: str) -> None:
+        """The node authenticated with its credential: from now on the join token alone
+        can no longer issue it another (see ``api.agents``). Writes only the first time."""
+        await self._pool.execute(
+            "UPDATE nodes SET credential_confirmed_at = now() "
+            "WHERE node_id = $1 AND credential_confirmed_at IS NULL", node_id)
+
+    async def delete_node(self, node_id: str, *, force: bool = False) -> NodeRemoval | None:
+        """Remove a node (an operator's ``DELETE /nodes/{id}``); None when unknown.
+
+        Refused (``removed`` False) while replicas hold claims on it, unless ``force``:
+        then their claims on it go with it, and the caller tells their deployments. The
+        row lock keeps a placement from claiming on the node meanwhile (its claim's
+        foreign key waits for it, then fails, and the placement is retried elsewhere).
+        """
+        async with self._pool.acquire() as conn, conn.transaction():
+            name = await conn.fetchval(
+                "SELECT name FROM nodes WHERE node_id = $1 FOR UPDATE", node_id)
+            if name is None:
+                return None
+            rows = await conn.fetch(
+                """
+                SELECT r.deployment_id, array_agg(a.replica_id ORDER BY a.replica_id) AS ids
+                FROM allocations a JOIN replicas r USING (replica_id)
+                WHERE a.node_id = $1
+                GROUP BY r.deployment_id ORDER BY r.deployment_id
+                """, node_id)
+            replicas = {DeploymentId(row["deployment_id"]):
+                        [ReplicaId(r) for r in row["ids"]] for row in rows}
+            if replicas and not force:
+                return NodeRemoval(node_id=NodeId(node_id), name=name, removed=False,
+                                   replicas=replicas)
+            await conn.execute("DELETE FROM allocations WHERE node_id = $1", node_id)
+            await conn.execute("DELETE FROM nodes WHERE node_id = $1", node_id)
+        return NodeRemoval(node_id=NodeId(node_id), name=name, removed=True,
+                           replicas=replicas)
 
     async def heartbeat_node(self, node_id: str, inv: Inventory,
                              unreachable_after_s: float, *,
@@ -332,12 +415,12 @@ class Store:
             row = await self._pool.fetchrow(
                 """
                 INSERT INTO models (model_id, engine, source, memory_bytes, memory_estimated,
-                                    cpu_cores, gpus, engine_args, min_nodes)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) RETURNING created_at
+                                    cpu_cores, gpus, engine_args, min_nodes, sha256, secret)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) RETURNING created_at
                 """,
                 model.model_id, model.engine.value, model.source, model.memory_bytes,
                 model.memory_estimated, model.cpu_cores, model.gpus, model.engine_args,
-                model.min_nodes)
+                model.min_nodes, model.sha256, model.secret)
         except asyncpg.UniqueViolationError:
             raise ModelExistsError(model.model_id) from None
         assert row is not None
@@ -578,11 +661,49 @@ class Store:
             "SELECT placement_note FROM replicas WHERE replica_id = $1", replica_id)
         return note
 
-    async def record_replica_state(self, update: ReplicaStateUpdate) -> None:
-        """Write a replica's state (and endpoint once ready)."""
+    async def record_replica_state(self, update: ReplicaStateUpdate
+                                   ) -> EndpointRefused | None:
+        """Write a replica's state (and endpoint once ready).
+
+        An endpoint is recorded only on the address its rank 0's node registered from and
+        in that node's declared engine ports (the gateway sends prompts and the replica's
+        key there), together with that node (whose key the engine's derives from).
+        Otherwise the state is still written, the endpoint is cleared, so no gateway
+        routes to it, and the refusal is returned for the caller to record.
+        """
+        endpoint = update.endpoint
+        refused: EndpointRefused | None = None
+        node_id: str | None = None
+        if endpoint is not None:
+            row = await self._pool.fetchrow(
+                """
+                SELECT r.deployment_id, n.node_id, n.address, n.engine_port_low,
+                       n.engine_port_high
+                FROM replicas r
+                LEFT JOIN allocations a ON a.replica_id = r.replica_id AND a.rank = 0
+                LEFT JOIN nodes n ON n.node_id = a.node_id
+                WHERE r.replica_id = $1
+                """, update.replica_id)
+            if row is not None:  # else the replica is gone: the UPDATE below is a no-op
+                node_id = row["node_id"]
+                reason = ("the replica holds no claim for its rank 0"
+                          if row["node_id"] is None else
+                          endpoint_refusal(endpoint, address=row["address"],
+                                           engine_ports=_port_range(row["engine_port_low"],
+                                                                    row["engine_port_high"])))
+                if reason is not None:
+                    refused = EndpointRefused(replica_id=update.replica_id,
+                                              deployment_id=row["deployment_id"],
+                                              node_id=row["node_id"], endpoint=endpoint,
+                                              reason=reason)
+                    endpoint = None
         await self._pool.execute(
             """
-            UPDATE replicas SET state = $2, endpoint = COALESCE($3, endpoint),
+            UPDATE replicas SET state = $2,
+                   endpoint = CASE WHEN $4 THEN NULL ELSE COALESCE($3, endpoint) END,
+                   endpoint_node_id = CASE WHEN $4 THEN NULL
+                                           WHEN $3 IS NULL THEN endpoint_node_id
+                                           ELSE $5 END,
                    ready_at = CASE WHEN $2 = 'ready' AND ready_at IS NULL THEN now()
                                    ELSE ready_at END,
                    left_routing_at = CASE WHEN $2 = 'ready' THEN NULL
@@ -590,7 +711,8 @@ class Store:
                                           ELSE left_routing_at END
             WHERE replica_id = $1
             """,
-            update.replica_id, update.state.value, update.endpoint)
+            update.replica_id, update.state.value, endpoint, refused is not None, node_id)
+        return refused
 
     async def release_replica(self, replica_id: str) -> bool:
         """Delete a replica and (by cascade) its claims; True if it existed."""
@@ -686,6 +808,10 @@ _REPLICA_SELECT = """
 
 def _record(row: asyncpg.Record) -> dict[str, Any]:
     return dict(row.items())
+
+
+def _port_range(low: int | None, high: int | None) -> PortRange | None:
+    return None if low is None or high is None else PortRange(low=low, high=high)
 
 
 class _ClaimsMoved(Exception):

@@ -39,6 +39,9 @@ class ReplicaRoute:
     replica_id: str
     #: Base URL such as ``http://127.0.0.1:20001`` (the API is under ``/v1``).
     endpoint: str
+    #: The node the endpoint was checked against (its rank 0's), whose key the engine's
+    #: key derives from (:func:`modelkeeper.domain.engine_keys.replica_engine_key`).
+    node_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +106,16 @@ _ROUTE_SELECT = """
            COALESCE(array_agg(r.replica_id ORDER BY r.replica_id)
                     FILTER (WHERE r.replica_id IS NOT NULL), '{}') AS replica_ids,
            COALESCE(array_agg(r.endpoint ORDER BY r.replica_id)
-                    FILTER (WHERE r.replica_id IS NOT NULL), '{}') AS endpoints
+                    FILTER (WHERE r.replica_id IS NOT NULL), '{}') AS endpoints,
+           COALESCE(array_agg(r.endpoint_node_id ORDER BY r.replica_id)
+                    FILTER (WHERE r.replica_id IS NOT NULL), '{}') AS endpoint_nodes
     FROM deployments d
     LEFT JOIN replicas r
            ON r.deployment_id = d.deployment_id
           AND r.state = ANY($1::text[])
           AND r.endpoint IS NOT NULL
+          -- Without it the gateway cannot derive the engine's key (migration 0011).
+          AND r.endpoint_node_id IS NOT NULL
 """
 
 
@@ -122,8 +129,9 @@ def _route(row: asyncpg.Record) -> DeploymentRoute:
         last_failure=row["last_failure"],
         consecutive_failures=row["consecutive_failures"],
         created_at=row["created_at"],
-        ready=tuple(ReplicaRoute(rid, url)
-                    for rid, url in zip(row["replica_ids"], row["endpoints"], strict=True)),
+        ready=tuple(ReplicaRoute(rid, url, node)
+                    for rid, url, node in zip(row["replica_ids"], row["endpoints"],
+                                              row["endpoint_nodes"], strict=True)),
     )
 
 
@@ -138,7 +146,10 @@ class RoutingStore:
     @classmethod
     async def connect(cls, dsn: str, *, max_size: int = 3, migrate: bool = True) -> Self:
         """Open a small pool of its own and, unless told not to, apply pending migrations
-        (every component does at start; see :meth:`Store.migrate`)."""
+        (every component does at start; see :meth:`Store.migrate`).
+
+        A gateway on a role of its own passes ``migrate=False``: that role has no DDL
+        rights (migration 0013), so the migrating processes must have run first."""
         pool = await asyncpg.create_pool(dsn, min_size=1, max_size=max_size)
         try:
             if migrate:

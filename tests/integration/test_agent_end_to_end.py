@@ -23,7 +23,7 @@ from temporalio.worker import Worker
 
 from agent.main import run_agent
 from api.app import create_app
-from modelkeeper.domain.engine_keys import derive_engine_key
+from modelkeeper.domain.engine_keys import replica_engine_key
 from modelkeeper.infra.processes import free_port
 from modelkeeper.names import node_task_queue
 from modelkeeper.settings import Settings
@@ -72,7 +72,7 @@ class Cluster:
             database_url=database_url, api_port=port, api_url=self.api_url,
             temporal_address=client.service_client.config.target_host,
             temporal_namespace=client.namespace, engine_key_secret=SECRET,
-            heartbeat_interval_s=0.5)
+            heartbeat_interval_s=0.5, api_auth=False)
         self.agents: dict[str, tuple[asyncio.Event, asyncio.Task[None]]] = {}
         self.driver_queue = f"driver-{uuid.uuid4()}"
 
@@ -179,7 +179,7 @@ async def test_llamacpp_shard_serves_survives_agent_restart_and_reports_exit(
                      memory_bytes=300 << 20, start_timeout_s=60)
     endpoint = await cluster.call(node, "start_shard", StartShardInput(spec=spec), ShardEndpoint)
     assert endpoint.url is not None
-    key = derive_engine_key(SECRET.encode(), "rep-1")
+    key = replica_engine_key(SECRET.encode(), node_id=node, replica_id="rep-1")
     async with httpx.AsyncClient(base_url=endpoint.url, timeout=60) as http:
         chat = await http.post(
             "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},

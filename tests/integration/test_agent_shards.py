@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from agent.shards import ShardManager
-from modelkeeper.domain.engine_keys import derive_engine_key
+from modelkeeper.domain.engine_keys import derive_engine_key, derive_node_key
 from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
 from modelkeeper.domain.shards import (
     EngineKind,
@@ -32,6 +32,8 @@ from modelkeeper.infra.processes import free_port
 pytestmark = pytest.mark.timeout(60)
 
 SECRET = b"test-secret"
+#: What the API hands node n-test at registration; the manager derives engine keys from it.
+NODE_KEY = derive_node_key(SECRET, "n-test")
 
 
 def _spec(replica: str, **engine_args: Any) -> ShardSpec:
@@ -48,7 +50,7 @@ def _port_block() -> tuple[int, int]:
 
 def _manager(agent_dir: Path, ports: tuple[int, int], node: str = "n-test") -> ShardManager:
     return ShardManager(node_id=NodeId(node), agent_dir=agent_dir, engine_host="127.0.0.1",
-                        port_range=ports, key_secret=SECRET)
+                        port_range=ports, node_key=derive_node_key(SECRET, node))
 
 
 def _progress(_: FetchProgress) -> None:
@@ -77,14 +79,14 @@ async def manager(tmp_path: Path) -> AsyncIterator[ShardManager]:
 async def test_start_serves_with_the_replica_key_only(manager: ShardManager) -> None:
     endpoint = await manager.start(_spec("r1"), _progress)
     assert endpoint.url is not None and endpoint.rank == 0
-    key = derive_engine_key(SECRET, "r1")
+    key = derive_engine_key(NODE_KEY.encode(), "r1")
     async with httpx.AsyncClient(base_url=endpoint.url) as http:
         ok = await http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
                              json={"model": "sim-model",
                                    "messages": [{"role": "user", "content": "hi"}]})
         assert ok.status_code == 200 and ok.json()["choices"]
         assert (await http.get("/v1/models")).status_code == 401
-        other = derive_engine_key(SECRET, "r2")
+        other = derive_engine_key(NODE_KEY.encode(), "r2")
         assert (await http.get("/v1/models",
                                headers={"Authorization": f"Bearer {other}"})).status_code == 401
     # The key reaches the engine through its environment, never its command line.

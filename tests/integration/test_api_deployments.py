@@ -28,10 +28,10 @@ async def api(local_temporal_env: WorkflowEnvironment,
     client = local_temporal_env.client
     settings = Settings(database_url=database_url,
                         temporal_address=client.service_client.config.target_host,
-                        temporal_namespace=client.namespace)
+                        temporal_namespace=client.namespace, api_auth=False)
     app = create_app(settings)
     async with app.router.lifespan_context(app), httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://api") as http:
+            transport=httpx.ASGITransport(app=app), base_url="http://localhost") as http:
         yield http
 
 

@@ -22,7 +22,7 @@ import uvicorn
 from temporalio.testing import WorkflowEnvironment
 
 from api.app import create_app
-from modelkeeper.domain.engine_keys import derive_engine_key
+from modelkeeper.domain.engine_keys import replica_engine_key
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.launcher.cli import build_parser
 from modelkeeper.launcher.operator_cli import run_operator_command
@@ -47,7 +47,8 @@ class Stack:
             temporal_address=client.service_client.config.target_host,
             temporal_namespace=client.namespace, engine_key_secret=SECRET,
             heartbeat_interval_s=0.5, node_unreachable_after_s=2.0,
-            replica_lost_after_s=4.0, settling_window_s=0.0, cant_place_retry_s=30.0)
+            replica_lost_after_s=4.0, settling_window_s=0.0, cant_place_retry_s=30.0,
+            api_auth=False)
         self.agents: dict[str, ManagedProcess] = {}
         self.http = httpx.AsyncClient(base_url=self.api_url, timeout=30)
 
@@ -275,7 +276,9 @@ async def _serving(stack: Stack, deployment_id: str) -> dict[str, Any] | None:
 
 
 async def _assert_serves(replica: dict[str, Any]) -> None:
-    key = derive_engine_key(SECRET.encode(), replica["replica_id"])
+    # Derived as the gateway does: from the key of the node rank 0 runs on.
+    key = replica_engine_key(SECRET.encode(), node_id=replica["nodes"][0],
+                             replica_id=replica["replica_id"])
     async with httpx.AsyncClient(base_url=replica["endpoint"], timeout=10) as http:
         resp = await http.post("/v1/chat/completions",
                                headers={"Authorization": f"Bearer {key}"},

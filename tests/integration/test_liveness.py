@@ -78,7 +78,8 @@ class Api:
         self.settings = Settings(
             database_url=database_url, api_port=port, api_url=self.url,
             temporal_address=client.service_client.config.target_host,
-            temporal_namespace=client.namespace, node_silent_after_s=SILENT_AFTER_S)
+            temporal_namespace=client.namespace, node_silent_after_s=SILENT_AFTER_S,
+            api_auth=False)
         self.app = create_app(self.settings)
         self.agents: dict[str, ManagedProcess] = {}
 

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from agent.shards import REPLICA_ENV, ShardManager
+from modelkeeper.domain.engine_keys import derive_node_key
 from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
 from modelkeeper.domain.shards import (
     EngineKind,
@@ -53,7 +54,7 @@ def _spec(replica: str, *, held_bytes: int = 0, start_timeout_s: float = 30.0,
 def _manager(agent_dir: Path, **kwargs: Any) -> ShardManager:
     low = free_port()
     return ShardManager(node_id=NodeId(NODE), agent_dir=agent_dir, engine_host="127.0.0.1",
-                        port_range=(low, low + 20), key_secret=SECRET,
+                        port_range=(low, low + 20), node_key=derive_node_key(SECRET, NODE),
                         max_concurrent_startups=1, **kwargs)
 
 

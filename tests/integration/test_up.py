@@ -40,6 +40,11 @@ class Up:
             argv += [f"--{name}-port", str(port)]
         return argv
 
+    def operator(self) -> dict[str, str]:
+        """The header that presents the admin token `up` wrote, as the CLI sends it."""
+        token = (self.data_dir / "operator-token").read_text().strip()
+        return {"Authorization": f"Bearer {token}"}
+
     def start(self) -> str:
         """Start and wait for the banner; return what it printed."""
         self.proc = subprocess.Popen(self.argv(), stdout=subprocess.PIPE,
@@ -103,7 +108,11 @@ def test_up_serves_persists_and_stops_cleanly(up: Up) -> None:
     # The demo model is deployed on a fresh install and served by real llama.cpp, through
     # the gateway, exactly as the README's quick start asks it.
     assert "demo model     smollm2-135m: serving" in banner, banner + up.logs()
-    [demo] = httpx.get(f"{api}/deployments", timeout=5).json()
+    token_file = up.data_dir / "operator-token"
+    assert f"operator token {token_file}" in banner
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    assert httpx.get(f"{api}/deployments", timeout=5).status_code == 401
+    [demo] = httpx.get(f"{api}/deployments", timeout=5, headers=up.operator()).json()
     assert (demo["model_id"], demo["ready_replicas"]) == ("smollm2-135m", 1)
     assert "AUTH OFF" in banner
     answer = httpx.post(
@@ -156,7 +165,7 @@ def test_up_serves_persists_and_stops_cleanly(up: Up) -> None:
     banner = up.start()
     # Ctrl-C stopped the engine too; the keeper placed the demo again (not re-deployed).
     assert "smollm2-135m: serving" in banner, banner + up.logs()
-    assert len(httpx.get(f"{api}/deployments", timeout=5).json()) == 1
+    assert len(httpx.get(f"{api}/deployments", timeout=5, headers=up.operator()).json()) == 1
     described = up.temporal("workflow", "describe", "--workflow-id", workflow_id, "-o", "json")
     assert described.returncode == 0, described.stderr + up.logs()
     info = json.loads(described.stdout)["workflowExecutionInfo"]

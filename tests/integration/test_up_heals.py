@@ -149,7 +149,7 @@ def _serving(up: Up) -> bool:
     """The demo is ready in the control plane and answers through the gateway."""
     try:
         deployments = httpx.get(f"http://127.0.0.1:{up.ports['api']}/deployments",
-                                timeout=2).json()
+                                timeout=2, headers=up.operator()).json()
     except httpx.HTTPError:
         return False
     if [d["ready_replicas"] for d in deployments] != [1]:

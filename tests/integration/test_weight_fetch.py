@@ -12,10 +12,13 @@ import pytest
 
 from agent.fetch import WeightFetcher
 from modelkeeper.domain.shards import FetchProgress
+from modelkeeper.domain.sources import SourcePolicy
 
 pytestmark = pytest.mark.timeout(30)
 
 BODY = b"g" * (3 << 20)
+#: The test server is plain http on loopback, which the default policy refuses.
+LOOPBACK = SourcePolicy(schemes=frozenset({"http"}), hosts=("127.0.0.1",))
 
 
 class Served:
@@ -57,7 +60,7 @@ def server() -> Iterator[tuple[str, Served]]:
 async def test_concurrent_fetches_share_one_download(server: tuple[str, Served],
                                                      tmp_path: Path) -> None:
     base, state = server
-    fetcher = WeightFetcher(tmp_path)
+    fetcher = WeightFetcher(tmp_path, policy=LOOPBACK)
     seen: list[FetchProgress] = []
     url = f"{base}/model.gguf"
     tasks = [asyncio.create_task(fetcher.fetch(url, seen.append)) for _ in range(3)]
@@ -78,8 +81,8 @@ async def test_unknown_size_reports_bytes_without_a_total(server: tuple[str, Ser
                                                           tmp_path: Path) -> None:
     base, state = server
     seen: list[FetchProgress] = []
-    task = asyncio.create_task(WeightFetcher(tmp_path).fetch(f"{base}/nolength.gguf",
-                                                             seen.append))
+    fetcher = WeightFetcher(tmp_path, policy=LOOPBACK)
+    task = asyncio.create_task(fetcher.fetch(f"{base}/nolength.gguf", seen.append))
     while not any(p.bytes_done > 0 for p in seen):
         await asyncio.sleep(0.02)
     state.release.set()

@@ -41,13 +41,13 @@ async def test_worker_runs_store_activities_and_api_sees_them(
     client = local_temporal_env.client
     settings = Settings(database_url=database_url,
                         temporal_address=client.service_client.config.target_host,
-                        temporal_namespace=client.namespace)
+                        temporal_namespace=client.namespace, api_auth=False)
     stop = asyncio.Event()
     worker_task = asyncio.create_task(run_worker(settings, stop))
     app = create_app(settings)
     try:
         async with app.router.lifespan_context(app), httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://api",
+            transport=httpx.ASGITransport(app=app), base_url="http://localhost",
         ) as http:
             # Readiness, not a sleep: poll until the worker's pollers are visible.
             for _ in range(400):

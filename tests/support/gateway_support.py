@@ -21,11 +21,14 @@ import httpx
 
 from agent.engines.sim_server import API_KEY_ENV
 from gateway.server import GatewayServer
-from modelkeeper.domain.engine_keys import derive_engine_key
+from modelkeeper.domain.engine_keys import replica_engine_key
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.settings import Settings
 
 SECRET = b"gateway-test-secret"
+#: The node every test replica's endpoint is recorded against: the gateway derives each
+#: engine's key from this node's key (modelkeeper.domain.engine_keys).
+NODE = "n-gateway-test"
 HOST = "127.0.0.1"
 #: Generous: interpreters starting on a busy 2-core machine.
 READY_TIMEOUT_S = 30.0
@@ -69,7 +72,8 @@ def launch_sim(tmp_path: Path, replica_id: str, model: str, *flags: str,
             "--port", str(port), "--model", model, "--log-level", "INFO", *flags]
     # MODELKEEPER_DATA_DIR marks the sim as this test's: other tests' clean-ups kill
     # leftover engines by their environment, and must be able to tell ours apart.
-    env = {**os.environ, API_KEY_ENV: derive_engine_key(SECRET, replica_id),
+    env = {**os.environ,
+           API_KEY_ENV: replica_engine_key(SECRET, node_id=NODE, replica_id=replica_id),
            "MODELKEEPER_DATA_DIR": str(tmp_path)}
     process = ManagedProcess(f"sim-{replica_id}", argv, tmp_path / f"sim-{replica_id}.log",
                              env=env)
@@ -111,10 +115,11 @@ async def add_deployment(conn: asyncpg.Connection, model: str, *, status: str = 
 
 async def add_replica(conn: asyncpg.Connection, deployment_id: str, replica_id: str,
                       endpoint: str, state: str = "ready") -> None:
-    """A replica row (the gateway is notified by the trigger of migration 0002)."""
+    """A replica row (the gateway is notified by the trigger of migration 0002), its
+    endpoint recorded against :data:`NODE`, as the store records a checked one."""
     await conn.execute(
-        "INSERT INTO replicas (replica_id, deployment_id, state, endpoint) "
-        "VALUES ($1, $2, $3, $4)", replica_id, deployment_id, state, endpoint)
+        "INSERT INTO replicas (replica_id, deployment_id, state, endpoint, endpoint_node_id) "
+        "VALUES ($1, $2, $3, $4, $5)", replica_id, deployment_id, state, endpoint, NODE)
 
 
 async def set_replica_state(conn: asyncpg.Connection, replica_id: str, state: str) -> None:

@@ -50,7 +50,20 @@ OPERATOR_ENV = {
     "POSTGRES_PASSWORD": "pg-superuser-secret",
     "TEMPORAL_DB_PASSWORD": "temporal-secret",
     "MODELKEEPER_DB_PASSWORD": "modelkeeper-secret",
+    "MODELKEEPER_GATEWAY_DB_PASSWORD": "gateway-secret",
 }
+
+#: What the operator writes into the env files the header tells them to create, one
+#: secret per file; none of it is in the Compose file itself.
+SECRET_FILES = {
+    "secrets/join-token.env": {"MODELKEEPER_JOIN_TOKEN": "join-token-from-a-file"},
+    "secrets/engine-key-secret.env": {"MODELKEEPER_ENGINE_KEY_SECRET": "engine-secret-from-a-file"},
+}
+SECRET_VARS = {var for values in SECRET_FILES.values() for var in values}
+#: The processes that apply migrations, as the role that owns the schema. The gateway
+#: connects as a role of its own, without DDL rights, and never migrates.
+MIGRATING_SERVICES = {"modelkeeper-api", "modelkeeper-worker"}
+GATEWAY_ROLE = "modelkeeper_gateway"
 
 #: Port each third-party image listens on inside its container.
 IMAGE_LISTEN_PORTS = {
@@ -114,6 +127,24 @@ def _environment(service: Mapping[str, Any]) -> dict[str, str]:
         env = dict(item.split("=", 1) for item in env)
     assert all(value is not None for value in env.values()), "env vars need explicit values"
     return {str(key): str(value) for key, value in env.items()}
+
+
+def _env_files(service: Mapping[str, Any]) -> list[str]:
+    entries = service.get("env_file") or []
+    if isinstance(entries, str):
+        entries = [entries]
+    return [entry if isinstance(entry, str) else entry["path"] for entry in entries]
+
+
+def _container_environment(service: Mapping[str, Any]) -> dict[str, str]:
+    """What the process sees: its env files' variables, then `environment` over them
+    (Compose's order of precedence), with the files holding what SECRET_FILES says."""
+    env: dict[str, str] = {}
+    for path in _env_files(service):
+        assert path in SECRET_FILES, f"unknown env file {path}"
+        env.update(SECRET_FILES[path])
+    env.update(_environment(service))
+    return env
 
 
 def _image_name_and_tag(image: str) -> tuple[str, str | None]:
@@ -234,9 +265,15 @@ def test_modelkeeper_env_names_are_all_settings(services: dict[str, Any]) -> Non
         assert not unknown, f"{name}: Settings reads none of {sorted(unknown)}"
 
 
+def _database_url(service: Mapping[str, Any]) -> str:
+    """The DSN the service's process connects with (the gateway: its own role's)."""
+    env = _environment(service)
+    return env.get("MODELKEEPER_GATEWAY_DATABASE_URL") or env["MODELKEEPER_DATABASE_URL"]
+
+
 def test_database_url_points_at_the_postgres_service(services: dict[str, Any]) -> None:
     for name in MODELKEEPER_SERVICES:
-        url = urlsplit(_environment(services[name])["MODELKEEPER_DATABASE_URL"])
+        url = urlsplit(_database_url(services[name]))
         assert url.scheme in {"postgresql", "postgres"}, name
         assert url.hostname in services, f"{name}: {url.hostname} is not a service"
         db_service = services[url.hostname]
@@ -245,8 +282,59 @@ def test_database_url_points_at_the_postgres_service(services: dict[str, Any]) -
         database = url.path.lstrip("/")
         # auto-setup owns these two; modelkeeper's tables live in a database of their own.
         assert database not in {"temporal", "temporal_visibility", ""}, name
-        assert url.username == "modelkeeper"
-        assert url.password == OPERATOR_ENV["MODELKEEPER_DB_PASSWORD"]
+        if name in MIGRATING_SERVICES:
+            assert url.username == "modelkeeper"
+            assert url.password == OPERATOR_ENV["MODELKEEPER_DB_PASSWORD"]
+        else:
+            assert url.username == GATEWAY_ROLE
+            assert url.password == OPERATOR_ENV["MODELKEEPER_GATEWAY_DB_PASSWORD"]
+
+
+def test_the_gateway_holds_no_dsn_of_the_schema_owner(services: dict[str, Any]) -> None:
+    gateway = _container_environment(services["modelkeeper-gateway"])
+    assert "MODELKEEPER_DATABASE_URL" not in gateway
+    assert OPERATOR_ENV["MODELKEEPER_DB_PASSWORD"] not in " ".join(gateway.values())
+
+
+def test_secrets_come_from_env_files_each_to_the_services_that_need_it(
+    services: dict[str, Any],
+) -> None:
+    raw = COMPOSE_FILE.read_text()
+    for values in SECRET_FILES.values():
+        for value in values.values():
+            assert value not in raw
+    for name, service in services.items():
+        written = set(_environment(service)) & SECRET_VARS
+        assert not written, f"{name}: {sorted(written)} belong in an env file, not here"
+    needs = {
+        "modelkeeper-api": {"MODELKEEPER_JOIN_TOKEN", "MODELKEEPER_ENGINE_KEY_SECRET"},
+        "modelkeeper-gateway": {"MODELKEEPER_ENGINE_KEY_SECRET"},
+        "modelkeeper-worker": set(),
+    }
+    for name, wanted in needs.items():
+        assert set(_container_environment(services[name])) & SECRET_VARS == wanted, name
+    header = raw.split("\n\n", 1)[0]
+    for path in SECRET_FILES:
+        assert not Path(path).is_absolute() and path.startswith("secrets/"), path
+        assert f"> {path}" in header, f"the header must say how to create {path}"
+
+
+def test_the_gateway_starts_from_its_service_environment(
+    services: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway.server import engine_key_secret
+
+    for var in ALLOWED_ENV:
+        monkeypatch.delenv(var, raising=False)
+    for key, value in _container_environment(services["modelkeeper-gateway"]).items():
+        monkeypatch.setenv(key, value)
+    settings = Settings()
+    # Each of these, missing, stopped the gateway at start (GatewayConfigError).
+    assert engine_key_secret(settings) == b"engine-secret-from-a-file"
+    assert settings.gateway_store_url == _database_url(services["modelkeeper-gateway"])
+    assert not settings.gateway_migrates
+    assert settings.gateway_auth, "a gateway reachable from the network requires client keys"
+    assert settings.join_token is None
 
 
 def test_postgres_init_creates_modelkeepers_role_and_database(
@@ -259,6 +347,11 @@ def test_postgres_init_creates_modelkeepers_role_and_database(
     url = urlsplit(_environment(services["modelkeeper-api"])["MODELKEEPER_DATABASE_URL"])
     assert re.search(rf"CREATE ROLE {url.username} LOGIN PASSWORD '{url.password}'", sql)
     assert re.search(rf"CREATE DATABASE {url.path.lstrip('/')} OWNER {url.username}\b", sql)
+    # Not CREATEROLE: the schema's owner cannot make roles, so the gateway's is made here
+    # and migration 0013 only grants it its tables.
+    gateway = urlsplit(_database_url(services["modelkeeper-gateway"]))
+    assert re.search(rf"CREATE ROLE {gateway.username} LOGIN PASSWORD '{gateway.password}';",
+                     sql)
     temporal = _environment(services["temporal"])
     assert re.search(
         rf"CREATE ROLE {temporal['POSTGRES_USER']} LOGIN CREATEDB "
@@ -335,8 +428,12 @@ def test_depends_on_targets_exist_with_valid_conditions(services: dict[str, Any]
     for name in MODELKEEPER_SERVICES:
         deps = _depends_on(services[name])
         assert deps["postgresql"] == "service_healthy", name
-        assert "temporal" in deps, name
-        assert deps["temporal-create-search-attributes"] == "service_completed_successfully"
+        if name in MIGRATING_SERVICES:
+            assert "temporal" in deps, name
+            assert deps["temporal-create-search-attributes"] == "service_completed_successfully"
+        else:
+            # It may not migrate: it waits for the API, which migrates before it is healthy.
+            assert deps["modelkeeper-api"] == "service_healthy", name
 
 
 def test_search_attribute_service_creates_exactly_the_codes_attributes(
@@ -371,13 +468,16 @@ def test_settings_load_from_each_service_environment(
 ) -> None:
     for var in ALLOWED_ENV:
         monkeypatch.delenv(var, raising=False)
-    env = _environment(services[service_name])
+    env = _container_environment(services[service_name])
     for key, value in env.items():
         monkeypatch.setenv(key, value)
 
     settings = Settings()
 
-    assert settings.database_url == env["MODELKEEPER_DATABASE_URL"]
+    if subcommand == "gateway":
+        assert settings.gateway_store_url == env["MODELKEEPER_GATEWAY_DATABASE_URL"]
+    else:
+        assert settings.database_url == env["MODELKEEPER_DATABASE_URL"]
     assert settings.temporal_address == "temporal:7233"
     assert settings.temporal_namespace == "default"
     assert settings.bind_host == "0.0.0.0"

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from agent.engines.base import EngineConfigError, LaunchPlan
-from agent.engines.sglang import KEY_ON_COMMAND_LINE, SglangAdapter
+from agent.engines.sglang import API_KEY_ENV, ENTRY_SCRIPT, SglangAdapter
 from agent.engines.vllm import VllmAdapter
 from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
 from modelkeeper.domain.shards import EngineKind, ShardSpec
@@ -81,15 +81,16 @@ def test_vllm_single_gpu_plan() -> None:
 def test_sglang_single_gpu_plan() -> None:
     plan = plan_for(shard(EngineKind.SGLANG, gpu_indices=[1]))
     argv = plan.argv
-    assert argv[:3] == [PY, "-m", "sglang.launch_server"]
+    assert argv[:2] == [PY, str(ENTRY_SCRIPT)]
     assert flag(argv, "--model-path") == "Qwen/Qwen2.5-7B-Instruct"
     assert flag(argv, "--served-model-name") == "qwen-7b"
     assert (flag(argv, "--host"), flag(argv, "--port")) == ("10.1.2.3", "8200")
     assert flag(argv, "--mem-fraction-static") == "0.50"
-    # SGLang has no other way to take the key; the plan must say so.
-    assert flag(argv, "--api-key") == KEY
-    assert plan.notes == [KEY_ON_COMMAND_LINE] and "command line" in plan.notes[0]
-    assert plan.env == {"CUDA_VISIBLE_DEVICES": "1", "HF_HUB_OFFLINE": "1"}
+    # SGLang takes its key only as --api-key; our entry script takes it from the
+    # environment instead, so the command line never holds it.
+    assert "--api-key" not in argv and not any(KEY in arg for arg in argv)
+    assert plan.notes == []
+    assert plan.env == {"CUDA_VISIBLE_DEVICES": "1", "HF_HUB_OFFLINE": "1", API_KEY_ENV: KEY}
     assert "--nnodes" not in argv and plan.serves_http
 
 

@@ -1,0 +1,141 @@
+"""Who may call the API, and by which name.
+
+* :func:`require_operator`: the dependency ``create_app`` puts on the operators' routers
+  (nodes, deployments, operations, and monitoring but ``/healthz``). A bearer operator
+  token (``modelkeeper tokens create``), looked up by its hash; ``viewer`` reads, ``admin``
+  also changes (:func:`modelkeeper.domain.operators.refusal` decides). 401 without a valid
+  token, 403 for a viewer that writes, each saying what is needed. The agents' routes are
+  not the operators': agents authenticate as nodes.
+* :class:`HostAllowlist`: middleware on the whole app, agents' routes included. A request
+  whose ``Host`` is not a name the API is reached by gets a 400 naming it. A web page on
+  a name its owner points at 127.0.0.1 (DNS rebinding) sends its own name, so the
+  browser cannot be used to reach the API on loopback.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Depends, HTTPException, Request
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocketClose
+
+from modelkeeper.domain.events import NewEvent
+from modelkeeper.domain.ids import DeploymentId, NodeId
+from modelkeeper.domain.operators import Operator, OperatorRole, refusal
+from modelkeeper.settings import Settings
+from modelkeeper.store.tokens import TokensStore
+
+from .deps import SettingsDep, StoreDep
+
+#: The actor of changes while ``api_auth`` is off: no token names anyone. It is what
+#: operations carried as ``requested_by`` before there were tokens.
+UNAUTHENTICATED_ACTOR = "api"
+
+#: Names every API answers to: what `up`, the CLI and a probe on the machine itself use.
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+#: Bind addresses that listen everywhere: no name, so not added to the allowed hosts.
+WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
+#: In ``api_allowed_hosts``: answer every Host (behind a proxy that checks it).
+ANY_HOST = "*"
+
+#: Reads the header and documents the scheme in OpenAPI (the docs' Authorize button);
+#: the refusal is :func:`require_operator`'s, which says what is needed.
+_BEARER = HTTPBearer(auto_error=False, description="An operator token: "
+                     "`modelkeeper tokens create NAME --role viewer|admin`.")
+
+_NEEDS_TOKEN = ("send one as `Authorization: Bearer <token>`. `modelkeeper tokens create "
+                "NAME --role viewer` (reads) or `--role admin` (changes) makes one; the CLI "
+                "sends MODELKEEPER_TOKEN or the file MODELKEEPER_TOKEN_FILE (default "
+                "<data_dir>/operator-token, which `up` writes)")
+
+#: What a refusal answers, documented on every operator route (``create_app``).
+AUTH_RESPONSES: dict[int | str, dict[str, str]] = {
+    401: {"description": "No operator token, or one unknown or revoked."},
+    403: {"description": "A viewer token on a route that changes something."},
+}
+
+
+async def require_operator(
+    request: Request, store: StoreDep, settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
+) -> Operator:
+    """The operator behind the request, allowed its method; else a 401 or a 403."""
+    if not settings.api_auth:
+        return Operator(name=UNAUTHENTICATED_ACTOR, role=OperatorRole.ADMIN)
+    if credentials is None:
+        raise HTTPException(401, f"{request.method} {request.url.path} needs an operator "
+                                 f"token, and none was sent; {_NEEDS_TOKEN}",
+                            headers={"WWW-Authenticate": "Bearer"})
+    record = await TokensStore.of(store).authenticate(credentials.credentials)
+    if record is None:
+        raise HTTPException(401, "the bearer token sent is not an active operator token "
+                                 "(unknown or revoked: `modelkeeper tokens ls` lists them); "
+                                 + _NEEDS_TOKEN, headers={"WWW-Authenticate": "Bearer"})
+    why = refusal(record.role, request.method)
+    if why is not None:
+        raise HTTPException(403, f"token {record.name!r} ({record.token_id}) cannot "
+                                 f"{request.method} {request.url.path}: {why}")
+    return Operator(name=record.name, role=record.role)
+
+
+#: The operator calling a route: its name is the actor of the change it records. The same
+#: dependency as the routers', so FastAPI runs it once per request.
+OperatorDep = Annotated[Operator, Depends(require_operator)]
+
+
+def change(operator: Operator, kind: str, message: str, *,
+           deployment_id: DeploymentId | None = None, node_id: NodeId | None = None,
+           data: dict[str, Any] | None = None) -> NewEvent:
+    """The audit-log entry of a change ``operator`` made, naming them as its actor."""
+    return NewEvent(kind=kind, message=message, actor=operator.name,
+                    deployment_id=deployment_id, node_id=node_id, data=data or {})
+
+
+def allowed_hosts(settings: Settings) -> frozenset[str]:
+    """The names the API answers to: loopback, the bind host unless it is a wildcard, and
+    ``api_allowed_hosts``."""
+    bind = settings.bind_host.strip("[]").lower()
+    extra = {bind} if bind not in WILDCARD_BINDS else set()
+    return LOOPBACK_HOSTS | extra | frozenset(settings.api_allowed_hosts)
+
+
+def host_name(header: str | None) -> str | None:
+    """The host of a ``Host`` header, lower case, without port or IPv6 brackets."""
+    if not header:
+        return None
+    value = header.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        return value[1:end] if end > 0 else value
+    if value.count(":") > 1:
+        return value  # an IPv6 address without brackets (and so without a port)
+    return value.partition(":")[0]
+
+
+class HostAllowlist:
+    """ASGI middleware: a 400 naming the host for a request sent to another name."""
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str]) -> None:
+        self.app = app
+        self.allowed = allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or ANY_HOST in self.allowed:
+            await self.app(scope, receive, send)
+            return
+        header = Headers(scope=scope).get("host")
+        if host_name(header) in self.allowed:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await WebSocketClose(code=1008)(scope, receive, send)
+            return
+        sent = f"Host {header!r}" if header else "no Host header"
+        detail = (f"{sent}: this API answers only to {', '.join(sorted(self.allowed))}; if "
+                  "clients reach it by another name, add that name to "
+                  "MODELKEEPER_API_ALLOWED_HOSTS")
+        await JSONResponse({"detail": detail}, status_code=400)(scope, receive, send)
