@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Query, Response
@@ -59,6 +59,10 @@ from . import operations
 from .auth import OperatorDep, change
 from .deps import SettingsDep, StoreDep, TemporalDep
 from .problems import problems
+
+#: A scale is answered by the deployment's workflow within a workflow task: seconds. With
+#: no control worker polling it would wait for ever; past this the API answers 503.
+UPDATE_ANSWER_TIMEOUT = timedelta(seconds=20)
 
 router = APIRouter()
 
@@ -312,7 +316,13 @@ async def retry_deployment(deployment_id: str, store: StoreDep,
                            temporal: TemporalDep, operator: OperatorDep) -> Accepted:
     """Un-park a parked deployment."""
     view = await _existing(store, deployment_id)
-    await temporal.get_workflow_handle(view.workflow_id).signal(SIGNAL_RETRY)
+    try:
+        await temporal.get_workflow_handle(view.workflow_id).signal(SIGNAL_RETRY)
+    except RPCError as exc:
+        if _workflow_not_found(exc):
+            raise HTTPException(409, f"deployment {deployment_id} has no running workflow "
+                                     "(it is being removed)") from None
+        raise HTTPException(503, f"Temporal did not take the retry: {exc.message}") from None
     await store.record_event(change(operator, "deployment.retry_requested",
                                     f"retry {deployment_id} (it was {view.status.value})",
                                     deployment_id=view.deployment_id))
@@ -340,9 +350,16 @@ async def scale_deployment(deployment_id: str, patch: operations.DeploymentPatch
     view = await _existing(store, deployment_id)
     try:
         await temporal.get_workflow_handle(view.workflow_id).execute_update(
-            UPDATE_SCALE, request, result_type=int)
+            UPDATE_SCALE, request, result_type=int, rpc_timeout=UPDATE_ANSWER_TIMEOUT)
     except WorkflowUpdateFailedError as exc:
         raise HTTPException(409, str(exc.cause or exc)) from None
+    except RPCError as exc:
+        if _workflow_not_found(exc):
+            raise HTTPException(409, f"deployment {deployment_id} has no running workflow "
+                                     "(it is being removed)") from None
+        raise HTTPException(503, f"the deployment's workflow did not take the scale in "
+                                 f"{UPDATE_ANSWER_TIMEOUT.total_seconds():.0f}s: is a "
+                                 f"control worker running? ({exc.message})") from None
     await store.set_desired_replicas(deployment_id, request.replicas)
     await store.record_event(change(operator, "deployment.scaled",
                                     f"scale {deployment_id} from {view.desired_replicas} to "

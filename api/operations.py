@@ -19,13 +19,13 @@ from typing import Annotated, Any, Self
 
 from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.exceptions import RequestValidationError
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, StrictBool, ValidationError, model_validator
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from modelkeeper.domain.base import Frozen, Tolerant
-from modelkeeper.domain.catalog import MAX_REPLICAS, DeploymentView
+from modelkeeper.domain.catalog import MAX_REPLICAS, DeploymentView, JsonInt
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId
 from modelkeeper.domain.operators import Operator
@@ -90,14 +90,14 @@ class DrainRequest(Frozen):
     """POST /nodes/{id}/drain (the body is optional); the limits are DrainInput's."""
 
     grace_s: float | None = None
-    uncordon_on_cancel: bool = False
+    uncordon_on_cancel: StrictBool = False
 
 
 class DeploymentPatch(Frozen):
     """PATCH /deployments/{id}: one of a replica count (scale) or engine arguments (a
     reconfigure, as POST /deployments/{id}/reconfigure)."""
 
-    replicas: int | None = Field(default=None, ge=0, le=MAX_REPLICAS)
+    replicas: JsonInt | None = Field(default=None, ge=0, le=MAX_REPLICAS)
     engine_args: dict[str, Any] | None = None
 
     @model_validator(mode="after")

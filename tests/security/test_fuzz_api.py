@@ -70,13 +70,6 @@ CHECK_EXCEPTIONS = [
     # field is wrong), as POST /deployments answers it, not the 404 schemathesis expects.
     {"include-path": "/deployments/{deployment_id}/switch",
      "checks": {"positive_data_acceptance": {"enabled": False}}},
-    # KNOWN, not yet fixed (api/operations.py's request models parse laxly: false is taken
-    # as replicas=0, and 0 as uncordon_on_cancel=false); strict fields, as in the domain's
-    # request models, would close them.
-    {"include-path": "/deployments/{deployment_id}", "include-method": "PATCH",
-     "checks": {"negative_data_rejection": {"enabled": False}}},
-    {"include-path": "/nodes/{node_id}/drain",
-     "checks": {"negative_data_rejection": {"enabled": False}}},
 ]
 #: Operation ids hold slashes (restart/d-1/3): values learned from responses are filtered
 #: out as path parameters, which Hypothesis reports as a failed health check.
