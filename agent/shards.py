@@ -43,7 +43,7 @@ from modelkeeper.domain.shards import (
 from modelkeeper.infra.processes import ManagedProcess, port_is_free, signal_group
 
 from .engines.base import EngineAdapter, adapter_for
-from .fetch import WeightFetcher, is_remote
+from .fetch import FetchRefused, WeightFetcher, file_sha256, is_remote
 from .inventory import read_available_memory
 from .startup_gate import (
     Admitted,
@@ -360,10 +360,19 @@ class ShardManager:
 
     async def _fetch(self, spec: ShardSpec,
                      on_progress: Callable[[FetchProgress], None]) -> ShardSpec:
-        """Weights come before the queue: a download disturbs no engine's load."""
+        """Weights come before the queue: a download disturbs no engine's load. A local
+        file with a catalog digest is checked here too (never removed: it is the
+        operator's file, not our cache)."""
         if not is_remote(spec.source):
+            local = Path(spec.source)
+            if spec.sha256 is not None and local.is_file():
+                actual = await asyncio.to_thread(file_sha256, local)
+                if actual != spec.sha256:
+                    raise FetchRefused("sha256", spec.sha256,
+                                       f"{spec.source} has SHA-256 {actual}")
             return spec
-        path = await self._fetcher.fetch(spec.source, on_progress)
+        path = await self._fetcher.fetch(spec.source, on_progress, sha256=spec.sha256,
+                                         secret=spec.secret)
         return spec.model_copy(update={"source": str(path)})
 
     async def _pass_gate(self, spec: ShardSpec, on_progress: Callable[[FetchProgress], None],

@@ -46,7 +46,7 @@ import psutil
 import uvloop
 
 from agent.engines.sim_server import API_KEY_ENV
-from modelkeeper.domain.engine_keys import derive_engine_key
+from modelkeeper.domain.engine_keys import replica_engine_key
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.launcher.postgres import dsn, start_postgres
 from modelkeeper.store.routing import RoutingStore
@@ -56,6 +56,8 @@ from . import loadgen
 HOST = "127.0.0.1"
 MODEL = "bench-model"
 REPLICA = "bench-r1"
+#: The node the bench's replica runs on, as far as the store is concerned.
+NODE = "bench-node"
 SECRET = "bench-secret"
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -194,8 +196,11 @@ async def add_route(url: str, engine_url: str) -> None:
         await conn.execute("INSERT INTO deployments (deployment_id, model_id, replicas, "
                            "status, workflow_id) VALUES ('bench-d', $1, 1, 'serving', "
                            "'deployment/bench-d')", MODEL)
-        await conn.execute("INSERT INTO replicas (replica_id, deployment_id, state, endpoint) "
-                           "VALUES ($1, 'bench-d', 'ready', $2)", REPLICA, engine_url)
+        # endpoint_node_id: the node the store checked the endpoint against; the gateway
+        # derives the engine key from that node's key.
+        await conn.execute("INSERT INTO replicas (replica_id, deployment_id, state, endpoint, "
+                           "endpoint_node_id) VALUES ($1, 'bench-d', 'ready', $2, $3)",
+                           REPLICA, engine_url, NODE)
     finally:
         await conn.close()
 
@@ -306,7 +311,7 @@ async def run(args: argparse.Namespace) -> str:
         try:
             db_url = dsn(HOST, pg_port, "bench")
             key = await setup_store(db_url)
-            engine_key = derive_engine_key(SECRET.encode(), REPLICA)
+            engine_key = replica_engine_key(SECRET.encode(), node_id=NODE, replica_id=REPLICA)
             sim_port = free_port()
             sim = start("sim", [sys.executable, "-m", "agent.engines.sim_server", "--host", HOST,
                                 "--port", str(sim_port), "--model", MODEL,

@@ -177,7 +177,7 @@ async def partition(ctx: Context, fault: Fault) -> None:
 
 
 async def engine_kill(ctx: Context, fault: Fault) -> None:
-    engines = await asyncio.to_thread(live_engines)
+    engines = await asyncio.to_thread(live_engines, ctx.fleet.node_ids())
     if not engines:
         fault.refused = "no engine was running"
         return

@@ -7,7 +7,10 @@ What it adds to the recovery fleet:
   control task queue: Temporal hands each task to one of them, so a kill -9 of either is
   survived by the other, which must pick up what the dead one held.
 * **An agent per network namespace** (:mod:`bench.soak.netns`), when the machine allows
-  it, so that one can be partitioned from the control plane. Without namespaces the agents
+  it, so that one can be partitioned from the control plane. Each reaches the API from an
+  address of its own, as a machine of its own would: so the API and the gateway listen on
+  every address (auth stays on for both) and the agents join with a join token, the two
+  settings that differ from the defaults, neither a timing. Without namespaces the agents
   run as in the recovery fleet and the partition fault is left out (the report says why).
 * **Restarts:** kill -9 and start again (a worker, the API, the gateway), or stop and start
   again keeping the data (the Temporal dev server its database file, PostgreSQL its data
@@ -217,6 +220,10 @@ class SoakFleet(Fleet):
         raise FleetError(f"no readiness check for {name!r}")
 
     # -- freeze and partition ------------------------------------------------------------
+
+    def node_ids(self) -> set[str]:
+        """The ids of this fleet's nodes (what the markers in their engines carry)."""
+        return {a.node_id for a in self.agents if a.node_id is not None}
 
     def partitionable(self) -> list[Agent]:
         """Agents with a namespace: those a partition can cut off."""

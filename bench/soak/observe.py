@@ -18,7 +18,7 @@ import contextlib
 import os
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -267,8 +267,9 @@ class ClaimCheck:
         return {**asdict(self), "match": self.match}
 
 
-def live_engines() -> dict[tuple[str, str], list[int]]:
-    """Running engine processes by (replica, node), from the markers in their environment."""
+def live_engines(nodes: Collection[str]) -> dict[tuple[str, str], list[int]]:
+    """Running engine processes of ``nodes`` by (replica, node), from the markers in their
+    environment. Only ours: other stacks on the machine (a test run) have engines too."""
     found: dict[tuple[str, str], list[int]] = defaultdict(list)
     for proc in psutil.process_iter():
         try:
@@ -277,13 +278,15 @@ def live_engines() -> dict[tuple[str, str], list[int]]:
             env = proc.environ()
         except (psutil.Error, ProcessLookupError):
             continue
-        if REPLICA_ENV in env and NODE_ENV in env:
+        if REPLICA_ENV in env and env.get(NODE_ENV) in nodes:
             found[(env[REPLICA_ENV], env[NODE_ENV])].append(proc.pid)
     return found
 
 
-async def check_claims(database_url: str, *, after: str, settled: bool) -> ClaimCheck:
-    """Read the allocations and replicas, then the engines that run, and compare."""
+async def check_claims(database_url: str, nodes: Collection[str], *, after: str,
+                       settled: bool) -> ClaimCheck:
+    """Read the allocations and replicas, then the engines of ``nodes`` that run, and
+    compare."""
     check = ClaimCheck(after=after, settled=settled)
     deadline = time.monotonic() + STORE_RETRY_S
     while True:
@@ -303,7 +306,7 @@ async def check_claims(database_url: str, *, after: str, settled: bool) -> Claim
             replicas = await conn.fetch("SELECT replica_id, state, deployment_id FROM replicas")
     finally:
         await conn.close()
-    engines = await asyncio.to_thread(live_engines)
+    engines = await asyncio.to_thread(live_engines, nodes)
     claimed_on = {(c["replica_id"], c["node_id"]) for c in claims}
     for c in claims:
         row = {k: c[k] for k in ("replica_id", "node_id", "memory_bytes", "state",
@@ -392,13 +395,15 @@ class ClaimWatch:
     """
 
     database_url: str
+    nodes: Collection[str]
     episodes: list[Episode] = field(default_factory=list)
     _open: dict[tuple[str, str, str], Episode] = field(default_factory=dict)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def run(self) -> None:
         while not self._stop.is_set():
-            check = await check_claims(self.database_url, after="scan", settled=False)
+            check = await check_claims(self.database_url, self.nodes, after="scan",
+                                       settled=False)
             if check.error is None:
                 self._note(check)
             with contextlib.suppress(TimeoutError):

@@ -158,7 +158,8 @@ async def fault_loop(ctx: Context, *, kinds: Sequence[FaultKind], seed: int,
         await inject(ctx, fault)
         fault.settled, fault.settle_s, fault.unsettled_why = await wait_settled(
             ctx.api, nodes=agents, timeout=SETTLE_TIMEOUT_S)
-        check = await check_claims(ctx.fleet.database_url, settled=fault.settled,
+        check = await check_claims(ctx.fleet.database_url, ctx.fleet.node_ids(),
+                                   settled=fault.settled,
                                    after=f"fault {fault.index} ({fault.kind.value})")
         checks.append(check)
         fault.claims = check.as_dict()
@@ -191,7 +192,7 @@ async def soak(args: argparse.Namespace, fleet: SoakFleet, *, partition_note: st
         probe = TruthProbe(api, fleet.gateway_url, key, models)
         sampler = ResourceSampler({p.name: p for p in fleet.started}
                                   | {a.proc.name: a.proc for a in fleet.agents})
-        watch = ClaimWatch(fleet.database_url)
+        watch = ClaimWatch(fleet.database_url, fleet.node_ids())
         t_start, t_start_wall = time.monotonic(), time.time()
         tasks = [asyncio.create_task(c.run()) for c in clients] + [
             asyncio.create_task(w.run()) for w in (probe, sampler, watch)]
@@ -207,8 +208,8 @@ async def soak(args: argparse.Namespace, fleet: SoakFleet, *, partition_note: st
                 await _until(stop_at)
             settled, waited, why = await wait_settled(api, nodes=args.agents,
                                                       timeout=SETTLE_TIMEOUT_S)
-            checks.append(await check_claims(fleet.database_url, after="the end",
-                                             settled=settled))
+            checks.append(await check_claims(fleet.database_url, fleet.node_ids(),
+                                             after="the end", settled=settled))
         finally:
             for c in clients:
                 c.stop()

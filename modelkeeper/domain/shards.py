@@ -38,6 +38,12 @@ class ShardSpec(Tolerant):
     #: A .gguf path, "smollm2" for the packaged SmolLM2, a Hugging Face repo id, or for
     #: the sim engine any label.
     source: str
+    #: The catalog's sha256 of the weights file: the agent checks it before the engine
+    #: sees the file (None: not checked).
+    sha256: str | None = None
+    #: The name of the secret the agent presents to the source's host
+    #: (MODELKEEPER_SOURCE_TOKEN_<secret> in the agent's environment); None: no token.
+    secret: str | None = None
     rank: int = Field(default=0, ge=0)
     world_size: int = Field(default=1, ge=1)
     #: Address of rank 0, for multi-node engines (host:port); None for one node.

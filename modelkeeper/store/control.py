@@ -962,7 +962,8 @@ def _shard_spec(replica_id: ReplicaId, model: CatalogModel, node_id: NodeId, ran
                 gpu_memory_bytes: int | None, start_timeout_s: float) -> ShardSpec:
     return ShardSpec(
         replica_id=replica_id, model_id=ModelId(model.model_id), node_id=node_id,
-        engine=model.engine, source=model.source, rank=rank, world_size=world_size,
+        engine=model.engine, source=model.source, sha256=model.sha256, secret=model.secret,
+        rank=rank, world_size=world_size,
         memory_bytes=memory_bytes, gpu_memory_bytes=gpu_memory_bytes,
         gpu_indices=gpu_indices, cpu_cores=cpu_cores or None,
         engine_args=model.engine_args, start_timeout_s=start_timeout_s)
