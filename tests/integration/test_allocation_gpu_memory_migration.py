@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest
-from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId
-from modelkeeper.domain.nodes import AgentRegistration, GpuInfo, Inventory
-from modelkeeper.domain.shards import EngineKind
+from modelkeeper.domain.nodes import GpuInfo
 from modelkeeper.store import Store, load_migrations
 
 pytestmark = pytest.mark.timeout(60)
@@ -21,15 +18,19 @@ async def test_existing_gpu_claims_get_their_gpu_memory(empty_database_url: str)
     before = [m for m in load_migrations() if m.version < 4]
     async with await Store.connect(empty_database_url, migrate=False) as store:
         await store.migrate(before)
-        await store.register_node(AgentRegistration(
-            node_id=NodeId("a"), name="a",
-            inventory=Inventory(memory_total_bytes=512 * GIB, gpus=[
-                GpuInfo(index=i, name="H100", memory_bytes=(80 + i) * GIB)
-                for i in range(4)])))
-        await store.create_model(CatalogModel(model_id=ModelId("m"), engine=EngineKind.VLLM,
-                                              source="org/m", memory_bytes=GIB, gpus=2))
-        await store.create_deployment(DeploymentId("d1"), DeploymentRequest(model_id="m"),
-                                      "wf-d1")
+        # Rows as the schema before 0004 holds them, written in SQL: today's store code
+        # writes columns later migrations added.
+        gpus = [GpuInfo(index=i, name="H100", memory_bytes=(80 + i) * GIB).model_dump()
+                for i in range(4)]
+        await store._pool.execute(
+            "INSERT INTO nodes (node_id, name, memory_total_bytes, gpus) "
+            "VALUES ('a', 'a', $1, $2)", 512 * GIB, gpus)
+        await store._pool.execute(
+            "INSERT INTO models (model_id, engine, source, memory_bytes, gpus) "
+            "VALUES ('m', 'vllm', 'org/m', $1, 2)", GIB)
+        await store._pool.execute(
+            "INSERT INTO deployments (deployment_id, model_id, replicas, workflow_id) "
+            "VALUES ('d1', 'm', 1, 'wf-d1')")
         # Claims as the code before 0004 wrote them: no gpu_memory_bytes column yet.
         await store._pool.execute(
             "INSERT INTO replicas (replica_id, deployment_id, state) VALUES "

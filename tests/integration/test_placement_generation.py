@@ -249,15 +249,19 @@ async def test_migration_0007_puts_existing_replicas_on_generation_0(
     upto = [m for m in load_migrations() if m.version <= 7]
     async with await Store.connect(empty_database_url, migrate=False) as store:
         await store.migrate(before)
-        await store.create_model(CatalogModel(model_id=CURRENT, engine=EngineKind.SIM,
-                                              source="sim", memory_bytes=GIB))
-        await store.create_deployment(DEPLOYMENT, DeploymentRequest(model_id=CURRENT),
-                                      "wf-d1")
-        # A replica as the code before 0007 wrote it.
+        # Rows as the code before 0007 wrote them, in SQL: today's store code writes
+        # columns later migrations added.
+        await store._pool.execute(
+            "INSERT INTO models (model_id, engine, source, memory_bytes) "
+            "VALUES ($1, 'sim', 'sim', $2)", CURRENT, GIB)
+        await store._pool.execute(
+            "INSERT INTO deployments (deployment_id, model_id, replicas, workflow_id) "
+            "VALUES ($1, $2, 1, 'wf-d1')", DEPLOYMENT, CURRENT)
         await store._pool.execute(
             "INSERT INTO replicas (replica_id, deployment_id, state) VALUES ('r1', 'd1', 'ready')")
 
         assert await store.migrate(upto) == [7]
+        await store.migrate()  # the rest, so today's reads find their columns
 
         view = await store.get_deployment(DEPLOYMENT)
     assert view is not None
