@@ -33,11 +33,13 @@ import httpx
 import psutil
 
 from agent.shards import NODE_ENV
+from modelkeeper.domain.operators import OperatorRole
 from modelkeeper.infra.processes import ManagedProcess, free_port, signal_group
 from modelkeeper.launcher.postgres import dsn, start_postgres
 from modelkeeper.launcher.temporal_server import start_dev_server
 from modelkeeper.names import LOCAL_DATABASE_NAME
 from modelkeeper.store.routing import RoutingStore
+from modelkeeper.store.tokens import TokensStore
 
 HOST = "127.0.0.1"
 NAMESPACE = "default"
@@ -114,6 +116,9 @@ class Fleet:
     #: The command an agent runs under, before its ``agent`` arguments.
     agent_command: tuple[str, ...] = (sys.executable, "-m", "modelkeeper")
 
+    #: An admin token for the API, issued once the API is up (see :meth:`start`).
+    operator_token: str = ""
+
     async def start(self) -> None:
         """Start every component in order and wait until each does its job."""
         logs = self.root / "logs"
@@ -153,6 +158,10 @@ class Fleet:
         worker = self._start("worker", [sys.executable, "-m", "modelkeeper", "worker"], env)
         api = self._start("api", [sys.executable, "-m", "modelkeeper", "api"], env)
         await wait_ready(api, self._api_ready, READY_TIMEOUT_S)
+        # The API refuses operators without a token: one for the harness, issued in the
+        # store (the API has migrated it by now), as `modelkeeper tokens create` does.
+        async with await TokensStore.connect(self.database_url) as tokens:
+            _, self.operator_token = await tokens.create_token("bench", OperatorRole.ADMIN)
         if worker.poll() is not None:
             raise FleetError(f"worker exited; log {worker.log_path}")
         gateway = self._start("gateway", [sys.executable, "-m", "modelkeeper", "gateway"], env)
@@ -205,7 +214,7 @@ class Fleet:
         node_id = agent.node_id
         if node_id is None:
             return False
-        node = await _get_json(f"{self.api_url}/nodes/{node_id}")
+        node = await _get_json(f"{self.api_url}/nodes/{node_id}", token=self.operator_token)
         return node is not None and node.get("state") == "ready"
 
     def agent_of(self, node_id: str) -> Agent:
@@ -275,9 +284,10 @@ async def wait_ready(proc: ManagedProcess, ready: Callable[[], Awaitable[bool]],
         await asyncio.sleep(READY_POLL_S)
 
 
-async def _get_json(url: str) -> dict[str, Any] | None:
+async def _get_json(url: str, *, token: str | None = None) -> dict[str, Any] | None:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     with contextlib.suppress(httpx.HTTPError, ValueError):
-        async with httpx.AsyncClient(timeout=2.0) as http:
+        async with httpx.AsyncClient(timeout=2.0, headers=headers) as http:
             resp = await http.get(url)
             if resp.status_code == 200:
                 result: dict[str, Any] = resp.json()

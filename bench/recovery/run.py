@@ -252,7 +252,9 @@ async def run_scenario(args: argparse.Namespace, fleet: Fleet,
     client = SteadyClient(f"{fleet.gateway_url}/v1/chat/completions", MODEL, key,
                           args.pace_ms / 1e3)
     results: list[dict[str, Any]] = []
-    async with httpx.AsyncClient(base_url=fleet.api_url, timeout=10.0) as api:
+    async with httpx.AsyncClient(
+            base_url=fleet.api_url, timeout=10.0,
+            headers={"Authorization": f"Bearer {fleet.operator_token}"}) as api:
         deployment_id = await deploy(api, claim_bytes=claim_gib * GiB,
                                      load_time_s=args.load_time)
         sending = asyncio.create_task(client.run())

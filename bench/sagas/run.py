@@ -42,9 +42,7 @@ import psutil
 
 from bench.recovery.client import SteadyClient, tally
 from bench.recovery.fleet import Fleet
-from modelkeeper.domain.operators import OperatorRole
 from modelkeeper.infra.processes import signal_group
-from modelkeeper.store.tokens import TokensStore
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -453,12 +451,11 @@ async def run_one(name: str, root: Path) -> Scenario:
 
 @contextlib.asynccontextmanager
 async def operator_api(fleet: Fleet) -> AsyncIterator[httpx.AsyncClient]:
-    """An HTTP client of the fleet's API that presents an admin token (the API refuses
-    operators without one), issued in the store as `modelkeeper tokens create` does."""
-    async with await TokensStore.connect(fleet.database_url) as tokens:
-        _, token = await tokens.create_token("bench", OperatorRole.ADMIN)
-    async with httpx.AsyncClient(base_url=fleet.api_url, timeout=30,
-                                 headers={"Authorization": f"Bearer {token}"}) as api:
+    """An HTTP client of the fleet's API that presents the fleet's admin token (the API
+    refuses operators without one)."""
+    async with httpx.AsyncClient(
+            base_url=fleet.api_url, timeout=30,
+            headers={"Authorization": f"Bearer {fleet.operator_token}"}) as api:
         yield api
 
 

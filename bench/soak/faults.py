@@ -178,10 +178,18 @@ async def partition(ctx: Context, fault: Fault) -> None:
 
 async def engine_kill(ctx: Context, fault: Fault) -> None:
     engines = await asyncio.to_thread(live_engines, ctx.fleet.node_ids())
-    if not engines:
+    try:
+        replicas = (await ctx.api.get("/replicas")).raise_for_status().json()
+    except (httpx.HTTPError, ValueError):
+        replicas = []
+    # A replica's engine, not an orphan on its way out (which nothing would miss).
+    ready = {(r["replica_id"], n) for r in replicas if r["state"] == "ready" for n in r["nodes"]}
+    candidates = sorted((k, v) for k, v in engines.items() if k in ready) \
+        or sorted(engines.items())
+    if not candidates:
         fault.refused = "no engine was running"
         return
-    (replica_id, node_id), pids = ctx.rng.choice(sorted(engines.items()))
+    (replica_id, node_id), pids = ctx.rng.choice(candidates)
     names = {a.node_id: a.name for a in ctx.fleet.agents}
     fault.target = f"{replica_id} on {names.get(node_id, node_id)}"
     fault.t0, fault.wall = time.monotonic(), time.time()

@@ -96,8 +96,10 @@ class Tick:
 
     @property
     def serving(self) -> bool:
-        """Every deployment answered through the gateway."""
-        return all(p.served for p in self.probes)
+        """Every deployment answered through the gateway, and had a ready replica (as far
+        as the API could say): a request the gateway held until a replacement was ready is
+        answered in the end, but nothing served it meanwhile."""
+        return all(p.served and (p.ready is None or p.ready > 0) for p in self.probes)
 
     @property
     def api_serving(self) -> bool:

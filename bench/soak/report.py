@@ -6,9 +6,12 @@ Definitions the report states beside its numbers:
 * **Unanswered**: a ledger entry without a verdict, or whose verdict is that no answer
   came (:mod:`bench.soak.clients`). Target: 0.
 * **Serving again** after a fault: the start of the last unbroken run of ticks, within the
-  fault's window (until the next fault), in which every deployment's probe through the
-  gateway succeeded; 0 when no probe failed in the window (the fault cost no service the
-  probe could see). A window that ends with a failing probe is *not recovered* in it.
+  fault's window (until the next fault), in which every deployment had a ready replica
+  and its probe through the gateway was answered; 0 when no tick in the window failed
+  (the fault cost no service the probes could see). A window that ends with a failing
+  tick is *not recovered* in it. A ready replica is part of it because the gateway holds
+  a request while there is none (up to 10 s): the probe is answered in the end, by the
+  replacement, though nothing could serve it meanwhile.
 * **Status truth**: the share of probes where the API's word (a replica is ready) and the
   gateway's deed (a probe answered within 2 s) agree, the word read as the probe was sent
   or at the first reading after it ended. Probes where the API did not answer,
@@ -36,6 +39,7 @@ from .observe import (
     CLAIM_SCAN_S,
     CLAIM_WITHOUT_ENGINE,
     ENGINE_WITHOUT_CLAIM,
+    SETTLE_STABLE_S,
     ClaimCheck,
     Episode,
     Probe,
@@ -53,10 +57,15 @@ ERROR_BIN_S = 5
 PLOTTED_KINDS = 6
 #: Unanswered requests listed one by one in the report.
 LISTED_UNANSWERED = 20
+#: Failed requests kept one by one in the JSON, and the characters of each reason: enough
+#: to follow any fault's failures to the request, without a ledger of every answer.
+FAILED_KEPT = 5000
+REASON_CHARS_KEPT = 160
 #: An engine the control plane gave up on while its node was silent is stopped by its
 #: agent once unwatched for ``orphan_grace_s`` (120 s): the claim is released before the
 #: memory. Past that and a reaper's round or two, it is a leak.
-ORPHAN_LIMIT_S = float(Settings.model_fields["orphan_grace_s"].default) + 30.0
+ORPHAN_GRACE_S = float(Settings.model_fields["orphan_grace_s"].default)
+ORPHAN_LIMIT_S = ORPHAN_GRACE_S + 30.0
 #: A dead replica's claim stays until the replica is declared lost (``replica_lost_after_s``
 #: after it went unreachable); past that and the release's own retries, it is a leak.
 CLAIM_LIMIT_S = float(Settings.model_fields["replica_lost_after_s"].default) + 45.0
@@ -110,6 +119,17 @@ def requests_summary(entries: Sequence[Entry]) -> dict[str, Any]:
     }
 
 
+def failed_list(entries: Sequence[Entry], t_start: float) -> list[dict[str, Any]]:
+    """Every request that did not get its answer, for a closer look (the JSON only)."""
+    return [{"seq": e.seq, "sent_s": round(e.sent - t_start, 3),
+             "took_s": None if e.ended is None else round(e.ended - e.sent, 3),
+             "model": e.model, "stream": e.stream,
+             "kind": e.verdict.kind if e.verdict else "no verdict",
+             "reason": e.verdict.reason[:REASON_CHARS_KEPT] if e.verdict else ""}
+            for e in entries if e.verdict is None or e.verdict.outcome is not Outcome.OK
+            ][:FAILED_KEPT]
+
+
 def errors_summary(entries: Sequence[Entry]) -> list[dict[str, Any]]:
     """Errors by kind, most frequent first, each with its status and its commonest reason."""
     kinds: dict[str, list[Entry]] = defaultdict(list)
@@ -137,9 +157,11 @@ def faults_summary(faults: Sequence[Fault], ticks: Sequence[Tick], entries: Sequ
     for fault, until in zip(faults, starts, strict=True):
         served = recovery(fault.t0, until, ticks, lambda t: t.serving)
         status = recovery(fault.t0, until, ticks, lambda t: t.api_serving)
+        # By when they ended: a request held through one fault fails at the next.
         failed = Counter(e.verdict.kind if e.verdict else "no verdict" for e in entries
-                         if fault.t0 <= e.sent < until
-                         and (e.verdict is None or e.verdict.outcome is not Outcome.OK))
+                         if e.verdict is None or (e.verdict.outcome is not Outcome.OK
+                                                  and e.ended is not None
+                                                  and fault.t0 <= e.ended < until))
         rows.append({"index": fault.index, "kind": fault.kind.value, "target": fault.target,
                      "wall": round(fault.wall, 3), "held_s": round(fault.held_s, 1),
                      "detail": fault.detail, "refused": fault.refused,
@@ -277,6 +299,11 @@ def _mark(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
 
+def _scale_mark(ok: bool, quick: bool) -> str:
+    """A target of the committed run's size: not one a --quick run can meet."""
+    return "n/a (--quick)" if quick else _mark(ok)
+
+
 def render(result: dict[str, Any]) -> str:
     meta, req, truth, claims = (result["meta"], result["requests"], result["status_truth"],
                                 result["claims"])
@@ -293,8 +320,9 @@ def render(result: dict[str, Any]) -> str:
         f"{meta['workers']} control workers, {meta['clients']} clients each sending one "
         f"request every {meta['pace_s']:.2f} s ({meta['stream_share']:.0%} streamed), "
         f"a fault every {meta['gap_s'][0]:.0f}-{meta['gap_s'][1]:.0f} s. "
-        f"Deployments: {', '.join(meta['deployments'])}. Settings: the defaults "
-        "(no MODELKEEPER_* variable reaches the components; the engines' address aside).",
+        f"Deployments: {', '.join(meta['deployments'])}. Settings: the defaults; the only "
+        f"MODELKEEPER_* variables the components get besides where the servers are: "
+        f"{', '.join(meta['changed_settings']) or 'none'} (none of them a timing).",
         "",
         f"Partitions: {meta['partition']}", "",
         "![timeline](" + meta["png"] + ")", "",
@@ -302,9 +330,9 @@ def render(result: dict[str, Any]) -> str:
         "| | measured | target | |", "|---|---:|---:|---|",
         f"| duration | {result['duration_s'] / 60:.1f} min | | |",
         f"| requests | {req['sent']:,} | ≥ {TARGET_REQUESTS:,} (committed run) | "
-        f"{_mark(req['sent'] >= TARGET_REQUESTS)} |",
+        f"{_scale_mark(req['sent'] >= TARGET_REQUESTS, meta['quick'])} |",
         f"| faults | {faults_done} | ≥ {TARGET_FAULTS} (committed run) | "
-        f"{_mark(faults_done >= TARGET_FAULTS)} |",
+        f"{_scale_mark(faults_done >= TARGET_FAULTS, meta['quick'])} |",
         f"| requests with neither a result nor an error | {req['unanswered']} | 0 | "
         f"{_mark(req['unanswered'] == 0)} |",
         f"| status truth | {_pct(truth['share'])} | ≥ {TARGET_STATUS_TRUTH:.1%} | "
@@ -340,10 +368,12 @@ def render(result: dict[str, Any]) -> str:
                 f"{_cell(e['reason'])}{_others(e['reasons'] - 1)} |" for e in result["errors"]],
               ""]
     lines += ["## Faults, and time to serving again", "",
-              "Serving again: every deployment answers a probe through the gateway, for good "
-              "within the fault's window (s, min / median / max; 0 when no probe failed). "
-              "API serving again: the API shows every deployment serving.", "",
-              "| fault | what it does | count | refused | cost service | serving again | "
+              "Serving again: every deployment has a ready replica and answers a probe "
+              "through the gateway, for good within the fault's window (s, min / median / "
+              "max; 0 when no tick failed). API serving again: the API shows every "
+              "deployment serving, every replica it wants ready. Held: how long the fault "
+              "lasted (frozen, cut off, down, restarting, or the operation running).", "",
+              "| fault | what it does | count | refused | interrupted | serving again | "
               "API serving again | held (s) |", "|---|---|---:|---:|---:|---|---|---|"]
     for kind, k in per_kind.items():
         lines.append(
@@ -368,7 +398,12 @@ def render(result: dict[str, Any]) -> str:
               f"not match: **{claims['settled_mismatches']}** ({claims['leaked_claims']} "
               f"claim(s) with no engine, {claims['orphan_engines']} engine(s) with no claim). "
               f"Unsettled checks that did not match (a fault still in progress): "
-              f"{claims['unsettled_mismatches']}.", ""]
+              f"{claims['unsettled_mismatches']}. Settled means: no operation running, every "
+              f"deployment serving on ready replicas only, every node ready, for "
+              f"{SETTLE_STABLE_S:.0f} s in a row. An engine with no claim once settled is one "
+              "the control plane gave up on while its node was cut off or frozen: it released "
+              "the claim, and the engine runs until its agent's orphan reaper stops it, "
+              f"{ORPHAN_GRACE_S:.0f} s (`orphan_grace_s`) after the node is back.", ""]
     for m in claims["mismatches"]:
         lines.append(f"- after {m['after']} ({'settled' if m['settled'] else 'unsettled'}): "
                      f"claims with no engine {_brief(m['leaked'])}, engines with no claim "
@@ -492,10 +527,10 @@ def draw(series: dict[str, Any], faults: Sequence[dict[str, Any]], t_start_wall:
     def binned(values: Sequence[int]) -> list[float]:
         return [sum(values[b:b + ERROR_BIN_S]) / ERROR_BIN_S for b in bins]
     for kind in shown:
-        ax_err.plot(bins, binned(series["errors"][kind]), lw=0.8, label=kind)
+        ax_err.step(bins, binned(series["errors"][kind]), where="post", lw=0.8, label=kind)
     rest = [sum(series["errors"][k][i] for k in series["errors"] if k not in shown) for i in xs]
     if any(rest):
-        ax_err.plot(bins, binned(rest), lw=0.8, color="grey", label="other")
+        ax_err.step(bins, binned(rest), where="post", lw=0.8, color="grey", label="other")
     ax_err.set_ylabel(f"errors / s ({ERROR_BIN_S} s bins)")
     if shown:
         ax_err.legend(loc="upper right", fontsize=7)

@@ -279,7 +279,9 @@ async def run_scenario(fleet: Fleet, scenario: Scenario, *, shards: int,
     temporal_proc = fleet.started[1]  # postgres, then the dev server (Fleet.start)
     url = await metrics.find_metrics_url(temporal_proc.pid, HOST)
     temporal = await Client.connect(fleet.temporal_address, namespace=NAMESPACE)
-    async with httpx.AsyncClient(base_url=fleet.api_url, timeout=10.0) as api:
+    async with httpx.AsyncClient(
+            base_url=fleet.api_url, timeout=10.0,
+            headers={"Authorization": f"Bearer {fleet.operator_token}"}) as api:
         deployment_ids = await deploy(api, shards)
         steady_s = await wait_steady(api, temporal, deployment_ids)
         print(f"[{scenario.name}] {shards} shards steady {steady_s:.1f}s after deploy; "
