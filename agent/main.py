@@ -10,6 +10,16 @@ one streaming request open to the API and writes a ping line on it every
 ``liveness_interval_s``, and ``bye`` before a planned stop. A kill -9 closes that socket at
 once; a frozen agent stops writing. The watch activities therefore need not heartbeat to
 Temporal often: the worker uses the SDK's default throttle (0.8 x the heartbeat timeout).
+
+While the control plane is away the agent keeps retrying at its usual pace (so it is back
+within seconds of the API), but says so in few lines: the first failure at once, then
+after growing gaps, each line one sentence naming how many it stands for
+(:class:`modelkeeper.infra.logs.LogBackoff`), and one line when the API answers again.
+
+On SIGINT or SIGTERM it stops polling, says ``bye``, and leaves its engines running for the
+next agent to adopt, saying so; with ``agent_stop_engines_on_exit``
+(``--stop-engines-on-exit``) it stops them instead, which is how a node leaves for good
+(docs/second-machine.md: drain, stop with the flag, ``nodes rm``).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from modelkeeper.domain.nodes import (
 )
 from modelkeeper.domain.units import parse_bytes
 from modelkeeper.infra import temporal
+from modelkeeper.infra.logs import LogBackoff, one_line, repeat_note
 from modelkeeper.infra.secrets import read_join_token
 from modelkeeper.settings import Settings
 
@@ -62,10 +73,25 @@ MAX_CONCURRENT_ACTIVITIES = 1000
 #: reconnecting to an API that restarts.
 LIVENESS_RETRY_FIRST_S = 0.1
 LIVENESS_RETRY_MAX_S = 2.0
+#: A registration the API did not answer is tried again after this long, doubling up to
+#: the cap: an agent started beside its stack joins within a fraction of a second of the
+#: API, and one whose API is away for long still joins within 5 s of its return.
+REGISTRATION_RETRY_FIRST_S = 0.2
+REGISTRATION_RETRY_MAX_S = 5.0
 #: After ``stop``, how long the agent waits for the API to answer its ``bye``: it answers
 #: in milliseconds, and an agent must not hang on its way out when the API is away.
 LIVENESS_BYE_TIMEOUT_S = 2.0
 
+
+#: With --stop-engines-on-exit, each engine gets this long after SIGTERM before SIGKILL, all
+#: at once: llama.cpp and the sim exit in well under a second, vLLM frees its GPU memory in
+#: a few; an engine that does not is killed rather than waited on (as `up` does).
+STOP_ON_EXIT_GRACE_S = 5.0
+
+#: The calls whose failures the log thins out (LogBackoff kinds), one per loop.
+REGISTRATION = "registration"
+HEARTBEAT = "heartbeat"
+LIVENESS = "liveness stream"
 
 #: Answers to a registration that retrying cannot change: the join token or the node's
 #: credential is wrong, or the agent advertises an address that is not its own (403), or
@@ -172,19 +198,38 @@ def _detail(resp: httpx.Response) -> str:
         return resp.text
 
 
+def _failed(notes: LogBackoff, kind: str, exc: BaseException, *, retry: str) -> None:
+    """One line for a failed call to the control plane, when ``notes`` says one is due."""
+    count = notes.failed(kind, now=time.monotonic())
+    if count is not None:
+        log.warning("%s failed (%s); %s%s; next note within %.0fs if it goes on", kind,
+                    one_line(exc), retry, repeat_note(count), notes.next_gap_s(kind))
+
+
+def _succeeded(notes: LogBackoff, kind: str) -> None:
+    """One line when a call that was failing works again."""
+    failing_for = notes.recovered(kind, now=time.monotonic())
+    if failing_for is not None:
+        log.info("%s works again (it failed for %.0fs)", kind, failing_for)
+
+
 async def _register(http: httpx.AsyncClient, reg: Callable[[], AgentRegistration],
                     identity: NodeIdentity, manager: ShardManager,
-                    stop: asyncio.Event) -> AgentWelcome | None:
+                    stop: asyncio.Event, *, notes: LogBackoff) -> AgentWelcome | None:
     """Register, retrying while the API is unreachable; None if stopped first."""
-    delay = 0.2
+    delay = REGISTRATION_RETRY_FIRST_S
     while not stop.is_set():
         try:
-            return await _register_once(http, reg(), identity, manager)
+            welcome = await _register_once(http, reg(), identity, manager)
         except httpx.HTTPError as exc:
-            log.warning("registration failed (%s); retrying in %.1fs", exc, delay)
+            _failed(notes, REGISTRATION, exc, retry=f"retrying in {delay:.1f}s, backing off "
+                    f"to every {REGISTRATION_RETRY_MAX_S:.0f}s")
+        else:
+            _succeeded(notes, REGISTRATION)
+            return welcome
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), delay)
-        delay = min(delay * 2, 5.0)
+        delay = min(delay * 2, REGISTRATION_RETRY_MAX_S)
     return None
 
 
@@ -216,6 +261,7 @@ async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
     adopted, killed = manager.recover()
     log.info("node %s (%s): adopted %d shard(s), killed %d unidentified engine(s)",
              node_id, name, len(adopted), len(killed))
+    notes = LogBackoff()
 
     def registration() -> AgentRegistration:
         return AgentRegistration(node_id=node_id, name=name, labels=settings.node_labels,
@@ -226,11 +272,13 @@ async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
     try:
         async with httpx.AsyncClient(base_url=settings.api_url,
                                      timeout=httpx.Timeout(5.0)) as http:
-            welcome = await _register(http, registration, identity, manager, stop)
+            welcome = await _register(http, registration, identity, manager, stop,
+                                      notes=notes)
             if welcome is None:
                 return
             liveness = asyncio.create_task(
-                _liveness_loop(http, node_id, identity, settings.liveness_interval_s, stop))
+                _liveness_loop(http, node_id, identity, settings.liveness_interval_s, stop,
+                               notes=notes))
             try:
                 # The address comes from the API; the TLS material and key never do: each
                 # machine keeps its own (docs/security.md).
@@ -244,22 +292,43 @@ async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
                                 activities=NodeActivities(manager).all(),
                                 max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES)
                 async with worker:
-                    log.info("node %s registered; polling %s", node_id, welcome.task_queue)
+                    log.info("node %s registered; polling %s on Temporal at %s", node_id,
+                             welcome.task_queue, welcome.temporal_address)
                     await _heartbeat_loop(http, node_id, identity, inventory, manager,
-                                          registration, settings, stop)
+                                          registration, settings, stop, notes=notes)
             finally:
                 await _end_liveness(liveness, stop)
     finally:
-        if settings.agent_stop_engines_on_exit:
-            for report in manager.reports():
-                await manager.stop(report.replica_id, grace_s=5.0)
+        await _leave_engines(manager, stop_them=settings.agent_stop_engines_on_exit)
         await manager.close()
+
+
+async def _leave_engines(manager: ShardManager, *, stop_them: bool) -> None:
+    """On the way out: stop every engine (the node leaves for good), or say that they keep
+    running, and how to stop them, since an operator who stops an agent may expect them
+    gone."""
+    running = manager.reports()
+    if not running:
+        return
+    if not stop_them:
+        log.info("leaving %d engine(s) running for the next agent on this node to adopt; "
+                 "to take the node out for good: modelkeeper drain NODE, then run the agent "
+                 "again with --stop-engines-on-exit and stop it (docs/second-machine.md)",
+                 len(running))
+        return
+    log.info("stopping %d engine(s) (--stop-engines-on-exit)", len(running))
+    exits = await manager.stop_all(STOP_ON_EXIT_GRACE_S)
+    left = manager.reports()
+    log.info("stopped %d engine(s); %s", len(exits),
+             "none left running" if not left
+             else f"still running: {', '.join(r.replica_id for r in left)}")
 
 
 async def _heartbeat_loop(http: httpx.AsyncClient, node_id: str, identity: NodeIdentity,
                           inventory: Callable[[], Inventory], manager: ShardManager,
                           registration: Callable[[], AgentRegistration],
-                          settings: Settings, stop: asyncio.Event) -> None:
+                          settings: Settings, stop: asyncio.Event, *,
+                          notes: LogBackoff) -> None:
     interval = settings.heartbeat_interval_s
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
@@ -277,9 +346,10 @@ async def _heartbeat_loop(http: httpx.AsyncClient, node_id: str, identity: NodeI
                 await _register_once(http, registration(), identity, manager)
             elif resp.status_code >= 400:
                 log.warning("heartbeat refused: %s %s", resp.status_code, _detail(resp))
+            _succeeded(notes, HEARTBEAT)
         except httpx.HTTPError as exc:
             # The API being down must not touch engines: they keep serving.
-            log.warning("heartbeat failed: %s", exc)
+            _failed(notes, HEARTBEAT, exc, retry=f"retrying every {interval:.0f}s")
         except AgentConfigError as exc:
             # Engines keep serving; an operator must act (the log says how).
             log.error("%s", exc)
@@ -287,7 +357,8 @@ async def _heartbeat_loop(http: httpx.AsyncClient, node_id: str, identity: NodeI
 
 
 async def _liveness_loop(http: httpx.AsyncClient, node_id: str, identity: NodeIdentity,
-                         interval_s: float, stop: asyncio.Event) -> None:
+                         interval_s: float, stop: asyncio.Event, *,
+                         notes: LogBackoff) -> None:
     """Keep one liveness stream open to the API until ``stop``, which ends it with ``bye``.
 
     Reopened whenever it ends otherwise (the API restarted, the network broke, the API
@@ -296,31 +367,44 @@ async def _liveness_loop(http: httpx.AsyncClient, node_id: str, identity: NodeId
     delay = LIVENESS_RETRY_FIRST_S
     while not stop.is_set():
         opened_at = time.monotonic()
+        failure: BaseException
         try:
-            resp = await http.post(f"/nodes/{node_id}/liveness",
-                                   content=_pings(interval_s, stop),
-                                   headers=identity.node_headers())
-            outcome = f"answered {resp.status_code} {resp.text.strip()}"
+            resp = await http.post(
+                f"/nodes/{node_id}/liveness", headers=identity.node_headers(),
+                content=_pings(interval_s, stop,
+                               on_open=lambda: _succeeded(notes, LIVENESS)))
+            failure = _StreamEnded(f"answered {resp.status_code} {resp.text.strip()}")
             if resp.status_code in (401, 403):
                 log.error("the API refused the liveness stream: %s", resp.text)
         except httpx.HTTPError as exc:
-            outcome = f"failed ({exc!r})"
+            failure = exc
         if stop.is_set():
             return
         if time.monotonic() - opened_at > LIVENESS_RETRY_MAX_S:
             delay = LIVENESS_RETRY_FIRST_S  # it served a while: a fresh break, not a streak
         wait_s = delay * random.uniform(0.5, 1.0)
-        log.warning("liveness stream %s; reopening in %.2fs", outcome, wait_s)
+        _failed(notes, LIVENESS, failure,
+                retry=f"reopening it within {LIVENESS_RETRY_MAX_S:.0f}s each time")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), wait_s)
         delay = min(delay * 2, LIVENESS_RETRY_MAX_S)
 
 
-async def _pings(interval_s: float, stop: asyncio.Event) -> AsyncIterator[bytes]:
+class _StreamEnded(Exception):
+    """The API ended the liveness stream with an answer (it restarted, or refused it)."""
+
+
+async def _pings(interval_s: float, stop: asyncio.Event, *,
+                 on_open: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
     """The body of a liveness stream: a ping at once and every ``interval_s``; ``bye`` when
-    ``stop`` is set, and then the end of the body."""
+    ``stop`` is set, and then the end of the body. ``on_open`` is called once the first
+    ping has gone out (the client asks for the next chunk only then): the stream is open."""
+    opened = False
     while not stop.is_set():
         yield PING + b"\n"
+        if not opened and on_open is not None:
+            on_open()
+        opened = True
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)
     yield BYE + b"\n"

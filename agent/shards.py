@@ -581,6 +581,18 @@ class ShardManager:
         return ended.model_copy(update={"kind": ExitKind.STOPPED,
                                         "detail": f"stopped on request ({ended.detail})"})
 
+    async def stop_all(self, grace_s: float) -> list[ShardExit]:
+        """Stop every engine this agent runs, and every start queued at the gate, all at
+        once: each gets SIGTERM and ``grace_s`` to exit, so the whole stop takes about
+        ``grace_s`` however many engines there are.
+
+        Only for an agent that takes its node out for good (``--stop-engines-on-exit``): a
+        plain exit leaves engines for the next agent to adopt.
+        """
+        replica_ids = [report.replica_id for report in self.reports()]
+        return list(await asyncio.gather(*(self.stop(rid, grace_s=grace_s)
+                                           for rid in replica_ids)))
+
     def reports(self) -> list[ShardReport]:
         """What this agent runs, for registration and `list_shards`; then the starts
         queued at the start-up gate, in queue order (starting, no process yet)."""

@@ -16,6 +16,10 @@ How a node authenticates (docs/security.md, "Nodes and engine keys"):
   the node (``modelkeeper nodes rm``) and the agent joins again. The one exception is a
   credential never used since it was issued, whose answer may have been lost on the way:
   the join token may issue that node a new one.
+
+Where an agent's worker polls: :func:`agent_temporal_address` (the answer's
+``temporal_address``), so that an agent on another machine is never sent a wildcard or
+this machine's loopback.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from modelkeeper.names import node_task_queue
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 
+from .auth import WILDCARD_BINDS, host_name
 from .deps import SettingsDep, StoreDep, TemporalDep
 from .signals import signal_waiting_deployments
 
@@ -106,6 +111,48 @@ def registration_warnings(settings: Settings) -> list[str]:
             "no engine key secret (MODELKEEPER_ENGINE_KEY_SECRET): agent registrations "
             "will be refused, since each node's key is derived from it.")
     return warnings
+
+
+def _split_address(address: str) -> tuple[str, str]:
+    """``host:port`` (IPv6 hosts in brackets) into its host, without brackets, and port."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), port
+
+
+def agent_temporal_address(settings: Settings, *, peer_loopback: bool,
+                           api_host: str | None) -> str:
+    """The Temporal address to hand an agent that registers, in order:
+
+    1. ``agent_temporal_address`` when set: the operator knows the way (a load balancer,
+       a name on Temporal's certificate).
+    2. The API's own ``temporal_address`` when the agent can use it as it is: its host
+       names a machine (not a wildcard such as ``0.0.0.0``) and is not this machine's
+       loopback, unless the agent is on this machine too.
+    3. Otherwise Temporal's port on ``api_host``, the host the agent reached the API by:
+       Temporal runs beside the API, as under `up` (whose API reaches it on loopback).
+       An agent that reached the API can resolve and route to that host.
+
+    ``api_host`` is the request's Host (which the allowlist admitted), else the address
+    of the API's socket it arrived on; None leaves the address as it is.
+    """
+    if settings.agent_temporal_address:
+        return settings.agent_temporal_address
+    address = settings.temporal_address
+    host, port = _split_address(address)
+    usable = host not in WILDCARD_BINDS and (peer_loopback or not is_loopback(host))
+    if usable or api_host is None or api_host in WILDCARD_BINDS or not port:
+        return address
+    return f"[{api_host}]:{port}" if ":" in api_host else f"{api_host}:{port}"
+
+
+def _api_host(request: Request) -> str | None:
+    """The host the client reached the API by: its Host header, else the local address
+    of the connection (the server's socket, as the ASGI scope gives it)."""
+    named = host_name(request.headers.get("host"))
+    if named:
+        return named
+    server = request.scope.get("server")
+    return str(server[0]).strip("[]") if server else None
 
 
 def bearer(authorization: str | None) -> str | None:
@@ -204,7 +251,8 @@ async def register_node(reg: AgentRegistration, request: Request, store: StoreDe
     await signal_waiting_deployments(store, temporal)
     return AgentWelcome(
         node_id=reg.node_id,
-        temporal_address=settings.agent_temporal_address or settings.temporal_address,
+        temporal_address=agent_temporal_address(settings, peer_loopback=is_loopback(peer),
+                                                api_host=_api_host(request)),
         temporal_namespace=settings.temporal_namespace,
         task_queue=node_task_queue(reg.node_id),
         heartbeat_interval_s=settings.heartbeat_interval_s,

@@ -24,7 +24,7 @@ from modelkeeper.domain.catalog import (
     estimate_memory_bytes,
 )
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
-from modelkeeper.domain.ids import DeploymentId, NodeId
+from modelkeeper.domain.ids import DeploymentId
 from modelkeeper.domain.keeper import DeploymentSpec, KeeperConfig
 from modelkeeper.domain.placement import Placement, PlacementRequest, explain, place
 from modelkeeper.domain.shards import EngineKind
@@ -58,6 +58,7 @@ from workflows.deployment import (
 from . import operations
 from .auth import OperatorDep, change
 from .deps import SettingsDep, StoreDep, TemporalDep
+from .nodes import resolve_node_ids
 from .problems import problems
 
 #: A scale is answered by the deployment's workflow within a workflow task: seconds. With
@@ -217,6 +218,11 @@ async def create_deployment(request: DeploymentRequest, store: StoreDep,
         known = ", ".join(m.model_id for m in await store.list_models()) or "none"
         raise field_error("model_id", request.model_id,
                           f"unknown model_id; known models: {known}")
+    if request.node_ids:
+        # Names become ids here, once: the deployment keeps ids, which a node keeps when
+        # it is renamed.
+        request = request.model_copy(update={"node_ids": await resolve_node_ids(
+            store, request.node_ids, loc=("body", "node_ids"))})
     deployment_id = DeploymentId(f"d-{uuid.uuid4().hex[:10]}")
     workflow_id = deployment_workflow_id(deployment_id)
     try:
@@ -392,7 +398,8 @@ async def explain_placement(
     request = PlacementRequest(
         model_id=model.model_id, memory_bytes=model.memory_bytes, cpu_cores=model.cpu_cores,
         gpus=model.gpus, min_nodes=max(min_nodes, model.min_nodes),
-        node_ids=[NodeId(n) for n in node_ids] if node_ids else None,
+        node_ids=await resolve_node_ids(store, node_ids, loc=("query", "node_ids"))
+        if node_ids else None,
         deployment_id=None if deployment is None else deployment.deployment_id,
         sibling_node_ids=[] if deployment is None else
         sorted({n for r in deployment.replicas for n in r.nodes}))

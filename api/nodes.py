@@ -4,9 +4,11 @@ liveness stream in ``liveness``."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from fastapi import APIRouter, HTTPException
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 
 from modelkeeper.domain.ids import NodeId
@@ -19,6 +21,7 @@ from modelkeeper.domain.nodes import (
     node_state,
 )
 from modelkeeper.settings import Settings
+from modelkeeper.store import Store
 
 from .auth import OperatorDep, change
 from .deps import SettingsDep, StoreDep, TemporalDep
@@ -27,6 +30,56 @@ from .problems import problems
 from .signals import signal_waiting_deployments
 
 router = APIRouter()
+
+#: Known nodes a refusal lists by name and id; past this many it counts the rest, so a
+#: fleet's refusal stays a sentence (`modelkeeper nodes` lists them all).
+KNOWN_NODES_LISTED = 20
+
+
+async def resolve_node_ids(store: Store, refs: Sequence[str], *,
+                           loc: tuple[str, str]) -> list[NodeId]:
+    """The ids of the nodes ``refs`` name, each by id or by name, in order and without
+    repeats: the one place the API takes a node's name wherever it takes an id. An id
+    wins over a name (names are chosen freely, ids are unique).
+
+    A ref that names no registered node raises a 422 at ``loc`` (e.g. ``("body",
+    "node_ids")``) naming it and listing the known nodes by name and id; a name that two
+    nodes share raises one naming both, since pinning to either would be a guess.
+    """
+    nodes = await store.list_nodes()
+    by_id = {n.node_id: n for n in nodes}
+    by_name: dict[str, list[NodeRecord]] = {}
+    for node in nodes:
+        by_name.setdefault(node.name, []).append(node)
+    resolved: list[NodeId] = []
+    for ref in refs:
+        if ref in by_id:
+            node_id = NodeId(ref)
+        else:
+            named = by_name.get(ref, [])
+            if len(named) != 1:
+                raise _node_ref_error(ref, named, nodes, loc=loc)
+            node_id = named[0].node_id
+        if node_id not in resolved:
+            resolved.append(node_id)
+    return resolved
+
+
+def _node_ref_error(ref: str, named: Sequence[NodeRecord], nodes: Sequence[NodeRecord], *,
+                    loc: tuple[str, str]) -> RequestValidationError:
+    if named:
+        ids = ", ".join(n.node_id for n in named)
+        message = (f"{ref!r} is the name of {len(named)} nodes ({ids}): give the id of "
+                   "the one you mean")
+    else:
+        listed = ", ".join(f"{n.name} ({n.node_id})" for n in nodes[:KNOWN_NODES_LISTED])
+        if len(nodes) > KNOWN_NODES_LISTED:
+            listed += (f" and {len(nodes) - KNOWN_NODES_LISTED} more (`modelkeeper "
+                       "nodes` lists them)")
+        message = (f"{ref!r} is neither the id nor the name of a registered node; known "
+                   f"nodes: {listed or 'none'}")
+    return RequestValidationError([{"type": "value_error", "loc": loc, "msg": message,
+                                    "input": ref}])
 
 
 class NodeInfo(BaseModel):

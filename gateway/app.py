@@ -56,7 +56,8 @@ Send = Callable[[Message], Awaitable[None]]
 
 #: Largest request body accepted (prompts with long contexts are large, but not this).
 MAX_BODY_BYTES = 32 * 1024 * 1024
-COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+CHAT_PATH = "/v1/chat/completions"
+COMPLETION_PATHS = frozenset({CHAT_PATH, "/v1/completions"})
 #: HTTP status the gateway records for a request whose client went away (nginx's).
 CLIENT_CLOSED = 499
 #: What an engine answers a key it does not hold.
@@ -79,30 +80,82 @@ STALE_KEYS_RETRY_AFTER_S = 5
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
-def bound_max_tokens(payload: dict[str, Any], body: bytes, bound: int) -> bytes | ErrorReply:
-    """The body to send under a ``bound`` on tokens per request: unchanged when it asks
-    for at most ``bound``; with ``max_tokens`` set to ``bound`` when it names no number
-    (an engine would otherwise generate until its context is full); a 400 naming the field,
-    its value and the bound when it asks for more.
+def bound_max_tokens(payload: dict[str, Any], body: bytes, bound: int | None, *,
+                     model_default: int | None = None,
+                     model_limit: int | None = None) -> bytes | ErrorReply:
+    """The body to send under the bounds on tokens per request, the gateway's ``bound``
+    (``gateway_max_tokens``, for every key) and the model's own (its catalog
+    ``default_max_tokens`` and ``max_tokens_limit``):
 
-    The field is appended to the body's bytes rather than the payload dumped again: the
+    * a request that asks for more than ``bound`` is a 400 naming the field, its value
+      and the bound (a key's allowance is the operator's to raise, not the gateway's);
+    * one that asks for more than ``model_limit`` is lowered to it (the model's maximum
+      is applied, as its default is; the answer then ends with ``finish_reason``
+      ``length``);
+    * one that names no number is sent with ``max_tokens`` set to ``model_default``, else
+      ``model_limit``, at most ``bound``: an engine would otherwise generate until its
+      context is full;
+    * a number that is not a whole number of at least 1 is a 400 while any bound applies.
+
+    Unchanged (the same bytes) when no bound applies or none needs to change it. A field
+    is set by appending it to the body's bytes rather than dumping the payload again: the
     body has been parsed as an object with a ``model``, so it ends in ``}`` after its
-    last member, and a duplicate ``null`` member, if any, is overridden by the last one.
+    last member, and a duplicate member is overridden by the last one.
     """
+    if bound is None and model_limit is None and model_default is None:
+        return body
+    limits = [b for b in (bound, model_limit) if b is not None]
+    most = min(limits) if limits else None
+    lowered: dict[str, int] = {}
     named = False
     for name in TOKEN_FIELDS:
         value = payload.get(name)
         if value is None:
             continue
         named = True
-        if isinstance(value, bool) or not isinstance(value, int) or value > bound:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            allowed = f"from 1 to {most}" if most is not None else "of at least 1"
+            return responses.bad_request(
+                f"`{name}` is {value!r}: it must be a whole number of tokens {allowed}",
+                "invalid_max_tokens", param=name)
+        if bound is not None and value > bound:
             return responses.bad_request(
                 f"`{name}` is {value!r}; this gateway allows at most {bound} tokens per "
-                "request", "max_tokens_exceeded")
-    if named:
+                "request", "max_tokens_exceeded", param=name)
+        if model_limit is not None and value > model_limit:
+            lowered[name] = model_limit
+    if not named:
+        default = model_default if model_default is not None else model_limit
+        if bound is not None:
+            default = bound if default is None else min(default, bound)
+        if default is not None:
+            lowered["max_tokens"] = default
+    if not lowered:
         return body
     end = body.rstrip().rindex(b"}")
-    return body[:end] + b',"max_tokens":' + str(bound).encode() + body[end:]
+    added = b"".join(b',"' + name.encode() + b'":' + str(value).encode()
+                     for name, value in lowered.items())
+    return body[:end] + added + body[end:]
+
+
+def request_problem(path: str, payload: dict[str, Any]) -> ErrorReply | None:
+    """Why a request an engine would accept must not reach it: one with nothing to
+    answer, which an engine takes as leave to generate from nothing until its limit (an
+    empty ``messages`` kept a demo replica busy for 22 s). None when there is no problem.
+    The rest of the body is the engine's to judge."""
+    if path == CHAT_PATH:
+        messages = payload.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return responses.bad_request(
+                f"`messages` is {messages!r}: a chat completion needs a list of at least "
+                "one message", "invalid_messages", param="messages")
+        return None
+    prompt = payload.get("prompt")
+    if prompt is None or prompt == "" or prompt == []:
+        return responses.bad_request(
+            f"`prompt` is {prompt!r}: a completion needs a prompt that is not empty",
+            "invalid_prompt", param="prompt")
+    return None
 
 
 class KeyRateLimiter:
@@ -506,8 +559,8 @@ class Gateway:
         try:
             payload = json.loads(body)
         except (UnicodeDecodeError, ValueError):
-            await self._finish_error(send, UNKNOWN_MODEL, started,
-                                     responses.bad_request("the body is not valid JSON"))
+            await self._finish_error(send, UNKNOWN_MODEL, started, responses.bad_request(
+                "the body is not valid JSON", "invalid_json"))
             return
         except RecursionError:
             # The parser recurses per level: a body nested a thousand deep is hostile,
@@ -518,15 +571,25 @@ class Gateway:
         model = payload.get("model") if isinstance(payload, dict) else None
         if not isinstance(model, str):
             await self._finish_error(send, UNKNOWN_MODEL, started, responses.bad_request(
-                "`model` is required: the name of a deployed model", "model_required"))
+                "`model` is required: the name of a deployed model", "model_required",
+                param="model"))
             return
-        if self._max_tokens is not None:
-            bounded = bound_max_tokens(payload, body, self._max_tokens)
-            if isinstance(bounded, ErrorReply):
-                await self._finish_error(send, UNKNOWN_MODEL, started, bounded)
-                return
-            body = bounded
         entry = self.table.models.get(model)
+        # The request's own problems first, the model's availability after: a malformed
+        # request is the client's to fix whichever model it names.
+        route = None if entry is None else entry.route
+        problem = request_problem(path, payload)
+        if problem is not None:
+            await self._finish_error(send, UNKNOWN_MODEL, started, problem)
+            return
+        bounded = bound_max_tokens(
+            payload, body, self._max_tokens,
+            model_default=None if route is None else route.default_max_tokens,
+            model_limit=None if route is None else route.max_tokens_limit)
+        if isinstance(bounded, ErrorReply):
+            await self._finish_error(send, UNKNOWN_MODEL, started, bounded)
+            return
+        body = bounded
         if entry is None:
             await self._finish_error(send, UNKNOWN_MODEL, started,
                                      responses.unknown_model(model, self.table.models))
@@ -718,6 +781,10 @@ class Gateway:
             return False, reply.status
         if status >= 500:
             self.metrics.upstream_errors.labels(endpoint.replica_id, "status_5xx").inc()
+        if status >= 400:
+            # Off the hot path: an engine's error in the one shape clients get from us.
+            data = responses.engine_error(status, data).body()
+            content_type = "application/json"
         await send({"type": "http.response.start", "status": status, "headers": [
             (b"content-type", content_type.encode("latin-1")),
             (b"content-length", str(len(data)).encode()),

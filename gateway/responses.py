@@ -1,5 +1,13 @@
 """What the gateway says when it cannot pass a request on: OpenAI-shaped error bodies,
-and the reason a model cannot be served right now, taken from its deployment."""
+and the reason a model cannot be served right now, taken from its deployment.
+
+Every error the gateway answers, its own and an engine's, has one shape, OpenAI's:
+``{"error": {"message": str, "type": str, "param": str | null, "code": str}}``. Its own
+errors may add fields to the object (the known models, a deployment's status and
+reason); an engine's error is rewritten into that shape by :func:`engine_error`, since
+engines differ (llama.cpp gives a numeric code and no ``param``, older vLLM and SGLang
+put the fields at the top level, a FastAPI server answers ``{"detail": ...}``).
+"""
 
 from __future__ import annotations
 
@@ -33,16 +41,19 @@ class ErrorReply:
     #: Fields added to the ``error`` object (known models, deployment status, reason).
     extra: dict[str, Any] = field(default_factory=dict)
     headers: Headers = field(default_factory=list)
+    #: The request field the error is about (``messages``, ``max_tokens``); None: none.
+    param: str | None = None
 
     def body(self) -> bytes:
         """The JSON body: ``{"error": {...}}`` as the OpenAI API shapes it."""
-        return dumps({"error": {"message": self.message, "type": self.type, "param": None,
-                                "code": self.code, **self.extra}})
+        return dumps({"error": {"message": self.message, "type": self.type,
+                                "param": self.param, "code": self.code, **self.extra}})
 
 
-def bad_request(message: str, code: str = "invalid_request") -> ErrorReply:
-    """400: the request itself is wrong."""
-    return ErrorReply(400, message, "invalid_request_error", code)
+def bad_request(message: str, code: str = "invalid_request", *,
+                param: str | None = None) -> ErrorReply:
+    """400: the request itself is wrong (``param``: in this field)."""
+    return ErrorReply(400, message, "invalid_request_error", code, param=param)
 
 
 def unauthorized(message: str) -> ErrorReply:
@@ -56,7 +67,8 @@ def unknown_model(model: str, known: Iterable[str]) -> ErrorReply:
     names = sorted(known)
     listed = ", ".join(names) if names else "none are deployed"
     return ErrorReply(404, f"The model `{model}` does not exist. Known models: {listed}.",
-                      "invalid_request_error", "model_not_found", {"known_models": names})
+                      "invalid_request_error", "model_not_found", {"known_models": names},
+                      param="model")
 
 
 def upstream_failed(model: str, why: str, status: int = 502, *,
@@ -67,6 +79,59 @@ def upstream_failed(model: str, why: str, status: int = 502, *,
     if waited_s is not None:
         message += f". None it could be retried on was ready within {waited_s:.1f}s."
     return ErrorReply(status, message, "upstream_error", "upstream_unavailable")
+
+
+#: An engine's error type by HTTP status, for one that gives none as a string: OpenAI's
+#: types for what the client did wrong, ``upstream_error`` (as for the gateway's own 502)
+#: for what failed at the engine.
+_ENGINE_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                       403: "permission_error", 404: "invalid_request_error",
+                       413: "invalid_request_error", 422: "invalid_request_error",
+                       429: "rate_limit_error"}
+#: An engine's error code by HTTP status, for one that gives none as a string (llama.cpp
+#: and vLLM give the status itself, a number). Any other status: ``engine_error``.
+_ENGINE_ERROR_CODES = {400: "invalid_request", 401: "engine_key_refused",
+                       403: "forbidden", 404: "not_found", 413: "body_too_large",
+                       422: "invalid_request", 429: "rate_limit_exceeded",
+                       501: "not_implemented", 503: "engine_unavailable"}
+ENGINE_ERROR_CODE = "engine_error"
+#: Characters of a body that is not an error object kept as the message: enough for a
+#: sentence or a short traceback line, not a whole HTML page.
+_ENGINE_TEXT_CHARS = 500
+
+
+def engine_error(status: int, data: bytes) -> ErrorReply:
+    """An engine's error answer (``status`` >= 400, body ``data``) in the gateway's shape:
+    its message, type, param and code where it gives them as strings, else a type and
+    code from the status and, for a body that is no error object, its text as the
+    message. Never raises: whatever an engine sends, the client gets the one shape."""
+    found: dict[str, Any] = {}
+    try:
+        parsed = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        parsed = None
+    if isinstance(parsed, dict):
+        inner = parsed.get("error")
+        if isinstance(inner, dict):
+            found = inner  # OpenAI, llama.cpp, newer vLLM
+        elif isinstance(inner, str):
+            found = {"message": inner, "type": parsed.get("error_type")}  # TGI
+        elif "message" in parsed:
+            found = parsed  # older vLLM and SGLang: the fields at the top level
+        elif isinstance(parsed.get("detail"), str):
+            found = {"message": parsed["detail"]}  # a FastAPI server's own errors
+    message = _text(found.get("message"))
+    if message is None:
+        shown = data.decode("utf-8", errors="replace").strip()[:_ENGINE_TEXT_CHARS]
+        message = shown or f"the engine answered HTTP {status} with no message"
+    kind = _text(found.get("type")) or _ENGINE_ERROR_TYPES.get(status, "upstream_error")
+    code = _text(found.get("code")) or _ENGINE_ERROR_CODES.get(status, ENGINE_ERROR_CODE)
+    return ErrorReply(status, message, kind, code, param=_text(found.get("param")))
+
+
+def _text(value: object) -> str | None:
+    """``value`` when it is a non-empty string, else None."""
+    return value if isinstance(value, str) and value else None
 
 
 def hopeless(route: DeploymentRoute) -> ErrorReply | None:

@@ -7,6 +7,7 @@ namespace, which use the ``temporal`` CLI's own names (``TEMPORAL_ADDRESS``,
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -21,7 +22,16 @@ SourceScheme = Literal["https", "http"]
 _HTTPS: SourceScheme = "https"
 
 
+#: The data dir under root: the usual place for a system service's state. Its parents
+#: (/, /var, /var/lib) are world-traversable on every distribution, so PostgreSQL's own
+#: user reaches its data without a permission change on any of them; under /root (mode
+#: 0700) it could not, and opening /root for it exposed root's files to every user.
+ROOT_DATA_DIR = Path("/var/lib/modelkeeper")
+
+
 def _default_data_dir() -> Path:
+    if os.geteuid() == 0:
+        return ROOT_DATA_DIR
     return Path.home() / ".local" / "share" / "modelkeeper"
 
 
@@ -32,7 +42,11 @@ class Settings(BaseSettings):
 
     data_dir: Path = Field(
         default_factory=_default_data_dir,
-        description="Where `up` keeps PostgreSQL's data, Temporal's SQLite file and logs.",
+        description="Where `up` keeps PostgreSQL's data, Temporal's SQLite file and logs. "
+        "Under root, /var/lib/modelkeeper: PostgreSQL then runs as its own system user, "
+        "which must reach its data, and `up` changes no folder above the data dir (an "
+        "older version's data under /root/.local/share/modelkeeper is used when named "
+        "here).",
     )
     bind_host: str = Field(
         default="127.0.0.1",
@@ -472,7 +486,8 @@ def config_table_markdown() -> str:
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for name, field in Settings.model_fields.items():
         if field.default_factory is not None:
-            default = "`~/.local/share/modelkeeper`" if name == "data_dir" else "(computed)"
+            default = ("`~/.local/share/modelkeeper` (root: `/var/lib/modelkeeper`)"
+                       if name == "data_dir" else "(computed)")
         elif field.default is None:
             default = "(unset)"
         else:

@@ -15,8 +15,8 @@ What it adds to the recovery fleet:
 * **Restarts:** kill -9 and start again (a worker, the API, the gateway), or stop and start
   again keeping the data (the Temporal dev server its database file, PostgreSQL its data
   dir), each on the same port, each waited for until it does its job again.
-* **The operator's token,** in one place (:meth:`SoakFleet.api_headers`): the API asks for
-  one on every operator route. The agents' routes and ``/healthz`` need none.
+* **The operator's token** (the recovery fleet issues it) as headers, in one place
+  (:meth:`SoakFleet.api_headers`): the API asks for it on every operator route.
 
 Every process is in a group of its own (``ManagedProcess``); :meth:`SoakFleet.stop` wakes
 what a fault froze before stopping everything, forwarders and namespaces included.
@@ -25,7 +25,6 @@ what a fault froze before stopping everything, forwarders and namespaces include
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import secrets
 import signal
@@ -34,7 +33,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import asyncpg
-import httpx
 
 from bench.recovery.fleet import (
     HOST,
@@ -52,8 +50,6 @@ from .netns import NodeNetwork
 
 #: What the worker logs once it polls its task queue (worker/main.py): its readiness.
 WORKER_POLLING = b"worker polling"
-#: The name the soak's operator token carries in the audit log.
-TOKEN_NAME = "soak-bench"
 #: How long a single readiness probe may take; a component busy restarting answers slowly.
 PROBE_TIMEOUT_S = 2.0
 #: Where the API and the gateway listen when agents are namespaced: every address, so that
@@ -76,7 +72,6 @@ class SoakFleet(Fleet):
     #: Run each agent in a network namespace of its own (partitions need it).
     use_netns: bool = True
     networks: dict[str, NodeNetwork] = field(default_factory=dict)
-    _token: str | None = None
 
     def __post_init__(self) -> None:
         if self.use_netns:
@@ -137,34 +132,10 @@ class SoakFleet(Fleet):
 
     # -- the operator's token -------------------------------------------------------------
 
-    async def api_headers(self) -> dict[str, str]:
+    def api_headers(self) -> dict[str, str]:
         """The headers every operator call to the API carries: the one place auth lives.
-
-        The token is made in the store on first use (the API has migrated it by then), as
-        ``modelkeeper tokens create`` would. Without the tokens table (code from before
-        operator auth), no header.
-        """
-        if self._token is None:
-            try:
-                from modelkeeper.domain.operators import OperatorRole
-                from modelkeeper.store.tokens import TokensStore
-            except ImportError:
-                return {}
-            async with await TokensStore.connect(self.database_url) as tokens:
-                _, self._token = await tokens.create_token(TOKEN_NAME, OperatorRole.ADMIN)
-        return {"Authorization": f"Bearer {self._token}"}
-
-    async def node_ready(self, agent: Agent) -> bool:
-        """As the recovery fleet's, with the operator's token."""
-        node_id = agent.node_id
-        if node_id is None:
-            return False
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S,
-                                         headers=await self.api_headers()) as http:
-                resp = await http.get(f"{self.api_url}/nodes/{node_id}")
-                return resp.status_code == 200 and resp.json().get("state") == "ready"
-        return False
+        The token is the recovery fleet's, issued once the API is up."""
+        return {"Authorization": f"Bearer {self.operator_token}"} if self.operator_token else {}
 
     # -- restarts -------------------------------------------------------------------------
 

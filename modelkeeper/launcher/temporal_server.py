@@ -33,8 +33,15 @@ def dev_server_argv(*, host: str, port: int, ui_port: int | None, db_file: Path,
 
 
 def start_dev_server(*, host: str, port: int, ui_port: int | None, db_file: Path,
-                     namespace: str, log_path: Path, timeout: float = 60.0) -> ManagedProcess:
-    """Start the dev server and return once its frontend (and UI, if on) accept connections."""
+                     namespace: str, log_path: Path, timeout: float = 60.0,
+                     connect_host: str | None = None) -> ManagedProcess:
+    """Start the dev server and return once its frontend (and UI, if on) accept connections.
+
+    ``host`` is where both listen: loopback alone, or every interface (``0.0.0.0``) when
+    agents on other machines must reach the frontend; the UI follows it, being no more
+    open than the frontend itself. ``connect_host`` is where the readiness check
+    connects: a wildcard names no address to connect to (default: ``host``).
+    """
     db_file.parent.mkdir(parents=True, exist_ok=True)
     proc = ManagedProcess("temporal", dev_server_argv(host=host, port=port, ui_port=ui_port,
                                                       db_file=db_file, namespace=namespace),
@@ -42,7 +49,8 @@ def start_dev_server(*, host: str, port: int, ui_port: int | None, db_file: Path
     proc.start()
 
     def ready() -> bool:
-        return tcp_accepts(host, port) and (ui_port is None or tcp_accepts(host, ui_port))
+        at = connect_host or host
+        return tcp_accepts(at, port) and (ui_port is None or tcp_accepts(at, ui_port))
 
     try:
         proc.wait_until(ready, timeout)

@@ -59,6 +59,11 @@ class DeploymentRoute:
     created_at: datetime
     #: Replicas in a routable state with an endpoint, in replica id order.
     ready: tuple[ReplicaRoute, ...]
+    #: The catalog's bounds on tokens per request of the model the deployment runs (its
+    #: ``runs_model_id`` after a switch): sent when a request names none, and the most
+    #: one may ask for. None: the model sets none.
+    default_max_tokens: int | None = None
+    max_tokens_limit: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +108,12 @@ def new_client_key() -> str:
 _ROUTE_SELECT = """
     SELECT d.deployment_id, d.model_id, d.status, d.replicas, d.placement_error,
            d.last_failure, d.consecutive_failures, d.created_at,
+           -- The model the engines run: after a switch, not the served name's own entry.
+           -- Subqueries, not a join, so the GROUP BY below stays one deployment's.
+           (SELECT m.default_max_tokens FROM models m
+            WHERE m.model_id = COALESCE(d.runs_model_id, d.model_id)) AS default_max_tokens,
+           (SELECT m.max_tokens_limit FROM models m
+            WHERE m.model_id = COALESCE(d.runs_model_id, d.model_id)) AS max_tokens_limit,
            COALESCE(array_agg(r.replica_id ORDER BY r.replica_id)
                     FILTER (WHERE r.replica_id IS NOT NULL), '{}') AS replica_ids,
            COALESCE(array_agg(r.endpoint ORDER BY r.replica_id)
@@ -132,6 +143,8 @@ def _route(row: asyncpg.Record) -> DeploymentRoute:
         ready=tuple(ReplicaRoute(rid, url, node)
                     for rid, url, node in zip(row["replica_ids"], row["endpoints"],
                                               row["endpoint_nodes"], strict=True)),
+        default_max_tokens=row["default_max_tokens"],
+        max_tokens_limit=row["max_tokens_limit"],
     )
 
 

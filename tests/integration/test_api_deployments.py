@@ -12,6 +12,8 @@ from temporalio.testing import WorkflowEnvironment
 
 from api.app import create_app
 from modelkeeper.domain.catalog import DeploymentStatusUpdate
+from modelkeeper.domain.ids import NodeId
+from modelkeeper.domain.nodes import NODE_NAME_PATTERN, AgentRegistration, Inventory
 from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
@@ -142,3 +144,94 @@ async def test_degraded_and_stopped_show_in_the_list_and_in_the_status_gauge(
             status.value: float(status is current) for status in DeploymentStatus}
     assert metric(text, "modelkeeper_deployment_desired_replicas",
                   deployment_id=ids["sim-b"], model_id="sim-b") == 0.0
+
+
+# -- node names ----------------------------------------------------------------------------
+
+GIB = 1 << 30
+
+
+async def _register(store: Store, node_id: str, name: str) -> None:
+    await store.register_node(AgentRegistration(
+        node_id=NodeId(node_id), name=name,
+        inventory=Inventory(memory_total_bytes=64 * GIB, memory_available_bytes=64 * GIB,
+                            cpu_count=8)))
+
+
+async def test_deploy_takes_node_names_wherever_it_takes_ids(
+        api: httpx.AsyncClient, store: Store) -> None:
+    await _register(store, "n-7f3a", "gpu-a")
+    await _register(store, "n-91bc", "gpu-b")
+    await api.post("/models", json=SIM)
+    # A name and an id side by side; the deployment keeps ids, which survive a rename.
+    created = await api.post("/deployments", json={"model_id": "sim-a",
+                                                   "node_ids": ["gpu-a", "n-91bc", "n-7f3a"]})
+    assert created.status_code == 201, created.text
+    assert created.json()["node_ids"] == ["n-7f3a", "n-91bc"]
+    # explain's dry run takes names too, and heads its verdict with them.
+    explained = await api.get("/placement/explain",
+                              params={"model_id": "sim-a", "node_ids": ["gpu-b"]})
+    assert explained.status_code == 200, explained.text
+    assert explained.json()["nodes_chosen"] == ["n-91bc"]
+    assert {n["node_id"]: n["name"] for n in explained.json()["nodes"]} == {
+        "n-7f3a": "gpu-a", "n-91bc": "gpu-b"}
+
+
+async def test_an_unknown_node_is_a_422_listing_the_known_ones_by_name_and_id(
+        api: httpx.AsyncClient, store: Store) -> None:
+    await _register(store, "n-7f3a", "gpu-a")
+    await api.post("/models", json=SIM)
+    resp = await api.post("/deployments", json={"model_id": "sim-a", "node_ids": ["node2"]})
+    assert resp.status_code == 422, resp.text
+    [error] = resp.json()["detail"]
+    assert (error["loc"], error["input"]) == (["body", "node_ids"], "node2")
+    assert "'node2' is neither the id nor the name" in error["msg"]
+    assert "gpu-a (n-7f3a)" in error["msg"]
+    assert (await api.get("/deployments")).json() == []  # nothing was started
+    explained = await api.get("/placement/explain",
+                              params={"model_id": "sim-a", "node_ids": ["node2"]})
+    assert explained.status_code == 422
+    assert explained.json()["detail"][0]["loc"] == ["query", "node_ids"]
+
+
+async def test_a_name_two_nodes_share_is_refused_naming_both(
+        api: httpx.AsyncClient, store: Store) -> None:
+    await _register(store, "n-1", "box")
+    await _register(store, "n-2", "box")
+    await api.post("/models", json=SIM)
+    resp = await api.post("/deployments", json={"model_id": "sim-a", "node_ids": ["box"]})
+    assert resp.status_code == 422, resp.text
+    message = resp.json()["detail"][0]["msg"]
+    assert "n-1" in message and "n-2" in message and "id" in message
+
+
+@pytest.mark.parametrize("name", ["bad\x07name", "two words", "-flag", "x" * 65, "tab\there",
+                                  "line\n"])
+async def test_registration_refuses_a_name_outside_the_pattern(
+        api: httpx.AsyncClient, name: str) -> None:
+    resp = await api.post("/nodes/register", json={"node_id": "n-1", "name": name,
+                                                   "inventory": {}})
+    assert resp.status_code == 422, resp.text
+    [error] = resp.json()["detail"]
+    # The field, the value and the pattern it must match.
+    assert (error["loc"], error["input"]) == (["body", "name"], name)
+    assert NODE_NAME_PATTERN in error["msg"]
+
+
+async def test_model_max_tokens_are_kept_and_must_be_consistent(
+        api: httpx.AsyncClient) -> None:
+    created = await api.post("/models", json={**SIM, "default_max_tokens": 256,
+                                              "max_tokens_limit": 1024})
+    assert created.status_code == 201, created.text
+    got = (await api.get("/models/sim-a")).json()
+    assert (got["default_max_tokens"], got["max_tokens_limit"]) == (256, 1024)
+    unset = await api.post("/models", json={**SIM, "model_id": "sim-b"})
+    assert (unset.json()["default_max_tokens"], unset.json()["max_tokens_limit"]) == (
+        None, None)
+    for body, words in [({"default_max_tokens": 2048, "max_tokens_limit": 1024},
+                         "default_max_tokens = 2048 is above max_tokens_limit = 1024"),
+                        ({"max_tokens_limit": 0}, "greater than or equal to 1"),
+                        ({"default_max_tokens": 1 << 21}, "less than or equal to")]:
+        resp = await api.post("/models", json={**SIM, "model_id": "sim-c", **body})
+        assert resp.status_code == 422, resp.text
+        assert words in str(resp.json()["detail"])

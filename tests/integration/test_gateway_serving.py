@@ -31,6 +31,8 @@ from tests.support.gateway_support import (
 pytestmark = pytest.mark.timeout(90)
 
 MODEL = "sim-chat"
+#: A chat request's smallest valid messages (an empty list is the gateway's own 400).
+HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture
@@ -89,7 +91,7 @@ async def test_unknown_model_is_404_listing_known_models(
     async with running_gateway(database_url) as server, httpx.AsyncClient() as http:
         started = time.monotonic()
         resp = await http.post(server.url + "/v1/chat/completions",
-                               json={"model": "alpah", "messages": []})
+                               json={"model": "alpah", "messages": HI})
         assert time.monotonic() - started < 1.0, "a typo must not wait like a loading model"
         assert resp.status_code == 404
         error = resp.json()["error"]
@@ -150,7 +152,7 @@ async def test_stopped_is_answered_at_once_without_retry_after(
             httpx.AsyncClient() as http:
         started = time.monotonic()
         resp = await http.post(server.url + "/v1/chat/completions",
-                               json={"model": "idle", "messages": []})
+                               json={"model": "idle", "messages": HI})
         assert time.monotonic() - started < 2, "an operator's 0 replicas is not a loading model"
         assert resp.status_code == 503
         assert "retry-after" not in resp.headers, "retrying shortly will not change the answer"

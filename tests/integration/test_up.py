@@ -33,6 +33,8 @@ class Up:
                       ("api", "gateway", "postgres", "temporal", "temporal-ui")}
         self.proc: subprocess.Popen[str] | None = None
         self.descendants: list[psutil.Process] = []
+        #: What `up` printed after the banner, once interrupted.
+        self.stop_output = ""
 
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "modelkeeper", "up", "--data-dir", str(self.data_dir)]
@@ -70,7 +72,8 @@ class Up:
     def interrupt(self) -> int:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGINT)
-        return self.proc.wait(60)
+        self.stop_output, _ = self.proc.communicate(timeout=60)
+        return self.proc.returncode
 
     def kill_everything(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -157,6 +160,11 @@ def test_up_serves_persists_and_stops_cleanly(up: Up) -> None:
     children = list(up.descendants)
     assert len(children) >= 4
     assert up.interrupt() == 0
+    # It says what it stopped, newest first, the demo's engine with the agent, and that
+    # nothing is left (which the check below confirms from outside).
+    last = up.stop_output.strip().splitlines()[-1]
+    assert last == ("stopped agent (and its 1 engine(s)), gateway, api, worker, temporal, "
+                    "postgres; no process of modelkeeper up is left"), up.stop_output
     deadline = time.monotonic() + 10
     while _alive(children) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -4,6 +4,7 @@ answers."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 from functools import partial
@@ -41,18 +42,21 @@ DEPLOYMENTS: list[dict[str, Any]] = [
 ]
 NODES: list[dict[str, Any]] = [
     {"name": "small", "node_id": "n1", "state": "ready", "memory_total_bytes": 8 * GiB,
-     "memory_claimed_bytes": 0, "memory_free_bytes": 8 * GiB, "cpu_count": 4,
+     "memory_claimed_bytes": 0, "memory_free_bytes": 8 * GiB,
+     "memory_available_bytes": 12 * GiB, "cpu_count": 4,
      "labels": {"zone": "a", "gpu": "none"}, "last_seen": "2024-01-01T00:00:00Z"},
     {"name": "bare", "node_id": "n2", "state": "lost", "memory_total_bytes": None,
-     "memory_claimed_bytes": None, "memory_free_bytes": None, "cpu_count": None,
+     "memory_claimed_bytes": None, "memory_free_bytes": None,
+     "memory_available_bytes": None, "cpu_count": None,
      "labels": {}, "last_seen": "2024-01-01T00:00:01Z"},
 ]
 EXPLAIN_NO: dict[str, Any] = {
     "model_id": "big", "fits": False, "nodes_chosen": [], "summary": "no node has 64.0 GiB free",
-    "nodes": [{"name": "small", "fits": False, "message": "8.0 GiB free, needs 64.0 GiB"}]}
+    "nodes": [{"node_id": "n1", "name": "small", "fits": False,
+               "message": "8.0 GiB free, needs 64.0 GiB"}]}
 EXPLAIN_YES: dict[str, Any] = {
-    "model_id": "tiny", "fits": True, "nodes_chosen": ["small"], "summary": "",
-    "nodes": [{"name": "small", "fits": True, "message": "fits"}]}
+    "model_id": "tiny", "fits": True, "nodes_chosen": ["n-7f3a9c"], "summary": "",
+    "nodes": [{"node_id": "n-7f3a9c", "name": "small", "fits": True, "message": "fits"}]}
 MODELS: list[dict[str, Any]] = [
     {"model_id": "sim-12g", "engine": "sim", "source": "sim", "memory_bytes": 12 * GiB,
      "memory_estimated": False, "min_nodes": 1},
@@ -86,6 +90,23 @@ def test_the_table_holds_every_command_in_help_order() -> None:
         assert (args.command, args.json, args.api_url) == (command.name, True, API)
 
 
+def test_top_level_help_names_every_component_and_operator_command() -> None:
+    shown = build_parser().format_help()
+    described = shown.split("positional arguments")[0]
+    for name in ["up", "worker", "api", "gateway", "agent", "keys", "tokens",
+                 *OPERATOR_COMMANDS]:
+        assert f"`{name}`" in described, name
+
+
+def test_models_add_source_help_says_which_values_it_accepts() -> None:
+    sub = next(a for a in build_parser()._actions
+               if isinstance(a, argparse._SubParsersAction))
+    shown = " ".join(sub.choices["models"].format_help().split())
+    for accepted in [".gguf path", "https URL", "Hugging Face repo id", "'smollm2'",
+                     "sim engine"]:
+        assert accepted in shown, accepted
+
+
 @pytest.mark.parametrize(("argv", "expected"), [
     (["deploy", "m"],
      Request("POST", "/deployments", body={"model_id": "m", "replicas": 1, "min_nodes": 1,
@@ -103,6 +124,15 @@ def test_the_table_holds_every_command_in_help_order() -> None:
     (["models", "add", "m", "--engine", "sim", "--source", "sim"],
      Request("POST", "/models", body={"model_id": "m", "engine": "sim", "source": "sim",
                                       "engine_args": {}})),
+    (["models", "add", "m", "--engine", "sim", "--source", "sim", "--default-max-tokens",
+      "256", "--max-tokens-limit", "1024"],
+     Request("POST", "/models", body={"model_id": "m", "engine": "sim", "source": "sim",
+                                      "engine_args": {}, "default_max_tokens": 256,
+                                      "max_tokens_limit": 1024})),
+    # By name: the API resolves names to ids (api.nodes.resolve_node_ids).
+    (["deploy", "m", "--node", "gpu-box-1"],
+     Request("POST", "/deployments", body={"model_id": "m", "replicas": 1, "min_nodes": 1,
+                                           "node_ids": ["gpu-box-1"], "labels": {}})),
     (["ops"], Request("GET", "/operations")),
     (["ops", "ls", "--deployment", "d1", "--state", "running", "--limit", "5"],
      Request("GET", "/operations", params={"deployment": "d1", "state": "running",
@@ -246,12 +276,28 @@ def test_ls_shows_degraded_with_its_reason_and_stopped_through_the_api() -> None
 
 def test_nodes_table_shows_memory_in_gib_and_dashes_for_unknowns() -> None:
     assert text(["nodes"], NODES).splitlines() == [
-        "NAME   ID  STATE  MEMORY   CLAIMED  FREE     CPUS  LABELS           LAST SEEN",
-        "small  n1  ready  8.0 GiB  0.0 GiB  8.0 GiB  4     gpu=none,zone=a  "
+        "NAME   ID  STATE  MEMORY   CLAIMED  FREE     AVAIL     CPUS  LABELS           "
+        "LAST SEEN",
+        "small  n1  ready  8.0 GiB  0.0 GiB  8.0 GiB  12.0 GiB  4     gpu=none,zone=a  "
         "2024-01-01T00:00:00Z",
-        "bare   n2  lost   -        -        -        -                      "
+        "bare   n2  lost   -        -        -        -         -                      "
         "2024-01-01T00:00:01Z",
     ]
+
+
+def test_nodes_flags_a_node_whose_real_free_memory_is_below_what_it_promises() -> None:
+    # Declared 32 GiB, 10.7 claimed: placement counts 21.3 GiB free, and the machine has
+    # 10 GiB available (the case the issue measured).
+    promising = {**NODES[0], "memory_total_bytes": 32 * GiB,
+                 "memory_claimed_bytes": 32 * GiB - int(21.3 * GiB),
+                 "memory_free_bytes": int(21.3 * GiB), "memory_available_bytes": 10 * GiB}
+    lines = text(["nodes"], [promising, NODES[1]]).splitlines()
+    assert lines[0].split()[5:7] == ["FREE", "AVAIL"]
+    assert lines[1].split()[7:10] == ["21.3", "GiB", "10.0"]
+    assert "10.0 GiB!" in lines[1] and "!" not in lines[2]
+    assert lines[-1].startswith("! promises more than it has: AVAIL")
+    # A node with more available than free is not flagged, nor is the legend shown.
+    assert "promises" not in text(["nodes"], NODES)
 
 
 def test_explain_heads_the_per_node_table_with_the_verdict() -> None:
@@ -260,6 +306,7 @@ def test_explain_heads_the_per_node_table_with_the_verdict() -> None:
         "NODE   FITS  WHY",
         "small  no    8.0 GiB free, needs 64.0 GiB",
     ]
+    # The chosen node by its name, as the table shows it, not by its id.
     assert text(["explain", "tiny"], EXPLAIN_YES).splitlines()[0] == "tiny: fits on small"
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
 
 from modelkeeper.launcher.cli import build_parser, load_settings
-from modelkeeper.settings import Settings, config_table_markdown
+from modelkeeper.settings import ROOT_DATA_DIR, Settings, config_table_markdown
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -20,7 +22,36 @@ def test_defaults_match_the_documented_ports(monkeypatch: pytest.MonkeyPatch) ->
     s = Settings()
     assert (s.api_port, s.gateway_port, s.postgres_port, s.temporal_port,
             s.temporal_ui_port) == (8400, 8401, 8432, 7233, 8233)
-    assert s.data_dir == Path.home() / ".local/share/modelkeeper"
+    expected = (ROOT_DATA_DIR if os.geteuid() == 0
+                else Path.home() / ".local/share/modelkeeper")
+    assert s.data_dir == expected
+
+
+@pytest.mark.parametrize("euid", [0, 1000])
+def test_the_default_data_dir_needs_no_permission_change_above_it(
+        monkeypatch: pytest.MonkeyPatch, euid: int) -> None:
+    # PostgreSQL runs as its own system user under root, and must reach the data dir:
+    # every folder above the default must already let any user pass, so `up` opens none
+    # (it once made /root world-readable). As another user the server runs as that user,
+    # who reaches their own home.
+    monkeypatch.delenv("MODELKEEPER_DATA_DIR", raising=False)
+    monkeypatch.setattr(os, "geteuid", lambda: euid)
+    data_dir = Settings().data_dir
+    if euid != 0:
+        assert data_dir == Path.home() / ".local/share/modelkeeper"
+        return
+    assert data_dir == Path("/var/lib/modelkeeper")
+    assert Path("/root") not in [data_dir, *data_dir.parents]
+    for folder in data_dir.parents:
+        if folder.exists():
+            assert folder.stat().st_mode & stat.S_IXOTH, f"{folder} is not world-traversable"
+
+
+def test_the_data_dir_variable_still_wins(monkeypatch: pytest.MonkeyPatch,
+                                          tmp_path: Path) -> None:
+    monkeypatch.setenv("MODELKEEPER_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert Settings().data_dir == tmp_path
 
 
 def test_temporal_uses_the_cli_variable_names(monkeypatch: pytest.MonkeyPatch) -> None:
