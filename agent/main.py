@@ -35,6 +35,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+from temporalio.client import Client
+from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 # MAX_HEARTBEAT_THROTTLE in activities.node is no longer used here: the watch's heartbeats
@@ -73,9 +75,10 @@ MAX_CONCURRENT_ACTIVITIES = 1000
 #: reconnecting to an API that restarts.
 LIVENESS_RETRY_FIRST_S = 0.1
 LIVENESS_RETRY_MAX_S = 2.0
-#: A registration the API did not answer is tried again after this long, doubling up to
-#: the cap: an agent started beside its stack joins within a fraction of a second of the
-#: API, and one whose API is away for long still joins within 5 s of its return.
+#: A registration the API did not answer (or a connection Temporal refused) is tried again
+#: after this long, doubling up to the cap: an agent started beside its stack joins within
+#: a fraction of a second of the API, and one whose API is away for long still joins
+#: within 5 s of its return.
 REGISTRATION_RETRY_FIRST_S = 0.2
 REGISTRATION_RETRY_MAX_S = 5.0
 #: After ``stop``, how long the agent waits for the API to answer its ``bye``: it answers
@@ -90,6 +93,7 @@ STOP_ON_EXIT_GRACE_S = 5.0
 
 #: The calls whose failures the log thins out (LogBackoff kinds), one per loop.
 REGISTRATION = "registration"
+TEMPORAL_CONNECT = "connecting to Temporal"
 HEARTBEAT = "heartbeat"
 LIVENESS = "liveness stream"
 
@@ -233,6 +237,34 @@ async def _register(http: httpx.AsyncClient, reg: Callable[[], AgentRegistration
     return None
 
 
+async def _connect_temporal(welcome: AgentWelcome, settings: Settings, stop: asyncio.Event,
+                            *, notes: LogBackoff) -> Client | None:
+    """A client for the Temporal the API named, retrying while it refuses (it may be
+    restarting, or still starting beside the API); None if stopped first.
+
+    The address comes from the API; the TLS material and key never do: each machine keeps
+    its own (docs/security.md).
+    """
+    security = temporal.security_from_settings(settings)
+    delay = REGISTRATION_RETRY_FIRST_S
+    while not stop.is_set():
+        try:
+            client = await temporal.connect(welcome.temporal_address,
+                                            welcome.temporal_namespace, security=security)
+        # What the SDK raises for a server that refuses or is unreachable.
+        except (RPCError, RuntimeError, OSError) as exc:
+            _failed(notes, TEMPORAL_CONNECT, exc,
+                    retry=f"retrying {welcome.temporal_address} in {delay:.1f}s, backing "
+                          f"off to every {REGISTRATION_RETRY_MAX_S:.0f}s")
+        else:
+            _succeeded(notes, TEMPORAL_CONNECT)
+            return client
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+        delay = min(delay * 2, REGISTRATION_RETRY_MAX_S)
+    return None
+
+
 async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
     """Run the agent until ``stop`` is set.
 
@@ -280,11 +312,9 @@ async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
                 _liveness_loop(http, node_id, identity, settings.liveness_interval_s, stop,
                                notes=notes))
             try:
-                # The address comes from the API; the TLS material and key never do: each
-                # machine keeps its own (docs/security.md).
-                client = await temporal.connect(
-                    welcome.temporal_address, welcome.temporal_namespace,
-                    security=temporal.security_from_settings(settings))
+                client = await _connect_temporal(welcome, settings, stop, notes=notes)
+                if client is None:
+                    return
                 # The SDK's default heartbeat throttle: a watch heartbeats to Temporal once
                 # per 0.8 x watch_heartbeat_timeout_s (48 s at 60 s), since the liveness
                 # stream, not the watch, is what notices a dead node.
@@ -349,7 +379,7 @@ async def _heartbeat_loop(http: httpx.AsyncClient, node_id: str, identity: NodeI
             _succeeded(notes, HEARTBEAT)
         except httpx.HTTPError as exc:
             # The API being down must not touch engines: they keep serving.
-            _failed(notes, HEARTBEAT, exc, retry=f"retrying every {interval:.0f}s")
+            _failed(notes, HEARTBEAT, exc, retry=f"retrying every {interval:g}s")
         except AgentConfigError as exc:
             # Engines keep serving; an operator must act (the log says how).
             log.error("%s", exc)

@@ -46,7 +46,8 @@ def _description() -> str:
     named from their table so that a new one is listed without an edit here."""
     return ("Keeps LLM deployments served. `up` runs the whole local stack; each component "
             "also runs on its own: `worker`, `api`, `gateway`, and `agent` on each machine "
-            "that runs engines. `keys` and `tokens` manage the gateway's client API keys "
+            "that runs engines (`leave` stops the engines a stopped agent left, when its "
+            "node goes for good). `keys` and `tokens` manage the gateway's client API keys "
             "and the API's operator tokens. Through the API: "
             + ", ".join(f"`{name}`" for name in OPERATOR_COMMANDS) + ".")
 
@@ -95,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop every engine of this node when the agent exits (SIGINT, "
                             "SIGTERM), to take the node out for good after `drain`; by "
                             "default engines keep serving and the next agent adopts them")
+
+    leave = sub.add_parser(
+        "leave", help="stop every engine a stopped agent left running on this machine: "
+                      "after `drain NODE` and stopping the agent, before `nodes rm NODE` "
+                      "(or run the agent with --stop-engines-on-exit instead)")
+    _add_common(leave, [])
 
     gateway = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
     _add_common(gateway, ["gateway_port"])
@@ -245,6 +252,23 @@ def _cmd_agent(settings: Settings) -> int:
     return 0
 
 
+def _cmd_leave(settings: Settings) -> int:
+    """Stop the engines of the node whose agent keeps its folder in the data dir, found by
+    the marker in their environment (as `up` stops its own on Ctrl-C)."""
+    from .stack import ENGINE_STOP_GRACE_S, local_engine_groups, stop_engines
+
+    node_file = settings.agent_dir / "node_id"
+    if not node_file.exists():
+        raise UsageError(f"no agent has run with data dir {settings.data_dir} (no "
+                         f"{node_file}); pass the agent's --data-dir")
+    node_id = node_file.read_text().strip()
+    stopped = stop_engines(settings.agent_dir, grace=ENGINE_STOP_GRACE_S)
+    left = sorted(local_engine_groups(settings.agent_dir))
+    print(f"node {node_id}: stopped {stopped} engine(s); "
+          + (f"still running: process groups {left}" if left else "none left running"))
+    return 1 if left else 0
+
+
 def _cmd_gateway(settings: Settings) -> int:
     from gateway.server import GatewayConfigError, run_gateway
 
@@ -283,7 +307,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         commands: dict[str, Callable[[Settings], int]] = {
             "up": lambda s: _cmd_up(s, demo=not args.no_demo),
             "worker": _cmd_worker, "api": _cmd_api,
-            "agent": _cmd_agent, "gateway": _cmd_gateway,
+            "agent": _cmd_agent, "gateway": _cmd_gateway, "leave": _cmd_leave,
             "keys": lambda s: _cmd_keys(s, args),
             "tokens": lambda s: _cmd_tokens(s, args),
         }

@@ -526,10 +526,14 @@ def leftovers(agent_dir: Path) -> tuple[str, ...]:
                 left.append(_describe_process(proc))
         except psutil.Error:
             continue  # gone while we looked: not left
-    node_id = _local_node_id(agent_dir)
-    if node_id is not None:
-        left += [f"engine group {pgid}" for pgid in sorted(_engine_groups(node_id))]
+    left += [f"engine group {pgid}" for pgid in sorted(local_engine_groups(agent_dir))]
     return tuple(left)
+
+
+def local_engine_groups(agent_dir: Path) -> set[int]:
+    """Process groups of the running engines of the node whose agent keeps ``agent_dir``."""
+    node_id = _local_node_id(agent_dir)
+    return set() if node_id is None else _engine_groups(node_id)
 
 
 @dataclass
@@ -685,8 +689,8 @@ def banner(settings: Settings, demo_status: str = "", *,
         api = f"http://{_url_host(names[0]) if names else 'THIS_MACHINE'}:{settings.api_port}"
         token = join_token_file or "THE_JOIN_TOKEN_FILE"
         add_node = [
-            f"  other machines reach this one as {', '.join(names)} (listening on "
-            f"{settings.bind_host}; Temporal and the gateway too, in plaintext)",
+            f"  other machines reach this one as {', '.join(names)} (the API, the "
+            f"gateway and Temporal listen on {settings.bind_host}, in plaintext)",
             f"  join token     {token}   (copy it to each machine that joins, mode 0600)",
             f"  add a node     modelkeeper agent --api-url {api} --join-token-file FILE "
             "--name NAME --memory 16GiB   (on the other machine: docs/second-machine.md)",
