@@ -49,6 +49,7 @@ from modelkeeper.domain.nodes import (
     AgentHeartbeat,
     AgentRegistration,
     AgentWelcome,
+    HeartbeatAnswer,
     Inventory,
     PortRange,
     is_loopback,
@@ -366,11 +367,17 @@ async def _heartbeat_loop(http: httpx.AsyncClient, node_id: str, identity: NodeI
         if stop.is_set():
             return
         beat = AgentHeartbeat(inventory=inventory(), shards=manager.reports())
+        sent_at = time.monotonic()
         try:
             resp = await http.post(f"/nodes/{node_id}/heartbeat",
                                    json=beat.model_dump(mode="json"),
                                    headers=identity.node_headers())
-            if resp.status_code == 404:
+            if resp.status_code == 200:
+                # An API one version behind answers 204 with no body: nothing to compare.
+                answer = HeartbeatAnswer.model_validate(resp.json())
+                await manager.stop_unclaimed(set(answer.claimed_replica_ids),
+                                             ran_before=sent_at)
+            elif resp.status_code == 404:
                 # The control plane forgot us (a fresh database, or an operator removed
                 # the node): join again, with the join token.
                 await _register_once(http, registration(), identity, manager)
@@ -380,6 +387,10 @@ async def _heartbeat_loop(http: httpx.AsyncClient, node_id: str, identity: NodeI
         except httpx.HTTPError as exc:
             # The API being down must not touch engines: they keep serving.
             _failed(notes, HEARTBEAT, exc, retry=f"retrying every {interval:g}s")
+        except ValueError as exc:
+            # An answer this agent cannot read (JSON, or a shape it does not know): stop
+            # nothing on its strength; the orphan reaper remains the backstop.
+            log.warning("heartbeat answer unreadable, ignored: %s", exc)
         except AgentConfigError as exc:
             # Engines keep serving; an operator must act (the log says how).
             log.error("%s", exc)

@@ -116,6 +116,9 @@ class LiveShard:
     exit: ShardExit | None = None
     watchers: int = 0
     unwatched_since: float | None = field(default_factory=time.monotonic)
+    #: When this agent began to run it (launched or adopted), monotonic: see
+    #: :meth:`ShardManager.stop_unclaimed`.
+    since: float = field(default_factory=time.monotonic)
 
     @property
     def adopted(self) -> bool:
@@ -610,6 +613,23 @@ class ShardManager:
             if (spec := self._queued.get(rid)) is not None
         ]
         return running + queued
+
+    async def stop_unclaimed(self, claimed: set[ReplicaId], *,
+                             ran_before: float) -> list[ReplicaId]:
+        """Stop the shards whose replicas hold no claim on this node, as the control plane
+        answered a heartbeat sent at ``ran_before`` (monotonic). Only shards this agent
+        ran before that heartbeat left: one launched since may belong to a placement that
+        committed after the answer was read. A partition's victims (released and replaced
+        elsewhere while the node was cut off) stop here at once, instead of holding memory
+        without a claim until the orphan reaper's grace has passed."""
+        gone = [rid for rid, s in self._shards.items()
+                if rid not in claimed and s.since < ran_before and s.exit is None]
+        for rid in gone:
+            log.warning("stopping %s: the control plane holds no claim for it on this node "
+                        "(released while the node was unreachable, or its stop was lost)",
+                        rid)
+            await self.stop(rid, grace_s=5.0)
+        return gone
 
     async def reap_orphans(self, grace_s: float) -> list[ReplicaId]:
         """Stop ready shards nobody has watched for ``grace_s``: the control plane has

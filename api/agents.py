@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 from http import HTTPStatus
 from typing import Annotated
 
-from fastapi import APIRouter, FastAPI, Header, HTTPException, Request, Response
+from fastapi import APIRouter, FastAPI, Header, HTTPException, Request
 
 from modelkeeper.domain.engine_keys import derive_node_key
 from modelkeeper.domain.events import NewEvent
@@ -41,6 +41,7 @@ from modelkeeper.domain.nodes import (
     AgentHeartbeat,
     AgentRegistration,
     AgentWelcome,
+    HeartbeatAnswer,
     NodeAuth,
     Refused,
     admit_registration,
@@ -260,11 +261,12 @@ async def register_node(reg: AgentRegistration, request: Request, store: StoreDe
         node_credential=issued)
 
 
-@router.post("/nodes/{node_id}/heartbeat", status_code=204, responses=NODE_AUTH_RESPONSES)
+@router.post("/nodes/{node_id}/heartbeat", response_model=HeartbeatAnswer,
+             responses=NODE_AUTH_RESPONSES)
 async def heartbeat_node(node_id: str, beat: AgentHeartbeat, store: StoreDep, *,
                          temporal: TemporalDep, settings: SettingsDep,
                          authorization: Annotated[str | None, Header()] = None,
-                         ) -> Response:
+                         ) -> HeartbeatAnswer:
     """An agent's periodic report, with its node's credential; 404 tells it to register
     again, 403 that the credential is another node's (nothing is written). It also clears
     a liveness silence that began before it arrived (see ``Store.heartbeat_node``)."""
@@ -278,4 +280,7 @@ async def heartbeat_node(node_id: str, beat: AgentHeartbeat, store: StoreDep, *,
     if changed:
         # Memory reported (nodes join in pieces), or the node is back: retry now.
         await signal_waiting_deployments(store, temporal)
-    return Response(status_code=204)
+    # Read after this heartbeat arrived: the agent stops what it ran before sending it and
+    # is not here (HeartbeatAnswer says why).
+    claimed = await store.replicas_on_node(node_id)
+    return HeartbeatAnswer(claimed_replica_ids=sorted(r for rs in claimed.values() for r in rs))

@@ -120,6 +120,19 @@ class AgentHeartbeat(Frozen):
     shards: list[ShardReport] = Field(default_factory=list, max_length=MAX_SHARDS_PER_NODE)
 
 
+class HeartbeatAnswer(Tolerant):
+    """The API's answer to a heartbeat: the replicas that hold a claim on this node now.
+
+    An engine the agent runs whose replica is not among them was released by the control
+    plane (typically while the node was unreachable, and replaced elsewhere): the agent
+    stops it at once rather than after its orphan grace, so no engine runs without a claim
+    and no new replica lands on memory an old one still holds. Tolerant: an agent one
+    version behind the API ignores what it does not know.
+    """
+
+    claimed_replica_ids: list[ReplicaId] = Field(default_factory=list)
+
+
 class AgentWelcome(Frozen):
     """The API's answer to a registration: where the agent's worker must poll, the node's
     key, and (once) its credential.

@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -218,3 +219,18 @@ async def test_unwatched_ready_shards_are_reaped(manager: ShardManager) -> None:
     assert await manager.reap_orphans(grace_s=60) == []
     assert await manager.reap_orphans(grace_s=0) == ["r1"]
     assert manager.reports() == []
+
+
+async def test_shards_the_control_plane_holds_no_claim_for_are_stopped_at_once(
+        manager: ShardManager) -> None:
+    """A heartbeat's answer lists the replicas claimed on this node: an engine it ran
+    before that heartbeat and that is not listed (released while the node was cut off,
+    and replaced elsewhere) stops now, not after the orphan grace. One launched after the
+    heartbeat was sent is kept: its placement may have committed after the answer."""
+    await manager.start(_spec("r1"), _progress)
+    await manager.start(_spec("r2"), _progress)
+    sent_at = time.monotonic()
+    await manager.start(_spec("r3"), _progress)
+    stopped = await manager.stop_unclaimed({ReplicaId("r2")}, ran_before=sent_at)
+    assert stopped == ["r1"]
+    assert sorted(r.replica_id for r in manager.reports()) == ["r2", "r3"]

@@ -79,7 +79,7 @@ class Api:
             database_url=database_url, api_port=port, api_url=self.url,
             temporal_address=client.service_client.config.target_host,
             temporal_namespace=client.namespace, node_silent_after_s=SILENT_AFTER_S,
-            api_auth=False)
+            api_auth=False, engine_key_secret=SECRET)
         self.app = create_app(self.settings)
         self.agents: dict[str, ManagedProcess] = {}
 
@@ -277,7 +277,10 @@ async def test_the_api_stopping_ends_streams_at_once_and_marks_nobody_silent(
     env = {**os.environ, "MODELKEEPER_DATABASE_URL": database_url,
            "MODELKEEPER_API_PORT": str(port),
            "TEMPORAL_ADDRESS": client.service_client.config.target_host,
-           "TEMPORAL_NAMESPACE": client.namespace}
+           "TEMPORAL_NAMESPACE": client.namespace,
+           # The API derives the agent's node key from it; the nodes list is read without
+           # an operator token.
+           "MODELKEEPER_ENGINE_KEY_SECRET": SECRET, "MODELKEEPER_API_AUTH": "false"}
     server = ManagedProcess("api", [sys.executable, "-m", "modelkeeper", "api"],
                             tmp_path / "api.log", env=env)
     server.start()
@@ -287,13 +290,14 @@ async def test_the_api_stopping_ends_streams_at_once_and_marks_nobody_silent(
                   str(tmp_path / "a"), "--name", "a", "--memory", "8GiB",
                   "--engine-port-range", f"{low}-{low + 5}"],
         tmp_path / "agent.log",
-        env={**os.environ, "MODELKEEPER_API_URL": url, "MODELKEEPER_ENGINE_KEY_SECRET": SECRET})
+        env={**os.environ, "MODELKEEPER_API_URL": url})
     store = await Store.connect(database_url)
     try:
         async def registered() -> bool:
             try:
                 async with httpx.AsyncClient(base_url=url) as http:
-                    return bool((await http.get("/nodes")).json())
+                    resp = await http.get("/nodes")
+                    return resp.status_code == 200 and bool(resp.json())
             except httpx.HTTPError:
                 return False
 
