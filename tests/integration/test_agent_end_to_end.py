@@ -153,16 +153,19 @@ def _kill_engines_of(tmp: Path) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-async def _claim(database_url: str, node_id: str, replica_id: str) -> None:
-    """A deployment whose one replica claims memory on ``node_id``, as placement leaves it."""
+async def claim(database_url: str, node_id: str, replica_id: str) -> None:
+    """A deployment whose one replica claims memory on ``node_id``, as placement leaves it
+    (an engine whose replica holds no claim on its node is stopped at the next heartbeat)."""
     conn = await asyncpg.connect(database_url)
     try:
+        model, deployment = f"m-{replica_id}", f"d-{replica_id}"
         await conn.execute("INSERT INTO models (model_id, engine, source, memory_bytes) "
-                           "VALUES ('m-e2e', 'llamacpp', 'smollm2', 314572800)")
+                           "VALUES ($1, 'sim', 'sim', 314572800)", model)
         await conn.execute("INSERT INTO deployments (deployment_id, model_id, replicas, "
-                           "workflow_id) VALUES ('d-e2e', 'm-e2e', 1, 'wf-e2e')")
+                           "workflow_id) VALUES ($1, $2, 1, $3)", deployment, model,
+                           f"wf-{deployment}")
         await conn.execute("INSERT INTO replicas (replica_id, deployment_id, state) "
-                           "VALUES ($1, 'd-e2e', 'starting')", replica_id)
+                           "VALUES ($1, $2, 'starting')", replica_id, deployment)
         await conn.execute("INSERT INTO allocations (replica_id, node_id, rank, memory_bytes) "
                            "VALUES ($1, $2, 0, 314572800)", replica_id, node_id)
     finally:
@@ -196,7 +199,7 @@ async def test_llamacpp_shard_serves_survives_agent_restart_and_reports_exit(
                      memory_bytes=300 << 20, start_timeout_s=60)
     # The claim placement would have made: an engine whose replica holds no claim on its
     # node is stopped at the next heartbeat (HeartbeatAnswer).
-    await _claim(cluster.settings.database_url or "", node, "rep-1")
+    await claim(cluster.settings.database_url or "", node, "rep-1")
     endpoint = await cluster.call(node, "start_shard", StartShardInput(spec=spec), ShardEndpoint)
     assert endpoint.url is not None
     key = replica_engine_key(SECRET.encode(), node_id=node, replica_id="rep-1")

@@ -28,7 +28,7 @@ from modelkeeper.domain.ids import ModelId, ReplicaId
 from modelkeeper.domain.shards import EngineKind, ShardEndpoint, ShardSpec, StartShardInput
 from modelkeeper.infra.processes import free_port
 
-from .test_agent_end_to_end import Cluster, DriveShard, _kill_engines_of
+from .test_agent_end_to_end import Cluster, DriveShard, _kill_engines_of, claim
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -80,6 +80,7 @@ async def _start_sim(cluster: Cluster, name: str) -> ShardEndpoint:
                      node_id=node, engine=EngineKind.SIM, source="sim",
                      memory_bytes=SIM_BYTES, engine_args={"memory_bytes": SIM_BYTES},
                      start_timeout_s=60)
+    await claim(cluster.settings.database_url or "", node, spec.replica_id)
     endpoint: ShardEndpoint = await cluster.call(node, "start_shard",
                                                  StartShardInput(spec=spec), ShardEndpoint)
     assert _alive(endpoint.pid)
