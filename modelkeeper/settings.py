@@ -128,8 +128,10 @@ class Settings(BaseSettings):
 
     agent_temporal_address: str | None = Field(
         default=None,
-        description="Temporal address the API hands to registering agents; defaults to "
-        "the API's own TEMPORAL_ADDRESS.",
+        description="Temporal address the API hands to registering agents. Unset: the "
+        "API's own TEMPORAL_ADDRESS, unless that is a wildcard, or loopback while the agent "
+        "is remote: then Temporal's port on the host the agent used to reach the API "
+        "(docs/second-machine.md).",
     )
     node_unreachable_after_s: float = Field(
         default=6.0, gt=0,
