@@ -35,6 +35,8 @@ The rules, each guarded by a test:
   - the original's agent vouches for it before that: the original is kept (it serves
     now) and the replacement, not yet ready, is stopped ("not needed: <id> is back").
 
+  The replacement avoids the unreachable replica's nodes: a node that is only slow (its
+  agent restarting) gets its original vouched for, not replaced beside it.
   A replacement that finds no room (or whose placement crashes) is not a failure: no
   failed start, no park, no cant_place. It is retried on a node change or after
   ``cant_place_retry_s``; meanwhile the original is lost after ``lost_after_s`` and then
@@ -831,10 +833,16 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
         if not placing and _placement_due(state, now, config):
             replica_id = ReplicaId(f"{state.spec.deployment_id}-r{state.next_replica_seq}")
             actions.append(PlaceReplica(replica_id=replica_id))
+            # A surge for an unreachable replica goes elsewhere: if that node is only
+            # slow (an agent restarting), its agent vouches for the original soon, and a
+            # replacement beside it would retire a healthy engine for nothing.
+            avoid = sorted({n for r in state.replicas if r.phase is Phase.UNREACHABLE
+                            for n in r.nodes}) if (
+                config.surge_on_unreachable and _is_surge(state)) else []
             state = state.model_copy(update={
                 "replicas": [*state.replicas, Replica(
                     replica_id=replica_id, phase=Phase.PLACING,
-                    generation=state.spec.generation)],
+                    generation=state.spec.generation, avoid_nodes=avoid)],
                 "next_replica_seq": state.next_replica_seq + 1,
                 "next_attempt_at": None, "placement_retry_at": None,
                 "surge_retry_at": None})

@@ -450,6 +450,8 @@ def test_silent_replica_gets_a_replacement_at_once_with_surge_on() -> None:
     assert acts == [ProbeReplica(replica_id=rid(1)), PlaceReplica(replica_id=rid(2))]
     # Still routed around, still probed, and not torn down.
     assert k.phases() == {rid(1): Phase.UNREACHABLE, rid(2): Phase.PLACING}
+    # Not beside the original: if node a is only slow, its agent vouches for d-r1.
+    assert k.state.replicas[-1].avoid_nodes == ["a"]
     assert k.status is DeploymentStatus.DEGRADED
     assert k.state.last_failure == "d-r1 unreachable: no heartbeat from a"
     assert k.step(Placed(replica_id=rid(2), nodes=[NodeId("b")]), at=101) == [
