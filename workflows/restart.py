@@ -91,8 +91,7 @@ class RestartSaga:
             await saga.begin()
             error = await self._restart()
         except asyncio.CancelledError:
-            if self._commit is not None and \
-                    saga.record.steps[self._commit].state is StepState.DONE:
+            if saga.done(self._commit):
                 # Too late to cancel: every replica is restarted and the generation set.
                 return await saga.finish(OperationState.SUCCEEDED,
                                          summary=self._summary("done"))

@@ -225,6 +225,10 @@ class Saga:
         self._change(steps=steps)
         return len(steps) - 1
 
+    def done(self, index: int | None) -> bool:
+        """Whether the step at ``index`` (None: not asked for yet) has ended done."""
+        return index is not None and self.record.steps[index].state is StepState.DONE
+
     def end_step(self, index: int, state: StepState, detail: str | None = None) -> None:
         """End a step (done or failed), or mark one compensated (undone, undo_failed)."""
         step = self.record.steps[index]

@@ -123,7 +123,7 @@ class SwitchSaga:
             await saga.begin()
             failed = await self._switch()
         except asyncio.CancelledError:
-            if self._committed():
+            if self._saga.done(self._commit):
                 # Too late to cancel: the switch has happened.
                 return await saga.finish(OperationState.SUCCEEDED,
                                          summary=self._summary("done"))
@@ -192,10 +192,6 @@ class SwitchSaga:
         if error is not None:
             return None, f"the commit failed: {error}"
         return None
-
-    def _committed(self) -> bool:
-        return self._commit is not None and \
-            self._saga.record.steps[self._commit].state is StepState.DONE
 
     async def _replace(self, replica_id: ReplicaId, generation: Generation, *,
                        undo: bool) -> Op:
