@@ -129,6 +129,18 @@ class Bench:
     async def cordon(self, node_id: str, cordoned: bool) -> None:
         _ok(await self.api.patch(f"/nodes/{node_id}", json={"cordoned": cordoned}))
 
+    async def only_first_node(self) -> tuple[str, list[str]]:
+        """Cordon every node but the first (in id order): what is placed now lands there.
+        Returns it and the others, for :meth:`uncordon`."""
+        first, *others = await self.node_ids()
+        for node in others:
+            await self.cordon(node, True)
+        return first, others
+
+    async def uncordon(self, nodes: list[str]) -> None:
+        for node in nodes:
+            await self.cordon(node, False)
+
     def start_clients(self, *models: str) -> None:
         """CLIENTS clients, spread over ``models``."""
         for i in range(CLIENTS):
@@ -239,17 +251,13 @@ async def rolling_restart(bench: Bench) -> Scenario:
 
 async def drain(bench: Bench) -> Scenario:
     """Drain a node that holds replicas of two deployments, under 4 clients."""
-    nodes = await bench.node_ids()
-    target, others = nodes[0], nodes[1:]
     # Both deployments land on the target: the others are cordoned while they place.
-    for node in others:
-        await bench.cordon(node, True)
+    target, others = await bench.only_first_node()
     await bench.model("sim-a")
     await bench.model("sim-b")
     dep_a = await bench.deploy("sim-a", 1)
     dep_b = await bench.deploy("sim-b", 1)
-    for node in others:
-        await bench.cordon(node, False)
+    await bench.uncordon(others)
     bench.start_clients("sim-a", "sim-b")
     await asyncio.sleep(2)
     record = await bench.ended(await bench.operation(f"/nodes/{target}/drain",
@@ -265,10 +273,7 @@ async def drain(bench: Bench) -> Scenario:
 
 async def drain_without_room(bench: Bench) -> Scenario:
     """Drain the only node with room: the outage is bounded by the grace period."""
-    nodes = await bench.node_ids()
-    target, others = nodes[0], nodes[1:]
-    for node in others:
-        await bench.cordon(node, True)
+    target, _ = await bench.only_first_node()
     await bench.model("sim-a")
     dep = await bench.deploy("sim-a", 1)
     bench.start_clients("sim-a")
@@ -306,9 +311,7 @@ async def switch_rollback(bench: Bench) -> Scenario:
 
 async def switch_stop_first(bench: Bench) -> Scenario:
     """Switch where A must stop first: only one node, with room for one replica."""
-    nodes = await bench.node_ids()
-    for node in nodes[1:]:
-        await bench.cordon(node, True)
+    await bench.only_first_node()
     # A replica claims 1.5 GiB of the node's 2: A and B cannot both fit.
     for model_id in ("sim-a", "sim-b"):
         _ok(await bench.api.post("/models", json={
@@ -378,14 +381,10 @@ async def worker_killed_mid_restart(bench: Bench) -> Scenario:
 
 async def worker_killed_mid_drain(bench: Bench) -> Scenario:
     """kill -9 the control worker while a drain moves a replica; start another."""
-    nodes = await bench.node_ids()
-    target, others = nodes[0], nodes[1:]
-    for node in others:
-        await bench.cordon(node, True)
+    target, others = await bench.only_first_node()
     await bench.model("sim-a")
     dep = await bench.deploy("sim-a", 1)
-    for node in others:
-        await bench.cordon(node, False)
+    await bench.uncordon(others)
     bench.start_clients("sim-a")
     await asyncio.sleep(2)
     operation_id = await bench.operation(f"/nodes/{target}/drain", {"grace_s": 60})
