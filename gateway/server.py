@@ -31,6 +31,7 @@ from modelkeeper.infra.secrets import read_engine_key_secret
 from modelkeeper.settings import Settings
 
 from .app import Gateway
+from .responses import ErrorReply
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +87,21 @@ def bind_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
 #: The most bytes a request line and headers may take. An OpenAI client sends well under
 #: 2 KiB; nginx's default for large headers is 32 KiB. Over it, the parser's error is a 400.
 MAX_HEADER_BYTES = 64 << 10
+
+
+def _raw_error(status_line: bytes, reply: ErrorReply) -> bytes:
+    """A whole HTTP/1.1 error answer that closes the connection, written to the transport
+    below the app (a request that never reached it), in the shape of every other error
+    the gateway gives: OpenAI's, so a client's error handling needs one parser."""
+    body = reply.body()
+    return (status_line + b"\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
 #: What a request that is late with its headers or body gets before its connection closes.
-_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"
-                     b"connection: close\r\ncontent-length: 26\r\n\r\n"
-                     b"request not sent in time\r\n")
+_TIMEOUT_RESPONSE = _raw_error(b"HTTP/1.1 408 Request Timeout", ErrorReply(
+    408, "the request was not sent in time: its headers or body stopped arriving",
+    "invalid_request_error", "request_timeout"))
 #: Which part of a request a connection is reading.
 _IDLE, _HEADERS, _BODY = 0, 1, 2
 
@@ -155,6 +167,16 @@ class TimedHttpProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._reading = _IDLE
         super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request its parser refused (headers over the bound, a
+        malformed request line) is plain text; here it is OpenAI's error shape."""
+        if self._header_bytes > MAX_HEADER_BYTES:
+            # uvicorn's message is the same for every parser error; this one has a limit.
+            msg = f"the request's headers are over {MAX_HEADER_BYTES} bytes"
+        self.transport.write(_raw_error(b"HTTP/1.1 400 Bad Request", ErrorReply(
+            400, msg, "invalid_request_error", "malformed_request")))
+        self.transport.close()
 
     def _count_header_bytes(self, size: int) -> None:
         self._header_bytes += size

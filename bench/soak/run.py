@@ -49,7 +49,7 @@ import psutil
 import uvloop
 
 from bench.recovery.report import settings_in_force
-from modelkeeper.launcher.stack import DEMO_MODEL
+from modelkeeper.launcher.stack import DEMO_MODEL, DEMO_MODEL_ID
 
 from . import netns
 from .clients import MAX_TOKENS, STREAM_SHARE, Ledger, LoadClient
@@ -192,7 +192,7 @@ async def soak(args: argparse.Namespace, fleet: SoakFleet, *, partition_note: st
         print(f"serving {', '.join(models)}; soaking for {args.duration:.0f}s", flush=True)
         key = await fleet.client_key()
         ledger = Ledger()
-        weights = [LLAMA_WEIGHT if m == DEMO_MODEL["model_id"] else 1.0 for m in models]
+        weights = [LLAMA_WEIGHT if m == DEMO_MODEL_ID else 1.0 for m in models]
         clients = [LoadClient(i, f"{fleet.gateway_url}/v1/chat/completions", key, models,
                               weights, args.pace, ledger, random.Random(f"{args.seed}/{i}"))
                    for i in range(args.clients)]

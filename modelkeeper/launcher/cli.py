@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import sys
@@ -177,10 +176,13 @@ def describe_validation_error(exc: ValidationError) -> str:
 
 
 def _configure_logging(settings: Settings) -> None:
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # One line per HTTP request drowns everything else at INFO.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    """Every component logs the same way: our format, no colour codes from Temporal's core
+    (they end up raw in up's log files), an unreachable peer in one line, repeats thinned
+    out. The worker, API and gateway outlive a restart of their peers under `up` as the
+    agent outlives its control plane."""
+    from ..infra.logs import configure_logging
+
+    configure_logging(settings.log_level)
 
 
 async def _until_signalled(run: Callable[[asyncio.Event], Any]) -> None:
@@ -239,12 +241,8 @@ def _cmd_api(settings: Settings) -> int:
 def _cmd_agent(settings: Settings) -> int:
     from agent.main import AgentConfigError, run_agent
 
-    from ..infra.logs import configure_logging
-
     _check_temporal_security(settings)
-    # Not _configure_logging: an agent outlives its control plane, and its log must stay
-    # readable meanwhile (no colour codes, no tracebacks of refused connections).
-    configure_logging(settings.log_level)
+    _configure_logging(settings)
     try:
         asyncio.run(_until_signalled(lambda stop: run_agent(settings, stop)))
     except AgentConfigError as exc:

