@@ -829,6 +829,7 @@ class Gateway:
                     chunk = chunk[:end]
                 if not done and b"[DONE]" in chunk:
                     done = True
+                chunk = responses.engine_error_events(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, TimeoutError) as exc:
             failure = _describe(exc)

@@ -246,6 +246,32 @@ def _breakers_open(count: int) -> str:
     return f"its {count} ready replica(s) keep failing and are out until they recover"
 
 
+#: The bytes that mark an event as possibly an engine's error: checked on every relayed
+#: chunk, so that only the rare chunk holding one is parsed.
+_ERROR_MARK = b'"error"'
+
+
+def engine_error_events(chunk: bytes) -> bytes:
+    """``chunk`` (whole server-sent events) with each error event an engine sent midway
+    (llama.cpp's ``data: {"error": {"code": 500, ...}}``) rewritten in the gateway's one
+    error shape, as :func:`engine_error` does for an error answer. Other events, a token
+    that merely says "error" included, are left byte for byte."""
+    if _ERROR_MARK not in chunk:
+        return chunk
+    events = chunk.split(b"\n\n")
+    for i, event in enumerate(events):
+        if _ERROR_MARK not in event or not event.startswith(b"data: {"):
+            continue
+        data = event[len(b"data: "):]
+        try:
+            parsed = json.loads(data)
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            continue
+        if isinstance(parsed, dict) and "error" in parsed:
+            events[i] = b"data: " + engine_error(500, data).body()
+    return b"\n\n".join(events)
+
+
 def sse_error_event(message: str) -> bytes:
     """The event that ends a stream cut midway, followed by ``[DONE]``: clients see an
     error, not a silent end (the openai SDK raises it as an APIError)."""

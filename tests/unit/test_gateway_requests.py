@@ -139,6 +139,20 @@ def test_an_engines_error_is_rewritten_into_the_one_shape(
     assert _shape(reply.body()) == expected
 
 
+def test_an_engines_error_event_midway_is_rewritten_and_the_rest_left_alone() -> None:
+    token = b'data: {"choices":[{"delta":{"content":"\\"error\\""}}]}'
+    llama = b'data: {"error":{"code":500,"message":"slot lost","type":"server_error"}}'
+    chunk = token + b"\n\n" + llama + b"\n\n"
+    events = responses.engine_error_events(chunk).split(b"\n\n")
+    assert events[0] == token  # a token that says "error" is not an error
+    assert _shape(events[1][len(b"data: "):]) == {
+        "message": "slot lost", "type": "server_error", "param": None,
+        "code": "engine_error"}
+    assert events[2:] == [b""]
+    plain = b'data: {"choices":[]}\n\n'
+    assert responses.engine_error_events(plain) is plain  # the common case: no copy
+
+
 @pytest.mark.parametrize("reply", [
     responses.bad_request("x"),
     responses.bad_request("x", "model_required", param="model"),
