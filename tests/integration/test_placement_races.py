@@ -21,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 
 import asyncpg
 import pytest
 
-from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest
+from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest, ReplicaView
+from modelkeeper.domain.events import NewEvent
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.nodes import AgentRegistration, GpuInfo, Inventory
 from modelkeeper.domain.placement import CantPlace, PlacementRequest, RejectionReason
@@ -79,13 +80,14 @@ async def heartbeat_store(database_url: str) -> AsyncIterator[Store]:
 
 
 class ClaimGate:
-    """Holds every placement transaction open right after it inserts an allocation row."""
+    """Holds every placement transaction open right after it inserts an allocation row
+    (or, with ``table="events"``, a sweep's right after it deleted the deployment)."""
 
     def __init__(self, conn: asyncpg.Connection) -> None:
         self._conn = conn
 
     @classmethod
-    async def install(cls, database_url: str) -> ClaimGate:
+    async def install(cls, database_url: str, table: str = "allocations") -> ClaimGate:
         conn = await asyncpg.connect(database_url)
         await conn.execute(f"""
             CREATE FUNCTION test_wait_at_gate() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -93,7 +95,7 @@ class ClaimGate:
                 PERFORM pg_advisory_xact_lock_shared({GATE_KEY});
                 RETURN NULL;
             END $$;
-            CREATE TRIGGER test_claim_gate AFTER INSERT ON allocations
+            CREATE TRIGGER test_claim_gate AFTER INSERT ON {table}
                 FOR EACH ROW EXECUTE FUNCTION test_wait_at_gate();
         """)
         await conn.execute("SELECT pg_advisory_lock($1)", GATE_KEY)
@@ -108,6 +110,17 @@ class ClaimGate:
                 return
             await asyncio.sleep(0.02)
         raise AssertionError(f"fewer than {count} sessions ever waited on an advisory lock")
+
+    async def wait_for_row_waiters(self, count: int) -> None:
+        """Until ``count`` sessions wait on a row (a lock that is not advisory)."""
+        for _ in range(500):
+            waiting = await self._conn.fetchval(
+                "SELECT count(DISTINCT pid) FROM pg_locks "
+                "WHERE locktype <> 'advisory' AND NOT granted")
+            if waiting >= count:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"fewer than {count} sessions ever waited on a row")
 
     async def open(self) -> None:
         await self._conn.execute("SELECT pg_advisory_unlock($1)", GATE_KEY)
@@ -365,3 +378,64 @@ async def test_retried_gpu_placement_returns_the_same_shard_specs(store: Store) 
     assert {s.node_id: s.gpu_memory_bytes for s in first} == {"a": 160 * GIB, "b": 80 * GIB}
     assert again == first
     assert len(await _allocations(store)) == 2
+
+
+# -- the store sweep (worker/sweep.py) racing a placement a terminate left running --------
+
+def _swept(seen: list[list[str]]) -> Callable[[list[ReplicaView]], NewEvent]:
+    def event_for(replicas: list[ReplicaView]) -> NewEvent:
+        seen.append([r.replica_id for r in replicas])
+        return NewEvent(kind="deployment.swept", deployment_id=DEPLOYMENT,
+                        message="swept by the test")
+    return event_for
+
+
+async def test_a_sweep_waits_for_an_open_placement_and_removes_its_claims(
+        wide_store: Store, database_url: str) -> None:
+    model = _model(4)
+    await _setup(wide_store, nodes={"a": _inventory(10 * GIB)}, model=model)
+    gate = await ClaimGate.install(database_url)
+    seen: list[list[str]] = []
+    try:
+        placing = asyncio.create_task(_place(wide_store, model, "r1"))
+        await gate.wait_for_waiters(1)  # r1's replica row and claim written, not committed
+        sweeping = asyncio.create_task(wide_store.sweep_deployment(
+            DEPLOYMENT, workflow_id="wf-d1", event_for=_swept(seen)))
+        # The sweep waits on the deployment's row, which r1's insert holds key-share.
+        await gate.wait_for_row_waiters(1)
+        assert not sweeping.done()
+        await gate.open()
+        shards = await placing
+        event = await sweeping
+    finally:
+        await gate.close()
+    assert isinstance(shards, list) and [s.node_id for s in shards] == ["a"]
+    # The sweep saw the claim committed while it waited, and removed it with the row.
+    assert event is not None and seen == [["r1"]]
+    assert await _allocations(wide_store) == []
+    assert await wide_store.get_deployment(DEPLOYMENT) is None
+
+
+async def test_a_placement_that_arrives_during_a_sweep_claims_nothing(
+        wide_store: Store, database_url: str) -> None:
+    model = _model(4)
+    await _setup(wide_store, nodes={"a": _inventory(10 * GIB)}, model=model)
+    gate = await ClaimGate.install(database_url, table="events")
+    seen: list[list[str]] = []
+    try:
+        sweeping = asyncio.create_task(wide_store.sweep_deployment(
+            DEPLOYMENT, workflow_id="wf-d1", event_for=_swept(seen)))
+        await gate.wait_for_waiters(1)  # the row deleted, the sweep not committed
+        placing = asyncio.create_task(_place(wide_store, model, "r1"))
+        # Its replica insert checks the deployment row the sweep deleted: it waits.
+        await gate.wait_for_row_waiters(1)
+        assert not placing.done()
+        await gate.open()
+        assert await sweeping is not None
+        with pytest.raises(asyncpg.ForeignKeyViolationError):
+            await placing
+    finally:
+        await gate.close()
+    assert seen == [[]]
+    assert await _allocations(wide_store) == []
+    assert await wide_store.list_replicas() == []
