@@ -7,7 +7,7 @@ from typing import Annotated, Any, Self
 
 from pydantic import BeforeValidator, Field, StringConstraints, model_validator
 
-from .base import Frozen
+from .base import Frozen, Tolerant
 from .ids import DeploymentId, ModelId, NodeId, ReplicaId
 from .shards import EngineKind
 from .sources import SECRET_NAME_PATTERN, SHA256_PATTERN
@@ -192,7 +192,7 @@ class DeploymentView(Frozen):
     placement_note: str | None = None
 
 
-class DeploymentStatusUpdate(Frozen):
+class DeploymentStatusUpdate(Tolerant):
     """What the keeper writes to the store when its status changes."""
 
     deployment_id: DeploymentId
@@ -208,7 +208,7 @@ class DeploymentStatusUpdate(Frozen):
     placement_note: str | None = None
 
 
-class ReplicaStateUpdate(Frozen):
+class ReplicaStateUpdate(Tolerant):
     """What the keeper writes when a replica changes state."""
 
     replica_id: ReplicaId

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .base import Frozen
+from .base import Tolerant
 from .ids import DeploymentId, NodeId, ReplicaId
-from .keeper import DeploymentSpec
+from .keeper import DeploymentSpec, room_watch_wait_s
 from .ops import Generation
 from .shards import ShardSpec
 
 
-class PlaceReplicaInput(Frozen):
+class PlaceReplicaInput(Tolerant):
     """Input of `place_replica`."""
 
     spec: DeploymentSpec
@@ -29,7 +29,7 @@ class PlaceReplicaInput(Frozen):
     generation: Generation | None = None
 
 
-class PlaceReplicaResult(Frozen):
+class PlaceReplicaResult(Tolerant):
     """The shards to start, or why nothing fits (``cant_place``, naming every node)."""
 
     shards: list[ShardSpec] = Field(default_factory=list)
@@ -39,13 +39,42 @@ class PlaceReplicaResult(Frozen):
     note: str | None = None
 
 
-class ReleaseReplicaInput(Frozen):
+class WatchForRoomInput(Tolerant):
+    """Input of `watch_for_room`: which replica to dry-run and on what schedule."""
+
+    spec: DeploymentSpec
+    #: What the next replica would run (the spec's generation; None: its model as the
+    #: catalog has it), as PlaceReplicaInput.generation.
+    generation: Generation | None = None
+    #: Placements in a row that found no room before the watch began
+    #: (KeeperState.unplaceable_in_a_row): the schedule carries on from there.
+    unplaceable: int = Field(ge=0)
+    #: The schedule's first wait and its cap (KeeperConfig.cant_place_retry_s and
+    #: room_watch_max_s).
+    first_wait_s: float = Field(gt=0)
+    max_wait_s: float = Field(gt=0)
+
+    def wait_s(self, check: int) -> float:
+        """The wait before dry run number ``check`` (0 first)."""
+        return room_watch_wait_s(self.unplaceable, check, first_s=self.first_wait_s,
+                                 max_s=self.max_wait_s)
+
+
+class RoomFound(Tolerant):
+    """What `watch_for_room` answers: the replica would fit now, on these nodes."""
+
+    nodes: list[NodeId]
+    #: Dry runs it took, the one that found room included.
+    checks: int
+
+
+class ReleaseReplicaInput(Tolerant):
     """Input of `release_replica`."""
 
     replica_id: ReplicaId
 
 
-class DeleteDeploymentInput(Frozen):
+class DeleteDeploymentInput(Tolerant):
     """Input of `delete_deployment`."""
 
     deployment_id: DeploymentId

@@ -32,7 +32,7 @@ from datetime import datetime, timedelta
 
 from pydantic import Field
 
-from .base import Frozen
+from .base import Frozen, Tolerant
 from .ids import ReplicaId
 
 #: The grace period when the caller names none: long enough for a typical chat completion
@@ -47,7 +47,7 @@ MAX_GRACE_S = 3600.0
 STALE_AFTER_INTERVALS = 5
 
 
-class DrainReplicaInput(Frozen):
+class DrainReplicaInput(Tolerant):
     """Input of ``drain_replica``."""
 
     replica_id: ReplicaId
@@ -55,7 +55,7 @@ class DrainReplicaInput(Frozen):
     grace_s: float = Field(default=DEFAULT_GRACE_S, gt=0, le=MAX_GRACE_S)
 
 
-class DrainReplicaResult(Frozen):
+class DrainReplicaResult(Tolerant):
     """How a drain ended: drained (``in_flight_left`` 0) or its grace period over."""
 
     #: Seconds from the mark to the end (the first attempt's mark, on a retry).

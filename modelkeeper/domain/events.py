@@ -7,11 +7,11 @@ from typing import Any
 
 from pydantic import Field
 
-from .base import Frozen
+from .base import Tolerant
 from .ids import DeploymentId, NodeId, ReplicaId
 
 
-class NewEvent(Frozen):
+class NewEvent(Tolerant):
     """An entry for the append-only audit log, before the store numbers it."""
 
     kind: str = Field(min_length=1, max_length=64)

@@ -81,7 +81,7 @@ class ExitKind(StrEnum):
     UNKNOWN_SHARD = "unknown_shard"  # the agent has no such shard (never started, or lost)
 
 
-class StartShardInput(Frozen):
+class StartShardInput(Tolerant):
     """Input of the `start_shard` activity."""
 
     spec: ShardSpec
@@ -100,7 +100,7 @@ class ShardEndpoint(Tolerant):
     adopted: bool = False
 
 
-class WatchShardInput(Frozen):
+class WatchShardInput(Tolerant):
     """Input of the `watch_shard` activity."""
 
     replica_id: ReplicaId
@@ -119,7 +119,7 @@ class ShardExit(Tolerant):
     log_tail: list[str] = Field(default_factory=list)
 
 
-class StopShardInput(Frozen):
+class StopShardInput(Tolerant):
     """Input of the `stop_shard` activity."""
 
     replica_id: ReplicaId
