@@ -50,12 +50,13 @@ from modelkeeper.domain.nodes import (
     is_loopback,
     node_address,
 )
+from modelkeeper.infra.network import WILDCARD_BINDS
 from modelkeeper.infra.secrets import new_node_credential, read_engine_key_secret, read_join_token
 from modelkeeper.names import node_task_queue
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 
-from .auth import WILDCARD_BINDS, host_name
+from .auth import host_name
 from .deps import SettingsDep, StoreDep, TemporalDep
 from .signals import signal_waiting_deployments
 

@@ -20,6 +20,7 @@ from fastapi import Depends, FastAPI
 
 from modelkeeper import __version__
 from modelkeeper.infra import temporal as temporal_client
+from modelkeeper.infra.network import is_wildcard
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 
@@ -32,7 +33,9 @@ def create_app(settings: Settings) -> FastAPI:
     """The API application, bound to the store and Temporal named by ``settings``."""
     app = FastAPI(title="modelkeeper", version=__version__, lifespan=_lifespan)
     app.state.settings = settings
-    app.add_middleware(auth.HostAllowlist, allowed=auth.allowed_hosts(settings))
+    app.add_middleware(auth.HostAllowlist, allowed=auth.allowed_hosts(settings),
+                       own_addresses=auth.OwnAddresses() if is_wildcard(settings.bind_host)
+                       else None)
     limits.install(app)  # the body limit, outermost; 422s that echo any input
     if not settings.api_auth:
         log.warning("api_auth is off: anyone who reaches this API may deploy, delete and "

@@ -14,6 +14,9 @@
 
 from __future__ import annotations
 
+import ipaddress
+import time
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
@@ -26,6 +29,7 @@ from starlette.websockets import WebSocketClose
 from modelkeeper.domain.events import NewEvent
 from modelkeeper.domain.ids import DeploymentId, NodeId
 from modelkeeper.domain.operators import Operator, OperatorRole, refusal
+from modelkeeper.infra.network import is_wildcard, machine_addresses
 from modelkeeper.settings import Settings
 from modelkeeper.store.tokens import TokensStore
 
@@ -37,8 +41,11 @@ UNAUTHENTICATED_ACTOR = "api"
 
 #: Names every API answers to: what `up`, the CLI and a probe on the machine itself use.
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
-#: Bind addresses that listen everywhere: no name, so not added to the allowed hosts.
-WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
+#: How often, at most, a wildcard-bound API reads this machine's addresses again for a
+#: Host it does not know: often enough that an interface added after start (a VPN, the
+#: veth of docs/first-hour.md) works within seconds, rarely enough that a flood of
+#: unknown Hosts costs one read of the interfaces per period.
+OWN_ADDRESSES_TTL_S = 2.0
 #: In ``api_allowed_hosts``: answer every Host (behind a proxy that checks it).
 ANY_HOST = "*"
 
@@ -99,8 +106,44 @@ def allowed_hosts(settings: Settings) -> frozenset[str]:
     """The names the API answers to: loopback, the bind host unless it is a wildcard, and
     ``api_allowed_hosts``."""
     bind = settings.bind_host.strip("[]").lower()
-    extra = {bind} if bind not in WILDCARD_BINDS else set()
+    extra = {bind} if not is_wildcard(bind) else set()
     return LOOPBACK_HOSTS | extra | frozenset(settings.api_allowed_hosts)
+
+
+class OwnAddresses:
+    """This machine's addresses as they are now, read again at most every ``ttl_s``.
+
+    For an API bound to a wildcard: it is reached by any address of the machine, including
+    one added after it started. An address of the machine itself is no DNS rebinding
+    risk: a page that rebinds a name sends the name, never this machine's address.
+    """
+
+    def __init__(self, read: Callable[[], frozenset[str]] = machine_addresses, *,
+                 ttl_s: float = OWN_ADDRESSES_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._read = read
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._known: frozenset[str] = frozenset()
+        self._read_at: float | None = None
+
+    def __contains__(self, host: object) -> bool:
+        if not isinstance(host, str) or not _is_address(host):
+            return False  # a name is never re-read: that is the rebinding guard
+        if host in self._known:
+            return True
+        now = self._clock()
+        if self._read_at is None or now - self._read_at >= self._ttl_s:
+            self._known, self._read_at = self._read(), now
+        return host in self._known
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def host_name(header: str | None) -> str | None:
@@ -119,23 +162,30 @@ def host_name(header: str | None) -> str | None:
 class HostAllowlist:
     """ASGI middleware: a 400 naming the host for a request sent to another name."""
 
-    def __init__(self, app: ASGIApp, allowed: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, allowed: frozenset[str],
+                 own_addresses: OwnAddresses | None = None) -> None:
+        """``own_addresses``: also answer to this machine's current addresses (a
+        wildcard bind); None: only to ``allowed``."""
         self.app = app
         self.allowed = allowed
+        self.own_addresses = own_addresses
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or ANY_HOST in self.allowed:
             await self.app(scope, receive, send)
             return
         header = Headers(scope=scope).get("host")
-        if host_name(header) in self.allowed:
+        host = host_name(header)
+        if host in self.allowed or (self.own_addresses is not None
+                                    and host in self.own_addresses):
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":
             await WebSocketClose(code=1008)(scope, receive, send)
             return
         sent = f"Host {header!r}" if header else "no Host header"
-        detail = (f"{sent}: this API answers only to {', '.join(sorted(self.allowed))}; if "
-                  "clients reach it by another name, add that name to "
+        own = " and this machine's addresses" if self.own_addresses is not None else ""
+        detail = (f"{sent}: this API answers only to {', '.join(sorted(self.allowed))}{own}; "
+                  "if clients reach it by another name, add that name to "
                   "MODELKEEPER_API_ALLOWED_HOSTS")
         await JSONResponse({"detail": detail}, status_code=400)(scope, receive, send)

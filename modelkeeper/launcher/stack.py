@@ -30,7 +30,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from agent.shards import NODE_ENV
 
 from ..domain.nodes import is_loopback
 from ..domain.operators import OperatorRole, name_problem
+from ..infra.network import WILDCARD_BINDS, machine_names
 from ..infra.processes import ManagedProcess, port_is_free, signal_group
 from ..names import LOCAL_DATABASE_NAME
 from ..settings import Settings, env_var_names
@@ -87,10 +87,9 @@ ENGINE_STOP_GRACE_S = 5.0
 #: The component whose engines `up` stops right after it (see Stack.stop).
 AGENT = "agent"
 
-#: Bind addresses that listen on every interface. They name no machine, so `up`'s children
-#: reach the servers bound there on loopback (LOOPBACK_OF), and other machines by this
-#: machine's own addresses (machine_names).
-WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
+#: A wildcard bind (WILDCARD_BINDS) names no machine, so `up`'s children reach the servers
+#: bound there on loopback (LOOPBACK_OF), and other machines by this machine's own
+#: addresses (machine_names).
 #: The loopback address to reach a server bound to each wildcard: IPv4's for 0.0.0.0,
 #: IPv6's for ``::`` (which on Linux also takes IPv4, but need not).
 LOOPBACK_OF = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}
@@ -116,21 +115,6 @@ def local_host(bind_host: str) -> str:
 def serves_other_machines(bind_host: str) -> bool:
     """Whether ``bind_host`` lets other machines in: anything but a loopback address."""
     return not is_loopback(bind_host)
-
-
-def machine_names() -> list[str]:
-    """This machine's host name and its addresses other machines may use (no loopback,
-    no IPv6 link-local, which needs a zone no Host header carries), lower case."""
-    names = [socket.gethostname().lower()]
-    for addresses in psutil.net_if_addrs().values():
-        for addr in addresses:
-            if addr.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            host = addr.address.split("%")[0].lower()
-            if is_loopback(host) or host.startswith("fe80:"):
-                continue
-            names.append(host)
-    return list(dict.fromkeys(names))
 
 
 def _port_check_host(bind_host: str) -> str:

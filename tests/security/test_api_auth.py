@@ -211,6 +211,33 @@ def test_the_allowed_hosts_are_loopback_the_bind_host_and_the_operators() -> Non
         == ["localhost", "::1", "::1", "a.b", None, None]
 
 
+def test_a_wildcard_bound_api_answers_to_an_address_the_machine_gained_after_start() -> None:
+    """An interface added after start (docs/first-hour.md's veth) is answered within the
+    re-read period; a name never is, and a flood of unknown addresses reads the
+    interfaces once per period."""
+    now = [0.0]
+    addresses = [frozenset({"10.0.0.5"})]
+    reads = []
+
+    def read() -> frozenset[str]:
+        reads.append(now[0])
+        return addresses[0]
+
+    own = auth.OwnAddresses(read, ttl_s=2.0, clock=lambda: now[0])
+    assert "10.0.0.5" in own and "10.77.0.1" not in own
+    addresses[0] = frozenset({"10.0.0.5", "10.77.0.1"})  # the veth comes up
+    for _ in range(1000):  # a flood of unknown Hosts within the period: no read
+        assert "10.9.9.9" not in own
+    assert "10.77.0.1" not in own and len(reads) == 1
+    now[0] = 2.0
+    assert "10.77.0.1" in own and len(reads) == 2
+    assert "10.77.0.1" in own and len(reads) == 2  # known: no read at all
+    # A name is never looked up: a page that rebinds a name sends the name.
+    addresses[0] = frozenset({"evil.example"})
+    now[0] = 10.0
+    assert "evil.example" not in own and len(reads) == 2
+
+
 async def test_a_token_is_stored_hashed_and_found_by_its_hash(
         secured: Secured, monkeypatch: pytest.MonkeyPatch) -> None:
     """Constant time: the secret is never compared, in Python or in SQL. The API hashes
