@@ -20,11 +20,16 @@ from modelkeeper.domain.control import (
     PlaceReplicaInput,
     PlaceReplicaResult,
     ReleaseReplicaInput,
+    RoomFound,
+    WatchForRoomInput,
 )
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
 from modelkeeper.domain.events import Event, NewEvent
+from modelkeeper.domain.ids import NodeId
+from modelkeeper.domain.keeper import DeploymentSpec
 from modelkeeper.domain.nodes import NodeState
-from modelkeeper.domain.placement import CantPlace, PlacementRequest
+from modelkeeper.domain.ops import Generation
+from modelkeeper.domain.placement import CantPlace, Placement, PlacementRequest
 from modelkeeper.domain.settling import SettlingWindow
 from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.infra.temporal import signal_unplaceable
@@ -35,6 +40,7 @@ from modelkeeper.names import (
     ACTIVITY_RECORD_EVENT,
     ACTIVITY_RECORD_REPLICA_STATE,
     ACTIVITY_RELEASE_REPLICA,
+    ACTIVITY_WATCH_FOR_ROOM,
     ERROR_ENGINE_CONFIG,
     ERROR_SETTLING,
     ERROR_UNKNOWN_MODEL,
@@ -50,6 +56,11 @@ log = logging.getLogger(__name__)
 SETTLING_RETRY_MAX_S = 1.0
 #: ... and at least this long, so a window ending now is not retried in a tight loop.
 SETTLING_RETRY_MIN_S = 0.1
+#: watch_for_room records a heartbeat this often while it waits (or a quarter of its
+#: heartbeat timeout, if less): a local call; the SDK sends at most one a throttle
+#: interval (0.8 x the timeout, at most 60 s), and the workflow's cancel comes back with
+#: one that was sent.
+ROOM_WATCH_BEAT_S = 5.0
 
 
 class StoreActivities:
@@ -121,16 +132,11 @@ class StoreActivities:
                     seconds=min(SETTLING_RETRY_MAX_S, self.settling.remaining_s(now))
                     or SETTLING_RETRY_MIN_S))
         spec = request.spec
-        model = await self._runs(request)
-        placement_request = PlacementRequest(
-            model_id=model.model_id, memory_bytes=model.memory_bytes,
-            cpu_cores=model.cpu_cores, gpus=model.gpus,
-            min_nodes=max(spec.min_nodes, model.min_nodes),
-            node_ids=spec.node_ids, labels=spec.labels, avoid_node_ids=request.avoid_nodes,
-            deployment_id=spec.deployment_id)
+        model = await self._runs(request.spec, request.generation)
         result = await self._store.place_replica(
             deployment_id=spec.deployment_id, replica_id=request.replica_id,
-            request=placement_request, model=model, now=datetime.now(UTC),
+            request=_placement_request(spec, model, avoid_nodes=request.avoid_nodes),
+            model=model, now=datetime.now(UTC),
             unreachable_after_s=self._settings.node_unreachable_after_s,
             lost_after_s=self._settings.node_lost_after_s,
             start_timeout_s=request.start_timeout_s, generation=request.generation)
@@ -153,12 +159,56 @@ class StoreActivities:
                   else request.generation.number}))
         return PlaceReplicaResult(shards=result, note=note)
 
-    async def _runs(self, request: PlaceReplicaInput) -> CatalogModel:
+    @activity.defn(name=ACTIVITY_WATCH_FOR_ROOM)
+    async def watch_for_room(self, request: WatchForRoomInput) -> RoomFound:
+        """Wait until a replica of the deployment would fit, and say where.
+
+        A dry run of placement (:meth:`Store.dry_run_placement`: place_replica's own
+        :func:`place` on the nodes as they stand; no lock, no claim) after each wait of
+        the can't-place schedule (``request.wait_s``: 30 s doubling to 10 min, carried on
+        from the deployment's count of placements that found no room). It returns at the
+        first that fits, and the workflow then places for real, as on a node change. So
+        room that appears with no ``nodes_changed`` signal (the API was down) is found
+        within the schedule's cap, at no cost in history events: the waiting is here, and
+        heartbeats are not events.
+
+        It heartbeats through each wait (how the workflow's cancel reaches it, and how a
+        dead worker is noticed) with the number of dry runs done, so an attempt retried
+        after a database error or a lost worker goes on with the schedule where it was.
+        The first dry run comes only after the first wait: a watch that ends, is started
+        again and finds "fits" where the placement says no cannot spin.
+        """
+        info = activity.info()
+        done = info.heartbeat_details
+        checks = int(done[0]) if done else 0
+        beat_s = ROOM_WATCH_BEAT_S if info.heartbeat_timeout is None else min(
+            ROOM_WATCH_BEAT_S, info.heartbeat_timeout.total_seconds() / 4)
+        spec = request.spec
+        loop = asyncio.get_running_loop()
+        while True:
+            deadline = loop.time() + request.wait_s(checks)
+            while (left := deadline - loop.time()) > 0:
+                activity.heartbeat(checks)
+                await asyncio.sleep(min(left, beat_s))
+            model = await self._runs(spec, request.generation)
+            result = await self._store.dry_run_placement(
+                deployment_id=spec.deployment_id,
+                request=_placement_request(spec, model, avoid_nodes=[]), now=datetime.now(UTC),
+                unreachable_after_s=self._settings.node_unreachable_after_s,
+                lost_after_s=self._settings.node_lost_after_s)
+            checks += 1
+            activity.heartbeat(checks)
+            if isinstance(result, Placement):
+                log.info("%s: room for a replica on %s (dry run %d)", spec.deployment_id,
+                         ", ".join(result.node_ids), checks)
+                return RoomFound(nodes=list(result.node_ids), checks=checks)
+
+    async def _runs(self, spec: DeploymentSpec, generation: Generation | None
+                    ) -> CatalogModel:
         """The catalog entry the replica runs, with the generation's engine arguments laid
         over the entry's and checked against its engine's allow-list, as the catalog checks
         an entry's own."""
-        generation = request.generation
-        model_id = request.spec.model_id if generation is None else generation.model_id
+        model_id = spec.model_id if generation is None else generation.model_id
         model = await self._store.get_model(model_id)
         if model is None:
             raise ApplicationError(f"model {model_id!r} is not in the catalog",
@@ -231,6 +281,22 @@ class StoreActivities:
         """Every activity this class defines, for the worker to register."""
         return [self.record_event, self.place_replica, self.record_replica_state,
                 self.release_replica, self.record_deployment_status, self.delete_deployment]
+
+    def room_watches(self) -> list[Callable[..., Any]]:
+        """The room watch, for the worker of ROOM_WATCH_TASK_QUEUE: long-lived, so kept
+        off the control queue, whose slots the short store activities need."""
+        return [self.watch_for_room]
+
+
+def _placement_request(spec: DeploymentSpec, model: CatalogModel, *,
+                       avoid_nodes: list[NodeId]) -> PlacementRequest:
+    """What placement is asked for a replica of ``spec`` running ``model``: one request
+    for place_replica and the room watch's dry run, so the two cannot disagree on it."""
+    return PlacementRequest(
+        model_id=model.model_id, memory_bytes=model.memory_bytes, cpu_cores=model.cpu_cores,
+        gpus=model.gpus, min_nodes=max(spec.min_nodes, model.min_nodes),
+        node_ids=spec.node_ids, labels=spec.labels, avoid_node_ids=avoid_nodes,
+        deployment_id=spec.deployment_id)
 
 
 def _attempts_key() -> str:

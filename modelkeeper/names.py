@@ -13,6 +13,11 @@ from .domain.ids import DeploymentId, NodeId
 
 #: Task queue polled by the control-plane worker (`modelkeeper worker`).
 CONTROL_TASK_QUEUE = "modelkeeper-control"
+#: ... and the queue of its room watches (watch_for_room), polled by a second worker in the
+#: same process. A watch holds its activity slot for as long as its deployment cannot be
+#: placed: on the control queue, 100 of them would take every slot (the SDK's default) and
+#: no placement, release or store write could run.
+ROOM_WATCH_TASK_QUEUE = "modelkeeper-room-watch"
 
 #: Prefix of each node agent's own task queue; activities that touch a node's engines run there.
 NODE_TASK_QUEUE_PREFIX = "node/"
@@ -85,6 +90,9 @@ ACTIVITY_RECORD_REPLICA_STATE = "record_replica_state"
 ACTIVITY_RELEASE_REPLICA = "release_replica"
 ACTIVITY_RECORD_DEPLOYMENT_STATUS = "record_deployment_status"
 ACTIVITY_DELETE_DEPLOYMENT = "delete_deployment"
+#: A deployment that cannot be placed dry-runs placement on a backoff schedule and returns
+#: once its replica would fit (long-running, heartbeating; claims nothing).
+ACTIVITY_WATCH_FOR_ROOM = "watch_for_room"
 #: Routing: mark a replica draining and wait (bounded) for its in-flight requests.
 ACTIVITY_DRAIN_REPLICA = "drain_replica"
 #: The sagas' activities (control queue): ask a deployment workflow (activities.ops) ...

@@ -213,8 +213,9 @@ class Settings(BaseSettings):
         default=5, ge=1, description="Failed starts in a row before a deployment is parked.")
     cant_place_retry_s: float = Field(
         default=30.0, gt=0,
-        description="First blind retry of an unplaceable deployment (a node change retries "
-        "it at once); each retry that still finds no room doubles the wait, up to 30 min.")
+        description="First wait before an unplaceable deployment's room watch tries a dry "
+        "run of its placement (a node change retries it at once); each that still finds no "
+        "room doubles the wait, up to 10 min.")
     settling_window_s: float = Field(
         default=15.0, ge=0,
         description="A fresh worker waits this long (or half of it with a steady node "

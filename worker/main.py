@@ -14,7 +14,7 @@ from activities.ops import OpsActivities
 from activities.routing import RoutingActivities
 from activities.store import StoreActivities
 from modelkeeper.infra import temporal as temporal_client
-from modelkeeper.names import CONTROL_TASK_QUEUE
+from modelkeeper.names import CONTROL_TASK_QUEUE, ROOM_WATCH_TASK_QUEUE
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 from workflows import ALL_WORKFLOWS
@@ -22,6 +22,11 @@ from workflows import ALL_WORKFLOWS
 from . import sweep
 
 log = logging.getLogger(__name__)
+
+#: Room watches one worker runs at once: each is a coroutine asleep between dry runs
+#: (minutes apart), so thousands cost little. Past it a watch waits in its queue, and the
+#: deployment's hourly backstop still retries.
+ROOM_WATCHES_PER_WORKER = 10_000
 
 
 async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
@@ -49,13 +54,17 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
                             *OpsActivities(client).all()],
                 activity_executor=executor,
             )
+            room_watcher = Worker(
+                client, task_queue=ROOM_WATCH_TASK_QUEUE,
+                activities=store_activities.room_watches(),
+                max_concurrent_activities=ROOM_WATCHES_PER_WORKER)
             # Removes what a terminated deployment left in the store (see worker/sweep.py).
             sweeper = asyncio.create_task(
                 sweep.run(store, client, interval_s=settings.sweep_interval_s))
             try:
-                async with worker:
-                    log.info("worker polling %s on %s", CONTROL_TASK_QUEUE,
-                             settings.temporal_address)
+                async with worker, room_watcher:
+                    log.info("worker polling %s and %s on %s", CONTROL_TASK_QUEUE,
+                             ROOM_WATCH_TASK_QUEUE, settings.temporal_address)
                     await stop.wait()
             finally:
                 sweeper.cancel()

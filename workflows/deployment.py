@@ -32,6 +32,8 @@ with workflow.unsafe.imports_passed_through():
         PlaceReplicaInput,
         PlaceReplicaResult,
         ReleaseReplicaInput,
+        RoomFound,
+        WatchForRoomInput,
     )
     from modelkeeper.domain.draining import DrainReplicaInput
     from modelkeeper.domain.events import NewEvent
@@ -76,6 +78,8 @@ with workflow.unsafe.imports_passed_through():
         placement_note,
         refuse_op,
         resume,
+        room_watch_goes_on,
+        room_watch_start,
         status,
         stored_state,
     )
@@ -110,6 +114,7 @@ with workflow.unsafe.imports_passed_through():
         ACTIVITY_RELEASE_REPLICA,
         ACTIVITY_START_SHARD,
         ACTIVITY_STOP_SHARD,
+        ACTIVITY_WATCH_FOR_ROOM,
         ACTIVITY_WATCH_SHARD,
         CONTROL_TASK_QUEUE,
         ERROR_DELETING,
@@ -117,6 +122,7 @@ with workflow.unsafe.imports_passed_through():
         ERROR_UNKNOWN_MODEL,
         QUERY_BRIEF,
         QUERY_STATUS,
+        ROOM_WATCH_TASK_QUEUE,
         SIGNAL_DELETE,
         SIGNAL_NODE_SILENT,
         SIGNAL_NODES_CHANGED,
@@ -128,6 +134,9 @@ with workflow.unsafe.imports_passed_through():
         UPDATE_SET_GENERATION,
         node_task_queue,
     )
+
+#: The key of the room watch's task among the workflow's tasks (never a replica id).
+ROOM_WATCH_TASK = "__room_watch__"
 
 # Search attributes (registered on the server: modelkeeper.names.SEARCH_ATTRIBUTES).
 MODEL_ID_KEY = SearchAttributeKey.for_keyword("ModelId")
@@ -173,6 +182,16 @@ START_QUEUE_ALLOWANCE = 1.5
 #: A watch lasts as long as its engine runs, for months: its heartbeat timeout, not its
 #: start-to-close, notices a dead node. Ten years stands for "unbounded".
 WATCH_LIFETIME = timedelta(days=3650)
+#: watch_for_room runs as long as the deployment cannot be placed, for months maybe: its
+#: heartbeat timeout notices a dead worker, and the workflow cancels it when the wait ends.
+ROOM_WATCH_LIFETIME = WATCH_LIFETIME
+#: ... retried for ever, like a store write: a database outage or a lost worker must not
+#: end the watch (a retry goes on with its schedule; retries add no history events). A
+#: model gone from the catalog is not retried (as place_replica): the workflow then
+#: places at once, and the placement's failure says why.
+ROOM_WATCH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
+                               maximum_interval=timedelta(seconds=60),
+                               non_retryable_error_types=[ERROR_UNKNOWN_MODEL])
 #: drain_replica waits up to the grace period for in-flight requests; it heartbeats each
 #: second, so 10 s of silence means the control worker died (another picks it up, and the
 #: retry goes on with the same wait). Its start-to-close is the grace plus this slack.
@@ -225,6 +244,13 @@ PATCH_NODE_SILENT = "node-silent-signal"
 #: retries at once. About 1,300 history events an hour become 22. Before it, each
 #: retry's timer came every cant_place_retry_s.
 PATCH_CANT_PLACE_BACKOFF = "cant-place-backoff"
+#: While a deployment cannot be placed, a room watch (watch_for_room, a heartbeating
+#: activity on the control worker's room-watch queue) dry-runs placement on the backoff
+#: schedule, 30 s doubling to 10 min, and the workflow retries at once when it says the
+#: replica fits; the blind retry on the workflow's timer is only a backstop, every hour
+#: (KeeperConfig.room_watch). 22 history events an hour at a 30-minute cap become 11 at
+#: a 10-minute one. Before it, the blind retry's timer backed off to 30 min.
+PATCH_ROOM_WATCH = "cant-place-room-watch"
 #: Store writes (replica states, the deployment's status) go through one background
 #: writer that writes what is current each time it finishes a write, so a database
 #: outage delays them and nothing else: the loop goes on deciding and acting (a lost
@@ -282,6 +308,10 @@ class WorkflowTimings(Tolerant):
     #: A graceful stop waits this long at most for a retired replica's in-flight requests
     #: (the issue's default; a long generation is cut off past it).
     drain_grace_s: float = 30.0
+    #: A room watch silent this long is retried (its worker died). The SDK sends one
+    #: heartbeat per 0.8 x this, at most one a minute: 60 RPCs an hour per deployment
+    #: that cannot be placed, and a cancel reaches the watch within a minute.
+    room_watch_heartbeat_timeout_s: float = 120.0
 
 
 class DeploymentWorkflowState(Tolerant):
@@ -368,6 +398,10 @@ class DeploymentWorkflow:
         self._store_closed = False  # the deployment's row is being deleted: no more writes
         self._graceful_stop = False  # PATCH_GRACEFUL_STOP
         self._final_status = False  # PATCH_FINAL_STATUS
+        self._room_watch = False  # PATCH_ROOM_WATCH
+        # The count of placements in a row that found no room the running room watch
+        # started from (its schedule's start), to notice an operator's retry resetting it.
+        self._room_watch_from = 0
         # Observations decided so far: a handler that queued one waits until it is past
         # this count, so it answers from the state that includes it.
         self._decided = 0
@@ -542,6 +576,7 @@ class DeploymentWorkflow:
         new)."""
         while True:
             await self._drain_inbox()
+            self._follow_room_watch()
             self._show_details()
             if self._background_writes:
                 # The writer follows the state on its own; only these are set here.
@@ -607,6 +642,9 @@ class DeploymentWorkflow:
         self._final_status = workflow.patched(PATCH_FINAL_STATUS)
         if self._graceful_stop:
             switches |= {"graceful_stop": True}
+        self._room_watch = workflow.patched(PATCH_ROOM_WATCH)
+        if self._room_watch:
+            switches |= {"room_watch": True}
         if switches:
             config = self._state.config.model_copy(update=switches)
             self._state = self._state.model_copy(update={"config": config})
@@ -786,6 +824,52 @@ class DeploymentWorkflow:
         live = {r.replica_id for r in self._state.keeper.replicas}
         written = {k: v for k, v in self._state.written_replicas.items() if k in live}
         self._state = self._state.model_copy(update={"written_replicas": written})
+
+    # -- the room watch: waiting for room outside the history ------------------------------
+
+    def _follow_room_watch(self) -> None:
+        """Start or cancel the room watch as the keeper's state says (PATCH_ROOM_WATCH).
+
+        Cancelled once the deployment no longer waits for room (placed, scaled down,
+        deleted, parked) or an operator's retry reset the count; continue-as-new cancels
+        it with every other task, and the next run starts it again from the carried count.
+        A new one starts only while no placement is in flight (room_watch_start), so it
+        starts from the count that placement's answer leaves.
+        """
+        if not self._room_watch:
+            return
+        keeper, config = self._state.keeper, self._state.config
+        running = [t for t in self._tasks.get(ROOM_WATCH_TASK, []) if not t.done()]
+        if running and not room_watch_goes_on(keeper, config, self._room_watch_from):
+            for task in running:
+                task.cancel()
+            running = []
+        if not running and (start := room_watch_start(keeper, config)) is not None:
+            self._room_watch_from = start
+            self._spawn(ROOM_WATCH_TASK, self._watch_for_room(start))
+
+    async def _watch_for_room(self, unplaceable: int) -> None:
+        """Run watch_for_room until it finds room, then retry at once, as on a node change.
+
+        A watch that fails for good (the model left the catalog) retries at once too: the
+        placement then fails and says why. Neither can spin: a watch answers only after
+        its first wait, at least cant_place_retry_s.
+        """
+        keeper, config = self._state.keeper, self._state.config
+        with contextlib.suppress(ActivityError):
+            found: RoomFound = await workflow.execute_activity(
+                ACTIVITY_WATCH_FOR_ROOM,
+                WatchForRoomInput(spec=keeper.spec, generation=keeper.spec.generation,
+                                  unplaceable=unplaceable,
+                                  first_wait_s=config.cant_place_retry_s,
+                                  max_wait_s=config.room_watch_max_s),
+                result_type=RoomFound, task_queue=ROOM_WATCH_TASK_QUEUE,
+                start_to_close_timeout=ROOM_WATCH_LIFETIME,
+                heartbeat_timeout=timedelta(
+                    seconds=self._state.timings.room_watch_heartbeat_timeout_s),
+                retry_policy=ROOM_WATCH_RETRY)
+            workflow.logger.info("room for a replica on %s", ", ".join(found.nodes))
+        self._inbox.append(NodesChanged())
 
     # -- carrying out actions ------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from pydantic import Field
 
 from .base import Tolerant
 from .ids import DeploymentId, NodeId, ReplicaId
-from .keeper import DeploymentSpec
+from .keeper import DeploymentSpec, room_watch_wait_s
 from .ops import Generation
 from .shards import ShardSpec
 
@@ -37,6 +37,37 @@ class PlaceReplicaResult(Tolerant):
     #: Placed, but on a node that already holds another replica of the deployment (no
     #: other node had room): which node, and each other node's reason.
     note: str | None = None
+
+
+class WatchForRoomInput(Tolerant):
+    """Input of `watch_for_room`: which replica to dry-run and on what schedule."""
+
+    spec: DeploymentSpec
+    #: What the next replica would run (the spec's generation; None: its model as the
+    #: catalog has it), as PlaceReplicaInput.generation.
+    generation: Generation | None = None
+    #: Placements in a row that found no room before the watch began
+    #: (KeeperState.unplaceable_in_a_row): the schedule carries on from there.
+    unplaceable: int = Field(ge=0)
+    #: The schedule's first wait and its cap (KeeperConfig.cant_place_retry_s and
+    #: room_watch_max_s).
+    first_wait_s: float = Field(gt=0)
+    #: Not constrained: a cap below the first wait is the first wait (room_watch_wait_s),
+    #: and a value the workflow could not send would fail its workflow task for ever.
+    max_wait_s: float
+
+    def wait_s(self, check: int) -> float:
+        """The wait before dry run number ``check`` (0 first)."""
+        return room_watch_wait_s(self.unplaceable, check, first_s=self.first_wait_s,
+                                 max_s=self.max_wait_s)
+
+
+class RoomFound(Tolerant):
+    """What `watch_for_room` answers: the replica would fit now, on these nodes."""
+
+    nodes: list[NodeId]
+    #: Dry runs it took, the one that found room included.
+    checks: int
 
 
 class ReleaseReplicaInput(Tolerant):

@@ -22,6 +22,15 @@ The rules, each guarded by a test:
   up to ``cant_place_retry_max_s`` (30 s, 60 s, 120 s, ... 30 min). A node change retries
   at once but keeps the count (it says nothing about whether room is likely); a placement
   that finds room, or an operator's retry, resets it.
+* With ``room_watch`` the backed-off retry moves out of the workflow's history: while the
+  deployment waits for room (:func:`waiting_for_room`) a room watch runs, an activity
+  that dry-runs placement on the same schedule (:func:`room_watch_wait_s`, 30 s doubling
+  up to ``room_watch_max_s``, 10 min) and returns when the replica would fit, which the
+  workflow observes as ``NodesChanged``. A new watch starts only once no placement is in
+  flight (:func:`room_watch_start`), from the count of placements in a row that found no
+  room, so a dry run that says "fits" where the placement then says no backs off too.
+  The blind retry on the workflow's timer is then only a backstop for a lost watch, every
+  ``cant_place_backstop_s`` (1 h).
 * Two-stage expiry: a replica whose watch goes silent is *unreachable* (routed around),
   and only *lost* after ``lost_after_s`` without its agent vouching for it. A blip must
   not tear down a replica that is still serving.
@@ -178,16 +187,30 @@ class KeeperConfig(Tolerant):
     backoff_jitter: float = 0.2
     park_after: int = 5
     cant_place_retry_s: float = 30.0
-    #: With cant_place_backoff, the longest wait between blind can't-place retries. Each
-    #: costs 11 history events (its timer, two workflow tasks, place_replica): at 30 min
-    #: that is 2 an hour, 22 events, within the 30 an hour a deployment that cannot be
-    #: placed may cost (10 min would be 66). A node change retries at once whatever the
-    #: wait, so this only bounds how late a lost nodes_changed signal is made up for.
+    #: With cant_place_backoff and without room_watch (runs recorded before the room
+    #: watch), the longest wait between blind can't-place retries. Each costs 11 history
+    #: events (its timer, two workflow tasks, place_replica): at 30 min that is 2 an hour,
+    #: 22 events, within the 30 an hour a deployment that cannot be placed may cost (10 min
+    #: would be 66). With room_watch the 10-minute cap is the watch's (room_watch_max_s),
+    #: which costs no events, and the blind retry waits cant_place_backstop_s.
     cant_place_retry_max_s: float = 1800.0
     #: Back off the blind can't-place retry (cant_place_retry_s, doubling on each placement
     #: in a row that finds no room, up to cant_place_retry_max_s) rather than retrying
     #: every cant_place_retry_s: about 1,300 history events an hour become 22.
     cant_place_backoff: bool = False
+    #: While the deployment cannot be placed, a room watch (an activity: heartbeats are no
+    #: history events) dry-runs placement on the backoff schedule, up to room_watch_max_s,
+    #: and the workflow retries at once when it says the replica fits; the blind retry on
+    #: the workflow's timer is only a backstop, every cant_place_backstop_s. 22 history
+    #: events an hour at a 30-minute cap become 11 at a 10-minute one.
+    room_watch: bool = False
+    #: The room watch's longest wait between two dry runs: how late room that appears
+    #: without a node change (the API down as it does) is found.
+    room_watch_max_s: float = 600.0
+    #: With room_watch, the blind retry's wait after a placement that found no room: a
+    #: backstop for a watch lost for good (its retries are Temporal's and cost no events).
+    #: One an hour is 11 history events an hour.
+    cant_place_backstop_s: float = 3600.0
     #: Place a replacement as soon as a replica goes unreachable, instead of only once it
     #: is lost (docs/keeper.md, "Surge on unreachable"). Re-serves a crashed node's
     #: replica in seconds rather than after lost_after_s.
@@ -243,9 +266,10 @@ class KeeperState(Tolerant):
     #: nodes change.
     placement_retry_at: datetime | None = None
     placement_error: str | None = None
-    #: Placements in a row that found no room (counted with cant_place_backoff only): the
-    #: next blind retry waits cant_place_retry_s doubled once per placement after the
-    #: first, up to cant_place_retry_max_s. A node change keeps it; room found resets it.
+    #: Placements in a row that found no room (counted with cant_place_backoff or
+    #: room_watch only): the next blind retry waits cant_place_retry_s doubled once per
+    #: placement after the first, up to cant_place_retry_max_s, and a room watch's schedule
+    #: starts from it. A node change keeps it; room found resets it.
     unplaceable_in_a_row: int = 0
     #: After a surge (a replacement for an unreachable replica) found no room or crashed:
     #: no surge before this, or sooner when the nodes change. Ordinary placements ignore it.
@@ -461,17 +485,36 @@ def backoff_s(failures: int, config: KeeperConfig, jitter: float) -> float:
 _MAX_DOUBLINGS = 32
 
 
+def _doubled(first_s: float, doublings: int, cap_s: float) -> float:
+    """``first_s`` doubled ``doublings`` times, at most ``cap_s`` (and never under
+    ``first_s``, should the cap be set below it)."""
+    return max(min(first_s * 2.0 ** min(max(doublings, 0), _MAX_DOUBLINGS), cap_s), first_s)
+
+
 def cant_place_wait_s(unplaceable: int, config: KeeperConfig) -> float:
     """Wait before the blind retry after ``unplaceable`` placements in a row found no
-    room: with ``cant_place_backoff`` 30, 60, 120, ... up to ``cant_place_retry_max_s``;
-    without it always ``cant_place_retry_s``. No jitter: deployments that cannot be placed
-    started waiting at different times, and a node change retries them all at once anyway.
+    room: with ``room_watch`` the backstop, ``cant_place_backstop_s`` (the watch does the
+    backing off); else with ``cant_place_backoff`` 30, 60, 120, ... up to
+    ``cant_place_retry_max_s``; without either always ``cant_place_retry_s``. No jitter:
+    deployments that cannot be placed started waiting at different times, and a node
+    change retries them all at once anyway.
     """
+    if config.room_watch:
+        return max(config.cant_place_backstop_s, config.cant_place_retry_s)
     if not config.cant_place_backoff:
         return config.cant_place_retry_s
-    doublings = min(max(unplaceable - 1, 0), _MAX_DOUBLINGS)
-    return max(min(config.cant_place_retry_s * 2.0 ** doublings, config.cant_place_retry_max_s),
-               config.cant_place_retry_s)
+    return _doubled(config.cant_place_retry_s, unplaceable - 1, config.cant_place_retry_max_s)
+
+
+def room_watch_wait_s(unplaceable: int, check: int, *, first_s: float, max_s: float) -> float:
+    """The room watch's wait before its dry run number ``check`` (0 first), for a watch
+    started after ``unplaceable`` placements in a row found no room: the can't-place
+    backoff carried on, each dry run that finds no room counting as one more placement.
+    30 s after the first answer, doubling to ``max_s``: after 3 in a row 120, 240, 480,
+    600, 600 ... s (with the defaults). Never shorter than ``first_s``, so a watch that
+    is restarted at once (its dry run said "fits", the placement said no) cannot spin.
+    """
+    return _doubled(first_s, unplaceable - 1 + check, max_s)
 
 
 def _replace(state: KeeperState, replica: Replica) -> KeeperState:
@@ -636,8 +679,9 @@ def _on_unplaceable(state: KeeperState, obs: Unplaceable, *, now: datetime,
     if config.surge_on_unreachable and (replica.retiring or _is_surge(state)):
         return _surge_failed(state, replica, "no room for a replacement", obs.reason,
                              now=now, config=config)
-    # Counted only with the switch on, so the state is the old one without it.
-    in_a_row = state.unplaceable_in_a_row + 1 if config.cant_place_backoff else 0
+    # Counted only with a switch on, so the state is the old one without them.
+    counted = config.cant_place_backoff or config.room_watch
+    in_a_row = state.unplaceable_in_a_row + 1 if counted else 0
     return state.model_copy(update={
         "placement_error": obs.reason, "unplaceable_in_a_row": in_a_row,
         "placement_retry_at": now + timedelta(seconds=cant_place_wait_s(in_a_row, config))})
@@ -1244,6 +1288,41 @@ def next_wake(state: KeeperState, config: KeeperConfig) -> datetime | None:
             if r.next_probe_at is not None and not r.probe_in_flight:
                 times.append(r.next_probe_at)
     return min(times) if times else None
+
+
+def waiting_for_room(state: KeeperState, config: KeeperConfig) -> bool:
+    """Whether a room watch should be running (``room_watch``): a placement found no room
+    and nothing since has placed one, the deployment still wants more replicas than it
+    has, and neither a delete nor parking stopped it from placing. A placement in flight
+    (a node change's, the backstop's) does not end the wait: if it finds no room the watch
+    goes on as it was, and a watch cancelled and started again costs history events.
+    """
+    if not config.room_watch or state.placement_error is None:
+        return False
+    if state.deleting or state.parked or state.finished:
+        return False
+    settled = [r for r in _counted(state, config) if r.phase is not Phase.PLACING]
+    return len(settled) < state.spec.replicas
+
+
+def room_watch_start(state: KeeperState, config: KeeperConfig) -> int | None:
+    """Whether to start a room watch now, where none runs: the count of placements in a
+    row that found no room, which its schedule starts from (:func:`room_watch_wait_s`);
+    None when the deployment is not waiting for room, or while a placement is in flight:
+    its answer may place the replica, or add one to the count the watch starts from.
+    """
+    if not waiting_for_room(state, config):
+        return None
+    if any(r.phase is Phase.PLACING for r in state.replicas):
+        return None
+    return state.unplaceable_in_a_row
+
+
+def room_watch_goes_on(state: KeeperState, config: KeeperConfig, started_from: int) -> bool:
+    """Whether a room watch started from the count ``started_from`` should keep running:
+    the deployment still waits for room, and no operator's retry has reset the count
+    since (every wait starts over then, the watch's too: it is started again from 0)."""
+    return waiting_for_room(state, config) and state.unplaceable_in_a_row >= started_from
 
 
 def status(state: KeeperState, *, config: KeeperConfig | None = None) -> DeploymentStatus:

@@ -9,7 +9,11 @@ What must hold while placements race each other and heartbeats:
 * a retried call returns exactly the shard specs the first returned (gpu_memory_bytes too:
   vLLM and SGLang derive their memory fraction from it);
 * two replicas of one deployment placed at once still go on distinct nodes when room
-  allows: the one that read first's claim was not committed yet sees it under the lock.
+  allows: the one that read first's claim was not committed yet sees it under the lock;
+* the placements of one process take turns, so none of them loses a race to another.
+
+Calls race here from stores of their own (``racers``), as from control workers of their
+own: through one store they would take turns.
 
 To catch a placement with its transaction open, ``ClaimGate`` installs a trigger that makes
 every allocation insert wait on an advisory lock the test holds: the placement has then
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
@@ -59,6 +65,29 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
 async def wide_store(database_url: str) -> AsyncIterator[Store]:
     """A store with enough connections for every racing call to hold one at once."""
     s = await Store.connect(database_url, min_size=1, max_size=32)
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+@pytest.fixture
+async def racers(database_url: str) -> AsyncIterator[list[Store]]:
+    """Twenty stores, each as a control worker of its own would hold: their placements
+    race one another (one store's take turns)."""
+    stores = [await Store.connect(database_url, min_size=1, max_size=2, migrate=False)
+              for _ in range(20)]
+    try:
+        yield stores
+    finally:
+        for s in stores:
+            await s.close()
+
+
+@pytest.fixture
+async def other_store(database_url: str) -> AsyncIterator[Store]:
+    """A second worker's store, for the call that races the first."""
+    s = await Store.connect(database_url, migrate=False)
     try:
         yield s
     finally:
@@ -175,7 +204,7 @@ def _model(memory_gib: int, *, gpus: int | None = None, min_nodes: int = 1,
 
 @pytest.mark.parametrize("optimistic_attempts", [None, 0], ids=["default", "serialized-only"])
 async def test_concurrent_placements_never_over_claim_memory(
-        wide_store: Store, monkeypatch: pytest.MonkeyPatch,
+        wide_store: Store, racers: list[Store], monkeypatch: pytest.MonkeyPatch,
         optimistic_attempts: int | None) -> None:
     # 5 nodes of 10 GiB, 4 GiB replicas: 2 fit per node, so 10 of 20 racing calls fit.
     if optimistic_attempts is not None:
@@ -184,7 +213,7 @@ async def test_concurrent_placements_never_over_claim_memory(
     await _setup(wide_store, nodes={f"n{i}": _inventory(10 * GIB) for i in range(5)},
                  model=model)
 
-    results = await asyncio.gather(*(_place(wide_store, model, f"r{i:02d}") for i in range(20)))
+    results = await asyncio.gather(*(_place(racers[i], model, f"r{i:02d}") for i in range(20)))
 
     placed = {f"r{i:02d}": r for i, r in enumerate(results) if not isinstance(r, CantPlace)}
     refused = [r for r in results if isinstance(r, CantPlace)]
@@ -202,7 +231,8 @@ async def test_concurrent_placements_never_over_claim_memory(
         (rid, shards[0].node_id) for rid, shards in placed.items())
 
 
-async def test_concurrent_multi_node_placements_claim_each_gpu_once(wide_store: Store) -> None:
+async def test_concurrent_multi_node_placements_claim_each_gpu_once(
+        wide_store: Store, racers: list[Store]) -> None:
     # 6 nodes with 2 GPUs each; 2-shard replicas with 1 GPU per shard: 12 GPUs hold 6
     # replicas. Racing calls lock overlapping node sets, in rank order emptiest first, so
     # this also shows the locks are taken in an order that cannot deadlock.
@@ -210,7 +240,7 @@ async def test_concurrent_multi_node_placements_claim_each_gpu_once(wide_store: 
     await _setup(wide_store, nodes={f"n{i}": _inventory(512 * GIB, gpus=2) for i in range(6)},
                  model=model)
 
-    results = await asyncio.gather(*(_place(wide_store, model, f"r{i:02d}") for i in range(12)))
+    results = await asyncio.gather(*(_place(racers[i], model, f"r{i:02d}") for i in range(12)))
 
     assert sum(not isinstance(r, CantPlace) for r in results) == 6
     claimed = [(row["node_id"], i) for row in await _allocations(wide_store)
@@ -265,8 +295,8 @@ async def test_heartbeat_of_the_node_being_claimed_does_not_wait_either(
 
 @pytest.mark.parametrize("optimistic_attempts", [None, 1], ids=["default", "then-serialized"])
 async def test_placement_re_checks_claims_committed_while_it_waited(
-        store: Store, database_url: str, monkeypatch: pytest.MonkeyPatch,
-        optimistic_attempts: int | None) -> None:
+        store: Store, other_store: Store, database_url: str,
+        monkeypatch: pytest.MonkeyPatch, optimistic_attempts: int | None) -> None:
     # r2 reads the nodes while r1's claim on a is written but not committed, so r2's
     # snapshot shows a empty and picks it too. Room on a is for one replica: r2 must see
     # r1's claim once r1 commits and go to b instead of over-claiming a.
@@ -279,7 +309,7 @@ async def test_placement_re_checks_claims_committed_while_it_waited(
     try:
         first = asyncio.create_task(_place(store, model, "r1"))
         await gate.wait_for_waiters(1)
-        second = asyncio.create_task(_place(store, model, "r2"))
+        second = asyncio.create_task(_place(other_store, model, "r2"))
         await gate.wait_for_waiters(2)  # r2 has read, placed, and waits for a's lock
         await gate.open()
         r1, r2 = await asyncio.gather(first, second)
@@ -292,8 +322,8 @@ async def test_placement_re_checks_claims_committed_while_it_waited(
 
 @pytest.mark.parametrize("optimistic_attempts", [None, 0], ids=["default", "serialized-only"])
 async def test_racing_replicas_of_one_deployment_still_spread(
-        store: Store, database_url: str, monkeypatch: pytest.MonkeyPatch,
-        optimistic_attempts: int | None) -> None:
+        store: Store, other_store: Store, database_url: str,
+        monkeypatch: pytest.MonkeyPatch, optimistic_attempts: int | None) -> None:
     # Room on a for both: r2's snapshot shows a free of replicas (r1's claim is written, not
     # committed) and picks it, the lower id of two equal nodes. Under a's lock it must see
     # r1 there and go to b, which spread prefers; memory alone would let it stay on a.
@@ -306,7 +336,7 @@ async def test_racing_replicas_of_one_deployment_still_spread(
     try:
         first = asyncio.create_task(_place(store, model, "r1"))
         await gate.wait_for_waiters(1)
-        second = asyncio.create_task(_place(store, model, "r2"))
+        second = asyncio.create_task(_place(other_store, model, "r2"))
         await gate.wait_for_waiters(2)  # r2 waits for a's lock (or, serialized, its turn)
         await gate.open()
         r1, r2 = await asyncio.gather(first, second)
@@ -319,7 +349,7 @@ async def test_racing_replicas_of_one_deployment_still_spread(
 
 
 async def test_placements_ranking_nodes_in_opposite_orders_do_not_deadlock(
-        store: Store, heartbeat_store: Store, database_url: str) -> None:
+        store: Store, other_store: Store, heartbeat_store: Store, database_url: str) -> None:
     # r1 reads a emptier than b and ranks them [a, b]; a heartbeat then shrinks a, so r2
     # ranks them [b, a]. Were node locks taken in rank order, r1 would hold a waiting for b
     # while r2 held b waiting for a. The test holds both locks, as a racing placement
@@ -336,7 +366,7 @@ async def test_placements_ranking_nodes_in_opposite_orders_do_not_deadlock(
         first = asyncio.create_task(_place(store, model, "r1"))
         await gate.wait_for_waiters(1)
         await heartbeat_store.heartbeat_node("a", _inventory(50 * GIB), UNREACHABLE_AFTER_S)
-        second = asyncio.create_task(_place(store, model, "r2"))
+        second = asyncio.create_task(_place(other_store, model, "r2"))
         await gate.wait_for_waiters(2)
         await holder.execute("SELECT pg_advisory_unlock_all()")
         r1, r2 = await asyncio.gather(first, second)
@@ -347,7 +377,8 @@ async def test_placements_ranking_nodes_in_opposite_orders_do_not_deadlock(
     assert [s.node_id for s in r2] == ["b", "a"]
 
 
-async def test_concurrent_duplicate_placements_return_the_same_claims(wide_store: Store) -> None:
+async def test_concurrent_duplicate_placements_return_the_same_claims(
+        wide_store: Store, racers: list[Store]) -> None:
     # Two attempts for one replica (an activity retried while the first still runs) must
     # end with one set of claims that both return, never a unique violation or two sets.
     model = _model(4)
@@ -355,12 +386,34 @@ async def test_concurrent_duplicate_placements_return_the_same_claims(wide_store
                  model=model)
     for round_ in range(5):
         rid = f"r{round_}"
-        first, second = await asyncio.gather(_place(wide_store, model, rid),
-                                             _place(wide_store, model, rid))
+        first, second = await asyncio.gather(_place(racers[0], model, rid),
+                                             _place(racers[1], model, rid))
         assert not isinstance(first, CantPlace)
         assert first == second
         rows = [r for r in await _allocations(wide_store) if r["replica_id"] == rid]
         assert [(r["node_id"], r["rank"]) for r in rows] == [(first[0].node_id, 0)]
+
+
+_TIMING = re.compile(r"replica=(\S+) .* attempts=(\d+) outcome=(\w+)")
+
+
+async def test_one_workers_placements_take_turns_and_none_loses_a_race(
+        wide_store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    # Bin-packing sends every racer to the same node: from one worker, twenty calls at
+    # once lost race after race (bench/scale). Taking turns, each claims at its first try.
+    model = _model(4)
+    await _setup(wide_store, nodes={f"n{i}": _inventory(10 * GIB) for i in range(5)},
+                 model=model)
+    caplog.set_level(logging.DEBUG, logger=control.PLACEMENT_TIMING_LOGGER)
+
+    results = await asyncio.gather(*(_place(wide_store, model, f"r{i:02d}") for i in range(20)))
+
+    assert sum(not isinstance(r, CantPlace) for r in results) == 10
+    timings = [m.groups() for r in caplog.records
+               if r.name == control.PLACEMENT_TIMING_LOGGER
+               and (m := _TIMING.search(r.getMessage())) is not None]
+    assert len(timings) == 20
+    assert {attempts for _, attempts, _ in timings} == {"1"}, timings
 
 
 async def test_retried_gpu_placement_returns_the_same_shard_specs(store: Store) -> None:

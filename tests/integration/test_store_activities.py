@@ -6,6 +6,8 @@ them: through ``ActivityEnvironment``, with the activity info a retry keeps.
 * A retried activity that appends to the audit log appends once.
 * ``place_replica`` waits out the settling window of a fresh worker, or half of it when the
   ready-node count holds steady.
+* ``watch_for_room`` dry-runs placement on its schedule, claiming nothing, answers once
+  the replica would fit, and a retry goes on with the schedule where it was.
 
 Deployment workflows are stand-ins started on a queue no worker polls: a signal to one is
 recorded in its history, which is what these tests count.
@@ -34,11 +36,12 @@ from modelkeeper.domain.control import (
     DeleteDeploymentInput,
     PlaceReplicaInput,
     ReleaseReplicaInput,
+    WatchForRoomInput,
 )
 from modelkeeper.domain.events import NewEvent
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec
-from modelkeeper.domain.nodes import AgentRegistration, Inventory
+from modelkeeper.domain.nodes import AgentRegistration, Inventory, NodeUpdate
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.names import ERROR_SETTLING, SIGNAL_NODES_CHANGED, deployment_workflow_id
@@ -258,3 +261,75 @@ async def test_placement_goes_early_once_the_ready_count_holds_for_half_the_wind
         assert len(result.shards) == 1
     finally:
         await acts.stop_settling_sampler()
+
+
+# -- watch_for_room: the room watch's dry runs -------------------------------------------
+
+def _watch(spec: DeploymentSpec, *, unplaceable: int = 1,
+           max_wait_s: float = 0.2) -> WatchForRoomInput:
+    """A room watch on a short schedule: 50 ms doubling to ``max_wait_s``."""
+    return WatchForRoomInput(spec=spec, unplaceable=unplaceable, first_wait_s=0.05,
+                             max_wait_s=max_wait_s)
+
+
+async def test_watch_for_room_claims_nothing_and_answers_once_the_replica_would_fit(
+    store: Store,
+) -> None:
+    """A cordon lifted in the store, with no signal to anyone: the watch's next dry run
+    finds the node, and none of its dry runs took a lock or claimed anything."""
+    await _node(store, "n1")
+    await store.update_node("n1", NodeUpdate(cordoned=True, cordon_reason="maintenance"))
+    spec = await _deployment(store, "d1", DeploymentStatus.CANT_PLACE)
+    acts = _activities(store)
+    env = _attempt("watch")
+    beats: list[int] = []
+    env.on_heartbeat = lambda *details: beats.append(details[0])
+    watch = asyncio.create_task(env.run(acts.watch_for_room, _watch(spec)))
+
+    async def refused(times: int) -> None:
+        while not beats or beats[-1] < times:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(refused(2), 10)  # two dry runs found no room
+    assert not watch.done()
+    await store.update_node("n1", NodeUpdate(cordoned=False))
+    found = await asyncio.wait_for(watch, 10)
+    assert found.nodes == ["n1"] and found.checks >= 3
+    assert await store.list_replicas() == []
+    [node] = await store.list_nodes()
+    assert node.memory_claimed_bytes == 0
+    # What it found is still there for place_replica to claim.
+    assert (await _attempt("place").run(acts.place_replica, _place(spec, "d1-r1"))).shards
+
+
+async def test_a_retried_watch_for_room_goes_on_with_its_schedule(store: Store) -> None:
+    """A retry (a database error, the worker lost) starts from the dry runs its last
+    heartbeat reported, not from the first wait: after 4 dry runs the wait is 0.8 s."""
+    await _node(store, "n1")
+    spec = await _deployment(store, "d1", DeploymentStatus.CANT_PLACE)
+    env = _attempt("watch")
+    env.info = dataclasses.replace(env.info, attempt=2, heartbeat_details=[4])
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    found = await env.run(_activities(store).watch_for_room, _watch(spec, max_wait_s=10))
+    assert found.checks == 5
+    assert loop.time() - began >= _watch(spec, max_wait_s=10).wait_s(4) == 0.8
+
+
+async def test_a_cancelled_watch_for_room_ends_while_it_waits(store: Store) -> None:
+    await _node(store, "n1")
+    await store.update_node("n1", NodeUpdate(cordoned=True))
+    spec = await _deployment(store, "d1", DeploymentStatus.CANT_PLACE)
+    env = _attempt("watch")
+    beats: list[int] = []
+    env.on_heartbeat = lambda *details: beats.append(details[0])
+    watch = asyncio.create_task(env.run(_activities(store).watch_for_room, _watch(spec)))
+
+    async def waiting() -> None:
+        while not beats:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(waiting(), 10)
+    env.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(watch, 10)

@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from modelkeeper.domain.catalog import DeploymentRequest, ScaleRequest
+from modelkeeper.domain.control import WatchForRoomInput
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import (
     Action,
@@ -43,7 +44,11 @@ from modelkeeper.domain.keeper import (
     next_wake,
     overview,
     resume,
+    room_watch_goes_on,
+    room_watch_start,
+    room_watch_wait_s,
     status,
+    waiting_for_room,
 )
 from modelkeeper.domain.status import DeploymentStatus
 
@@ -661,3 +666,96 @@ def test_carried_state_ignores_unknown_keys_and_operator_input_does_not() -> Non
         DeploymentRequest.model_validate({"model_id": "m", "replica": 2})
     with pytest.raises(ValidationError):  # observations never leave a run: still strict
         Silent.model_validate({"replica_id": "d-r1", "added_later": 1})
+
+
+# -- the room watch: the backed-off retry outside the workflow's history ---------------------
+
+#: As the workflow runs the keeper since cant-place-room-watch.
+WATCH = KeeperConfig(backoff_jitter=0.0, cant_place_backoff=True, room_watch=True)
+
+
+def test_the_room_watch_schedule_carries_on_the_backoff_up_to_10_minutes() -> None:
+    def waits(unplaceable: int, checks: int, config: KeeperConfig = WATCH) -> list[float]:
+        return [room_watch_wait_s(unplaceable, check, first_s=config.cant_place_retry_s,
+                                  max_s=config.room_watch_max_s) for check in range(checks)]
+
+    # After the first placement that found no room: 30 s, doubling, every 10 min.
+    assert waits(1, 8) == [30, 60, 120, 240, 480, 600, 600, 600]
+    # A watch started again (continue-as-new, a dry run the placement contradicted) goes
+    # on from the count: after 3 in a row, as the blind retry would have waited.
+    assert waits(3, 4) == [120, 240, 480, 600]
+    assert waits(3, 1) == [cant_place_wait_s(3, BACKOFF)]
+    # A count never counted (state from before the switches) starts at 30 s.
+    assert waits(0, 3) == [30, 30, 60]
+    # Months of it stay at the cap; a cap below the first wait never spins.
+    assert room_watch_wait_s(10**6, 10**6, first_s=30, max_s=600) == 600
+    assert room_watch_wait_s(5, 0, first_s=30, max_s=1) == 30
+    watch = WatchForRoomInput(spec=DeploymentSpec(deployment_id=DeploymentId("d"),
+                                                  model_id=ModelId("m"), replicas=1),
+                              unplaceable=2, first_wait_s=30, max_wait_s=600)
+    assert [watch.wait_s(check) for check in range(5)] == [60, 120, 240, 480, 600]
+
+
+def test_with_the_room_watch_the_blind_retry_is_an_hourly_backstop() -> None:
+    k = Stepper(config=WATCH)
+    k.step(at=0)
+    at = 0.0
+    for n in range(1, 4):
+        wait = unplaceable_until_due(k, n, at)
+        assert wait == 3600
+        at += wait
+    assert k.state.unplaceable_in_a_row == 3  # counted, for the watch's schedule
+    # Without the watch, the same three waits back off on the timer, as before.
+    assert [cant_place_wait_s(n, BACKOFF) for n in range(1, 4)] == [30, 60, 120]
+
+
+def test_a_room_watch_runs_while_the_deployment_waits_for_room_and_starts_between_placements(
+) -> None:
+    k = Stepper(replicas=2, config=WATCH)
+    k.step(at=0)
+    assert not waiting_for_room(k.state, k.config)  # placing, never refused yet
+    k.step(Unplaceable(replica_id=rid(1), reason="node a: full"), at=1)
+    assert waiting_for_room(k.state, k.config)
+    assert room_watch_start(k.state, k.config) == 1
+    # The watch found room: a retry at once, as for a node change. While it is out the
+    # watch that runs goes on, and none is started (its answer may change the count).
+    assert k.step(NodesChanged(), at=100) == [PlaceReplica(replica_id=rid(2))]
+    assert waiting_for_room(k.state, k.config)
+    assert room_watch_goes_on(k.state, k.config, 1)
+    assert room_watch_start(k.state, k.config) is None
+    k.step(Unplaceable(replica_id=rid(2), reason="node a: full"), at=101)
+    assert room_watch_start(k.state, k.config) == 2  # one more: the next waits longer
+    # Room for one of the two: the wait for room is over (the second's placement clears
+    # the error only once it is placed; meanwhile one replica is wanted and placing).
+    k.step(NodesChanged(), at=200)
+    k.serve(str(rid(3)), at=201)
+    assert not waiting_for_room(k.state, k.config)
+    assert k.state.placement_error is None
+    # The second replica finds no room: waiting again, from a count that starts over.
+    k.step(Unplaceable(replica_id=rid(4), reason="node a: full"), at=202)
+    assert room_watch_start(k.state, k.config) == 1
+    # The hourly backstop finds no room either: the count goes on, and so does the watch.
+    wake = next_wake(k.state, k.config)
+    assert wake == T0 + timedelta(seconds=202 + 3600)
+    assert k.step(at=3802) == [PlaceReplica(replica_id=rid(5))]
+    k.step(Unplaceable(replica_id=rid(5), reason="node a: full"), at=3803)
+    assert k.state.unplaceable_in_a_row == 2
+    assert room_watch_goes_on(k.state, k.config, 1)
+    k.step(Retry(), at=10_000)
+    assert not room_watch_goes_on(k.state, k.config, 1)
+
+
+@pytest.mark.parametrize("end", ["scaled down", "deleted", "parked", "no switch"])
+def test_no_room_watch_once_nothing_waits_for_room(end: str) -> None:
+    k = Stepper(config=WATCH if end != "no switch" else BACKOFF)
+    k.step(at=0)
+    k.step(Unplaceable(replica_id=rid(1), reason="node a: full"), at=1)
+    match end:
+        case "scaled down":
+            k.step(Scale(replicas=0), at=2)
+        case "deleted":
+            k.step(Delete(), at=2)
+        case "parked":
+            k.state = k.state.model_copy(update={"parked": True})
+    assert not waiting_for_room(k.state, k.config)
+    assert room_watch_start(k.state, k.config) is None

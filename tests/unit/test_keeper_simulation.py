@@ -19,7 +19,7 @@ nothing is left over, and nothing deleted holds a claim (``Sim.check_settled``).
 Two node-crash scenarios measure what the surge is for: re-serving in seconds when there is
 room elsewhere, and waiting for lost (without a failure counted) when there is not. One
 counts the blind placements of a deployment that never fits, an hour at a time: 120 an hour
-without the can't-place backoff, 2 with it.
+without the can't-place backoff, 2 with it, 1 (the backstop) with the room watch.
 
 Then a property test feeds decide random observations (garbage ids, late and duplicate
 results) and checks the same invariants, that next_wake announces everything that comes
@@ -67,6 +67,8 @@ from modelkeeper.domain.keeper import (
     Unplaceable,
     decide,
     next_wake,
+    room_watch_start,
+    waiting_for_room,
 )
 from modelkeeper.domain.placement import NodeState
 from modelkeeper.domain.status import DeploymentStatus
@@ -208,15 +210,19 @@ def test_four_hours_of_replica_and_node_loss(seed: int, config: KeeperConfig) ->
     assert g.places <= elapsed / retry_s + g.node_changes + 2
 
 
-@pytest.mark.parametrize(("config", "per_hour"), [(OLD, [120, 120, 120]),
-                                                  (HARDENED, [7, 2, 2])], ids=["old", "backoff"])
+@pytest.mark.parametrize(("config", "per_hour"), [
+    (OLD, [120, 120, 120]), (HARDENED, [7, 2, 2]),
+    (HARDENED.model_copy(update={"room_watch": True}), [1, 1, 1])],
+    ids=["old", "backoff", "room-watch"])
 def test_blind_retries_of_a_deployment_that_never_fits_an_hour_at_a_time(
         config: KeeperConfig, per_hour: list[int]) -> None:
     """Nothing else happens (no node changes): every placement is a blind retry, answered
     at once. Without the backoff it is one every 30 s; with it 30 s doubling to 30 min
-    (0, 30, 90, 210, 450, 930, 1890 s in the first hour, then 3690, 5490, 7290 ...). Each
-    costs the workflow 11 history events (tests/workflows measure it): 1,320 an hour
-    before, 22 an hour once backed off."""
+    (0, 30, 90, 210, 450, 930, 1890 s in the first hour, then 3690, 5490, 7290 ...); with
+    the room watch, whose dry runs back off outside the workflow (never fitting, it never
+    answers), the hourly backstop (0, 3600, 7200). Each costs the workflow 11 history
+    events (tests/workflows measure it): 1,320 an hour before, 22 an hour once backed off,
+    11 with the room watch."""
     instant = Knobs(lag_s=(0.0, 0.0), place_s=(0.0, 0.0), slow_place_p=0.0,
                     placement_crash_p=0.0)
     sim = Sim(random.Random(1), FIVE_NODES, config=config, knobs=instant)
@@ -426,9 +432,10 @@ def spec(replicas: int) -> DeploymentSpec:
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(replicas=st.integers(0, 4), n_steps=st.integers(1, 60), surge=st.booleans(),
-       backoff=st.booleans(), data=st.data())
+       backoff=st.booleans(), watch=st.booleans(), data=st.data())
 def test_random_observations_keep_the_invariants(
-        replicas: int, n_steps: int, surge: bool, backoff: bool, data: st.DataObject) -> None:
+        replicas: int, n_steps: int, surge: bool, backoff: bool, watch: bool,
+        data: st.DataObject) -> None:
     """Whatever arrives, in whatever order: decide never crashes, every state keeps the
     invariants (at most one placing, no duplicate ids, live <= spec with a placement
     scaled away in flight marked retiring, finished only when empty and deleted), every
@@ -438,9 +445,10 @@ def test_random_observations_keep_the_invariants(
     Most results are aimed at replicas the keeper has (so deep states are reached); the
     rest at replicas it had (late results) or never had (garbage). Half the runs surge on
     unreachable (live <= spec + unreachable instead); half, independently, back off the
-    can't-place retry."""
+    can't-place retry, and half run the room watch: one is started only between
+    placements, and only while the deployment waits for room."""
     config = CONFIG.model_copy(update={"surge_on_unreachable": surge, "precise_status": surge,
-                                       "cant_place_backoff": backoff})
+                                       "cant_place_backoff": backoff, "room_watch": watch})
     state = KeeperState(spec=spec(replicas))
     now = T0
     finishes = 0
@@ -470,6 +478,13 @@ def test_random_observations_keep_the_invariants(
         finishes += sum(1 for a in actions if a.kind == "finish")
         seen += [r.replica_id for r in after.replicas if r.replica_id not in seen]
         state = after
+        start = room_watch_start(state, config)
+        if start is not None:
+            assert watch and waiting_for_room(state, config), where
+            assert not any(r.phase is Phase.PLACING for r in state.replicas), where
+            assert start == state.unplaceable_in_a_row, where
+        if state.deleting or state.parked or not watch:
+            assert not waiting_for_room(state, config), where
         peek = data.draw(st.sampled_from([0.0, 1.0, 9.0, 14.9, 15.0, 29.0, 61.0]))
         check_no_spin(state, now, config, where)
         check_wake(state, config, now + timedelta(seconds=peek), where)

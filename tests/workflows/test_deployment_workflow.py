@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -30,18 +31,27 @@ from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdate, ScaleRequest
+from activities.store import StoreActivities
+from modelkeeper.domain.catalog import (
+    CatalogModel,
+    DeploymentRequest,
+    DeploymentStatusUpdate,
+    ReplicaStateUpdate,
+    ScaleRequest,
+)
 from modelkeeper.domain.control import (
     DeleteDeploymentInput,
     PlaceReplicaInput,
     PlaceReplicaResult,
     ReleaseReplicaInput,
+    RoomFound,
+    WatchForRoomInput,
 )
 from modelkeeper.domain.draining import DrainReplicaInput, DrainReplicaResult
 from modelkeeper.domain.events import Event, NewEvent
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, OpId, ReplicaId
-from modelkeeper.domain.keeper import DeploymentSpec, KeeperConfig
-from modelkeeper.domain.nodes import NodeSilentInput
+from modelkeeper.domain.keeper import DeploymentSpec, KeeperConfig, room_watch_wait_s
+from modelkeeper.domain.nodes import AgentRegistration, Inventory, NodeSilentInput
 from modelkeeper.domain.ops import (
     AwaitOpRequest,
     CancelOpRequest,
@@ -70,12 +80,16 @@ from modelkeeper.names import (
     CONTROL_TASK_QUEUE,
     ERROR_OP_REFUSED,
     QUERY_BRIEF,
+    ROOM_WATCH_TASK_QUEUE,
     UPDATE_AWAIT_OP,
     UPDATE_CANCEL_OP,
     UPDATE_OP,
     UPDATE_SET_GENERATION,
+    deployment_workflow_id,
     node_task_queue,
 )
+from modelkeeper.settings import Settings
+from modelkeeper.store import Store
 from workflows.deployment import (
     DESIRED_KEY,
     NODES_KEY,
@@ -122,6 +136,10 @@ class FakeCluster:
     start_gates: dict[str, asyncio.Event] = field(default_factory=dict)
     #: record_replica_state and record_deployment_status fail (a database outage).
     store_down: bool = False
+    #: While set and not yet open, every store write (replica state, status, audit event)
+    #: waits for it; ``store_waiting`` counts the writes waiting.
+    store_gate: asyncio.Event | None = None
+    store_waiting: int = 0
     #: Each watch_shard as it begins, and each one cancelled by the workflow.
     watches: list[str] = field(default_factory=list)
     watches_cancelled: list[str] = field(default_factory=list)
@@ -138,11 +156,53 @@ class FakeCluster:
     #: writes coalesce (each writes what is current when it starts), so a status that
     #: lasts only until a probe answers in milliseconds need never be written otherwise.
     probe_after_status: DeploymentStatus | None = None
+    #: watch_for_room: the count each room watch started from, the number of dry runs
+    #: each made, and each one cancelled. Its dry run says the replica fits when
+    #: place_replica would (no cant_place), unless ``dry_run_fits`` says otherwise (a dry
+    #: run that disagrees with the placement after it).
+    room_watches: list[int] = field(default_factory=list)
+    room_checks: list[int] = field(default_factory=list)
+    room_watches_cancelled: int = 0
+    dry_run_fits: bool | None = None
+    #: The watch heartbeats (how a cancel reaches it) only once this is set. The test
+    #: server, unlike Temporal, adds a workflow task to the history when a heartbeat
+    #: lands while one is in flight, so a test that counts events keeps them apart.
+    room_beats: bool = False
 
     def _agent_answer(self, model: Any) -> Any:
         if self.agent_extra is None:
             return model
         return {**model.model_dump(mode="json"), **self.agent_extra}
+
+    def room_watch(self) -> object:
+        """The fake watch_for_room, for the worker of ROOM_WATCH_TASK_QUEUE."""
+
+        @activity.defn(name="watch_for_room")
+        async def watch_for_room(req: WatchForRoomInput) -> RoomFound:
+            # The real one's schedule and heartbeats (activities/store.py), with the
+            # fake's answer for a dry run.
+            self.room_watches.append(req.unplaceable)
+            self.room_checks.append(0)
+            loop = asyncio.get_running_loop()
+            check = 0
+            try:
+                while True:
+                    deadline = loop.time() + req.wait_s(check)
+                    while (left := deadline - loop.time()) > 0:
+                        if self.room_beats:
+                            activity.heartbeat(check)
+                        await asyncio.sleep(min(left, 0.05))
+                    check += 1
+                    self.room_checks[-1] = check
+                    fits = (self.cant_place is None if self.dry_run_fits is None
+                            else self.dry_run_fits)
+                    if fits:
+                        return RoomFound(nodes=[NODE], checks=check)
+            except asyncio.CancelledError:
+                self.room_watches_cancelled += 1
+                raise
+
+        return watch_for_room
 
     def activities(self) -> tuple[list[object], list[object]]:
         @activity.defn(name="place_replica")
@@ -160,8 +220,17 @@ class FakeCluster:
                 replica_id=req.replica_id, model_id=req.spec.model_id, node_id=NODE,
                 engine=EngineKind.SIM, source="sim", memory_bytes=1)])
 
+        async def gate() -> None:
+            if self.store_gate is not None and not self.store_gate.is_set():
+                self.store_waiting += 1
+                try:
+                    await self.store_gate.wait()
+                finally:
+                    self.store_waiting -= 1
+
         @activity.defn(name="record_replica_state")
         async def record_replica_state(update: ReplicaStateUpdate) -> None:
+            await gate()
             if self.store_down:
                 raise ApplicationError("connection refused")
             self.replica_states.append((update.replica_id, update.state.value))
@@ -172,6 +241,7 @@ class FakeCluster:
 
         @activity.defn(name="record_deployment_status")
         async def record_deployment_status(update: DeploymentStatusUpdate) -> None:
+            await gate()
             if self.store_down:
                 raise ApplicationError("connection refused")
             self.statuses.append(update)
@@ -182,6 +252,7 @@ class FakeCluster:
 
         @activity.defn(name="record_event")
         async def record_event(event: NewEvent) -> Event:
+            await gate()
             self.events.append(event)
             return Event(**event.model_dump(), event_id=len(self.events),
                          at=activity.info().started_time)
@@ -311,7 +382,12 @@ async def _run(env: WorkflowEnvironment, cluster: FakeCluster, replicas: int = 1
                           timings or WorkflowTimings(), search_attributes=search_attributes)
     async with Worker(env.client, task_queue=CONTROL_TASK_QUEUE,
                       workflows=[DeploymentWorkflow], activities=control), \
-            Worker(env.client, task_queue=node_task_queue(NODE), activities=node):
+            Worker(env.client, task_queue=node_task_queue(NODE), activities=node), \
+            Worker(env.client, task_queue=ROOM_WATCH_TASK_QUEUE,
+                   activities=[cluster.room_watch()],
+                   # A heartbeat sent as soon as it is recorded (not 0.8 x the timeout
+                   # later): a cancel reaches a room watch at once.
+                   max_heartbeat_throttle_interval=timedelta(seconds=0.1)):
         handle = await env.client.start_workflow(
             DeploymentWorkflow.run, DeploymentInput(state=state),
             id=f"deployment/{uuid.uuid4()}", task_queue=CONTROL_TASK_QUEUE)
@@ -489,6 +565,67 @@ async def test_continue_as_new_carries_the_whole_state(
         await record_history(time_skipping_env.client.get_workflow_handle(
             handle.id, run_id=first_run), "continue_as_new")
         await record_history(latest, "continue_as_new_resumed")
+
+
+async def test_continue_as_new_waits_for_a_pending_store_write_and_carries_what_came_meanwhile(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """Continue-as-new is due, but a store write is in flight (the database is slow) and
+    an audit event waits behind it; a scale update and a node change arrive meanwhile. The
+    run continues only once the writer is idle and nothing waits to be decided
+    (continue-as-new-waits-for-inbox): the next run has the scale's replica, and every
+    write and event reached the store exactly once.
+
+    Without the patch's wait the run continues at the first moment it is not busy: the
+    queued replica.start_failed event, which continue-as-new does not carry, is lost."""
+    cluster.start_failures = 1
+    cluster.store_gate = asyncio.Event()  # every store write waits from the start
+    control, node = cluster.activities()
+    spec = DeploymentSpec(deployment_id=DeploymentId("d1"), model_id=ModelId("m"), replicas=1)
+    # A short backoff: the write held in flight holds the test server's clock to the wall.
+    state = initial_state(spec, KeeperConfig(backoff_jitter=0.0, backoff_initial_s=0.1),
+                          WorkflowTimings(continue_as_new_after_events=20),
+                          search_attributes=False)
+    async with Worker(time_skipping_env.client, task_queue=CONTROL_TASK_QUEUE,
+                      workflows=[DeploymentWorkflow], activities=control), \
+            Worker(time_skipping_env.client, task_queue=node_task_queue(NODE),
+                   activities=node):
+        first = await time_skipping_env.client.start_workflow(
+            DeploymentWorkflow.run, DeploymentInput(state=state),
+            id=f"deployment/{uuid.uuid4()}", task_queue=CONTROL_TASK_QUEUE)
+        run = Running(time_skipping_env, cluster, first)
+        latest = time_skipping_env.client.get_workflow_handle(first.id)
+        # d1-r1 failed to start (its event queued behind the first write, still in
+        # flight), d1-r2 serves: nothing is busy and the history is past 20 events.
+        await run.until(DeploymentStatus.SERVING)
+        assert cluster.store_waiting >= 1 and cluster.events == []
+        assert await latest.execute_update(DeploymentWorkflow.scale,
+                                           ScaleRequest(replicas=2)) == 2
+        await latest.signal(DeploymentWorkflow.nodes_changed)
+        await _until_async(run, lambda v: v.status is DeploymentStatus.SERVING
+                           and len(v.keeper.replicas) == 2)
+        cluster.store_gate.set()
+
+        async def continued() -> None:
+            while (await latest.describe()).run_id == first.result_run_id:
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(continued(), 20)
+        view = await run.view()
+        assert view.keeper.spec.replicas == 2
+        assert [r.replica_id for r in view.keeper.replicas] == ["d1-r2", "d1-r3"]
+        assert all(r.phase == "ready" for r in view.keeper.replicas)
+        # Each write once, in the one order; none repeated by the next run.
+        await asyncio.wait_for(_until(lambda: cluster.statuses and cluster.statuses[-1]
+                                      .desired_replicas == 2), 20)
+        assert [(e.kind, e.replica_id) for e in cluster.events] == [
+            ("replica.start_failed", "d1-r1")]
+        assert len(cluster.replica_states) == len(set(cluster.replica_states))
+        assert len(cluster.statuses) == len({s.model_dump_json() for s in cluster.statuses})
+        await latest.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(latest.result(), 20)
+        assert cluster.statuses[-1].status is DeploymentStatus.DELETING
+        assert len(cluster.statuses) == len({s.model_dump_json() for s in cluster.statuses})
 
 
 def _fresh_input() -> DeploymentInput:
@@ -954,65 +1091,186 @@ UNPLACEABLE_EVENTS_PER_HOUR = 30
 #: started, completed) schedules place_replica (scheduled, started, completed); a workflow
 #: task takes its answer and starts the next timer.
 EVENTS_PER_BLIND_RETRY = 11
+BLIND_RETRY = [EventType.EVENT_TYPE_TIMER_FIRED, *[EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED,
+               EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED,
+               EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED],
+               EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED,
+               EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED,
+               EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED,
+               EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED,
+               EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED,
+               EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED, EventType.EVENT_TYPE_TIMER_STARTED]
+
+#: The time-skipping server skips nothing while an activity is in flight (it holds its
+#: clock to the wall clock from an activity's schedule to its result), and a deployment
+#: that cannot be placed always has its room watch in flight. So the room watch's tests
+#: run every can't-place timing this many times shorter: an hour is 10 s of test time,
+#: the watch's 30 s and 10 min are 1/12 s and 1.7 s. History events count retries, which
+#: the scaling keeps, not seconds.
+SCALE = 360.0
+HOUR = timedelta(hours=1) / SCALE
+SCALED = KeeperConfig(backoff_jitter=0.0, cant_place_retry_s=30 / SCALE,
+                      room_watch_max_s=600 / SCALE, cant_place_backstop_s=3600 / SCALE)
+#: The real room watch's heartbeats, sent every 0.8 x this, report its dry runs.
+WATCH_TIMINGS = WorkflowTimings(room_watch_heartbeat_timeout_s=5.0)
+
+
+def _scaled_s(since: datetime, event: HistoryEvent) -> float:
+    """Seconds from ``since`` to ``event``, unscaled (as the deployment would see them)."""
+    return (_at(event) - since).total_seconds() * SCALE
+
+
+def _activities_of(history: WorkflowHistory, name: str) -> list[HistoryEvent]:
+    return [e for e in history.events
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+            and e.activity_task_scheduled_event_attributes.activity_type.name == name]
 
 
 async def test_a_deployment_that_cannot_be_placed_costs_at_most_30_history_events_an_hour(
     time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
 ) -> None:
-    """The blind retry backs off from 30 s to 30 min (cant-place-backoff), so after the
-    first hour a deployment nothing fits costs 2 retries an hour, 22 history events.
+    """While nothing fits, the room watch (an activity) dry-runs placement 30 s doubling to
+    10 min, outside the history; the workflow's own blind retry is only a backstop, once an
+    hour: 11 history events an hour (measured below, in SCALE time).
 
-    Before the patch it retried every 30 s: measured the same way, 1,309 events in an
-    hour (119 retries of 11 events). The patch turns the switch on in every new run, so the
-    old rate is counted where the switch can be off, in the keeper's simulation (120 blind
-    retries an hour: test_blind_retries_of_a_deployment_that_never_fits_an_hour_at_a_time).
-
-    A node change still retries at once and keeps the backoff; the one that finds room
-    places the replica."""
+    Measured the same way before: every 30 s (before cant-place-backoff) 1,309 events in
+    an hour; 30 s doubling to 30 min (cant-place-backoff) 66 in the first hour and 22 in
+    each after; a 10-minute cap on that timer would have been 66 an hour. A node change
+    still retries at once, and leaves the watch running; a placement that finds room
+    cancels it."""
     cluster.cant_place = "node a: 8.0 GiB free, needs 24.0 GiB"
-    async with _run(time_skipping_env, cluster) as run:
+    async with _run(time_skipping_env, cluster, config=SCALED) as run:
         await run.until(DeploymentStatus.CANT_PLACE)
-        # From when the first retry's timer is armed and the status write is in (the clock
-        # runs on meanwhile: an activity in flight holds the time-skipping server to the
-        # wall clock). The timer no longer waits for the write, so the write may end last.
+        # From when the first answer's timer (the backstop) and watch are started and the
+        # status write is in.
         quiet = await _quiet_history(run.handle)
-        assert len(_open_timers(quiet)) == 1
+        [backstop] = _open_timers(quiet)
+        armed = _at(next(e for e in quiet.events if e.event_id == backstop))
         start = _at(quiet.events[-1])
-        hour = timedelta(hours=1)
-        await time_skipping_env.sleep(2 * hour)
+        assert len(_activities_of(quiet, "watch_for_room")) == 1
+        await time_skipping_env.sleep(2.5 * HOUR)
         history = await run.handle.fetch_history()
-        first, second = (_within(history, start, start + hour),
-                         _within(history, start + hour, start + 2 * hour))
-        assert len(second) <= UNPLACEABLE_EVENTS_PER_HOUR
-        # Counted, not assumed: two blind retries of 11 events each, nothing else.
-        assert len(second) == 2 * EVENTS_PER_BLIND_RETRY
-        places = [round((_at(e) - start).total_seconds()) for e in history.events
-                  if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
-                  and e.activity_task_scheduled_event_attributes.activity_type.name
-                  == "place_replica" and _at(e) > start]
-        assert places == [30, 90, 210, 450, 930, 1890, 3690, 5490]
-        assert len(first) == 6 * EVENTS_PER_BLIND_RETRY  # the ramp: 30 s to 16 min
-        assert len(cluster.placements) == 1 + len(places)
+        after = [e for e in history.events if _at(e) > start]
+        # Counted, not assumed: the backstop at 1 h and at 2 h, 11 events each, nothing else.
+        assert [e.event_type for e in after] == 2 * BLIND_RETRY, [
+            (EventType.Name(e.event_type), round(_scaled_s(start, e))) for e in after]
+        places = [_scaled_s(armed, e) for e in _activities_of(history, "place_replica")]
+        assert len(places) == 3 and all(0 <= p - 3600 * n < 120  # one scaled minute of lag
+                                        for n, p in enumerate(places[1:], start=1))
+        per_hour = [len(_within(history, start + (n - 0.5) * HOUR, start + (n + 0.5) * HOUR))
+                    for n in (1, 2)]
+        assert per_hour == [EVENTS_PER_BLIND_RETRY, EVENTS_PER_BLIND_RETRY]
+        assert max(per_hour) <= UNPLACEABLE_EVENTS_PER_HOUR
+        # Meanwhile the one watch dry-ran on its schedule, capped at 10 min: 30, 60, 120,
+        # 240, 480 s, then every 600 s (18 dry runs in the 2.5 h), none in the history.
+        assert cluster.room_watches == [1] and cluster.room_watches_cancelled == 0
+        began = _at(_activities_of(history, "watch_for_room")[0])
+        elapsed = (await time_skipping_env.get_current_time() - began).total_seconds() * SCALE
+        schedule = itertools.accumulate(room_watch_wait_s(1, check, first_s=30, max_s=600)
+                                        for check in range(100))
+        due = sum(1 for at in schedule if at <= elapsed)
+        assert due >= 18 and due - 1 <= cluster.room_checks[0] <= due
 
-        # Memory freed elsewhere: retried at once, still no room, and the backoff is kept:
-        # the next blind retry is 30 min after this answer, not 30 s.
+        # Memory freed elsewhere: retried at once, still no room; the count goes on and
+        # the watch is left as it was (not cancelled and started again).
         await run.handle.signal(DeploymentWorkflow.nodes_changed)
-        await asyncio.wait_for(_until(lambda: len(cluster.placements) == 10), 20)
-        view = await _until_view(run, lambda v: v.keeper.placement_retry_at is not None and
-                                 not any(r.phase == "placing" for r in v.keeper.replicas))
-        assert view.keeper.unplaceable_in_a_row == 10
-        assert view.keeper.placement_retry_at is not None
-        now = await time_skipping_env.get_current_time()
-        assert (view.keeper.placement_retry_at - now).total_seconds() >= 1790
+        await asyncio.wait_for(_until(lambda: len(cluster.placements) == 4), 20)
+        view = await _until_view(run, lambda v: v.keeper.unplaceable_in_a_row == 4)
+        assert view.status is DeploymentStatus.CANT_PLACE
+        assert cluster.room_watches == [1] and cluster.room_watches_cancelled == 0
 
-        # Room: the node change places it, and the count starts over.
-        cluster.cant_place = None
+        # Room, and a node change says so before the watch's next dry run: placed, and the
+        # watch is cancelled (a cancel request, and its acknowledgement when the watch's
+        # next heartbeat brings it back).
+        cluster.room_beats = True
+        cluster.cant_place, cluster.dry_run_fits = None, False
         await run.handle.signal(DeploymentWorkflow.nodes_changed)
         view = await run.until(DeploymentStatus.SERVING)
         assert view.keeper.unplaceable_in_a_row == 0
+        await asyncio.wait_for(_until(lambda: cluster.room_watches_cancelled == 1), 20)
+        history = await _quiet_history(run.handle)
+        cancel = [e.event_type for e in history.events if e.event_type in (
+            EventType.EVENT_TYPE_ACTIVITY_TASK_CANCEL_REQUESTED,
+            EventType.EVENT_TYPE_ACTIVITY_TASK_CANCELED)]
+        assert cancel == [EventType.EVENT_TYPE_ACTIVITY_TASK_CANCEL_REQUESTED,
+                          EventType.EVENT_TYPE_ACTIVITY_TASK_CANCELED]
+        assert cluster.room_watches == [1]
         await run.handle.signal(DeploymentWorkflow.delete)
         await asyncio.wait_for(run.handle.result(), 20)
-        await record_history(run.handle, "cant_place_backoff")
+        await record_history(run.handle, "cant_place_room_watch")
+
+
+async def test_room_that_appears_without_a_node_change_is_found_by_the_room_watch(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """No nodes_changed signal (the API was down as memory was freed): the room watch's next
+    dry run finds the room, at most its cap (10 min, SCALE time) after it appeared, and
+    the workflow places at once; the backstop (1 h) plays no part."""
+    cluster.cant_place = "node a: 8.0 GiB free, needs 24.0 GiB"
+    async with _run(time_skipping_env, cluster, config=SCALED) as run:
+        await run.until(DeploymentStatus.CANT_PLACE)
+        # Until the watch waits its longest: 30 + 60 + 120 + 240 + 480 s of dry runs.
+        await asyncio.wait_for(_until(lambda: bool(cluster.room_checks)
+                                      and cluster.room_checks[0] >= 5), 20)
+        appeared = await time_skipping_env.get_current_time()
+        cluster.cant_place = None
+        view = await run.until(DeploymentStatus.SERVING)
+        history = await run.handle.fetch_history()
+        [_, placed] = _activities_of(history, "place_replica")
+        assert 0 < _scaled_s(appeared, placed) <= 600 + 60  # the cap, and a minute of lag
+        assert view.keeper.unplaceable_in_a_row == 0
+        assert cluster.room_watches == [1] and cluster.room_watches_cancelled == 0
+        assert not any(e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+                       for e in history.events)
+        assert not any(e.event_type == EventType.EVENT_TYPE_TIMER_FIRED
+                       for e in history.events)  # the backstop never fired
+        await run.handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(run.handle.result(), 20)
+
+
+async def test_a_dry_run_that_says_fits_where_placement_says_no_backs_off_and_never_spins(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """The watch's dry run says the replica fits, the placement after it says no (a racing
+    placement took the room, or the two disagree for good): each placement that finds no
+    room adds one to the count, and the next watch starts from it, so the placements come
+    30 s, 60 s, 120 s ... apart, up to 10 min, never sooner (SCALE time). At the cap that
+    is 6 placements an hour; each costs what the first below costs."""
+    cluster.cant_place = "node a: 8.0 GiB free, needs 24.0 GiB"
+    cluster.dry_run_fits = True
+    async with _run(time_skipping_env, cluster, config=SCALED) as run:
+        await asyncio.wait_for(_until(lambda: len(cluster.placements) == 9), 30)
+        view = await _until_view(run, lambda v: v.keeper.unplaceable_in_a_row == 9)
+        assert view.status is DeploymentStatus.CANT_PLACE
+        history = await run.handle.fetch_history()
+        places = [_at(e) for e in _activities_of(history, "place_replica")]
+        gaps = [(b - a).total_seconds() * SCALE for a, b in itertools.pairwise(places)]
+        # Each gap is the watch's first wait plus one round of workflow tasks; a spin
+        # would show gaps of milliseconds.
+        waits = [30, 60, 120, 240, 480, 600, 600, 600]
+        assert all(w <= gap < w + 120 for w, gap in zip(waits, gaps, strict=True)), gaps
+        # (The 9th placement's answer has started a 9th watch, from 9.)
+        assert cluster.room_watches[:8] == [1, 2, 3, 4, 5, 6, 7, 8]
+        assert cluster.room_checks[:8] == [1] * 8
+        # What one round costs in history events: from the watch's answer to the next
+        # watch scheduled.
+        watches = _activities_of(history, "watch_for_room")
+        round_events = [e for e in history.events
+                        if watches[5].event_id < e.event_id <= watches[6].event_id]
+        assert len(round_events) == EVENTS_PER_DISAGREEING_ROUND, [
+            EventType.Name(e.event_type) for e in round_events]
+        await run.handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(run.handle.result(), 20)
+        await record_history(run.handle, "room_watch_dry_run_disagrees")
+
+
+#: What a watch that finds room costs when the placement after it does not: its result
+#: (started, completed), a workflow task that cancels the backstop's timer and schedules
+#: place_replica (3 + 1 + 1), place_replica (started, completed), a workflow task that
+#: starts the backstop again and the next watch (3 + 1 + 1). 14 events; 6 an hour at the
+#: cap, 84 events an hour: over the budget, for as long as a dry run and the placement
+#: disagree.
+EVENTS_PER_DISAGREEING_ROUND = 14
 
 
 async def _until_view(run: Running, check: object) -> WorkflowStatus:
@@ -1155,3 +1413,75 @@ async def test_a_deleted_deployment_leaves_deleted_as_its_status_not_a_live_one(
         found = (await run.handle.describe()).typed_search_attributes
         assert found.get(STATUS_KEY) == "deleted"
         await record_history(run.handle, "final_status_deleted")
+
+
+# -- the room watch against the real store ----------------------------------------------
+
+GIB = 1 << 30
+
+
+async def _watch_checks(handle: WorkflowHandle[Any, Any], env: WorkflowEnvironment) -> int:
+    """The dry runs the running room watch has reported in its last heartbeat (0: none)."""
+    pending = (await handle.describe()).raw_description.pending_activities
+    payloads = [p.heartbeat_details.payloads for p in pending
+                if p.activity_type.name == "watch_for_room"]
+    if not payloads or not payloads[0]:
+        return 0
+    [checks] = await env.client.data_converter.decode(list(payloads[0]), [int])
+    return int(checks)
+
+
+async def test_memory_the_store_shows_without_a_node_change_gets_the_deployment_placed(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster, store: Store,
+) -> None:
+    """The room watch of the control worker (activities.store) against a real PostgreSQL:
+    the node's memory is raised in the store by a heartbeat whose nodes_changed signal
+    never went out (the API died after writing it). The watch's next dry run sees it, at
+    most its cap (10 min, SCALE time) later, and the real place_replica claims it."""
+    await store.register_node(AgentRegistration(
+        node_id=NODE, name="n1", inventory=Inventory(
+            memory_total_bytes=8 * GIB, memory_available_bytes=8 * GIB, cpu_count=16)))
+    await store.create_model(CatalogModel(model_id=ModelId("m"), engine=EngineKind.SIM,
+                                          source="sim", memory_bytes=24 * GIB))
+    await store.create_deployment(DeploymentId("d1"), DeploymentRequest(model_id=ModelId("m")),
+                                  deployment_workflow_id(DeploymentId("d1")))
+    settings = Settings(database_url="postgresql://unused", settling_window_s=0)
+    # No Temporal client: release_replica signals nobody, as no API does here.
+    acts = StoreActivities(store, settings)
+    _, node = cluster.activities()
+    spec = DeploymentSpec(deployment_id=DeploymentId("d1"), model_id=ModelId("m"), replicas=1)
+    state = initial_state(spec, SCALED, WATCH_TIMINGS, search_attributes=False)
+    async with Worker(time_skipping_env.client, task_queue=CONTROL_TASK_QUEUE,
+                      workflows=[DeploymentWorkflow], activities=acts.all()), \
+            Worker(time_skipping_env.client, task_queue=ROOM_WATCH_TASK_QUEUE,
+                   activities=acts.room_watches()), \
+            Worker(time_skipping_env.client, task_queue=node_task_queue(NODE),
+                   activities=node):
+        handle = await time_skipping_env.client.start_workflow(
+            DeploymentWorkflow.run, DeploymentInput(state=state),
+            id=f"deployment/{uuid.uuid4()}", task_queue=CONTROL_TASK_QUEUE)
+        run = Running(time_skipping_env, cluster, handle)
+        view = await run.until(DeploymentStatus.CANT_PLACE)
+        assert "n1" in (view.keeper.placement_error or "")
+
+        async def at_its_cap() -> None:  # 30 + 60 + 120 + 240 + 480 s of dry runs
+            while await _watch_checks(handle, time_skipping_env) < 5:
+                await asyncio.sleep(0.1)
+
+        await asyncio.wait_for(at_its_cap(), 20)
+        assert await store.list_replicas() == []  # the dry runs claimed nothing
+        appeared = await time_skipping_env.get_current_time()
+        changed = await store.heartbeat_node(
+            NODE, Inventory(memory_total_bytes=64 * GIB, memory_available_bytes=64 * GIB,
+                            cpu_count=16), settings.node_unreachable_after_s)
+        assert changed  # the API would have signalled nodes_changed; nobody does here
+        view = await run.until(DeploymentStatus.SERVING)
+        history = await handle.fetch_history()
+        [_, placed] = _activities_of(history, "place_replica")
+        assert 0 < _scaled_s(appeared, placed) <= 600 + 60  # the cap, and a minute of lag
+        [replica] = await store.list_replicas()
+        assert replica.replica_id == "d1-r2" and replica.nodes == ["n1"]
+        assert not any(e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+                       for e in history.events)
+        await handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(handle.result(), 20)
