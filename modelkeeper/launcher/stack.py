@@ -315,6 +315,11 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
+#: How long the demo must read cant_place before `up` reports it so (see deploy_demo):
+#: several heartbeats of the local agent, each of which signals a node change.
+DEMO_CANT_PLACE_SETTLE_S = 15.0
+
+
 def deploy_demo(api_url: str, marker: Path, *, token: str, timeout: float = 120.0) -> str:
     """On a fresh install, add the demo model and deploy it, then wait until it serves.
 
@@ -332,14 +337,25 @@ def deploy_demo(api_url: str, marker: Path, *, token: str, timeout: float = 120.
                 return f"demo: could not deploy {model_id}: {resp.status_code} {resp.text}"
             marker.write_text(model_id + "\n")
         deadline = time.monotonic() + timeout
+        cant_place_since: float | None = None
         while time.monotonic() < deadline:
             deployments = http.get("/deployments").json()
             demo = next((d for d in deployments if d["model_id"] == model_id), None)
             if demo is None:
                 return ""  # deleted by the operator earlier: nothing to report
+            # cant_place only once it has lasted: after a restart of `up` the first
+            # placement can run before the local agent's first heartbeat is written (its
+            # node still reads unreachable), and the heartbeat's node change places it.
+            now = time.monotonic()
+            if demo["status"] == "cant_place":
+                cant_place_since = cant_place_since if cant_place_since is not None else now
+            else:
+                cant_place_since = None
+            lasting = (cant_place_since is not None
+                       and now - cant_place_since >= DEMO_CANT_PLACE_SETTLE_S)
             # Statuses that will not change by themselves soon. Not degraded: a replacement
             # is on its way (after a restart of `up`, the old replica is gone at first).
-            if demo["status"] in ("serving", "parked", "cant_place", "stopped"):
+            if demo["status"] in ("serving", "parked", "stopped") or lasting:
                 reason = demo["placement_error"] or demo["last_failure"] or ""
                 return f"  demo model     {model_id}: {demo['status']}" + (
                     f" ({reason})" if reason and demo["status"] != "serving" else "")
