@@ -16,6 +16,10 @@ within seconds of the API), but says so in few lines: the first failure at once,
 after growing gaps, each line one sentence naming how many it stands for
 (:class:`modelkeeper.infra.logs.LogBackoff`), and one line when the API answers again.
 
+What one node does is :func:`run_node` over a :class:`Node`; :func:`run_agent` runs one,
+and the fleet mode for scale tests (``--fleet N``, :mod:`agent.fleet`) runs many in one
+process through the same code.
+
 On SIGINT or SIGTERM it stops polling, says ``bye``, and leaves its engines running for the
 next agent to adopt, saying so; with ``agent_stop_engines_on_exit``
 (``--stop-engines-on-exit``) it stops them instead, which is how a node leaves for good
@@ -31,18 +35,20 @@ import random
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 from temporalio.client import Client
 from temporalio.service import RPCError
-from temporalio.worker import Worker
+from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
 
 # MAX_HEARTBEAT_THROTTLE in activities.node is no longer used here: the watch's heartbeats
 # are only a backstop now, so the SDK's default throttle applies (see the docstring).
-from activities.node import NodeActivities
+from activities.node import NodeActivities, ShardRunner
 from modelkeeper import __version__
+from modelkeeper.domain.ids import NodeId
 from modelkeeper.domain.liveness import BYE, PING
 from modelkeeper.domain.nodes import (
     NODE_CREDENTIAL_HEADER,
@@ -69,6 +75,11 @@ log = logging.getLogger(__name__)
 #: A node watches one activity per shard plus starts and stops; the SDK's default of 100
 #: concurrent activities would cap a busy node (measured fact, shared/FACTS.md).
 MAX_CONCURRENT_ACTIVITIES = 1000
+#: Long polls a node keeps open on its task queue. The SDK's default, 5, is for queues with
+#: traffic; a node's carries a few tasks per replica it ever runs, and one poll takes the
+#: next task as soon as the last arrived. Each open poll is the server's to hold: 5,000 of
+#: them at 1,000 nodes, renewed about once a minute each (bench/scale).
+NODE_ACTIVITY_POLLS = 1
 
 #: A broken liveness stream is reopened after this long, doubling up to the cap, each wait
 #: jittered down by up to half. Short: until it is back the API counts the node silent (its
@@ -169,7 +180,8 @@ def advertised_engine_host(settings: Settings) -> str:
     return local
 
 
-def _declared_memory(settings: Settings) -> int | None:
+def declared_memory(settings: Settings) -> int | None:
+    """The memory the node declares (``--memory``), in bytes; None when it declares none."""
     try:
         return parse_bytes(settings.node_memory) if settings.node_memory else None
     except ValueError as exc:
@@ -177,7 +189,7 @@ def _declared_memory(settings: Settings) -> int | None:
 
 
 def _inventory_reader(settings: Settings) -> Callable[[], Inventory]:
-    memory = _declared_memory(settings)
+    memory = declared_memory(settings)
     return lambda: read_inventory(declared_memory=memory, declared_cpus=settings.node_cpus)
 
 
@@ -266,6 +278,67 @@ async def _connect_temporal(welcome: AgentWelcome, settings: Settings, stop: asy
     return None
 
 
+#: Called after each heartbeat the API answered: when it was sent (seconds since the
+#: epoch) and how long the answer took (seconds). The fleet mode records them.
+HeartbeatObserver = Callable[[float, float], None]
+
+
+@dataclass
+class Node:
+    """One node this process speaks for: what it registers as, and its engines. An agent
+    holds one; the fleet mode (:mod:`agent.fleet`) holds many in one process."""
+
+    node_id: NodeId
+    name: str
+    labels: dict[str, str]
+    identity: NodeIdentity
+    manager: ShardManager
+    inventory: Callable[[], Inventory]
+    engine_host: str
+    engine_ports: PortRange
+    #: Each node thins out its own failure lines: one node's outage is not another's.
+    notes: LogBackoff = field(default_factory=LogBackoff)
+
+    def registration(self) -> AgentRegistration:
+        return AgentRegistration(node_id=self.node_id, name=self.name, labels=self.labels,
+                                 inventory=self.inventory(), shards=self.manager.reports(),
+                                 agent_version=__version__, engine_host=self.engine_host,
+                                 engine_ports=self.engine_ports)
+
+
+@dataclass
+class NodeRun:
+    """What a running node holds, filled in as :func:`run_node` gets there: where the fleet
+    mode reaches to make a node die as a killed agent would (its stream cut at once, its
+    worker polling no more)."""
+
+    liveness: asyncio.Task[None] | None = None
+    worker: Worker | None = None
+
+
+class TemporalClients:
+    """A Temporal client per address and namespace the API names, connected once: an
+    agent has one, and the nodes of a fleet share one instead of a thousand connections."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._clients: dict[tuple[str, str], Client] = {}
+        self._lock = asyncio.Lock()
+
+    async def get(self, welcome: AgentWelcome, stop: asyncio.Event, *,
+                  notes: LogBackoff) -> Client | None:
+        """The client for ``welcome``'s Temporal, connecting (and retrying) on first use;
+        None if stopped first."""
+        key = (welcome.temporal_address, welcome.temporal_namespace)
+        async with self._lock:
+            if key not in self._clients:
+                client = await _connect_temporal(welcome, self._settings, stop, notes=notes)
+                if client is None:
+                    return None
+                self._clients[key] = client
+            return self._clients[key]
+
+
 async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
     """Run the agent until ``stop`` is set.
 
@@ -276,62 +349,73 @@ async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
         join_token = read_join_token(settings)
     except ValueError as exc:
         raise AgentConfigError(str(exc)) from None
-    inventory = _inventory_reader(settings)
-    declared_memory = _declared_memory(settings)
+    memory = declared_memory(settings)
     node_id = load_or_create_node_id(settings.agent_dir)
-    identity = NodeIdentity(settings.agent_dir, join_token)
-    name = settings.node_name or socket.gethostname()
-    engine_host = advertised_engine_host(settings)
     low, high = settings.engine_ports
-    engine_ports = PortRange(low=low, high=high)
+    engine_host = advertised_engine_host(settings)
     manager = ShardManager(node_id=node_id, agent_dir=settings.agent_dir,
                            engine_host=engine_host,
                            port_range=settings.engine_ports,
                            llama_server_path=settings.llama_server_path,
                            max_concurrent_startups=settings.max_concurrent_startups,
                            available_memory=lambda: read_available_memory(
-                               declared_memory=declared_memory))
+                               declared_memory=memory))
+    node = Node(node_id=node_id, name=settings.node_name or socket.gethostname(),
+                labels=settings.node_labels,
+                identity=NodeIdentity(settings.agent_dir, join_token), manager=manager,
+                inventory=_inventory_reader(settings), engine_host=engine_host,
+                engine_ports=PortRange(low=low, high=high))
     adopted, killed = manager.recover()
     log.info("node %s (%s): adopted %d shard(s), killed %d unidentified engine(s)",
-             node_id, name, len(adopted), len(killed))
-    notes = LogBackoff()
-
-    def registration() -> AgentRegistration:
-        return AgentRegistration(node_id=node_id, name=name, labels=settings.node_labels,
-                                 inventory=inventory(), shards=manager.reports(),
-                                 agent_version=__version__, engine_host=engine_host,
-                                 engine_ports=engine_ports)
-
+             node_id, node.name, len(adopted), len(killed))
     try:
         async with httpx.AsyncClient(base_url=settings.api_url,
                                      timeout=httpx.Timeout(5.0)) as http:
-            welcome = await _register(http, registration, identity, manager, stop,
-                                      notes=notes)
-            if welcome is None:
-                return
-            liveness = asyncio.create_task(
-                _liveness_loop(http, node_id, identity, settings.liveness_interval_s, stop,
-                               notes=notes))
-            try:
-                client = await _connect_temporal(welcome, settings, stop, notes=notes)
-                if client is None:
-                    return
-                # The SDK's default heartbeat throttle: a watch heartbeats to Temporal once
-                # per 0.8 x watch_heartbeat_timeout_s (48 s at 60 s), since the liveness
-                # stream, not the watch, is what notices a dead node.
-                worker = Worker(client, task_queue=welcome.task_queue,
-                                activities=NodeActivities(manager).all(),
-                                max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES)
-                async with worker:
-                    log.info("node %s registered; polling %s on Temporal at %s", node_id,
-                             welcome.task_queue, welcome.temporal_address)
-                    await _heartbeat_loop(http, node_id, identity, inventory, manager,
-                                          registration, settings, stop, notes=notes)
-            finally:
-                await _end_liveness(liveness, stop)
+            await run_node(node, settings, stop, http=http,
+                           temporal=TemporalClients(settings))
     finally:
         await _leave_engines(manager, stop_them=settings.agent_stop_engines_on_exit)
         await manager.close()
+
+
+async def run_node(node: Node, settings: Settings, stop: asyncio.Event, *,
+                   http: httpx.AsyncClient, temporal: TemporalClients,
+                   streams: httpx.AsyncClient | None = None,
+                   activities: ShardRunner | None = None, run: NodeRun | None = None,
+                   on_heartbeat: HeartbeatObserver | None = None) -> None:
+    """Speak for ``node`` until ``stop`` is set: register it, keep its liveness stream
+    open, poll its task queue, heartbeat. Its engines are left as they are.
+
+    ``http`` carries registrations and heartbeats, ``streams`` (``http`` unless given) the
+    liveness stream; ``activities`` (the node's manager unless given) is what its
+    activities drive; ``run`` is filled in as the node gets going (see :class:`NodeRun`).
+    """
+    run = run or NodeRun()
+    welcome = await _register(http, node.registration, node.identity, node.manager, stop,
+                              notes=node.notes)
+    if welcome is None:
+        return
+    run.liveness = asyncio.create_task(
+        _liveness_loop(streams or http, node.node_id, node.identity,
+                       settings.liveness_interval_s, stop, notes=node.notes))
+    try:
+        client = await temporal.get(welcome, stop, notes=node.notes)
+        if client is None:
+            return
+        # The SDK's default heartbeat throttle: a watch heartbeats to Temporal once per
+        # 0.8 x watch_heartbeat_timeout_s (48 s at 60 s), since the liveness stream, not
+        # the watch, is what notices a dead node.
+        run.worker = Worker(client, task_queue=welcome.task_queue,
+                            activities=NodeActivities(activities or node.manager).all(),
+                            max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES,
+                            activity_task_poller_behavior=PollerBehaviorSimpleMaximum(
+                                NODE_ACTIVITY_POLLS))
+        async with run.worker:
+            log.info("node %s registered; polling %s on Temporal at %s", node.node_id,
+                     welcome.task_queue, welcome.temporal_address)
+            await _heartbeat_loop(http, node, settings, stop, on_heartbeat=on_heartbeat)
+    finally:
+        await _end_liveness(run.liveness, stop)
 
 
 async def _leave_engines(manager: ShardManager, *, stop_them: bool) -> None:
@@ -355,23 +439,25 @@ async def _leave_engines(manager: ShardManager, *, stop_them: bool) -> None:
              else f"still running: {', '.join(r.replica_id for r in left)}")
 
 
-async def _heartbeat_loop(http: httpx.AsyncClient, node_id: str, identity: NodeIdentity,
-                          inventory: Callable[[], Inventory], manager: ShardManager,
-                          registration: Callable[[], AgentRegistration],
-                          settings: Settings, stop: asyncio.Event, *,
-                          notes: LogBackoff) -> None:
+async def _heartbeat_loop(http: httpx.AsyncClient, node: Node, settings: Settings,
+                          stop: asyncio.Event, *,
+                          on_heartbeat: HeartbeatObserver | None = None) -> None:
     interval = settings.heartbeat_interval_s
+    manager, notes = node.manager, node.notes
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval)
         if stop.is_set():
             return
-        beat = AgentHeartbeat(inventory=inventory(), shards=manager.reports())
+        beat = AgentHeartbeat(inventory=node.inventory(), shards=manager.reports())
         sent_at = time.monotonic()
+        sent_wall = time.time()
         try:
-            resp = await http.post(f"/nodes/{node_id}/heartbeat",
+            resp = await http.post(f"/nodes/{node.node_id}/heartbeat",
                                    json=beat.model_dump(mode="json"),
-                                   headers=identity.node_headers())
+                                   headers=node.identity.node_headers())
+            if on_heartbeat is not None:
+                on_heartbeat(sent_wall, time.monotonic() - sent_at)
             if resp.status_code == 200:
                 # An API one version behind answers 204 with no body: nothing to compare.
                 answer = HeartbeatAnswer.model_validate(resp.json())
@@ -380,7 +466,7 @@ async def _heartbeat_loop(http: httpx.AsyncClient, node_id: str, identity: NodeI
             elif resp.status_code == 404:
                 # The control plane forgot us (a fresh database, or an operator removed
                 # the node): join again, with the join token.
-                await _register_once(http, registration(), identity, manager)
+                await _register_once(http, node.registration(), node.identity, manager)
             elif resp.status_code >= 400:
                 log.warning("heartbeat refused: %s %s", resp.status_code, _detail(resp))
             _succeeded(notes, HEARTBEAT)

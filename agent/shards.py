@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 import psutil
@@ -40,6 +41,7 @@ from modelkeeper.domain.shards import (
     choose_port,
     classify_exit,
 )
+from modelkeeper.domain.sources import SourcePolicy
 from modelkeeper.infra.processes import ManagedProcess, port_is_free, signal_group
 
 from .engines.base import EngineAdapter, adapter_for
@@ -92,6 +94,71 @@ START_FAILED_STOP_GRACE_S = 5.0
 QueuedCallback = Callable[[int, list[ReplicaId]], None]
 
 
+class EngineProcess(Protocol):
+    """One launched engine as the shard manager drives it: a process group of its own
+    (:class:`ChildEngine`, what every real agent runs) or, in the agent's fleet mode, a sim
+    served inside the agent (:mod:`agent.engines.sim_inprocess`).
+
+    Every signal goes through :meth:`signal`, never to :attr:`pid` directly: an engine
+    served in-process reports the agent's own pid, which must never be killed for it.
+    """
+
+    @property
+    def pid(self) -> int: ...
+
+    def start(self) -> None:
+        """Launch it; it loads in the background."""
+        ...
+
+    def create_time(self) -> float:
+        """When it started (seconds since the epoch), recorded so that a restarted agent
+        can tell it from a process that reused its pid."""
+        ...
+
+    def poll(self) -> int | None:
+        """The exit code (negative: the signal that ended it), or None while it runs."""
+        ...
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the engine and everything it started; harmless once gone."""
+        ...
+
+    def reap(self) -> None:
+        """Once it has exited: collect it and close its log."""
+        ...
+
+
+#: Makes the engine of a launch plan: (name, argv, log path, environment).
+EngineLauncher = Callable[[str, list[str], Path, dict[str, str]], EngineProcess]
+
+
+class ChildEngine:
+    """An engine run as a child process in a group of its own (:class:`ManagedProcess`)."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path,
+                 env: dict[str, str]) -> None:
+        self._proc = ManagedProcess(name, argv, log_path, env=env)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def start(self) -> None:
+        self._proc.start()
+
+    def create_time(self) -> float:
+        return float(psutil.Process(self.pid).create_time())
+
+    def poll(self) -> int | None:
+        return self._proc.poll()
+
+    def signal(self, sig: int) -> None:
+        signal_group(self.pid, sig)
+
+    def reap(self) -> None:
+        self._proc.stop(grace=0)
+
+
 class ShardRecord(Frozen):
     """What the agent writes to disk per shard, enough to adopt it after a restart."""
 
@@ -112,7 +179,7 @@ class LiveShard:
     """A shard this agent runs now."""
 
     record: ShardRecord
-    proc: ManagedProcess | None  # None when adopted: not our child, watched by polling
+    proc: EngineProcess | None  # None when adopted: not our child, watched by polling
     exit: ShardExit | None = None
     watchers: int = 0
     unwatched_since: float | None = field(default_factory=time.monotonic)
@@ -191,6 +258,15 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
     return [scrub_keys(line) for line in text.splitlines()[-lines:]]
 
 
+def _signal(live: LiveShard, sig: int) -> None:
+    """``sig`` to the shard's engine: through its handle when this agent launched it, to
+    its recorded process group when it was adopted."""
+    if live.proc is not None:
+        live.proc.signal(sig)
+    else:
+        signal_group(live.record.pid, sig)
+
+
 def _process_matches(pid: int, create_time: float) -> bool:
     """True when ``pid`` is alive and is the same process we started (not a reused pid)."""
     try:
@@ -210,24 +286,34 @@ class ShardManager:
                  adapter_factory: Callable[[ShardSpec], EngineAdapter] | None = None,
                  max_concurrent_startups: int = 1,
                  available_memory: Callable[[], int | None] = read_available_memory,
+                 launcher: EngineLauncher = ChildEngine,
+                 http: httpx.AsyncClient | None = None,
+                 source_policy: SourcePolicy | None = None,
                  ) -> None:
         """``node_key``: the key the API handed this node at registration, from which each
         engine's key is derived (None until then: see :meth:`use_node_key`).
         ``available_memory`` reads the node's free memory (capped by what it declares)
-        for the fit check after the start-up queue; None from it skips the check."""
+        for the fit check after the start-up queue; None from it skips the check.
+        ``launcher`` makes each engine (a child process unless the fleet mode serves it
+        in-process); ``http``: the client for readiness probes, shared by the managers of a
+        fleet (one of its own otherwise, closed by :meth:`close`). ``source_policy``: what
+        weights may be fetched from; read from this process's settings when None (24 ms,
+        which a fleet of a thousand nodes does once)."""
         self.node_id = node_id
         self._records = agent_dir / "shards"
         self._logs = agent_dir / "logs"
         self._host = engine_host
         self._ports = port_range
         self._node_key = node_key
-        self._fetcher = WeightFetcher(agent_dir / "weights")
+        self._fetcher = WeightFetcher(agent_dir / "weights", policy=source_policy)
         self._adapter_factory = adapter_factory or (
             lambda spec: adapter_for(spec.engine, llama_server_path=llama_server_path))
         self._shards: dict[ReplicaId, LiveShard] = {}
         self._locks: dict[ReplicaId, asyncio.Lock] = {}
         self._port_lock = asyncio.Lock()
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+        self._launcher = launcher
+        self._owns_http = http is None
+        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(10.0))
         self._gate = StartupGate(max_concurrent_startups)
         self._available_memory = available_memory
         #: Starts waiting at the gate, for reports: they have no process yet.
@@ -235,7 +321,8 @@ class ShardManager:
 
     async def close(self) -> None:
         """Release the HTTP client. Engines keep running: a restarted agent adopts them."""
-        await self._http.aclose()
+        if self._owns_http:
+            await self._http.aclose()
 
     def use_node_key(self, node_key: str) -> None:
         """Derive engine keys from ``node_key`` from now on (each registration hands one)."""
@@ -439,12 +526,11 @@ class ShardManager:
             env = engine_environment(os.environ, plan.env, node_id=self.node_id,
                                      replica_id=spec.replica_id)
             log_path = self._logs / f"{spec.replica_id}.log"
-            proc = ManagedProcess(f"engine {spec.replica_id}", plan.argv, log_path, env=env)
+            proc = self._launcher(f"engine {spec.replica_id}", list(plan.argv), log_path, env)
             oom_before = read_oom_kills()
             proc.start()
             record = ShardRecord(
-                spec=spec, port=port, pid=proc.pid,
-                create_time=psutil.Process(proc.pid).create_time(),
+                spec=spec, port=port, pid=proc.pid, create_time=proc.create_time(),
                 log_path=str(log_path),
                 url=f"http://{self._host}:{port}" if plan.serves_http else None,
                 state=ShardState.STARTING, started_at=datetime.now(UTC),
@@ -515,7 +601,7 @@ class ShardManager:
             if code is None:
                 return None
             # Sidecars die with the engine: the group goes, not just its leader.
-            signal_group(record.pid, signal.SIGKILL)
+            live.proc.signal(signal.SIGKILL)
         elif _process_matches(record.pid, record.create_time):
             return None
         else:
@@ -567,17 +653,16 @@ class ShardManager:
         if live is None:
             return ShardExit(replica_id=replica_id, kind=ExitKind.UNKNOWN_SHARD,
                              detail=f"node {self.node_id} runs no shard {replica_id}")
-        pgid = live.record.pid
         if self._poll_exit(live) is None:
-            signal_group(pgid, signal.SIGTERM)
+            _signal(live, signal.SIGTERM)
             deadline = time.monotonic() + grace_s
             while self._poll_exit(live) is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            signal_group(pgid, signal.SIGKILL)
+            _signal(live, signal.SIGKILL)
             while self._poll_exit(live) is None:
                 await asyncio.sleep(0.05)
         if live.proc is not None:
-            live.proc.stop(grace=0)  # reaps it and closes its log
+            live.proc.reap()
         ended = live.exit
         assert ended is not None
         self._forget(replica_id)

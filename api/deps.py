@@ -14,18 +14,22 @@ from temporalio.client import Client
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 
+# Each is ``async def``, though none awaits: FastAPI runs a plain ``def`` dependency in its
+# thread pool, a thread hand-off each, queued behind the pool's 40 threads. Three of them
+# per heartbeat were 22,000 hand-offs in a minute of a 100-node fleet (bench/scale's
+# profile of the API).
 
-def _store(request: Request) -> Store:
+async def _store(request: Request) -> Store:
     store: Store = request.app.state.store
     return store
 
 
-def _temporal(request: Request) -> Client:
+async def _temporal(request: Request) -> Client:
     client: Client = request.app.state.temporal
     return client
 
 
-def _settings(request: Request) -> Settings:
+async def _settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 

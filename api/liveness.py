@@ -122,7 +122,8 @@ class Liveness:
         return self._nodes.get(node_id)
 
 
-def _liveness(request: Request) -> Liveness:
+async def _liveness(request: Request) -> Liveness:
+    # async: a plain def would run in FastAPI's thread pool (see api/deps.py).
     liveness: Liveness = request.app.state.liveness
     return liveness
 

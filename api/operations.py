@@ -60,7 +60,8 @@ router = APIRouter()
 START_GRACE = timedelta(seconds=60)
 
 
-def _operations(store: StoreDep) -> OperationsStore:
+async def _operations(store: StoreDep) -> OperationsStore:
+    # async: a plain def would run in FastAPI's thread pool (see api/deps.py).
     return OperationsStore.of(store)
 
 

@@ -564,6 +564,11 @@ class SimEngine:
                 pass
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away mid-request; nothing to answer
+        except asyncio.CancelledError:
+            # Only close_connections cancels a connection: the engine is stopping, and the
+            # connection just ends. Ending it cancelled instead makes asyncio's stream
+            # callback log a traceback per open connection.
+            pass
         finally:
             self._connections.discard(task)
             writer.close()
@@ -697,13 +702,27 @@ class SimEngine:
         return keep_alive and chunked
 
 
-async def serve(config: SimConfig, api_key: str | None, *, started: float | None = None) -> int:
-    """Run the engine until SIGTERM/SIGINT (0), a simulated load failure (1) or crash."""
+async def serve(
+    config: SimConfig,
+    api_key: str | None,
+    *,
+    started: float | None = None,
+    stop: asyncio.Event | None = None,
+) -> int:
+    """Run the engine until SIGTERM/SIGINT (0), a simulated load failure (1) or crash.
+
+    ``stop``: run inside a process that holds many engines (the agent's fleet mode,
+    :mod:`agent.engines.sim_inprocess`): the engine stops when it is set instead of on
+    signals, which belong to the host process, and a simulated crash returns
+    :data:`CRASH_EXIT_CODE` instead of ending the process with it.
+    """
     started = time.monotonic() if started is None else started
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    in_process = stop is not None
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
 
     engine = SimEngine(config, api_key)
     server = await asyncio.start_server(
@@ -711,26 +730,36 @@ async def serve(config: SimConfig, api_key: str | None, *, started: float | None
     )
     logger.info("sim engine listening on %s:%d with %s", config.host, config.port, config)
 
+    crashed = asyncio.Event()
     if config.crash_after_s is not None:
-        loop.call_later(config.crash_after_s, _crash, config.crash_after_s)
+        if in_process:
+            loop.call_later(config.crash_after_s, crashed.set)
+        else:
+            loop.call_later(config.crash_after_s, _crash, config.crash_after_s)
 
     loading = asyncio.create_task(engine.load(started))
     stopping = asyncio.create_task(stop.wait())
+    crashing = asyncio.create_task(crashed.wait())
     try:
-        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if loading.done():
+        await asyncio.wait({loading, stopping, crashing}, return_when=asyncio.FIRST_COMPLETED)
+        if loading.done() and not crashing.done():
             loading.result()  # re-raise a failure to allocate memory
             if config.fail_at_start:
                 logger.error("simulated failure while loading model %r; exiting", config.model)
                 return FAIL_AT_START_EXIT_CODE
             engine.ready = True
             logger.info("model %r ready after %.3fs", config.model, time.monotonic() - started)
-            await stopping
+            await asyncio.wait({stopping, crashing}, return_when=asyncio.FIRST_COMPLETED)
+        if crashing.done() and not stopping.done():
+            logger.error("simulated crash after %.2fs; exiting with code %d",
+                         config.crash_after_s, CRASH_EXIT_CODE)
+            return CRASH_EXIT_CODE
         logger.info("received a stop signal; shutting down")
         return 0
     finally:
         loading.cancel()
         stopping.cancel()
+        crashing.cancel()
         server.close()
         await engine.close_connections()
         await server.wait_closed()

@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop every engine of this node when the agent exits (SIGINT, "
                             "SIGTERM), to take the node out for good after `drain`; by "
                             "default engines keep serving and the next agent adopts them")
+    agent.add_argument("--fleet", dest="fleet_size", type=int, metavar="N",
+                       help="for scale tests: be N simulated nodes in this one process "
+                            "(NAME-0001...), each with its own id, task queue and --memory, "
+                            "running only the sim engine, served in-process; SIGUSR1 kills "
+                            "the nodes listed in DATA_DIR/agent/fleet/kill (agent/fleet.py)")
 
     leave = sub.add_parser(
         "leave", help="stop every engine a stopped agent left running on this machine: "
@@ -238,13 +243,27 @@ def _cmd_api(settings: Settings) -> int:
     return 0 if server.started else 1
 
 
-def _cmd_agent(settings: Settings) -> int:
+def _cmd_agent(settings: Settings, fleet_size: int | None = None) -> int:
+    from agent.fleet import run_fleet
     from agent.main import AgentConfigError, run_agent
 
     _check_temporal_security(settings)
     _configure_logging(settings)
+
+    def agent(stop: asyncio.Event) -> Any:
+        if fleet_size is None:
+            return run_agent(settings, stop)
+        return run_fleet(settings, stop, size=fleet_size)
+
     try:
-        asyncio.run(_until_signalled(lambda stop: run_agent(settings, stop)))
+        if fleet_size is None:
+            asyncio.run(_until_signalled(agent))
+        else:
+            import uvloop
+
+            # A thousand nodes' pings, heartbeats and workers share one event loop: uvloop's
+            # is the cheaper one (the fleet is a test harness; one agent keeps asyncio's).
+            uvloop.run(_until_signalled(agent))
     except AgentConfigError as exc:
         raise UsageError(str(exc)) from None
     return 0
@@ -305,7 +324,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         commands: dict[str, Callable[[Settings], int]] = {
             "up": lambda s: _cmd_up(s, demo=not args.no_demo),
             "worker": _cmd_worker, "api": _cmd_api,
-            "agent": _cmd_agent, "gateway": _cmd_gateway, "leave": _cmd_leave,
+            "agent": lambda s: _cmd_agent(s, getattr(args, "fleet_size", None)),
+            "gateway": _cmd_gateway, "leave": _cmd_leave,
             "keys": lambda s: _cmd_keys(s, args),
             "tokens": lambda s: _cmd_tokens(s, args),
         }
