@@ -32,6 +32,15 @@ def _mem(name: str, key: str, unit: int) -> Callable[[dict[str, Any]], float | N
     return _q("memory", key, name, scale=1 / unit)
 
 
+def _idle_cores(size: dict[str, Any]) -> float | None:
+    """Cores the whole stack used while idle: near the machine's count, it was saturated
+    (and the per-node figures above it only share out what there was)."""
+    idle = size.get("idle")
+    if not idle:
+        return None
+    return float(sum(idle["cpu_s"].values())) / float(idle["wall_s"])
+
+
 def _fleet_per_node(size: dict[str, Any]) -> float | None:
     after = _get(size, "memory", "after_bytes", "fleet")
     return None if after is None else after / size["size"] / KiB
@@ -47,6 +56,7 @@ ROWS: list[Row] = [
      _q("idle", "cpu_ms_per_node_s", "postgres"), "ms"),
     ("idle, CPU per node-second: Temporal dev server",
      _q("idle", "cpu_ms_per_node_s", "temporal"), "ms"),
+    ("idle, cores the whole stack used", _idle_cores, ""),
     ("idle, heartbeat round trip p99", _q("idle", "heartbeat_s", "p99", scale=1e3), "ms"),
     ("live nodes marked silent while idle", _q("idle", "false_silences"), ""),
     ("live nodes marked silent while placing", _q("deploy", "false_silences"), ""),
@@ -104,11 +114,12 @@ ROWS: list[Row] = [
 
 def growth(sizes: Sequence[int], values: Sequence[float | None]) -> str:
     """How a cost grows from the smallest size to the largest: the exponent k of
-    cost ∝ N^k, in words."""
-    pairs = [(n, v) for n, v in zip(sizes, values, strict=True) if v is not None and v > 0]
-    if len(pairs) < 2 or pairs[-1][0] == pairs[0][0]:
+    cost ∝ N^k, in words; "-" unless both ends have a value above zero."""
+    if len(sizes) < 2 or sizes[0] == sizes[-1]:
         return "-"
-    (n0, v0), (n1, v1) = pairs[0], pairs[-1]
+    (n0, v0), (n1, v1) = (sizes[0], values[0]), (sizes[-1], values[-1])
+    if v0 is None or v1 is None or v0 <= 0 or v1 <= 0:
+        return "-"
     k = math.log(v1 / v0) / math.log(n1 / n0)
     if abs(k) < 0.25:
         word = "flat"
@@ -147,12 +158,16 @@ def table(result: dict[str, Any], rows: Sequence[Row] = ROWS) -> str:
     sizes = [s["size"] for s in good]
     head = "| | " + " | ".join(f"{n:,} nodes" for n in sizes) + " | growth |"
     lines = [head, "|---|" + "---:|" * len(sizes) + "---|"]
+    # Growth between the sizes that completed, when two did: a size that broke down shows
+    # a machine past saturation, whose figures say so rather than how a cost grows.
+    done = [s for s in good if "error" not in s]
+    basis = done if len(done) >= 2 else good
     for label, read, unit in rows:
         values = [read(s) for s in good]
         if all(v is None for v in values):
             continue
         lines.append(f"| {label} | " + " | ".join(_fmt(v, unit) for v in values)
-                     + f" | {growth(sizes, values)} |")
+                     + f" | {growth([s['size'] for s in basis], [read(s) for s in basis])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -221,7 +236,8 @@ def render(result: dict[str, Any]) -> str:
     if meta.get("notes"):
         out += [meta["notes"].rstrip(), ""]
     out += ["## Every cost, per size", "", table(result),
-            "Growth: the exponent k of cost ∝ N^k between the smallest and the largest size.",
+            "Growth: the exponent k of cost ∝ N^k between the smallest and the largest size "
+            "that completed (a size that broke down is a machine past saturation).",
             "Placement in the store is `Store.place_replica` as the worker timed it (its "
             "DEBUG lines, `modelkeeper.store.placement`): every attempt of the claim "
             "transaction, with the time spent waiting on advisory locks and on a pooled "
@@ -251,6 +267,13 @@ def render(result: dict[str, Any]) -> str:
             out.append(f"| {s['size']:,} | {phase} | {_fmt(wall, 's')} | "
                        + " | ".join(f"{cpu.get(p, 0):.1f}" for p in procs) + " |")
     out.append("")
+    for other in meta.get("other_runs") or []:
+        d = other.get("deploy") or {}
+        out += [f"Another run of {other['size']:,} nodes (same code, load average before "
+                f"{(other.get('load_average') or {}).get('before')}): "
+                f"{other.get('error', 'completed')}; live nodes marked silent while placing: "
+                f"{d.get('false_silences')}; heartbeat round trip while placing: "
+                f"{(other.get('heartbeat') or {}).get('placing')}.", ""]
     out += ["## Per size", ""]
     for s in good:
         d, r = s.get("deploy", {}), s.get("recovery", {})
@@ -288,7 +311,9 @@ def render(result: dict[str, Any]) -> str:
 #: The README's rows: the goals' numbers and how they grow.
 README_ROWS: list[Row] = [
     ("first POST → all serving", _q("deploy", "all_serving_s"), "s"),
-    ("placement in the store p99 (lock wait p99)", _q("deploy", "placement_ms", "p99"), "ms"),
+    ("placement call p99 (its queue included)", _q("deploy", "placement_ms", "p99"), "ms"),
+    ("placement transaction p50", _q("deploy", "transaction_ms", "p50"), "ms"),
+    ("live nodes marked silent while placing", _q("deploy", "false_silences"), ""),
     ("heartbeat round trip while placing p99",
      _q("heartbeat", "placing", "p99", scale=1e3), "ms"),
     ("10 % of nodes killed → all serving again", _q("recovery", "all_serving_again_s"), "s"),
@@ -310,6 +335,7 @@ def draw(result: dict[str, Any], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")  # no display: draw to a file
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     good = _sizes(result)
     sizes = [s["size"] for s in good]
@@ -320,10 +346,11 @@ def draw(result: dict[str, Any], path: Path) -> None:
                                            ("POST → placed p99",
                                             _q("deploy", "post_to_placed_s", "p99"))],
          goals_["serving_s"]),
-        ("placement in the store (ms)", [("p50", _q("deploy", "placement_ms", "p50")),
-                                         ("p99", _q("deploy", "placement_ms", "p99")),
-                                         ("lock wait p99",
-                                          _q("deploy", "lock_wait_ms", "p99"))],
+        ("placement (ms)", [("call p99, its queue included",
+                             _q("deploy", "placement_ms", "p99")),
+                            ("transaction p50", _q("deploy", "transaction_ms", "p50")),
+                            ("transaction p99", _q("deploy", "transaction_ms", "p99")),
+                            ("lock wait p99", _q("deploy", "lock_wait_ms", "p99"))],
          goals_["placement_p99_ms"]),
         ("heartbeat round trip p99 (ms)",
          [("idle", _q("heartbeat", "idle", "p99", scale=1e3)),
@@ -333,7 +360,7 @@ def draw(result: dict[str, Any], path: Path) -> None:
          [("all", _q("recovery", "all_serving_again_s")),
           ("replacement ready p50", _q("recovery", "replacement_ready_s", "p50"))],
          goals_["recovery_s"]),
-        ("per deployment-hour", [("Temporal RPCs",
+        ("per deployment-hour (0 events: not drawn)", [("Temporal RPCs",
                                   _q("steady", "summary", "all_rpcs_per_shard_hour")),
                                  ("history events",
                                   _q("steady", "events_per_deployment_hour"))],
@@ -354,6 +381,7 @@ def draw(result: dict[str, Any], path: Path) -> None:
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("nodes (= deployments)")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
