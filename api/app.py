@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI
 
 from modelkeeper import __version__
+from modelkeeper.domain.liveness import Deadlines
 from modelkeeper.infra import temporal as temporal_client
 from modelkeeper.infra.network import is_wildcard
 from modelkeeper.settings import Settings
@@ -65,7 +66,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     if settings.database_url is None:
         raise SystemExit("modelkeeper api: set MODELKEEPER_DATABASE_URL")
     store = await Store.connect(settings.database_url)
-    follow = liveness.Liveness(silent_after_s=settings.node_silent_after_s)
+    follow = liveness.Liveness(deadlines=Deadlines(
+        silent_after_s=settings.node_silent_after_s,
+        max_silent_after_s=settings.node_silent_after_max_s,
+        calm_after_s=settings.node_silent_calm_after_s))
     restore_signals = liveness.end_streams_on_shutdown_signal(follow)
     try:
         app.state.store = store

@@ -44,6 +44,7 @@ from modelkeeper.domain.liveness import (
     BYE,
     CameBack,
     Checked,
+    Deadlines,
     Ended,
     Ending,
     LivenessEvent,
@@ -88,8 +89,8 @@ class Liveness:
     graceful shutdown does not wait on streams that never end by themselves.
     """
 
-    def __init__(self, *, silent_after_s: float) -> None:
-        self.silent_after_s = silent_after_s
+    def __init__(self, *, deadlines: Deadlines) -> None:
+        self.deadlines = deadlines
         self.closing = asyncio.Event()
         self._nodes: dict[NodeId, NodeLiveness] = {}
         self._streams = itertools.count(1)
@@ -101,8 +102,7 @@ class Liveness:
 
     def apply(self, node_id: NodeId, event: LivenessEvent) -> Verdict | None:
         """Step the node's liveness by ``event``; the verdict to carry out, if any."""
-        state, verdict = step(self._nodes.get(node_id), event,
-                              silent_after_s=self.silent_after_s)
+        state, verdict = step(self._nodes.get(node_id), event, deadlines=self.deadlines)
         if state is None:
             self._nodes.pop(node_id, None)
         else:
@@ -111,7 +111,7 @@ class Liveness:
 
     def check_at(self, node_id: NodeId) -> float | None:
         """When the node goes silent unless a ping arrives first (monotonic seconds)."""
-        return check_at(self._nodes.get(node_id), silent_after_s=self.silent_after_s)
+        return check_at(self._nodes.get(node_id), deadlines=self.deadlines)
 
     def is_current(self, node_id: NodeId, stream: int) -> bool:
         """Whether ``stream`` is still the node's newest stream."""

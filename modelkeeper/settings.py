@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .domain.sources import DEFAULT_MAX_DOWNLOAD_BYTES, HUGGING_FACE_HOSTS
@@ -148,6 +148,18 @@ class Settings(BaseSettings):
         "its deployments are told at once and placement skips it (3 missed pings at the "
         "default 0.5 s). A stream that breaks without a goodbye is silent at once.",
     )
+    node_silent_after_max_s: float = Field(
+        default=6.0, gt=0,
+        description="The longest damping stretches node_silent_after_s: a node that comes "
+        "back within this long of a silence (a late ping, not a crash) gets twice the "
+        "deadline next time. 6 s is node_unreachable_after_s, which says the same from "
+        "heartbeats, so damping never makes liveness slower than them.",
+    )
+    node_silent_calm_after_s: float = Field(
+        default=60.0, gt=0,
+        description="Each this long without a silence halves a node's stretched liveness "
+        "deadline again, back down to node_silent_after_s.",
+    )
 
     # -- control API: operators ----------------------------------------------------------
     api_auth: bool = Field(
@@ -174,6 +186,16 @@ class Settings(BaseSettings):
         description="File holding the CLI's operator token. Unset: "
         "<data_dir>/operator-token, where `up` writes an admin token, when it exists.",
     )
+
+    @model_validator(mode="after")
+    def _damping_above_deadline(self) -> Self:
+        if self.node_silent_after_max_s < self.node_silent_after_s:
+            raise ValueError(
+                f"node_silent_after_max_s (MODELKEEPER_NODE_SILENT_AFTER_MAX_S) = "
+                f"{self.node_silent_after_max_s:g} is below node_silent_after_s = "
+                f"{self.node_silent_after_s:g}: damping only stretches the liveness "
+                "deadline, so its limit must be at least the deadline")
+        return self
 
     @field_validator("api_allowed_hosts", mode="before")
     @classmethod

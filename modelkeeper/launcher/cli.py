@@ -172,7 +172,12 @@ def describe_validation_error(exc: ValidationError) -> str:
 
     parts = []
     for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "input"
+        field = ".".join(str(p) for p in err["loc"])
+        if not field:
+            # A rule across fields (a model validator): its message names them itself, and
+            # the input would be every value given.
+            parts.append(err["msg"].removeprefix("Value error, "))
+            continue
         if field in Settings.model_fields:
             flag = PORT_FLAGS.get(field, "--" + field.replace("_", "-"))
             field = f"{field} ({flag} or {env_var_names(field)[0]})"

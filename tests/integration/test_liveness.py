@@ -253,6 +253,37 @@ async def test_sigstop_is_silence_after_silent_after_and_sigcont_ends_it(api: Ap
     print(f"SIGCONT: alive again {time.monotonic() - continued_at:.2f} s after")
 
 
+async def test_an_agent_that_stalls_again_soon_is_told_once(api: Api) -> None:
+    # An agent that stalls briefly (a loaded machine, a late ping) and comes back quickly
+    # gets a longer deadline next time (rule 7): its second, equal stall is not silence.
+    # Without damping each stall would tell its deployments and start replacements.
+    proc = api.start_agent("stalling")
+    node = await _followed(api, "stalling")
+
+    async def alive() -> bool:
+        return await api.silent_since(node) is None
+
+    os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        await until(lambda: api.silent_since(node), timeout=10)
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+    await until(alive, timeout=5)
+    stalls = 1.8  # over the 1.5 s deadline, under the 3 s it is stretched to
+    os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(stalls)  # the fault's length, not a wait for anything
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+    liveness = api.app.state.liveness
+    continued = time.monotonic()
+    await until(lambda: liveness.state(node).last_ping_at > continued, timeout=5)
+    assert liveness.state(node).silent_since is None
+    assert await alive()
+    events = await api.store.list_events(limit=100)
+    assert len([e for e in events if e.kind == "node.silent"]) == 1
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 async def test_a_graceful_stop_is_never_silence(api: Api, sig: signal.Signals) -> None:
     proc = api.start_agent("planned")

@@ -10,6 +10,7 @@ import pytest
 from modelkeeper.domain.liveness import (
     CameBack,
     Checked,
+    Deadlines,
     Ended,
     Ending,
     LivenessEvent,
@@ -19,6 +20,7 @@ from modelkeeper.domain.liveness import (
     Verdict,
     WentSilent,
     check_at,
+    deadline_s,
     is_current,
     step,
 )
@@ -27,13 +29,15 @@ from modelkeeper.domain.nodes import NodeRecord, NodeState, node_state
 pytestmark = pytest.mark.timeout(10)
 
 SILENT_AFTER = 1.5
+#: The settings' defaults: 1.5 s, stretched at most to 6 s, halved after each calm minute.
+DEADLINES = Deadlines(silent_after_s=SILENT_AFTER, max_silent_after_s=6.0, calm_after_s=60.0)
 
 
 def run(events: list[LivenessEvent], state: NodeLiveness | None = None,
         ) -> tuple[NodeLiveness | None, list[Verdict]]:
     verdicts = []
     for event in events:
-        state, verdict = step(state, event, silent_after_s=SILENT_AFTER)
+        state, verdict = step(state, event, deadlines=DEADLINES)
         if verdict is not None:
             verdicts.append(verdict)
     return state, verdicts
@@ -54,11 +58,12 @@ def test_1_only_the_newest_stream_counts() -> None:
 def test_2_an_opening_or_a_ping_is_proof_of_life_and_ends_a_silence() -> None:
     state, verdicts = run([Opened(1, 0.0), Pinged(1, 0.5), Pinged(1, 1.0)])
     assert verdicts == [] and state == NodeLiveness(stream=1, last_ping_at=1.0)
-    assert check_at(state, silent_after_s=SILENT_AFTER) == 2.5
-    # Silent at 2.5 (no ping since 1.0); a ping at 4.0 brings it back after 1.5 s.
+    assert check_at(state, deadlines=DEADLINES) == 2.5
+    # Silent at 2.5 (no ping since 1.0); a ping at 4.0 brings it back after 1.5 s (and, by
+    # rule 8, with its deadline doubled).
     state, verdicts = run([Checked(1, 2.5), Pinged(1, 4.0)], state)
     assert verdicts == [WentSilent("no ping for 1.5s (silent after 1.5s)"), CameBack(1.5)]
-    assert state == NodeLiveness(stream=1, last_ping_at=4.0)
+    assert state == NodeLiveness(stream=1, last_ping_at=4.0, stretch=1, stretched_at=4.0)
     # A silent node that opens a new stream comes back too.
     state, verdicts = run([Opened(1, 0.0), Ended(1, 0.1, Ending.BROKEN), Opened(2, 0.3)])
     assert verdicts == [WentSilent("its liveness stream broke without a goodbye"),
@@ -82,7 +87,7 @@ def test_3_a_silence_is_told_once() -> None:
     assert len(verdicts) == 1
     assert state is not None and state.silent_since == 1.5
     # Nothing more is due until a sign of life.
-    assert check_at(state, silent_after_s=SILENT_AFTER) is None
+    assert check_at(state, deadlines=DEADLINES) is None
 
 
 def test_4_a_stream_that_breaks_without_bye_is_silence_at_once() -> None:
@@ -94,7 +99,7 @@ def test_4_a_stream_that_breaks_without_bye_is_silence_at_once() -> None:
 def test_5_bye_is_a_planned_stop_never_silence() -> None:
     state, verdicts = run([Opened(1, 0.0), Pinged(1, 0.5), Ended(1, 0.7, Ending.BYE)])
     assert (state, verdicts) == (None, [])
-    assert check_at(state, silent_after_s=SILENT_AFTER) is None
+    assert check_at(state, deadlines=DEADLINES) is None
     # A frozen agent that thaws and says bye at once was alive to say it: back, then gone.
     state, verdicts = run([Opened(1, 0.0), Checked(1, 2.0), Ended(1, 5.0, Ending.BYE)])
     assert state is None
@@ -104,6 +109,83 @@ def test_5_bye_is_a_planned_stop_never_silence() -> None:
 def test_6_the_api_closing_says_nothing_about_the_node() -> None:
     assert run([Opened(1, 0.0), Pinged(1, 0.5), Ended(1, 0.6, Ending.API_CLOSING)]) == (
         None, [])
+
+
+def simulate(pings: list[float], *, until: float, state: NodeLiveness | None = None,
+             ) -> tuple[NodeLiveness | None, list[tuple[float, Verdict]]]:
+    """Step a node whose stream (1) opened at 0 and carries ``pings``, the way the API does:
+    a check at each ``check_at`` that comes before the next ping."""
+    told: list[tuple[float, Verdict]] = []
+    events: list[LivenessEvent] = [] if state is not None else [Opened(1, 0.0)]
+    queue = sorted(pings)
+    while True:
+        for event in events:
+            state, verdict = step(state, event, deadlines=DEADLINES)
+            if verdict is not None:
+                told.append((event.now, verdict))
+        due = check_at(state, deadlines=DEADLINES)
+        upcoming = queue[0] if queue else until
+        if due is not None and due < upcoming:
+            events = [Checked(1, due)]
+        elif queue:
+            events = [Pinged(1, queue.pop(0))]
+        else:
+            return state, told
+
+
+def test_7_a_node_whose_pings_come_late_is_told_once_not_every_time() -> None:
+    # A ping late by 1.5 s every other time for a minute (an agent on a loaded machine):
+    # gaps of 0.5 and 2.0 s. Without damping each 2 s gap is a silence.
+    pings, at = [], 0.0
+    while at < 60:
+        at += 0.5 if len(pings) % 2 == 0 else 2.0
+        pings.append(at)
+    state, told = simulate(pings, until=60.0)
+    assert [type(v) for _, v in told] == [WentSilent, CameBack]
+    assert state is not None and deadline_s(state, DEADLINES) == 3.0
+    # Gaps longer than the stretched deadline stretch it again, up to the most allowed.
+    state, told = simulate([2.0, 6.0, 13.0, 14.0], until=14.0)
+    assert [round(t, 1) for t, v in told if isinstance(v, WentSilent)] == [1.5, 5.0, 12.0]
+    assert told[1] == (2.0, CameBack(0.5)) and told[3] == (6.0, CameBack(1.0))
+    assert told[2][1] == WentSilent("no ping for 3.0s (silent after 3s, stretched from 1.5s: "
+                                    "it came back quickly before)")
+    assert state is not None and deadline_s(state, DEADLINES) == 6.0
+
+
+def test_7_a_calm_minute_halves_a_stretched_deadline() -> None:
+    stretched = NodeLiveness(stream=1, last_ping_at=10.0, stretch=2, stretched_at=10.0)
+    assert deadline_s(stretched, DEADLINES) == 6.0
+    state, _ = simulate([10.5 + 0.5 * i for i in range(120)], until=70.0, state=stretched)
+    assert state is not None and deadline_s(state, DEADLINES) == 3.0  # one calm minute
+    state, _ = simulate([70.5 + 0.5 * i for i in range(120)], until=130.5, state=state)
+    assert state is not None and deadline_s(state, DEADLINES) == SILENT_AFTER
+
+
+@pytest.mark.parametrize("how_it_went", ["a long silence", "a broken stream"])
+def test_7_a_real_outage_is_not_damped(how_it_went: str) -> None:
+    # A freeze longer than the most a deadline stretches, or a crash (a broken stream and a
+    # new agent's stream), is an outage, not a late ping: the deadline stays.
+    if how_it_went == "a long silence":
+        events: list[LivenessEvent] = [Opened(1, 0.0), Checked(1, 1.5), Pinged(1, 7.5)]
+    else:
+        events = [Opened(1, 0.0), Ended(1, 0.6, Ending.BROKEN), Opened(2, 1.0)]
+    state, verdicts = run(events)
+    assert [type(v) for v in verdicts] == [WentSilent, CameBack]
+    assert state is not None and deadline_s(state, DEADLINES) == SILENT_AFTER
+
+
+def test_7_damping_outlives_a_new_stream_and_never_slows_a_crash() -> None:
+    state, _ = run([Opened(1, 0.0), Checked(1, 1.5), Pinged(1, 2.0), Opened(2, 2.2)])
+    assert state is not None and state.stream == 2 and deadline_s(state, DEADLINES) == 3.0
+    # Stretched, and still silent the moment its stream breaks.
+    state, verdicts = run([Ended(2, 2.4, Ending.BROKEN)], state)
+    assert verdicts == [WentSilent("its liveness stream broke without a goodbye")]
+
+
+def test_deadlines_refuse_a_most_below_the_base() -> None:
+    with pytest.raises(ValueError, match=r"max_silent_after_s \(1\) must be at least "
+                                         r"silent_after_s \(1.5\)"):
+        Deadlines(silent_after_s=1.5, max_silent_after_s=1.0, calm_after_s=60.0)
 
 
 def _record(silent_since: datetime | None, *, seen_ago: float = 0.5,

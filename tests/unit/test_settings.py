@@ -82,6 +82,19 @@ def test_bad_port_names_field_value_and_limit(monkeypatch: pytest.MonkeyPatch) -
     assert "--temporal-ui-port" in message and "70000" in message and "65535" in message
 
 
+def test_a_rule_across_fields_is_one_sentence_naming_both(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from modelkeeper.launcher.cli import UsageError
+
+    monkeypatch.setenv("MODELKEEPER_NODE_SILENT_AFTER_MAX_S", "1")
+    with pytest.raises(UsageError) as info:
+        load_settings(build_parser().parse_args(["api"]))
+    assert str(info.value) == (
+        "node_silent_after_max_s (MODELKEEPER_NODE_SILENT_AFTER_MAX_S) = 1 is below "
+        "node_silent_after_s = 1.5: damping only stretches the liveness deadline, so its "
+        "limit must be at least the deadline")
+
+
 def test_readme_configuration_table_is_generated_from_settings() -> None:
     text = README.read_text()
     start = text.index("<!-- config-table:start -->") + len("<!-- config-table:start -->\n")
