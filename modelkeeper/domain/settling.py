@@ -6,7 +6,11 @@ now would put replicas on whatever fraction of the fleet answered first. So plac
 waits until the window has passed, or until the count of ready nodes has held steady
 for half of it; either door alone is wrong (a fixed wait costs every restart the whole
 window; waiting only for a steady count hangs on a fleet that never fully returns).
-Only placement waits: adoption and watches do not.
+A steady count of no ready node does not open the early door: no agent has reported yet
+(after a restart of `up`, the local agent's first heartbeat can come 10 s after the
+worker's start on a loaded machine), and placing then can only answer "can't place:
+unreachable" for nodes that are about to report. Only placement waits: adoption and
+watches do not.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ class SettlingWindow:
         """True once placement may go ahead."""
         if now - self.started_at >= self.window_s:
             return True
-        if self.last_change_at is None:
+        if self.last_change_at is None or not self.last_count:
             return False
         return now - self.last_change_at >= self.window_s / 2
 

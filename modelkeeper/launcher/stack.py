@@ -343,9 +343,10 @@ def deploy_demo(api_url: str, marker: Path, *, token: str, timeout: float = 120.
             demo = next((d for d in deployments if d["model_id"] == model_id), None)
             if demo is None:
                 return ""  # deleted by the operator earlier: nothing to report
-            # cant_place only once it has lasted: after a restart of `up` the first
-            # placement can run before the local agent's first heartbeat is written (its
-            # node still reads unreachable), and the heartbeat's node change places it.
+            # cant_place only once it has lasted: placement waits for an agent to report
+            # (the settling window) at most 15 s; on a machine loaded enough that the local
+            # agent reports later, the demo reads cant_place (node unreachable) until the
+            # heartbeat's node change places it, a moment after.
             now = time.monotonic()
             if demo["status"] == "cant_place":
                 cant_place_since = cant_place_since if cant_place_since is not None else now

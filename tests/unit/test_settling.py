@@ -37,5 +37,18 @@ def test_no_observation_waits_the_whole_window() -> None:
     assert not w.settled(14.9) and w.settled(15)
 
 
+def test_no_ready_node_waits_the_whole_window_however_steady() -> None:
+    # A restart: the nodes are known but none has reported yet; placing now can only fail.
+    w = SettlingWindow(started_at=0, window_s=15)
+    w.observe(0, 0.1)
+    w.observe(0, 10)
+    assert not w.settled(14.9) and w.settled(15)
+    # The first node reports: the steady count is counted from then.
+    w2 = SettlingWindow(started_at=0, window_s=30)
+    w2.observe(0, 0.1)
+    w2.observe(1, 11)
+    assert not w2.settled(25.9) and w2.settled(26)
+
+
 def test_zero_window_never_waits() -> None:
     assert SettlingWindow(started_at=0, window_s=0).settled(0)
