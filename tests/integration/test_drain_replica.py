@@ -283,10 +283,13 @@ async def test_a_replica_the_keeper_already_took_out_of_routing_drains_from_that
     async with two_replicas(tmp_path, database_url, db) as (server, _http):
         await store.record_replica_state(ReplicaStateUpdate(
             replica_id=ReplicaId("r-a"), state=ReplicaState.STOPPING))
-        await until(lambda: ready_replicas(server, MODEL) == ["r-b"], what="r-a dropped")
-        endpoint = next(e for e in server.gateway.table.leaving if e.replica_id == "r-a")
-        await until(lambda: endpoint not in server.gateway.table.leaving,
-                    what="its 0 written")
+        # The gateway writes r-a's 0 at once when it drops it (a nudge), and may have
+        # done so by the first look: wait for both, not for a moment in between. Were the
+        # 0 never written, the drain below would wait out the stale-row rule and fail.
+        table = server.gateway.table
+        await until(lambda: ready_replicas(server, MODEL) == ["r-b"]
+                    and all(e.replica_id != "r-a" for e in table.leaving),
+                    what="r-a dropped and its 0 written")
         started = time.monotonic()
         result = await asyncio.wait_for(drain(store, "r-a", 30, flush_interval_s=flush_s), 10)
         took = time.monotonic() - started
