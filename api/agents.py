@@ -42,6 +42,7 @@ from modelkeeper.domain.nodes import (
     AgentRegistration,
     AgentWelcome,
     HeartbeatAnswer,
+    HeartbeatRecorded,
     NodeAuth,
     Refused,
     admit_registration,
@@ -173,6 +174,16 @@ def _join_token(settings: Settings) -> str | None:
         raise HTTPException(503, f"the API cannot read its join token: {err}") from None
 
 
+def presented_credential(node_id: str, authorization: str | None) -> str:
+    """The credential ``authorization`` carries; 401 without one."""
+    presented = bearer(authorization)
+    if presented is None:
+        raise HTTPException(401, f"node {node_id!r}: this call needs the node's credential "
+                                 "(Authorization: Bearer <credential from registration>)",
+                            headers=_BEARER_CHALLENGE)
+    return presented
+
+
 async def authenticate_node(node_id: str, authorization: str | None, store: Store) -> NodeAuth:
     """The node, once ``authorization`` carries its own credential.
 
@@ -180,11 +191,7 @@ async def authenticate_node(node_id: str, authorization: str | None, store: Stor
     again), 403 for a credential that is not this node's: nothing is written before this
     returns.
     """
-    presented = bearer(authorization)
-    if presented is None:
-        raise HTTPException(401, f"node {node_id!r}: this call needs the node's credential "
-                                 "(Authorization: Bearer <credential from registration>)",
-                            headers=_BEARER_CHALLENGE)
+    presented = presented_credential(node_id, authorization)
     auth = await store.node_auth(node_id)
     if auth is None:
         raise HTTPException(404, f"node {node_id!r} is not registered")
@@ -272,16 +279,38 @@ async def heartbeat_node(node_id: str, beat: AgentHeartbeat, store: StoreDep, *,
     again, 403 that the credential is another node's (nothing is written). It also clears
     a liveness silence that began before it arrived (see ``Store.heartbeat_node``)."""
     received_at = datetime.now(UTC)
+    presented = presented_credential(node_id, authorization)
+    # Authenticated, written, confirmed and answered in one statement, which writes
+    # nothing unless the credential is the node's own (see the store).
+    recorded = await store.authenticated_heartbeat(
+        node_id, credential_digest(presented), beat.inventory,
+        settings.node_unreachable_after_s, received_at=received_at)
+    if recorded is None:
+        recorded = await _heartbeat_refused_or_raced(node_id, beat, store,
+                                                     authorization=authorization,
+                                                     settings=settings,
+                                                     received_at=received_at)
+    if recorded.changed:
+        # Memory reported (nodes join in pieces), or the node is back: retry now.
+        await signal_waiting_deployments(store, temporal)
+    # Read after this heartbeat arrived: the agent stops what it ran before sending it and
+    # is not here (HeartbeatAnswer says why).
+    return HeartbeatAnswer(claimed_replica_ids=sorted(recorded.claimed_replica_ids))
+
+
+async def _heartbeat_refused_or_raced(node_id: str, beat: AgentHeartbeat, store: Store, *,
+                                      authorization: str | None, settings: Settings,
+                                      received_at: datetime) -> HeartbeatRecorded:
+    """The one-statement heartbeat wrote nothing: say why, as every node call does (404
+    unknown node, 403 another's credential). Should the node authenticate now after all
+    (it registered, or was issued this credential, between the two reads), the heartbeat
+    is recorded the long way, as before the one statement existed."""
     await authenticate_node(node_id, authorization, store)
     changed = await store.heartbeat_node(node_id, beat.inventory,
                                          settings.node_unreachable_after_s,
                                          received_at=received_at)
     if changed is None:
         raise HTTPException(404, f"node {node_id!r} is not registered")
-    if changed:
-        # Memory reported (nodes join in pieces), or the node is back: retry now.
-        await signal_waiting_deployments(store, temporal)
-    # Read after this heartbeat arrived: the agent stops what it ran before sending it and
-    # is not here (HeartbeatAnswer says why).
     claimed = await store.replicas_on_node(node_id)
-    return HeartbeatAnswer(claimed_replica_ids=sorted(r for rs in claimed.values() for r in rs))
+    return HeartbeatRecorded(changed=changed,
+                             claimed_replica_ids=[r for rs in claimed.values() for r in rs])

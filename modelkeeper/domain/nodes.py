@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from http import HTTPStatus
@@ -178,7 +179,12 @@ class NodeRecord(Frozen):
     @property
     def labels(self) -> dict[str, str]:
         """Effective labels: the operator's outrank the agent's."""
-        return {**self.agent_labels, **self.operator_labels}
+        return effective_labels(self.agent_labels, self.operator_labels)
+
+
+def effective_labels(agent: dict[str, str], operator: dict[str, str]) -> dict[str, str]:
+    """A node's labels as placement matches them: the operator's outrank the agent's."""
+    return {**agent, **operator}
 
 
 class NodeUpdate(Frozen):
@@ -187,6 +193,20 @@ class NodeUpdate(Frozen):
     labels: Labels | None = None
     cordoned: bool | None = Field(default=None, strict=STRICT)
     cordon_reason: str | None = Field(default=None, max_length=500)
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatRecorded:
+    """A heartbeat the store authenticated and wrote (``Store.authenticated_heartbeat``).
+
+    A dataclass, not a model: the store builds one per heartbeat of every node, from its
+    own row, so there is nothing to validate.
+    """
+
+    #: Something placement uses changed (see ``Store.heartbeat_node``).
+    changed: bool
+    #: The replicas holding a claim on the node, read after the heartbeat arrived.
+    claimed_replica_ids: list[ReplicaId]
 
 
 class NodeAuth(Frozen):
@@ -248,12 +268,22 @@ def node_state(record: NodeRecord, now: datetime, *, unreachable_after_s: float,
        rather than after several missed heartbeats.
     4. Ready.
     """
-    quiet = (now - record.last_seen).total_seconds()
+    return state_at(now, last_seen=record.last_seen, cordoned=record.cordoned,
+                    silent_since=record.silent_since,
+                    unreachable_after_s=unreachable_after_s, lost_after_s=lost_after_s)
+
+
+def state_at(now: datetime, *, last_seen: datetime, cordoned: bool,
+             silent_since: datetime | None, unreachable_after_s: float,
+             lost_after_s: float) -> NodeState:
+    """:func:`node_state` from the three fields it reads, for a caller that has them
+    without a :class:`NodeRecord` (placement reads them straight from the row)."""
+    quiet = (now - last_seen).total_seconds()
     if quiet >= lost_after_s:
         return NodeState.LOST
-    if record.cordoned:
+    if cordoned:
         return NodeState.CORDONED
-    if quiet >= unreachable_after_s or record.silent_since is not None:
+    if quiet >= unreachable_after_s or silent_since is not None:
         return NodeState.UNREACHABLE
     return NodeState.READY
 

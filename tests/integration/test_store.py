@@ -1,14 +1,27 @@
-"""The store against a real PostgreSQL: migrations and the audit log."""
+"""The store against a real PostgreSQL: migrations, the audit log, and the authenticated
+heartbeat (one statement that writes nothing unless the credential is the node's)."""
 
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import asyncpg
 import pytest
 
+from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest
 from modelkeeper.domain.events import NewEvent
-from modelkeeper.domain.ids import DeploymentId
+from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
+from modelkeeper.domain.nodes import (
+    AgentRegistration,
+    GpuInfo,
+    HeartbeatRecorded,
+    Inventory,
+    credential_digest,
+)
+from modelkeeper.domain.placement import PlacementRequest
+from modelkeeper.domain.shards import EngineKind
 from modelkeeper.store import Migration, Store, load_migrations
 
 pytestmark = pytest.mark.timeout(60)
@@ -74,3 +87,103 @@ async def test_events_are_append_only(store: Store) -> None:
 async def test_each_test_gets_a_fresh_database(store: Store) -> None:
     # If databases leaked between tests, the event above would be visible here.
     assert await store.list_events() == []
+
+
+# -- the authenticated heartbeat ----------------------------------------------------------
+
+GIB = 1024**3
+UNREACHABLE_AFTER_S = 600.0
+CREDENTIAL = "node-a-credential"
+OTHER_CREDENTIAL = "node-b-credential"
+
+
+def _inventory(memory_gib: int) -> Inventory:
+    return Inventory(memory_total_bytes=memory_gib * GIB,
+                     memory_available_bytes=memory_gib * GIB, cpu_count=16,
+                     gpus=[GpuInfo(index=0, name="H100", memory_bytes=80 * GIB)])
+
+
+async def _node_row(store: Store, node_id: str) -> dict[str, Any]:
+    row = await store._pool.fetchrow("SELECT * FROM nodes WHERE node_id = $1", node_id)
+    assert row is not None
+    return dict(row)
+
+
+async def _two_nodes_one_with_claims(store: Store) -> list[ReplicaId]:
+    """Node a (credential CREDENTIAL) holding two replicas' claims, node b (credential
+    OTHER_CREDENTIAL) none, node c no credential at all; the replicas a holds."""
+    for node_id, credential in (("a", CREDENTIAL), ("b", OTHER_CREDENTIAL), ("c", None)):
+        await store.register_node(
+            AgentRegistration(node_id=NodeId(node_id), name=node_id,
+                              inventory=_inventory(8 if node_id == "a" else 1)),
+            credential_sha256=None if credential is None else credential_digest(credential))
+    model = CatalogModel(model_id=ModelId("m"), engine=EngineKind.SIM, source="org/model",
+                         memory_bytes=2 * GIB)
+    await store.create_model(model)
+    await store.create_deployment(DeploymentId("d1"), DeploymentRequest(model_id=model.model_id),
+                                  "wf-d1")
+    placed = []
+    for replica_id in ("d1-r2", "d1-r1"):  # only a has room for them
+        shards = await store.place_replica(
+            deployment_id=DeploymentId("d1"), replica_id=ReplicaId(replica_id),
+            request=PlacementRequest(model_id=model.model_id, memory_bytes=2 * GIB),
+            model=model, now=datetime.now(UTC), unreachable_after_s=UNREACHABLE_AFTER_S,
+            lost_after_s=2 * UNREACHABLE_AFTER_S, start_timeout_s=300.0)
+        assert isinstance(shards, list) and [s.node_id for s in shards] == ["a"], shards
+        placed.append(ReplicaId(replica_id))
+    return placed
+
+
+@pytest.mark.parametrize(("node_id", "credential"), [
+    ("a", OTHER_CREDENTIAL),  # another node's credential
+    ("a", "no-such-credential"),
+    ("c", CREDENTIAL),  # a node without a credential
+    ("zz", CREDENTIAL),  # an unknown node
+], ids=["another-nodes", "wrong", "node-without-one", "unknown-node"])
+async def test_an_authenticated_heartbeat_with_a_wrong_credential_writes_nothing(
+        store: Store, node_id: str, credential: str) -> None:
+    await _two_nodes_one_with_claims(store)
+    await store.mark_node_silent("a", since=datetime.now(UTC) - timedelta(seconds=5))
+    before = {n: await _node_row(store, n) for n in ("a", "b", "c")}
+    await asyncio.sleep(0.01)  # so that a write of last_seen = now() would show
+    assert await store.authenticated_heartbeat(
+        node_id, credential_digest(credential), _inventory(64), UNREACHABLE_AFTER_S) is None
+    assert {n: await _node_row(store, n) for n in ("a", "b", "c")} == before
+    assert before["a"]["credential_confirmed_at"] is None  # not confirmed either
+
+
+async def test_an_authenticated_heartbeat_writes_confirms_and_answers_the_claims(
+        store: Store) -> None:
+    claimed = await _two_nodes_one_with_claims(store)
+    silent_at = datetime.now(UTC) - timedelta(seconds=5)
+    await store.mark_node_silent("a", since=silent_at)
+    before = await _node_row(store, "a")
+
+    recorded = await store.authenticated_heartbeat(
+        "a", credential_digest(CREDENTIAL), _inventory(16), UNREACHABLE_AFTER_S,
+        received_at=datetime.now(UTC))
+    assert isinstance(recorded, HeartbeatRecorded)
+    assert recorded.changed  # more memory, and back from a silence
+    assert sorted(recorded.claimed_replica_ids) == sorted(claimed)
+    after = await _node_row(store, "a")
+    assert after["memory_total_bytes"] == 16 * GIB
+    assert after["last_seen"] > before["last_seen"]
+    assert after["silent_since"] is None
+    assert after["credential_confirmed_at"] is not None
+    auth = await store.node_auth("a")
+    assert auth is not None and auth.credential_confirmed
+
+    # The same report again: nothing placement uses changed; the confirmation keeps its time.
+    again = await store.authenticated_heartbeat(
+        "a", credential_digest(CREDENTIAL), _inventory(16), UNREACHABLE_AFTER_S)
+    assert again is not None and not again.changed
+    assert sorted(again.claimed_replica_ids) == sorted(claimed)
+    confirmed_at = (await _node_row(store, "a"))["credential_confirmed_at"]
+    assert confirmed_at == after["credential_confirmed_at"]
+
+    # A node with no claims answers none; the answer is what replicas_on_node reads.
+    other = await store.authenticated_heartbeat(
+        "b", credential_digest(OTHER_CREDENTIAL), _inventory(1), UNREACHABLE_AFTER_S)
+    assert other == HeartbeatRecorded(changed=False, claimed_replica_ids=[])
+    on_a = await store.replicas_on_node("a")
+    assert sorted(r for rs in on_a.values() for r in rs) == sorted(recorded.claimed_replica_ids)

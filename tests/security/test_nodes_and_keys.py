@@ -295,6 +295,29 @@ async def test_a_lost_welcome_can_be_retried_until_the_credential_is_used(
         assert refused.status_code == 403 and "nodes rm n-flaky" in refused.json()["detail"]
 
 
+async def test_a_heartbeat_whose_node_authenticates_at_the_second_look_is_recorded(
+        local_temporal_env: WorkflowEnvironment, database_url: str, db: asyncpg.Connection,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The one-statement heartbeat wrote nothing (the node's registration, or this
+    # credential, landed just after the statement read the row), and the look that tells
+    # 404 from 403 then finds the node with this credential: the heartbeat is recorded the
+    # long way, not refused.
+    async with node_api(local_temporal_env, database_url) as api:
+        credential = (await api.join("n-late"))["node_credential"]
+
+        async def missed(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        monkeypatch.setattr(api.store, "authenticated_heartbeat", missed)
+        resp = await api.http.post("/nodes/n-late/heartbeat", json=beat(16 * GIB),
+                                   headers=bearer(credential))
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"claimed_replica_ids": []}
+        row = await node_row(db, "n-late")
+        assert row is not None and row["memory_total_bytes"] == 16 * GIB
+        assert row["credential_confirmed_at"] is not None
+
+
 async def test_without_a_join_token_only_loopback_registers(
         local_temporal_env: WorkflowEnvironment, database_url: str,
         db: asyncpg.Connection, caplog: pytest.LogCaptureFixture) -> None:

@@ -1,0 +1,240 @@
+"""One placement's transaction at N nodes, alone: ``Store.place_replica`` and
+``Store.dry_run_placement`` called one after another on an otherwise idle database.
+
+Run it from the repository root::
+
+    .venv/bin/python -m bench.scale.placement_alone --nodes 1000 --placements 200
+
+What it does, on an embedded PostgreSQL of its own (started and stopped here, as the tests'
+``pg_server`` does, in a temporary folder removed at the end):
+
+1. registers N nodes through :meth:`Store.register_node`, with inventories of the shapes a
+   real fleet has: mostly CPU nodes of 64 to 512 GiB, a quarter GPU nodes (8 x H100 or
+   4 x A100, one GPU in 16 reported unhealthy), a few that do not report memory (agents
+   older than the field), some with labels; then marks 5 % silent
+   (:meth:`Store.mark_node_silent`) and cordons 2 % (:meth:`Store.update_node`), so that
+   placement meets every node state it meets in a fleet;
+2. adds M models and M one-replica deployments (:meth:`Store.create_model`,
+   :meth:`Store.create_deployment`): 2 to 16 GiB each, every fourth asking for one GPU;
+3. times M calls of :meth:`Store.place_replica`, one after another, one replica of each
+   deployment (what the worker's place_replica activity calls);
+4. times M calls of :meth:`Store.dry_run_placement` for a second replica of each
+   deployment (it fits), and M for a replica that fits nowhere (4 TiB and 16 GPUs, so
+   the nodes that do not report memory are refused too): the room watch
+   runs for deployments that could not be placed, so a CantPlace, which names the nodes,
+   is its common answer.
+
+Each call is timed from the caller's side (``perf_counter`` around the await), the
+database's round trips included. Before timing, a few dry runs warm the connections
+(prepared statements, the type codecs' introspection); they are not counted.
+
+The nodes heartbeat nobody here, so the calls pass node timeouts long enough that they stay
+ready throughout, as a live fleet's nodes would: what is measured is the cost of reading
+and judging N nodes, not of a fleet going quiet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest
+from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
+from modelkeeper.domain.nodes import AgentRegistration, GpuInfo, Inventory, NodeUpdate
+from modelkeeper.domain.placement import CantPlace, PlacementRequest
+from modelkeeper.domain.shards import EngineKind
+from modelkeeper.infra.processes import free_port
+from modelkeeper.launcher.postgres import dsn, start_postgres
+from modelkeeper.store import Store
+
+GIB = 1024**3
+#: Long enough that no node goes quiet while the benchmark runs (see the docstring).
+UNREACHABLE_AFTER_S = 3600.0
+LOST_AFTER_S = 7200.0
+START_TIMEOUT_S = 300.0
+#: Dry runs before timing starts, not counted.
+WARMUP_CALLS = 5
+#: Shares of the fleet in each state other than ready.
+SILENT_SHARE = 0.05
+CORDONED_SHARE = 0.02
+#: What the fits-nowhere dry run asks for: more memory than any node has, and more GPUs (a
+#: node that does not report its memory fits any memory).
+UNPLACEABLE_BYTES = 4096 * GIB
+UNPLACEABLE_GPUS = 16
+DATABASE = "placement_alone"
+
+
+def _inventory(rng: random.Random, i: int) -> tuple[Inventory, dict[str, str]]:
+    """A node's inventory and agent labels: a quarter GPU nodes, one in 25 without memory
+    figures, the rest CPU nodes of varied size."""
+    zone = {"zone": f"z{i % 3}"}
+    if i % 4 == 0:
+        h100 = rng.random() < 0.7
+        count, name, gpu_mem = (8, "H100", 80 * GIB) if h100 else (4, "A100", 40 * GIB)
+        gpus = [GpuInfo(index=g, name=name, memory_bytes=gpu_mem,
+                        healthy=rng.random() >= 1 / 16) for g in range(count)]
+        memory = rng.choice([1024, 2048]) * GIB
+        return (Inventory(memory_total_bytes=memory, memory_available_bytes=memory,
+                          cpu_count=rng.choice([96, 128]), gpus=gpus),
+                {**zone, "gpu": name.lower()})
+    if i % 25 == 1:
+        return Inventory(cpu_count=rng.choice([16, 32])), zone
+    memory = rng.choice([64, 128, 256, 512]) * GIB
+    return (Inventory(memory_total_bytes=memory, memory_available_bytes=memory,
+                      cpu_count=rng.choice([16, 32, 64, 128])), zone)
+
+
+def _model(i: int) -> CatalogModel:
+    return CatalogModel(model_id=ModelId(f"bench-model-{i:05d}"), engine=EngineKind.SIM,
+                        source="bench/sim", memory_bytes=(2 + i % 15) * GIB,
+                        cpu_cores=2.0, gpus=1 if i % 4 == 0 else None)
+
+
+def _deployment(i: int) -> DeploymentId:
+    return DeploymentId(f"bench-dep-{i:05d}")
+
+
+def _request(model: CatalogModel, *, nowhere: bool = False) -> PlacementRequest:
+    # As activities.store._placement_request builds it (deployment_id and siblings are the
+    # store's to fill in).
+    return PlacementRequest(model_id=model.model_id,
+                            memory_bytes=UNPLACEABLE_BYTES if nowhere else model.memory_bytes,
+                            cpu_cores=model.cpu_cores,
+                            gpus=UNPLACEABLE_GPUS if nowhere else model.gpus,
+                            min_nodes=model.min_nodes)
+
+
+async def _populate(store: Store, *, nodes: int, placements: int, seed: int
+                    ) -> list[CatalogModel]:
+    rng = random.Random(seed)
+    for i in range(nodes):
+        inv, labels = _inventory(rng, i)
+        node_id = f"node-{i:05d}"
+        await store.register_node(AgentRegistration(node_id=NodeId(node_id), name=node_id,
+                                                     labels=labels, inventory=inv))
+    ids = [f"node-{i:05d}" for i in range(nodes)]
+    rng.shuffle(ids)
+    silent = int(nodes * SILENT_SHARE)
+    cordoned = int(nodes * CORDONED_SHARE)
+    now = datetime.now(UTC)
+    for node_id in ids[:silent]:
+        await store.mark_node_silent(node_id, since=now)
+    for node_id in ids[silent:silent + cordoned]:
+        await store.update_node(node_id, NodeUpdate(cordoned=True,
+                                                    cordon_reason="bench: maintenance"))
+    models = [_model(i) for i in range(placements)]
+    for i, model in enumerate(models):
+        await store.create_model(model)
+        await store.create_deployment(_deployment(i),
+                                      DeploymentRequest(model_id=model.model_id),
+                                      f"wf-{_deployment(i)}")
+    return models
+
+
+async def _analyze(url: str) -> None:
+    """Fresh statistics for the planner, as autovacuum's analyze would have written them on
+    a stack that had been up a while (the tables were empty a moment ago)."""
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute("ANALYZE")
+    finally:
+        await conn.close()
+
+
+async def _timed(calls: list[Callable[[], Awaitable[Any]]]) -> tuple[list[float], int]:
+    """Each call's seconds, and how many answered CantPlace. The answers are not kept: 200
+    CantPlaces of 1,000 rejections each are 200,000 live objects, and the garbage
+    collector's full passes over them took up to 0.3 s, inside whichever call they fell
+    in (a cost of this harness, not of the store)."""
+    times, refused = [], 0
+    for call in calls:
+        began = time.perf_counter()
+        result = await call()
+        times.append(time.perf_counter() - began)
+        refused += isinstance(result, CantPlace)
+    return times, refused
+
+
+def _stats(times: list[float]) -> str:
+    ms = sorted(t * 1e3 for t in times)
+    p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
+    return (f"p50 {statistics.median(ms):7.1f} ms  p99 {p99:7.1f} ms  "
+            f"max {ms[-1]:7.1f} ms  mean {statistics.fmean(ms):7.1f} ms  (n={len(ms)})")
+
+
+async def measure(url: str, *, nodes: int, placements: int, seed: int) -> None:
+    async with await Store.connect(url) as store:
+        t0 = time.perf_counter()
+        models = await _populate(store, nodes=nodes, placements=placements, seed=seed)
+        await _analyze(url)
+        print(f"{nodes} nodes, {placements} deployments registered in "
+              f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+        def dry(i: int, model: CatalogModel, *, nowhere: bool = False
+                ) -> Callable[[], Awaitable[Any]]:
+            return lambda: store.dry_run_placement(
+                deployment_id=_deployment(i), request=_request(model, nowhere=nowhere),
+                now=datetime.now(UTC), unreachable_after_s=UNREACHABLE_AFTER_S,
+                lost_after_s=LOST_AFTER_S)
+
+        def place(i: int, model: CatalogModel) -> Callable[[], Awaitable[Any]]:
+            return lambda: store.place_replica(
+                deployment_id=_deployment(i), replica_id=ReplicaId(f"{_deployment(i)}-r0"),
+                request=_request(model), model=model, now=datetime.now(UTC),
+                unreachable_after_s=UNREACHABLE_AFTER_S, lost_after_s=LOST_AFTER_S,
+                start_timeout_s=START_TIMEOUT_S)
+
+        await _timed([dry(i, models[i]) for i in range(min(WARMUP_CALLS, placements))])
+        place_s, refused = await _timed([place(i, m) for i, m in enumerate(models)])
+        fits_s, _ = await _timed([dry(i, m) for i, m in enumerate(models)])
+        none_s, nowhere = await _timed([dry(i, m, nowhere=True)
+                                        for i, m in enumerate(models)])
+        assert nowhere == len(models), f"{len(models) - nowhere} unplaceable dry runs fit"
+    print(f"nodes={nodes} placements={placements} seed={seed}")
+    print(f"  place_replica            {_stats(place_s)}"
+          + (f"  [{refused} CantPlace]" if refused else ""))
+    print(f"  dry_run_placement fits   {_stats(fits_s)}")
+    print(f"  dry_run_placement none   {_stats(none_s)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.scale.placement_alone",
+                                     description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--placements", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="mk-placement-alone-") as tmp:
+        root = Path(tmp)
+        port = free_port()
+        proc = start_postgres(root / "data", "127.0.0.1", port, root / "postgres.log")
+        try:
+            asyncio.run(_create_and_measure(dsn("127.0.0.1", port, "postgres"),
+                                            dsn("127.0.0.1", port, DATABASE), args))
+        finally:
+            proc.stop()
+    return 0
+
+
+async def _create_and_measure(admin_url: str, url: str, args: argparse.Namespace) -> None:
+    admin = await asyncpg.connect(admin_url)
+    try:
+        await admin.execute(f"CREATE DATABASE {DATABASE}")
+    finally:
+        await admin.close()
+    await measure(url, nodes=args.nodes, placements=args.placements, seed=args.seed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
