@@ -43,6 +43,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -55,7 +56,7 @@ from typing import NoReturn, TypeVar
 import httpx
 
 from modelkeeper.domain.ids import ReplicaId
-from modelkeeper.domain.nodes import Inventory, PortRange
+from modelkeeper.domain.nodes import MAX_PORT, Inventory, PortRange
 from modelkeeper.domain.shards import (
     FetchProgress,
     ShardEndpoint,
@@ -78,7 +79,10 @@ from .main import (
     TemporalClients,
     advertised_engine_host,
     declared_memory,
+    engine_port_range,
+    node_name_problem,
     run_node,
+    writable_agent_dir,
 )
 from .shards import ShardManager
 
@@ -94,6 +98,17 @@ HEARTBEATS_FILE = "heartbeats.csv"
 #: A node needs a port for its replica and one for a replacement started beside it (a
 #: surge, a restart); fewer and it cannot take part in either.
 MIN_PORTS_PER_NODE = 2
+#: The most nodes one fleet can be: each needs MIN_PORTS_PER_NODE ports of the MAX_PORT.
+MAX_FLEET_SIZE = MAX_PORT // MIN_PORTS_PER_NODE
+#: Files a node holds open, counted from what it opens rather than measured: two
+#: connections to the API (its liveness stream, and its registrations and heartbeats), and
+#: for each of the MIN_PORTS_PER_NODE engines it has ports for, the engine's listening
+#: socket and both ends of the readiness probe's connection to it (engine and probe are
+#: both in this process).
+FILES_PER_NODE = 2 + 3 * MIN_PORTS_PER_NODE
+#: Files the process holds whatever its size: its Temporal connection, the event loop's,
+#: the log, the standard streams, with room to spare.
+FILES_PER_PROCESS = 64
 #: The shard manager's own timeout for a readiness probe (agent.shards.ShardManager).
 PROBE_TIMEOUT = httpx.Timeout(10.0)
 #: The agent's own timeout for a call to the API (agent.main.run_agent's client).
@@ -216,15 +231,44 @@ class Heartbeats:
             out.writelines(lines)
 
 
+def fleet_size_problem(size: int, *, open_files: int | None) -> str | None:
+    """Why a fleet of ``size`` nodes cannot run in a process that may hold ``open_files``
+    files open (None: no limit); None when it can. The rules, in order: at least 1 node;
+    at most :data:`MAX_FLEET_SIZE`, the ports there are; at most what ``open_files`` holds
+    at :data:`FILES_PER_NODE` a node, after :data:`FILES_PER_PROCESS`."""
+    if size < 1:
+        return f"--fleet {size}: a fleet has at least 1 node"
+    if size > MAX_FLEET_SIZE:
+        return (f"--fleet {size}: a fleet has at most {MAX_FLEET_SIZE} nodes "
+                f"({MIN_PORTS_PER_NODE} engine ports each, of the {MAX_PORT} there are)")
+    if open_files is not None:
+        most = max(0, (open_files - FILES_PER_PROCESS) // FILES_PER_NODE)
+        if size > most:
+            return (f"--fleet {size}: {size} nodes hold about "
+                    f"{size * FILES_PER_NODE + FILES_PER_PROCESS} files open "
+                    f"({FILES_PER_NODE} a node), and this process may open {open_files} "
+                    f"(ulimit -n): at most {most} nodes; raise ulimit -n or run fewer")
+    return None
+
+
+def open_files_limit() -> int | None:
+    """How many files this process may hold open (the soft RLIMIT_NOFILE); None: no limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def port_ranges(low: int, high: int, size: int) -> list[tuple[int, int]]:
     """``size`` equal, disjoint ranges out of ``low-high``; an AgentConfigError when each
     would get fewer than :data:`MIN_PORTS_PER_NODE`."""
-    per_node = (high - low + 1) // size
+    count = high - low + 1
+    per_node = count // size
     if per_node < MIN_PORTS_PER_NODE:
+        fewer = count // MIN_PORTS_PER_NODE
         raise AgentConfigError(
-            f"--engine-port-range {low}-{high}: {high - low + 1} port(s) for {size} nodes "
-            f"is fewer than {MIN_PORTS_PER_NODE} each; give at least "
-            f"{size * MIN_PORTS_PER_NODE} ports")
+            f"--engine-port-range {low}-{high}: {count} port(s) for --fleet {size} is fewer "
+            f"than {MIN_PORTS_PER_NODE} a node; give a range of at least "
+            f"{size * MIN_PORTS_PER_NODE} ports"
+            + (f", or at most --fleet {fewer}" if fewer >= 1 else ""))
     return [(low + i * per_node, low + (i + 1) * per_node - 1) for i in range(size)]
 
 
@@ -238,28 +282,34 @@ class Fleet:
     """N simulated nodes in this process (see the module docstring)."""
 
     def __init__(self, settings: Settings, size: int) -> None:
-        if size < 1:
-            raise AgentConfigError(f"--fleet {size}: a fleet has at least 1 node")
+        problem = fleet_size_problem(size, open_files=open_files_limit())
+        if problem is not None:
+            raise AgentConfigError(problem)
         memory = declared_memory(settings)
         if memory is None:
-            raise AgentConfigError("--fleet: give each simulated node its capacity with "
-                                   "--memory SIZE (it reads none from this machine)")
+            raise AgentConfigError(f"--fleet {size}: give each simulated node its capacity "
+                                   "with --memory SIZE (it reads none from this machine)")
         try:
             join_token = read_join_token(settings)
         except ValueError as exc:
             raise AgentConfigError(str(exc)) from None
+        ports = engine_port_range(settings)
+        ranges = port_ranges(ports.low, ports.high, size)
+        prefix = settings.node_name or socket.gethostname()
+        names = node_names(prefix, size)
+        # Every name has the prefix and the same length: if one passes, all do.
+        if (problem := node_name_problem(names[-1])) is not None:
+            raise AgentConfigError(f"--name {prefix!r}: --fleet {size} names the nodes "
+                                   f"{names[0]} to {names[-1]}, and {problem}")
         self.settings = settings
-        self.dir = settings.agent_dir / FLEET_DIR
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = writable_agent_dir(settings, FLEET_DIR)
         self.heartbeats = Heartbeats(self.dir / HEARTBEATS_FILE)
         host = advertised_engine_host(settings)
         cpus = settings.node_cpus or os.cpu_count() or 1
-        names = node_names(settings.node_name or socket.gethostname(), size)
         tls = httpx.create_ssl_context()
         policy = source_policy(settings)
         self.nodes: list[SimulatedNode] = []
-        for name, (low, high) in zip(names, port_ranges(*settings.engine_ports, size),
-                                     strict=True):
+        for name, (low, high) in zip(names, ranges, strict=True):
             node_dir = self.dir / name
             node_id = load_or_create_node_id(node_dir)
             # In-process engines die with the process that served them: there is nothing

@@ -32,7 +32,9 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 import socket
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -51,7 +53,10 @@ from modelkeeper import __version__
 from modelkeeper.domain.ids import NodeId
 from modelkeeper.domain.liveness import BYE, PING
 from modelkeeper.domain.nodes import (
+    MAX_PORT,
     NODE_CREDENTIAL_HEADER,
+    NODE_NAME_PATTERN,
+    NODE_NAME_RULE,
     AgentHeartbeat,
     AgentRegistration,
     AgentWelcome,
@@ -186,6 +191,42 @@ def declared_memory(settings: Settings) -> int | None:
         return parse_bytes(settings.node_memory) if settings.node_memory else None
     except ValueError as exc:
         raise AgentConfigError(f"--memory / MODELKEEPER_NODE_MEMORY: {exc}") from None
+
+
+def engine_port_range(settings: Settings) -> PortRange:
+    """``--engine-port-range`` as a :class:`PortRange`; an AgentConfigError naming it when
+    its ends are not ports or run high to low."""
+    low, high = settings.engine_ports
+    if not 1 <= low <= high <= MAX_PORT:
+        raise AgentConfigError(
+            f"--engine-port-range / MODELKEEPER_ENGINE_PORT_RANGE {low}-{high}: ports run "
+            f"from 1 to {MAX_PORT}, the low end first (e.g. 20000-20999)")
+    return PortRange(low=low, high=high)
+
+
+def node_name_problem(name: str) -> str | None:
+    """Why the API would refuse ``name`` for a node (the sentence's end); None when it
+    would not."""
+    if re.fullmatch(NODE_NAME_PATTERN, name):
+        return None
+    return f"a node's name must be {NODE_NAME_RULE}"
+
+
+def writable_agent_dir(settings: Settings, *under: str) -> Path:
+    """The agent's folder in the data dir (or ``under`` it), made when missing and written
+    once to see that it can be; an AgentConfigError naming the data dir when not, rather
+    than a traceback from the first file the agent writes there."""
+    path = settings.agent_dir.joinpath(*under)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise AgentConfigError(
+            f"--data-dir / MODELKEEPER_DATA_DIR {settings.data_dir}: the agent keeps its "
+            f"files in {path} and cannot write there ({exc.strerror or exc}); give a data "
+            "dir this user can write") from None
+    return path
 
 
 def _inventory_reader(settings: Settings) -> Callable[[], Inventory]:
@@ -350,21 +391,23 @@ async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
     except ValueError as exc:
         raise AgentConfigError(str(exc)) from None
     memory = declared_memory(settings)
-    node_id = load_or_create_node_id(settings.agent_dir)
-    low, high = settings.engine_ports
+    ports = engine_port_range(settings)
+    name = settings.node_name or socket.gethostname()
+    if (problem := node_name_problem(name)) is not None:
+        raise AgentConfigError(f"--name {name!r}: {problem}")
+    node_id = load_or_create_node_id(writable_agent_dir(settings))
     engine_host = advertised_engine_host(settings)
     manager = ShardManager(node_id=node_id, agent_dir=settings.agent_dir,
                            engine_host=engine_host,
-                           port_range=settings.engine_ports,
+                           port_range=(ports.low, ports.high),
                            llama_server_path=settings.llama_server_path,
                            max_concurrent_startups=settings.max_concurrent_startups,
                            available_memory=lambda: read_available_memory(
                                declared_memory=memory))
-    node = Node(node_id=node_id, name=settings.node_name or socket.gethostname(),
-                labels=settings.node_labels,
+    node = Node(node_id=node_id, name=name, labels=settings.node_labels,
                 identity=NodeIdentity(settings.agent_dir, join_token), manager=manager,
                 inventory=_inventory_reader(settings), engine_host=engine_host,
-                engine_ports=PortRange(low=low, high=high))
+                engine_ports=ports)
     adopted, killed = manager.recover()
     log.info("node %s (%s): adopted %d shard(s), killed %d unidentified engine(s)",
              node_id, node.name, len(adopted), len(killed))

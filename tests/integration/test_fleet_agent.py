@@ -108,6 +108,11 @@ async def test_a_fleet_serves_and_a_killed_node_dies_as_a_crashed_one(
                  and e["kind"] == "replica.exited"]
         assert exits == [], exits
         assert [await _chat(fleet, key, m) for m in models] == [200, 200, 200]
+        # Every live node heartbeats on: the control plane still has each one ready.
+        states = {n["node_id"]: n["state"] for n in (await api.get("/nodes")).json()}
+        assert {n: s for n, s in states.items() if n != victim} == {
+            n: "ready" for n in names if n != victim}, states
 
-    # Every live node heartbeated, and the fleet timed each round trip.
+    # The fleet timed its heartbeats' round trips (they carry no node: a count, at least
+    # one a node).
     assert len(fleet.heartbeats()) >= SIZE

@@ -159,17 +159,24 @@ async def test_a_dead_node_answers_nothing_until_the_fleet_stops() -> None:
     runner = _Runner()
     mortal = Mortal(runner)  # type: ignore[arg-type]
     watch = asyncio.create_task(mortal.watch(ReplicaId("r"), lambda: None))
-    await asyncio.sleep(0.05)
-    mortal.die()
-    await asyncio.sleep(0.05)
-    beats = runner.beats
-    runner.done.set()  # the engine "exits": a live node would answer now
-    await asyncio.sleep(0.05)
-    assert not watch.done() and runner.beats == beats  # no answer, no heartbeat
-    watch.cancel()  # the worker's shutdown cancels it: still no answer
-    await asyncio.sleep(0.05)
-    assert not watch.done()
-    mortal.release()
+    try:
+        await asyncio.sleep(0.05)
+        assert runner.beats > 0  # alive, it heartbeats
+        mortal.die()
+        await asyncio.sleep(0.02)  # the death lands (one last beat may be under way)
+        beats = runner.beats
+        await asyncio.sleep(0.05)  # a live runner beats every 10 ms: five more by now
+        assert runner.beats == beats  # its heartbeats died with it
+        runner.done.set()  # the engine "exits": a live node would answer now
+        await asyncio.sleep(0.05)
+        assert not watch.done()  # no answer
+        watch.cancel()  # the worker's shutdown cancels it: still no answer
+        await asyncio.sleep(0.05)
+        assert not watch.done()
+    finally:
+        # Also on a failed assert: a watch left in limbo would hang the loop's teardown.
+        mortal.release()
+        runner.done.set()
     with pytest.raises(asyncio.CancelledError):
         await watch
 
