@@ -43,16 +43,12 @@ import asyncio
 import json
 import os
 import platform
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import httpx
@@ -61,6 +57,7 @@ import uvloop
 from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client
 
+from bench.common import code_version, interrupt_on_sigterm, remove_unless_kept, stop_fleet
 from modelkeeper.domain.units import parse_bytes
 from modelkeeper.names import ACTIVITY_WATCH_SHARD
 
@@ -317,10 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.with_suffix(".md").write_text(render(saved["scenarios"], saved["meta"]))
         return 0
 
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, on_term)
-
+    interrupt_on_sigterm()
     scenarios = []
     for claim_gib in args.claim_gib:
         scenario = _run_fleet(args, claim_gib)
@@ -334,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "python": platform.python_version(), "note": args.note, "pace_ms": args.pace_ms,
         "poll_ms": POLL_S * 1e3, "load_time_s": args.load_time, "agents": AGENTS,
         "node_memory": args.node_memory, "settings": settings_in_force(),
-        "code": _code_version(),
+        "code": code_version(),
     }
     markdown = render(scenarios, meta)
     print(markdown)
@@ -343,18 +337,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.with_suffix(".json").write_text(json.dumps(
         {"meta": meta, "scenarios": scenarios}, indent=1) + "\n")
     return 0
-
-
-def _code_version() -> str:
-    """The commit measured, and whether the working tree differed from it (others edit
-    it while a run goes on; a component restarted mid-run imports what is there then)."""
-    def git(*argv: str) -> str:
-        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True,
-                              check=False).stdout
-    changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no")
-               .splitlines() if line]
-    return git("rev-parse", "--short", "HEAD").strip() + (
-        f" with uncommitted changes to {', '.join(changed)}" if changed else "")
 
 
 def _run_fleet(args: argparse.Namespace, claim_gib: int) -> dict[str, Any] | None:
@@ -370,16 +352,8 @@ def _run_fleet(args: argparse.Namespace, claim_gib: int) -> dict[str, Any] | Non
         print("interrupted: stopping every process started", file=sys.stderr)
         return None
     finally:
-        # A second Ctrl-C or SIGTERM must not cut the clean-up short and leave servers up.
-        handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), \
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        fleet.stop()
-        signal.signal(signal.SIGINT, handlers[0])
-        signal.signal(signal.SIGTERM, handlers[1])
-        if ok and not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
-        else:
-            print(f"logs and data kept in {root}", file=sys.stderr)
+        stop_fleet(fleet)
+        remove_unless_kept(root, keep=args.keep or not ok)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import json
 import platform
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ import asyncpg
 import httpx
 import psutil
 
+from bench.common import code_version
 from bench.recovery.client import SteadyClient, tally
 from bench.recovery.fleet import Fleet
 from modelkeeper.infra.processes import signal_group
@@ -506,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {"command": "python -m bench.sagas.run " + " ".join(
                 sys.argv[1:] if argv is None else argv),
             "date": time.strftime("%Y-%m-%d"), "cores": psutil.cpu_count(),
-            "python": platform.python_version(), "code": _code_version()}
+            "python": platform.python_version(), "code": code_version()}
     markdown = render(results, meta)
     print(markdown)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -514,12 +514,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.with_suffix(".json").write_text(json.dumps(
         {"meta": meta, "scenarios": [r.__dict__ for r in results]}, indent=1) + "\n")
     return 0
-
-
-def _code_version() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                         capture_output=True, text=True, check=False).stdout.strip()
-    return out or "unknown"
 
 
 if __name__ == "__main__":

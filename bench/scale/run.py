@@ -51,8 +51,6 @@ import os
 import platform
 import random
 import re
-import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -60,7 +58,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any, TypeVar
 
 import asyncpg
@@ -69,8 +66,14 @@ import psutil
 import uvloop
 from temporalio.client import Client
 
+from bench.common import (
+    STEADY_WINDOW_S,
+    code_version,
+    interrupt_on_sigterm,
+    remove_unless_kept,
+    stop_fleet,
+)
 from bench.recovery.fleet import HOST, NAMESPACE, FleetError
-from bench.recovery.run import _code_version
 from bench.temporal_cost import metrics
 from bench.temporal_cost.run import per_op, summarise
 
@@ -111,8 +114,6 @@ LEAD_IN_S = 10.0
 #: (bench/temporal_cost measured it), later on loaded cores: the benchmark's own reads of
 #: the histories end this long before the first scrape, and start this long after the last.
 METRICS_FLUSH_S = 5.0
-#: The steady window: three watch heartbeat periods at the defaults (48 s).
-DEFAULT_WINDOW_S = 144.0
 #: Describes of the workflows in flight at once, before and after the window.
 DESCRIBE_CONCURRENCY = 16
 #: The share of the nodes that die at once, each holding replicas.
@@ -631,17 +632,10 @@ def run_size(size: int, args: argparse.Namespace) -> dict[str, Any]:
         result = {"size": size, "error": str(exc)}
         print(f"[{size}] {exc}", file=sys.stderr, flush=True)
     finally:
-        handlers = (signal.signal(signal.SIGINT, signal.SIG_IGN),
-                    signal.signal(signal.SIGTERM, signal.SIG_IGN))
-        fleet.stop()
-        signal.signal(signal.SIGINT, handlers[0])
-        signal.signal(signal.SIGTERM, handlers[1])
+        stop_fleet(fleet)
         profiles = {name: profile_summary(root / "profiles" / f"{name}.prof")
                     for name in args.profile}
-        if ok and not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
-        else:
-            print(f"logs and data kept in {root}", file=sys.stderr)
+        remove_unless_kept(root, keep=args.keep or not ok)
     if profiles:
         result["profiles"] = profiles
     return result
@@ -680,8 +674,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--node-memory", default=NODE_MEMORY,
                         help=f"memory each node declares (default {NODE_MEMORY}: two "
                         f"{CLAIM_BYTES // GiB} GiB replicas)")
-    parser.add_argument("--window", type=float, default=DEFAULT_WINDOW_S,
-                        help=f"seconds of steady state counted (default {DEFAULT_WINDOW_S:.0f}; "
+    parser.add_argument("--window", type=float, default=STEADY_WINDOW_S,
+                        help=f"seconds of steady state counted (default {STEADY_WINDOW_S:.0f}; "
                         "0 skips it)")
     parser.add_argument("--post-concurrency", type=int, default=POST_CONCURRENCY,
                         help=f"POSTs in flight at once (default {POST_CONCURRENCY})")
@@ -711,9 +705,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write(result, args.out)
         return 0
 
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, on_term)
+    interrupt_on_sigterm()
     started = time.monotonic()
     sizes = []
     try:
@@ -728,7 +720,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sys.argv[1:] if argv is None else argv),
             "date": time.strftime("%Y-%m-%d"), "cores": psutil.cpu_count(),
             "memory_gib": round(psutil.virtual_memory().total / GiB, 1),
-            "python": platform.python_version(), "code": _code_version(),
+            "python": platform.python_version(), "code": code_version(),
             "node_memory": args.node_memory, "claim_bytes": CLAIM_BYTES,
             "engine_args": ENGINE_ARGS, "post_concurrency": args.post_concurrency,
             "window_s": args.window, "kill_share": KILL_SHARE, "seed": args.seed,

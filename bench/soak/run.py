@@ -33,21 +33,18 @@ import asyncio
 import json
 import platform
 import random
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import httpx
 import psutil
 import uvloop
 
+from bench.common import code_version, interrupt_on_sigterm, remove_unless_kept, stop_fleet
 from bench.recovery.report import settings_in_force
 from modelkeeper.launcher.stack import DEMO_MODEL, DEMO_MODEL_ID
 
@@ -258,17 +255,6 @@ async def soak(args: argparse.Namespace, fleet: SoakFleet, *, partition_note: st
     }
 
 
-def _code_version() -> str:
-    """The commit measured, and whether the working tree differed from it."""
-    def git(*argv: str) -> str:
-        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True,
-                              check=False).stdout
-    changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no")
-               .splitlines() if line]
-    return git("rev-parse", "--short", "HEAD").strip() + (
-        f" with uncommitted changes to {len(changed)} file(s)" if changed else "")
-
-
 def write(result: dict[str, Any], out: Path) -> None:
     """OUT.json, OUT.png and OUT.md (which links the PNG by its name, beside it)."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -332,10 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write(json.loads(args.from_json.read_text()), args.out)
         return 0
 
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, on_term)
-
+    interrupt_on_sigterm()
     kinds = list(FaultKind)
     why_not = netns.unavailable() if args.netns else "turned off with --no-netns"
     if why_not is None:
@@ -359,21 +342,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted: stopping every process started", file=sys.stderr)
         return 130
     finally:
-        # A second Ctrl-C or SIGTERM must not cut the clean-up short and leave servers up.
-        handlers = (signal.signal(signal.SIGINT, signal.SIG_IGN),
-                    signal.signal(signal.SIGTERM, signal.SIG_IGN))
-        fleet.stop()
-        signal.signal(signal.SIGINT, handlers[0])
-        signal.signal(signal.SIGTERM, handlers[1])
-        if ok and not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
-        else:
-            print(f"logs and data kept in {root}", file=sys.stderr)
+        stop_fleet(fleet)
+        remove_unless_kept(root, keep=args.keep or not ok)
     result["meta"].update({
         "command": "python -m bench.soak.run " + " ".join(
             sys.argv[1:] if argv is None else argv),
         "date": time.strftime("%Y-%m-%d"), "cores": psutil.cpu_count(),
-        "python": platform.python_version(), "code": _code_version()})
+        "python": platform.python_version(), "code": code_version()})
     write(result, args.out)
     print(args.out.with_suffix(".md").read_text())
     return 0

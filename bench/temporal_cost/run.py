@@ -34,8 +34,6 @@ import asyncio
 import json
 import os
 import platform
-import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -44,7 +42,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import httpx
@@ -55,8 +52,14 @@ from temporalio.client import Client
 
 from activities.node import MAX_HEARTBEAT_THROTTLE
 from agent.shards import POLL_INTERVAL_S as WATCH_POLL_S
+from bench.common import (
+    STEADY_WINDOW_S,
+    code_version,
+    interrupt_on_sigterm,
+    remove_unless_kept,
+    stop_fleet,
+)
 from bench.recovery.fleet import HOST, NAMESPACE, Fleet
-from bench.recovery.run import _code_version
 from modelkeeper.names import ACTIVITY_WATCH_SHARD
 from modelkeeper.settings import Settings, env_var_names
 
@@ -87,10 +90,6 @@ LEAD_IN_S = 5.0
 #: (measured: 5 RPCs showed at 0.8 s, not at 0.3 s). The benchmark's own reads of the
 #: workflows end this long before the first scrape, so none is counted in the window.
 METRICS_FLUSH_S = 3.0
-#: The default window: three heartbeat periods at today's defaults (48 s), so each watch
-#: lands the same number of heartbeats in it whatever its phase; at 150 s a watch lands 3
-#: or 4 depending on when it started. Two fleets with it take about six minutes.
-DEFAULT_WINDOW_S = 144.0
 #: The SDK's defaults for the worker's heartbeat throttle (temporalio 1.35.0).
 SDK_MAX_HEARTBEAT_THROTTLE = timedelta(seconds=60)
 SDK_THROTTLE_FRACTION = 0.8
@@ -353,24 +352,17 @@ def _run_fleet(args: argparse.Namespace, scenario: Scenario) -> dict[str, Any] |
         print("interrupted: stopping every process started", file=sys.stderr)
         return None
     finally:
-        # A second Ctrl-C or SIGTERM must not cut the clean-up short and leave servers up.
-        handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), \
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        fleet.stop()
-        signal.signal(signal.SIGINT, handlers[0])
-        signal.signal(signal.SIGTERM, handlers[1])
-        if ok and not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
-        else:
-            print(f"logs and data kept in {root}", file=sys.stderr)
+        stop_fleet(fleet)
+        remove_unless_kept(root, keep=args.keep or not ok)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.temporal_cost.run",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--window", type=float, default=DEFAULT_WINDOW_S,
+    # Two fleets with the default window take about six minutes.
+    parser.add_argument("--window", type=float, default=STEADY_WINDOW_S,
                         help="seconds of steady state counted per scenario (default "
-                        f"{DEFAULT_WINDOW_S:.0f}: three heartbeat periods at the defaults)")
+                        f"{STEADY_WINDOW_S:.0f}: three heartbeat periods at the defaults)")
     parser.add_argument("--shards", type=int, default=6,
                         help="one-replica sim deployments, all serving (default 6)")
     parser.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS),
@@ -389,10 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.with_suffix(".md").write_text(render(saved["scenarios"], saved["meta"]))
         return 0
 
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, on_term)
-
+    interrupt_on_sigterm()
     started = time.monotonic()
     results = []
     for name in args.scenarios:
@@ -405,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              *(sys.argv[1:] if argv is None else argv)]),
         "date": time.strftime("%Y-%m-%d"), "cores": psutil.cpu_count(),
         "python": platform.python_version(), "note": args.note,
-        "code": _code_version(), "target_per_shard_hour": TARGET_PER_SHARD_HOUR,
+        "code": code_version(), "target_per_shard_hour": TARGET_PER_SHARD_HOUR,
         "agents": AGENTS, "node_memory": NODE_MEMORY, "claim_bytes": CLAIM_BYTES,
         "engine_args": ENGINE_ARGS, "lead_in_s": LEAD_IN_S, "metrics_flush_s": METRICS_FLUSH_S,
         "window_s_requested": args.window, "total_s": round(time.monotonic() - started, 1),

@@ -49,6 +49,7 @@ from typing import NoReturn
 import pytest
 
 from tests.support.doc_blocks import Fence, fences, marked_blocks
+from tests.support.netns import ip, kill_namespaces, netns_pids
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "first-hour.md"
@@ -501,7 +502,7 @@ def _drained(hour: Hour, out: str) -> None:
 
 
 def _node2_stopped(hour: Hour, out: str) -> None:
-    assert _netns_pids(NODE_NS) == [], "something still runs in node2"
+    assert netns_pids(NODE_NS) == [], "something still runs in node2"
 
 
 def _left(hour: Hour, out: str) -> None:
@@ -563,15 +564,6 @@ CHECKS: dict[str, Callable[[Hour, str], None]] = {
 # -- the machine -----------------------------------------------------------------------------
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30,
-                          check=False)
-
-
-def _netns_pids(ns: str) -> list[int]:
-    return [int(pid) for pid in _ip("netns", "pids", ns).stdout.split()]
-
-
 def _skip_reason() -> str | None:
     if sys.platform != "linux":
         return "network namespaces are Linux only"
@@ -583,21 +575,6 @@ def _skip_reason() -> str | None:
     return None
 
 
-def _kill_everything(namespaces: list[str]) -> None:
-    """SIGKILL every process group with a process in ``namespaces``: all of them are the
-    test's (both namespaces are its own), and a namespace with a process in it outlives its
-    deletion."""
-    deadline = time.monotonic() + EXIT_TIMEOUT_S
-    while time.monotonic() < deadline:
-        pids = [pid for ns in namespaces for pid in _netns_pids(ns)]
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(os.getpgid(pid), signal.SIGKILL)
-        time.sleep(0.2)
-
-
 @pytest.fixture
 def hour(tmp_path: Path) -> Iterator[Hour]:
     why = _skip_reason()
@@ -607,24 +584,24 @@ def hour(tmp_path: Path) -> Iterator[Hour]:
         pytest.fail(f"a network namespace {NODE_NS} exists already (another run of the "
                     f"page?); this test makes and deletes its own: ip netns del {NODE_NS}")
     made = Hour(tmp=tmp_path, ns=f"mkfh{os.getpid()}")
-    added = _ip("netns", "add", made.ns)
+    added = ip("netns", "add", made.ns)
     if added.returncode != 0:
         pytest.skip(f"cannot create a network namespace here: {added.stderr.strip()}")
     try:
         # `up` talks to its own servers on loopback, which a new namespace has down.
-        assert _ip("-n", made.ns, "link", "set", "lo", "up").returncode == 0
+        assert ip("-n", made.ns, "link", "set", "lo", "up").returncode == 0
         yield made
     finally:
         for bg in made.background.values():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(bg.proc.pid, signal.SIGKILL)
-        _kill_everything([made.ns, NODE_NS])
+        kill_namespaces([made.ns, NODE_NS], timeout_s=EXIT_TIMEOUT_S)
         for bg in made.background.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 bg.proc.wait(timeout=EXIT_TIMEOUT_S)
         # Deleting a namespace destroys the veth end inside it, and with it the pair.
-        _ip("netns", "del", NODE_NS)
-        _ip("netns", "del", made.ns)
+        ip("netns", "del", NODE_NS)
+        ip("netns", "del", made.ns)
 
 
 @pytest.mark.slow
@@ -634,5 +611,5 @@ def test_the_first_hour_runs_as_written(hour: Hour) -> None:
         hour.do(step)
     # Every terminal has ended, and nothing the page started is left in the namespace.
     assert all(bg.proc.poll() is not None for bg in hour.background.values())
-    assert _netns_pids(hour.ns) == [], hour.context()
+    assert netns_pids(hour.ns) == [], hour.context()
     print(f"the first hour ran in {time.monotonic() - started:.0f}s")

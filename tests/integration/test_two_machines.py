@@ -14,7 +14,6 @@ and the veth pair are deleted, whatever happens.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -30,6 +29,8 @@ from typing import IO, Any
 
 import pytest
 
+from tests.support.netns import ip, kill_namespaces
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 #: `up` on a fresh data dir in a namespace: PostgreSQL's initdb, Temporal, four Python
@@ -42,6 +43,8 @@ SERVING_TIMEOUT_S = 150.0
 NODE_MEMORY = "2GiB"
 MODEL = {"model_id": "sim-remote", "engine": "sim", "source": "sim",
          "memory_bytes": 256 * 1024**2, "engine_args": {"memory_bytes": 64 * 1024**2}}
+#: Killing what runs in the namespaces at the end: ten seconds of SIGKILL rounds.
+KILL_TIMEOUT_S = 10.0
 #: Ports in the stack's namespace: a fresh namespace has no listeners, so fixed ones do.
 PORTS = {"api": 18400, "gateway": 18401, "postgres": 18432, "temporal": 17233,
          "temporal-ui": 18233}
@@ -60,13 +63,8 @@ except httpx.HTTPError as exc:
 """
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30,
-                          check=False)
-
-
 def _must(*args: str) -> None:
-    done = _ip(*args)
+    done = ip(*args)
     assert done.returncode == 0, f"ip {' '.join(args)}: {done.stderr}"
 
 
@@ -115,21 +113,13 @@ class Link:
         """SIGKILL every process group with a process in either namespace: all of them
         are this test's (up, its children, the agent, and engines in groups of their
         own), and a namespace with a process in it outlives its deletion."""
-        for _ in range(50):
-            pids = [int(pid) for ns in (self.stack_ns, self.agent_ns)
-                    for pid in _ip("netns", "pids", ns).stdout.split()]
-            if not pids:
-                return
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(os.getpgid(pid), signal.SIGKILL)
-            time.sleep(0.2)
+        kill_namespaces((self.stack_ns, self.agent_ns), timeout_s=KILL_TIMEOUT_S)
 
     def delete(self) -> None:
         # Deleting a namespace destroys the veth end inside it, and with it the pair.
         for ns in (self.stack_ns, self.agent_ns):
-            _ip("netns", "del", ns)
-        _ip("link", "del", self.veth)  # only if it never made it into a namespace
+            ip("netns", "del", ns)
+        ip("link", "del", self.veth)  # only if it never made it into a namespace
 
     def log_tails(self) -> str:
         return "".join(f"\n--- {p}\n{p.read_text(errors='replace')[-4000:]}"
@@ -157,7 +147,7 @@ def link() -> Iterator[Link]:
                 stack_ip=f"10.200.{subnet}.1", agent_ip=f"10.200.{subnet}.2",
                 veth=f"mk2m{tag}"[:13])
     try:
-        added = _ip("netns", "add", made.stack_ns)
+        added = ip("netns", "add", made.stack_ns)
         if added.returncode != 0:
             pytest.skip(f"cannot create a network namespace here: {added.stderr.strip()}")
         _must("netns", "add", made.agent_ns)

@@ -750,6 +750,9 @@ def test_no_room_watch_once_nothing_waits_for_room(end: str) -> None:
     k = Stepper(config=WATCH if end != "no switch" else BACKOFF)
     k.step(at=0)
     k.step(Unplaceable(replica_id=rid(1), reason="node a: full"), at=1)
+    # Waiting for room until the end comes (never, without the switch).
+    assert waiting_for_room(k.state, k.config) is (end != "no switch")
+    assert room_watch_start(k.state, k.config) == (None if end == "no switch" else 1)
     match end:
         case "scaled down":
             k.step(Scale(replicas=0), at=2)

@@ -5,13 +5,11 @@ start_shard activity passes to it."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from temporalio.testing import ActivityEnvironment
 
 from activities.node import NodeActivities, StartQueued
 from agent.startup_gate import (
@@ -37,11 +35,10 @@ from modelkeeper.domain.shards import (
     EngineKind,
     FetchProgress,
     ShardEndpoint,
-    ShardExit,
-    ShardReport,
     ShardSpec,
     StartShardInput,
 )
+from tests.support.node_activities import StubRunner, heartbeat_env
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -248,7 +245,7 @@ async def test_a_waiter_times_out_and_leaves() -> None:
 # -- the start_shard activity: what it tells the gate and its heartbeat --------------------
 
 
-class _QueuedRunner:
+class _QueuedRunner(StubRunner):
     """A shard runner whose start is queued once, then ready."""
 
     def __init__(self) -> None:
@@ -263,23 +260,11 @@ class _QueuedRunner:
         return ShardEndpoint(replica_id=spec.replica_id, node_id=spec.node_id, rank=0,
                              url=None, port=1, pid=1)
 
-    async def watch(self, replica_id: ReplicaId, heartbeat: Callable[[], None]) -> ShardExit:
-        raise NotImplementedError
-
-    async def stop(self, replica_id: ReplicaId, grace_s: float) -> ShardExit:
-        raise NotImplementedError
-
-    def reports(self) -> list[ShardReport]:
-        return []
-
 
 async def test_start_shard_bounds_the_queue_by_its_start_to_close_and_heartbeats_it() -> None:
-    env = ActivityEnvironment()
-    env.info = dataclasses.replace(env.info, start_to_close_timeout=timedelta(seconds=630))
-    beats: list[Any] = []
-    env.on_heartbeat = lambda *details: beats.extend(details)
+    env, beats = heartbeat_env(start_to_close_timeout=timedelta(seconds=630))
     runner = _QueuedRunner()
     await env.run(NodeActivities(runner).start_shard,
                   StartShardInput(spec=_spec(EngineKind.SIM, MIB)))
     assert runner.answer_within_s == 630.0
-    assert beats == [StartQueued(position=1, waiting_for=[R1])]
+    assert beats == [(StartQueued(position=1, waiting_for=[R1]),)]

@@ -5,16 +5,13 @@ SDK costs the agent CPU even though the SDK sends one per 0.8 x the timeout."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
-
-from temporalio.testing import ActivityEnvironment
 
 from activities.node import WATCH_BEAT_MAX_GAP_S, NodeActivities, at_most_every
 from modelkeeper.domain.ids import ReplicaId
-from modelkeeper.domain.shards import ExitKind, ShardExit, ShardReport, WatchShardInput
+from modelkeeper.domain.shards import ExitKind, ShardExit, WatchShardInput
+from tests.support.node_activities import StubRunner, heartbeat_env
 
 
 def test_a_beat_goes_at_once_then_once_per_gap() -> None:
@@ -27,7 +24,7 @@ def test_a_beat_goes_at_once_then_once_per_gap() -> None:
     assert beats == [0.0, 5.0, 10.1]
 
 
-class _PollingRunner:
+class _PollingRunner(StubRunner):
     """Polls like the shard manager: a heartbeat call every tick, then the engine exits."""
 
     def __init__(self, ticks: int) -> None:
@@ -38,21 +35,9 @@ class _PollingRunner:
             heartbeat()
         return ShardExit(replica_id=replica_id, kind=ExitKind.CLEAN, exit_code=0)
 
-    async def start(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
-
-    async def stop(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
-
-    def reports(self) -> list[ShardReport]:
-        return []
-
 
 async def test_a_watch_beats_once_however_often_its_manager_polls_within_the_gap() -> None:
-    env = ActivityEnvironment()
-    env.info = dataclasses.replace(env.info, heartbeat_timeout=timedelta(seconds=60))
-    beats: list[Any] = []
-    env.on_heartbeat = lambda *details: beats.append(details)
+    env, beats = heartbeat_env(heartbeat_timeout=timedelta(seconds=60))
     ended = await env.run(NodeActivities(_PollingRunner(ticks=40)).watch_shard,
                           WatchShardInput(replica_id=ReplicaId("r-1")))
     assert ended.kind is ExitKind.CLEAN
@@ -62,10 +47,7 @@ async def test_a_watch_beats_once_however_often_its_manager_polls_within_the_gap
 
 async def test_a_short_heartbeat_timeout_shortens_the_gap() -> None:
     # The old 3 s timeout: a beat per 0.3 s at most, well inside it.
-    env = ActivityEnvironment()
-    env.info = dataclasses.replace(env.info, heartbeat_timeout=timedelta(seconds=3))
-    beats: list[Any] = []
-    env.on_heartbeat = lambda *details: beats.append(details)
+    env, beats = heartbeat_env(heartbeat_timeout=timedelta(seconds=3))
     runner = _SlowRunner(ticks=8, tick_s=0.1)
     await env.run(NodeActivities(runner).watch_shard, WatchShardInput(replica_id=ReplicaId("r")))
     assert 2 <= len(beats) <= 4, beats

@@ -371,27 +371,53 @@ class Running:
         return await asyncio.wait_for(poll(), timeout)
 
 
+def _input(*, replicas: int = 1, config: KeeperConfig | None = None,
+           timings: WorkflowTimings | None = None,
+           search_attributes: bool = False) -> DeploymentInput:
+    """A new deployment d1 of model m, without backoff jitter unless ``config`` says."""
+    spec = DeploymentSpec(deployment_id=DeploymentId("d1"), model_id=ModelId("m"),
+                          replicas=replicas)
+    return DeploymentInput(state=initial_state(
+        spec, config or KeeperConfig(backoff_jitter=0.0), timings or WorkflowTimings(),
+        search_attributes=search_attributes))
+
+
+@contextlib.asynccontextmanager
+async def _workers(env: WorkflowEnvironment, cluster: FakeCluster, *,
+                   store: StoreActivities | None = None) -> AsyncIterator[None]:
+    """The control, node and room-watch workers. The node's activities are the cluster's
+    fakes; the control queue's and the room watch's are too, unless ``store`` gives the
+    real ones."""
+    fake_control, node = cluster.activities()
+    control: list[object] = fake_control if store is None else [*store.all()]
+    room_watch: list[object] = ([cluster.room_watch()] if store is None
+                                else [*store.room_watches()])
+    async with Worker(env.client, task_queue=CONTROL_TASK_QUEUE,
+                      workflows=[DeploymentWorkflow], activities=control), \
+            Worker(env.client, task_queue=node_task_queue(NODE), activities=node), \
+            Worker(env.client, task_queue=ROOM_WATCH_TASK_QUEUE, activities=room_watch,
+                   # A heartbeat sent as soon as it is recorded (not 0.8 x the timeout
+                   # later): a cancel reaches a room watch at once.
+                   max_heartbeat_throttle_interval=timedelta(seconds=0.1)):
+        yield
+
+
+async def _start(env: WorkflowEnvironment, cluster: FakeCluster,
+                 request: DeploymentInput) -> Running:
+    handle = await env.client.start_workflow(
+        DeploymentWorkflow.run, request, id=f"deployment/{uuid.uuid4()}",
+        task_queue=CONTROL_TASK_QUEUE)
+    return Running(env, cluster, handle)
+
+
 @contextlib.asynccontextmanager
 async def _run(env: WorkflowEnvironment, cluster: FakeCluster, replicas: int = 1,
                config: KeeperConfig | None = None, timings: WorkflowTimings | None = None,
                *, search_attributes: bool = False) -> AsyncIterator[Running]:
-    control, node = cluster.activities()
-    spec = DeploymentSpec(deployment_id=DeploymentId("d1"), model_id=ModelId("m"),
-                          replicas=replicas)
-    state = initial_state(spec, config or KeeperConfig(backoff_jitter=0.0),
-                          timings or WorkflowTimings(), search_attributes=search_attributes)
-    async with Worker(env.client, task_queue=CONTROL_TASK_QUEUE,
-                      workflows=[DeploymentWorkflow], activities=control), \
-            Worker(env.client, task_queue=node_task_queue(NODE), activities=node), \
-            Worker(env.client, task_queue=ROOM_WATCH_TASK_QUEUE,
-                   activities=[cluster.room_watch()],
-                   # A heartbeat sent as soon as it is recorded (not 0.8 x the timeout
-                   # later): a cancel reaches a room watch at once.
-                   max_heartbeat_throttle_interval=timedelta(seconds=0.1)):
-        handle = await env.client.start_workflow(
-            DeploymentWorkflow.run, DeploymentInput(state=state),
-            id=f"deployment/{uuid.uuid4()}", task_queue=CONTROL_TASK_QUEUE)
-        yield Running(env, cluster, handle)
+    async with _workers(env, cluster):
+        yield await _start(env, cluster, _input(
+            replicas=replicas, config=config, timings=timings,
+            search_attributes=search_attributes))
 
 
 HISTORIES = Path(__file__).resolve().parents[1] / "histories"
@@ -523,19 +549,9 @@ async def _until_async(run: Running, check: object) -> None:
 async def test_continue_as_new_carries_the_whole_state(
     time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
 ) -> None:
-    control, node = cluster.activities()
-    spec = DeploymentSpec(deployment_id=DeploymentId("d1"), model_id=ModelId("m"), replicas=1)
-    state = initial_state(spec, KeeperConfig(backoff_jitter=0.0),
-                          WorkflowTimings(continue_as_new_after_events=60),
-                          search_attributes=False)
-    async with Worker(time_skipping_env.client, task_queue=CONTROL_TASK_QUEUE,
-                      workflows=[DeploymentWorkflow], activities=control), \
-            Worker(time_skipping_env.client, task_queue=node_task_queue(NODE),
-                   activities=node):
-        handle = await time_skipping_env.client.start_workflow(
-            DeploymentWorkflow.run, DeploymentInput(state=state),
-            id=f"deployment/{uuid.uuid4()}", task_queue=CONTROL_TASK_QUEUE)
-        run = Running(time_skipping_env, cluster, handle)
+    timings = WorkflowTimings(continue_as_new_after_events=60)
+    async with _run(time_skipping_env, cluster, timings=timings) as run:
+        handle = run.handle
         first_run = (await handle.describe()).run_id
         for n in range(1, 5):
             await run.until(DeploymentStatus.SERVING)
@@ -580,20 +596,11 @@ async def test_continue_as_new_waits_for_a_pending_store_write_and_carries_what_
     queued replica.start_failed event, which continue-as-new does not carry, is lost."""
     cluster.start_failures = 1
     cluster.store_gate = asyncio.Event()  # every store write waits from the start
-    control, node = cluster.activities()
-    spec = DeploymentSpec(deployment_id=DeploymentId("d1"), model_id=ModelId("m"), replicas=1)
     # A short backoff: the write held in flight holds the test server's clock to the wall.
-    state = initial_state(spec, KeeperConfig(backoff_jitter=0.0, backoff_initial_s=0.1),
-                          WorkflowTimings(continue_as_new_after_events=20),
-                          search_attributes=False)
-    async with Worker(time_skipping_env.client, task_queue=CONTROL_TASK_QUEUE,
-                      workflows=[DeploymentWorkflow], activities=control), \
-            Worker(time_skipping_env.client, task_queue=node_task_queue(NODE),
-                   activities=node):
-        first = await time_skipping_env.client.start_workflow(
-            DeploymentWorkflow.run, DeploymentInput(state=state),
-            id=f"deployment/{uuid.uuid4()}", task_queue=CONTROL_TASK_QUEUE)
-        run = Running(time_skipping_env, cluster, first)
+    config = KeeperConfig(backoff_jitter=0.0, backoff_initial_s=0.1)
+    timings = WorkflowTimings(continue_as_new_after_events=20)
+    async with _run(time_skipping_env, cluster, config=config, timings=timings) as run:
+        first = run.handle
         latest = time_skipping_env.client.get_workflow_handle(first.id)
         # d1-r1 failed to start (its event queued behind the first write, still in
         # flight), d1-r2 serves: nothing is busy and the history is past 20 events.
@@ -628,16 +635,10 @@ async def test_continue_as_new_waits_for_a_pending_store_write_and_carries_what_
         assert len(cluster.statuses) == len({s.model_dump_json() for s in cluster.statuses})
 
 
-def _fresh_input() -> DeploymentInput:
-    spec = DeploymentSpec(deployment_id=DeploymentId("d1"), model_id=ModelId("m"), replicas=1)
-    return DeploymentInput(state=initial_state(spec, KeeperConfig(backoff_jitter=0.0),
-                                               WorkflowTimings(), search_attributes=False))
-
-
 def test_state_is_whole_from_construction() -> None:
     """@workflow.init builds the state from the input: the status query answers from a
     workflow object no workflow task has run yet (no worker, no run, no event loop)."""
-    request = _fresh_input()
+    request = _input()
     view = DeploymentWorkflow(request).status()
     assert view.keeper == request.state.keeper
     assert view.keeper.replicas == []
@@ -648,18 +649,12 @@ async def test_status_query_sent_before_the_first_workflow_task_is_answered(
 ) -> None:
     """A query sent right after start, while no worker polls yet, is answered (not failed)
     once one does. The server holds a query until the first workflow task completes."""
-    control, node = cluster.activities()
-    handle = await time_skipping_env.client.start_workflow(
-        DeploymentWorkflow.run, _fresh_input(), id=f"deployment/{uuid.uuid4()}",
-        task_queue=CONTROL_TASK_QUEUE)
+    handle = (await _start(time_skipping_env, cluster, _input())).handle
     query = asyncio.create_task(handle.query(DeploymentWorkflow.status))
     # Not a wait for anything: it lets the query go out before a worker exists. The test
     # passes either way; this only makes it test what it says more often.
     await asyncio.sleep(0.2)
-    async with Worker(time_skipping_env.client, task_queue=CONTROL_TASK_QUEUE,
-                      workflows=[DeploymentWorkflow], activities=control), \
-            Worker(time_skipping_env.client, task_queue=node_task_queue(NODE),
-                   activities=node):
+    async with _workers(time_skipping_env, cluster):
         view = await asyncio.wait_for(query, 20)
         assert view.keeper.spec.deployment_id == "d1"
         assert view.status in {DeploymentStatus.PLACING, DeploymentStatus.STARTING,
@@ -674,14 +669,10 @@ async def test_an_update_in_the_first_workflow_task_sees_the_whole_state(
     """Update-with-start delivers the update in the first workflow task, whose handlers
     (the validator included) the SDK runs before run's first line: the validator reads the
     state, which only @workflow.init can have built by then."""
-    control, node = cluster.activities()
     start = WithStartWorkflowOperation(
-        DeploymentWorkflow.run, _fresh_input(), id=f"deployment/{uuid.uuid4()}",
+        DeploymentWorkflow.run, _input(), id=f"deployment/{uuid.uuid4()}",
         task_queue=CONTROL_TASK_QUEUE, id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
-    async with Worker(time_skipping_env.client, task_queue=CONTROL_TASK_QUEUE,
-                      workflows=[DeploymentWorkflow], activities=control), \
-            Worker(time_skipping_env.client, task_queue=node_task_queue(NODE),
-                   activities=node):
+    async with _workers(time_skipping_env, cluster):
         assert await asyncio.wait_for(time_skipping_env.client.execute_update_with_start_workflow(
             DeploymentWorkflow.scale, ScaleRequest(replicas=2),
             start_workflow_operation=start), 20) == 2
@@ -792,14 +783,13 @@ async def test_carried_state_with_fields_this_worker_does_not_know_decodes(
     """The state a newer worker carried over (continue-as-new, then a rollback) has
     fields this one does not know, at every level: it decodes, and the run goes on from
     it (the ready replica is watched on its node, replica numbers keep counting)."""
-    control, node = cluster.activities()
     extra = {"added_later": [1, 2]}
     shard = ShardSpec(replica_id=ReplicaId("d1-r1"), model_id=ModelId("m"), node_id=NODE,
                       engine=EngineKind.SIM, source="sim", memory_bytes=1)
     status = DeploymentStatusUpdate(
         deployment_id=DeploymentId("d1"), status=DeploymentStatus.SERVING,
         placement_error=None, consecutive_failures=0, last_failure=None, desired_replicas=1)
-    raw = _fresh_input().model_dump(mode="json")
+    raw = _input().model_dump(mode="json")
     state = raw["state"]
     state["keeper"]["replicas"] = [{"replica_id": "d1-r1", "phase": "ready",
                                     "nodes": [NODE], "endpoint": "http://engine/d1-r1",
@@ -811,10 +801,7 @@ async def test_carried_state_with_fields_this_worker_does_not_know_decodes(
                  state["timings"]):
         part.update(extra)
     cluster.crash["d1-r1"] = asyncio.Event()  # the engine the newer worker started
-    async with Worker(time_skipping_env.client, task_queue=CONTROL_TASK_QUEUE,
-                      workflows=[DeploymentWorkflow], activities=control), \
-            Worker(time_skipping_env.client, task_queue=node_task_queue(NODE),
-                   activities=node):
+    async with _workers(time_skipping_env, cluster):
         handle = await time_skipping_env.client.start_workflow(
             "DeploymentWorkflow", raw, id=f"deployment/{uuid.uuid4()}",
             task_queue=CONTROL_TASK_QUEUE)
@@ -1448,19 +1435,10 @@ async def test_memory_the_store_shows_without_a_node_change_gets_the_deployment_
     settings = Settings(database_url="postgresql://unused", settling_window_s=0)
     # No Temporal client: release_replica signals nobody, as no API does here.
     acts = StoreActivities(store, settings)
-    _, node = cluster.activities()
-    spec = DeploymentSpec(deployment_id=DeploymentId("d1"), model_id=ModelId("m"), replicas=1)
-    state = initial_state(spec, SCALED, WATCH_TIMINGS, search_attributes=False)
-    async with Worker(time_skipping_env.client, task_queue=CONTROL_TASK_QUEUE,
-                      workflows=[DeploymentWorkflow], activities=acts.all()), \
-            Worker(time_skipping_env.client, task_queue=ROOM_WATCH_TASK_QUEUE,
-                   activities=acts.room_watches()), \
-            Worker(time_skipping_env.client, task_queue=node_task_queue(NODE),
-                   activities=node):
-        handle = await time_skipping_env.client.start_workflow(
-            DeploymentWorkflow.run, DeploymentInput(state=state),
-            id=f"deployment/{uuid.uuid4()}", task_queue=CONTROL_TASK_QUEUE)
-        run = Running(time_skipping_env, cluster, handle)
+    async with _workers(time_skipping_env, cluster, store=acts):
+        run = await _start(time_skipping_env, cluster,
+                           _input(config=SCALED, timings=WATCH_TIMINGS))
+        handle = run.handle
         view = await run.until(DeploymentStatus.CANT_PLACE)
         assert "n1" in (view.keeper.placement_error or "")
 
