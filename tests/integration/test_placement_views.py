@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -120,9 +121,10 @@ async def test_view_from_the_row_is_the_view_through_the_record(store: Store,
     now = datetime.now(UTC) + timedelta(seconds=later_s)
     expected = [_through_record(r, now) for r in await store.list_nodes()]
 
-    def from_rows(rows: list[object]) -> list[NodeView]:
-        return [control._placement_view(row, now, unreachable_after_s=UNREACHABLE_AFTER_S,
-                                        lost_after_s=LOST_AFTER_S) for row in rows]
+    def from_rows(rows: list[Any]) -> list[NodeView]:
+        # A fresh cache: every view is built from its row here.
+        return control._NodeViews().of(rows, now, unreachable_after_s=UNREACHABLE_AFTER_S,
+                                       lost_after_s=LOST_AFTER_S, every_node=True)
 
     # Through the store's own method (by name), and placement's two reads.
     assert await store.list_node_views(now, unreachable_after_s=UNREACHABLE_AFTER_S,
@@ -145,6 +147,49 @@ async def test_view_from_the_row_is_the_view_through_the_record(store: Store,
         assert {v.node_id: v.state.value for v in expected} == {
             "cpu-a": "ready", "draining": "cordoned", "gpu-a": "ready", "gpu-b": "ready",
             "old-agent": "ready", "silent": "unreachable"}
+
+
+async def test_a_view_is_reused_only_while_its_node_is_unchanged(store: Store) -> None:
+    """The store keeps each node's view between placements' reads (``_NodeViews``): the
+    same object while nothing it is built from changed, a new one, equal to a view built
+    from scratch, after a heartbeat that moves only what placement does not read; and a
+    new one after each change it does read: a claim, labels, a state, a removal."""
+    await _fleet(store)
+    views = control._NodeViews()
+
+    async def read(at: datetime) -> dict[str, NodeView]:
+        rows = await store._pool.fetch(control._PLACEMENT_NODE_SELECT + " ORDER BY n.node_id")
+        fresh = control._NodeViews().of(rows, at, unreachable_after_s=UNREACHABLE_AFTER_S,
+                                        lost_after_s=LOST_AFTER_S, every_node=True)
+        kept = views.of(rows, at, unreachable_after_s=UNREACHABLE_AFTER_S,
+                        lost_after_s=LOST_AFTER_S, every_node=True)
+        assert kept == fresh  # reused or not, always the view its row gives
+        return {v.node_id: v for v in kept}
+
+    now = datetime.now(UTC)
+    first = await read(now)
+    # A heartbeat: last_seen and the memory available move, nothing placement reads.
+    await store.heartbeat_node("cpu-a", Inventory(
+        memory_total_bytes=64 * GIB, memory_available_bytes=59 * GIB, cpu_count=16),
+        UNREACHABLE_AFTER_S)
+    second = await read(now)
+    assert all(second[n] is first[n] for n in first)
+    # A claim, labels, a state: each node that changed gets a new view, the others not.
+    await _place(store, 6, node="cpu-a", memory_gib=1)
+    await store.update_node("gpu-b", NodeUpdate(labels={"zone": "d"}))
+    await store.update_node("silent", NodeUpdate(cordoned=True))
+    third = await read(now)
+    changed = {n for n in first if third[n] is not second[n]}
+    assert changed == {"cpu-a", "gpu-b", "silent"}
+    assert third["cpu-a"].memory_claimed_bytes == 9 * GIB
+    # Time alone changes states: past the unreachable deadline every view is new.
+    later = await read(now + timedelta(seconds=UNREACHABLE_AFTER_S + 1))
+    assert {n for n in first if later[n] is third[n]} == {"draining", "silent"}  # cordoned
+    # A removed node is not kept.
+    await store._pool.execute("DELETE FROM allocations WHERE node_id = 'gpu-b'")
+    await store._pool.execute("DELETE FROM nodes WHERE node_id = 'gpu-b'")
+    await read(now)
+    assert "gpu-b" not in views._by_node
 
 
 #: Values a jsonb column may hold, as JSON text: what the decoder must read as json.loads

@@ -734,6 +734,26 @@ def test_explain_agrees_with_the_oracle_on_every_node(
 
 
 @PROPERTY
+@given(request=requests(), nodes=clusters())
+def test_place_and_explain_give_the_same_verdicts(
+    request: PlacementRequest, nodes: list[NodeView]
+) -> None:
+    """place() judges every node by the verdict alone and writes decisions only where it
+    must: what it returns is what explain() says of the same nodes."""
+    result = place(request, nodes)
+    decisions = {d.node_id: d for d in explain(request, nodes)}
+    if isinstance(result, CantPlace):
+        assert result.rejections == [d.rejection for d in decisions.values()
+                                     if d.rejection is not None]
+        return
+    for shard in result.assignments:
+        assert decisions[shard.node_id].fits
+        assert shard.gpu_indices == decisions[shard.node_id].gpu_indices
+    shares = set(result.node_ids) & set(request.sibling_node_ids)
+    assert (result.note is not None) == bool(shares)
+
+
+@PROPERTY
 @given(request=requests(), nodes=clusters(), data=st.data())
 def test_the_order_of_the_nodes_does_not_matter(
     request: PlacementRequest, nodes: list[NodeView], data: st.DataObject
