@@ -12,6 +12,7 @@ routes do not.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -71,6 +72,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         max_silent_after_s=settings.node_silent_after_max_s,
         calm_after_s=settings.node_silent_calm_after_s))
     restore_signals = liveness.end_streams_on_shutdown_signal(follow)
+    lag = asyncio.create_task(follow.lag.run(), name="loop-lag")
     try:
         app.state.store = store
         app.state.liveness = follow
@@ -80,5 +82,6 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         follow.closing.set()
+        lag.cancel()
         restore_signals()
         await store.close()

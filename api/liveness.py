@@ -28,6 +28,7 @@ import logging
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from types import FrameType
@@ -80,17 +81,66 @@ _CLOSE = {"Connection": "close"}
 MAX_LINE_BYTES = 256
 
 
+#: How often the API measures its own event loop's lag (rule 8 of the liveness rules):
+#: ten times a second is a few microseconds of CPU a second, and sees a stall of 0.1 s.
+LAG_SAMPLE_S = 0.1
+#: A check allows for the most lag seen over this long: a loop that fell behind a moment
+#: ago still has pings queued from then, and bursts (a wave of verdicts, a GC pause) come
+#: back within seconds.
+LAG_WINDOW_S = 10.0
+
+
+class LoopLag:
+    """How far behind this process's event loop has run lately: :meth:`run` asks to wake
+    every ``sample_s`` and records how late it woke; :meth:`recent_s` is the most of the
+    last ``window_s``. A timer that wakes late waited behind the same queue of work as a
+    ping's read, so its lateness is the delay a ping may have waited unread.
+
+    The samples kept are the ones that can still be the most (a later, larger one hides
+    every earlier one): the largest is always first, and few are kept.
+    """
+
+    def __init__(self, *, sample_s: float = LAG_SAMPLE_S,
+                 window_s: float = LAG_WINDOW_S) -> None:
+        self._sample_s = sample_s
+        self._window_s = window_s
+        #: (when, lag) in time order, lags decreasing.
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def record(self, now: float, lag_s: float) -> None:
+        """One sample: at ``now`` the loop woke ``lag_s`` late."""
+        while self._samples and self._samples[-1][1] <= lag_s:
+            self._samples.pop()
+        self._samples.append((now, lag_s))
+
+    def recent_s(self, now: float) -> float:
+        """The most lag seen in the ``window_s`` before ``now``; 0 when none."""
+        while self._samples and self._samples[0][0] < now - self._window_s:
+            self._samples.popleft()
+        return self._samples[0][1] if self._samples else 0.0
+
+    async def run(self) -> None:
+        """Sample until cancelled."""
+        while True:
+            asked = time.monotonic()
+            await asyncio.sleep(self._sample_s)
+            now = time.monotonic()
+            self.record(now, max(0.0, now - asked - self._sample_s))
+
+
 class Liveness:
     """Every node's liveness as this API process sees it: a dict of small frozen records,
     stepped by :func:`modelkeeper.domain.liveness.step` at each ping.
 
     One per application (``app.state.liveness``). ``closing`` is set when the API begins to
     shut down: each stream then ends at once, without any verdict, so that the server's
-    graceful shutdown does not wait on streams that never end by themselves.
+    graceful shutdown does not wait on streams that never end by themselves. ``lag`` is the
+    process's own lag, which each check allows for (rule 8); the application runs it.
     """
 
-    def __init__(self, *, deadlines: Deadlines) -> None:
+    def __init__(self, *, deadlines: Deadlines, lag: LoopLag | None = None) -> None:
         self.deadlines = deadlines
+        self.lag = lag or LoopLag()
         self.closing = asyncio.Event()
         self._nodes: dict[NodeId, NodeLiveness] = {}
         self._streams = itertools.count(1)
@@ -109,9 +159,15 @@ class Liveness:
             self._nodes[node_id] = state
         return verdict
 
-    def check_at(self, node_id: NodeId) -> float | None:
-        """When the node goes silent unless a ping arrives first (monotonic seconds)."""
-        return check_at(self._nodes.get(node_id), deadlines=self.deadlines)
+    def check_at(self, node_id: NodeId, now: float) -> float | None:
+        """When the node goes silent unless a ping arrives first (monotonic seconds), as
+        this process's lag at ``now`` allows."""
+        return check_at(self._nodes.get(node_id), deadlines=self.deadlines,
+                        lag_s=self.lag.recent_s(now))
+
+    def checked(self, stream: int, now: float) -> Checked:
+        """A check of ``stream`` at ``now``, with this process's lag."""
+        return Checked(stream, now, lag_s=self.lag.recent_s(now))
 
     def is_current(self, node_id: NodeId, stream: int) -> bool:
         """Whether ``stream`` is still the node's newest stream."""
@@ -203,8 +259,9 @@ async def _follow(chunks: AsyncIterator[bytes], node_id: NodeId, stream: int,
         while liveness.is_current(node_id, stream):
             if read is None:
                 read = asyncio.ensure_future(anext(chunks))
-            due = liveness.check_at(node_id)
-            timeout = None if due is None else max(0.0, due - time.monotonic())
+            checking = time.monotonic()
+            due = liveness.check_at(node_id, checking)
+            timeout = None if due is None else max(0.0, due - checking)
             waiting: set[asyncio.Future[Any]] = {read, closing}
             done, _ = await asyncio.wait(waiting, timeout=timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -212,7 +269,7 @@ async def _follow(chunks: AsyncIterator[bytes], node_id: NodeId, stream: int,
             if closing in done:
                 return Ending.API_CLOSING
             if read not in done:
-                await act(liveness.apply(node_id, Checked(stream, now)))
+                await act(liveness.apply(node_id, liveness.checked(stream, now)))
                 continue
             try:
                 chunk = read.result()

@@ -3,10 +3,13 @@ rule in the module's order; and a silent node reads unreachable."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from api.liveness import LoopLag
 from modelkeeper.domain.liveness import (
     CameBack,
     Checked,
@@ -182,6 +185,36 @@ def test_7_damping_outlives_a_new_stream_and_never_slows_a_crash() -> None:
     assert verdicts == [WentSilent("its liveness stream broke without a goodbye")]
 
 
+def test_8_the_apis_own_lag_is_not_the_nodes_silence() -> None:
+    # The API ran 0.8 s behind: a check at the deadline finds the ping missing, but the
+    # node is given its deadline plus that lag, and check_at says when that is.
+    opened, _ = run([Opened(1, 0.0)])
+    assert check_at(opened, deadlines=DEADLINES, lag_s=0.8) == pytest.approx(2.3)
+    state, verdicts = run([Checked(1, 1.5, lag_s=0.8), Pinged(1, 2.0)], opened)
+    assert verdicts == []
+    assert state is not None and deadline_s(state, DEADLINES) == SILENT_AFTER  # not damped
+    # Quiet past the deadline and the lag: silent, and the reason says the API lagged.
+    _, verdicts = run([Checked(1, 2.3, lag_s=0.8)], opened)
+    assert verdicts == [WentSilent("no ping for 2.3s (silent after 1.5s; the API itself "
+                                   "ran 0.8s behind)")]
+    # A quick API adds nothing (the lag a check reports is the API's, not a ping's).
+    _, verdicts = run([Checked(1, 1.5, lag_s=0.0)], opened)
+    assert [type(v) for v in verdicts] == [WentSilent]
+
+
+def test_8_a_lagging_api_finds_a_freeze_late_by_at_most_max_silent_after() -> None:
+    opened, _ = run([Opened(1, 0.0)])
+    # An API 60 s behind still finds a frozen node 1.5 + 6 s after its last ping.
+    assert check_at(opened, deadlines=DEADLINES, lag_s=60.0) == pytest.approx(7.5)
+    _, verdicts = run([Checked(1, 7.4, lag_s=60.0)], opened)
+    assert verdicts == []
+    _, verdicts = run([Checked(1, 7.5, lag_s=60.0)], opened)
+    assert [type(v) for v in verdicts] == [WentSilent]
+    # A broken stream is silence at once, however far behind the API runs.
+    _, verdicts = run([Ended(1, 0.1, Ending.BROKEN)], opened)
+    assert verdicts == [WentSilent("its liveness stream broke without a goodbye")]
+
+
 def test_deadlines_refuse_a_most_below_the_base() -> None:
     with pytest.raises(ValueError, match=r"max_silent_after_s \(1\) must be at least "
                                          r"silent_after_s \(1.5\)"):
@@ -210,3 +243,26 @@ def test_a_silent_node_is_unreachable_and_the_time_rules_still_hold(
     record, now = _record(datetime(2026, 1, 1, tzinfo=UTC) if silent else None,
                           seen_ago=seen_ago, cordoned=cordoned)
     assert node_state(record, now, unreachable_after_s=6, lost_after_s=60) is state
+
+
+def test_loop_lag_is_the_most_of_its_window() -> None:
+    lag = LoopLag(sample_s=0.1, window_s=10.0)
+    assert lag.recent_s(0.0) == 0.0
+    for at, late in [(1.0, 0.2), (2.0, 0.9), (3.0, 0.1), (4.0, 0.3)]:
+        lag.record(at, late)
+    assert lag.recent_s(4.0) == 0.9
+    assert lag.recent_s(11.9) == 0.9  # 2.0 is still inside the window
+    assert lag.recent_s(12.5) == 0.3  # the 0.9 has left it; 0.3 (at 4.0) is the most since
+    assert lag.recent_s(14.5) == 0.0
+
+
+async def test_loop_lag_sees_a_blocked_loop() -> None:
+    lag = LoopLag(sample_s=0.01, window_s=10.0)
+    sampling = asyncio.create_task(lag.run())
+    try:
+        await asyncio.sleep(0.05)  # a few samples of an idle loop
+        time.sleep(0.3)  # the loop blocked, as a burst of work on its thread would
+        await asyncio.sleep(0.05)  # the next sample lands
+        assert lag.recent_s(time.monotonic()) >= 0.25
+    finally:
+        sampling.cancel()
