@@ -269,7 +269,8 @@ def render(result: dict[str, Any]) -> str:
     out.append("")
     for other in meta.get("other_runs") or []:
         d = other.get("deploy") or {}
-        out += [f"Another run of {other['size']:,} nodes (same code, load average before "
+        out += [f"Another run of {other['size']:,} nodes ({other.get('note', 'same code')}, "
+                f"load average before "
                 f"{(other.get('load_average') or {}).get('before')}): "
                 f"{other.get('error', 'completed')}; live nodes marked silent while placing: "
                 f"{d.get('false_silences')}; heartbeat round trip while placing: "
