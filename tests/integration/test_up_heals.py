@@ -13,6 +13,7 @@ GIVE_UP_AFTER_EXITS exits, in one line naming it, and leave nothing running.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -237,7 +238,13 @@ def _drain(up: Up) -> tuple[list[str], threading.Thread]:
     the reader ends when `up` does."""
     assert up.proc is not None and up.proc.stdout is not None
     stdout, lines = up.proc.stdout, list[str]()
-    reader = threading.Thread(target=lambda: lines.extend(stdout), daemon=True)
+
+    def read() -> None:
+        # The fixture's clean-up closes the pipe, maybe while this still reads it.
+        with contextlib.suppress(ValueError):
+            lines.extend(stdout)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     return lines, reader
 
