@@ -277,19 +277,27 @@ async def heartbeat_node(node_id: str, beat: AgentHeartbeat, store: StoreDep, *,
                          ) -> HeartbeatAnswer:
     """An agent's periodic report, with its node's credential; 404 tells it to register
     again, 403 that the credential is another node's (nothing is written). It also clears
-    a liveness silence that began before it arrived (see ``Store.heartbeat_node``)."""
+    a liveness silence that began before it arrived (see ``Store.authenticated_heartbeat``)."""
     received_at = datetime.now(UTC)
     presented = presented_credential(node_id, authorization)
-    # Authenticated, written, confirmed and answered in one statement, which writes
-    # nothing unless the credential is the node's own (see the store).
-    recorded = await store.authenticated_heartbeat(
-        node_id, credential_digest(presented), beat.inventory,
-        settings.node_unreachable_after_s, received_at=received_at)
+
+    async def record() -> HeartbeatRecorded | None:
+        # Authenticated, written, confirmed and answered in one statement, which writes
+        # nothing unless the credential is the node's own (see the store).
+        return await store.authenticated_heartbeat(
+            node_id, credential_digest(presented), beat.inventory,
+            settings.node_unreachable_after_s, received_at=received_at)
+
+    recorded = await record()
     if recorded is None:
-        recorded = await _heartbeat_refused_or_raced(node_id, beat, store,
-                                                     authorization=authorization,
-                                                     settings=settings,
-                                                     received_at=received_at)
+        # Nothing written: say why, as every node call does (404 unknown, 403 another's
+        # credential). Should the credential be the node's after all (it registered, or
+        # was issued this one, between the two reads), record the heartbeat now.
+        await authenticate_node(node_id, authorization, store)
+        recorded = await record()
+        if recorded is None:
+            raise HTTPException(503, f"node {node_id!r} changed while its heartbeat was "
+                                     "recorded; send it again", headers={"Retry-After": "1"})
     if recorded.changed:
         # Memory reported (nodes join in pieces), or the node is back: retry now.
         await signal_waiting_deployments(store, temporal)
@@ -297,20 +305,3 @@ async def heartbeat_node(node_id: str, beat: AgentHeartbeat, store: StoreDep, *,
     # is not here (HeartbeatAnswer says why).
     return HeartbeatAnswer(claimed_replica_ids=sorted(recorded.claimed_replica_ids))
 
-
-async def _heartbeat_refused_or_raced(node_id: str, beat: AgentHeartbeat, store: Store, *,
-                                      authorization: str | None, settings: Settings,
-                                      received_at: datetime) -> HeartbeatRecorded:
-    """The one-statement heartbeat wrote nothing: say why, as every node call does (404
-    unknown node, 403 another's credential). Should the node authenticate now after all
-    (it registered, or was issued this credential, between the two reads), the heartbeat
-    is recorded the long way, as before the one statement existed."""
-    await authenticate_node(node_id, authorization, store)
-    changed = await store.heartbeat_node(node_id, beat.inventory,
-                                         settings.node_unreachable_after_s,
-                                         received_at=received_at)
-    if changed is None:
-        raise HTTPException(404, f"node {node_id!r} is not registered")
-    claimed = await store.replicas_on_node(node_id)
-    return HeartbeatRecorded(changed=changed,
-                             claimed_replica_ids=[r for rs in claimed.values() for r in rs])

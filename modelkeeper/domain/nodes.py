@@ -203,7 +203,7 @@ class HeartbeatRecorded:
     own row, so there is nothing to validate.
     """
 
-    #: Something placement uses changed (see ``Store.heartbeat_node``).
+    #: Something placement uses changed (see ``Store.authenticated_heartbeat``).
     changed: bool
     #: The replicas holding a claim on the node, read after the heartbeat arrived.
     claimed_replica_ids: list[ReplicaId]

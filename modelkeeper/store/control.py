@@ -333,60 +333,44 @@ class Store:
     async def heartbeat_node(self, node_id: str, inv: Inventory,
                              unreachable_after_s: float, *,
                              received_at: datetime | None = None) -> bool | None:
-        """Record a heartbeat. None: the node is unknown (the agent must register).
-        True: something placement uses changed (capacity, or the node is back after
-        going quiet or silent), so waiting deployments should retry now.
-
-        A silence (:meth:`mark_node_silent`) is cleared only if it began no later than
-        ``received_at`` (default: now): a heartbeat sent just before a kill -9, and written
-        just after the liveness channel saw the kill, must not clear it.
-        """
-        row = await self._pool.fetchrow(
-            """
-            WITH prev AS (
-                -- NO KEY UPDATE, the lock the UPDATE itself takes: it keeps two heartbeats
-                -- of one node from reading the same prev, and unlike FOR UPDATE it does not
-                -- conflict with the KEY SHARE lock an allocation's foreign key holds on the
-                -- row, so a heartbeat never waits for a placement claiming on its node.
-                SELECT memory_total_bytes, cpu_count, gpus, last_seen, silent_since FROM nodes
-                WHERE node_id = $1 FOR NO KEY UPDATE
-            )
-            UPDATE nodes SET memory_total_bytes = $2, memory_available_bytes = $3,
-                             cpu_count = $4, gpus = $5, last_seen = now(),
-                             silent_since = CASE
-                                 WHEN prev.silent_since <= COALESCE($7::timestamptz, now())
-                                 THEN NULL ELSE prev.silent_since END
-            FROM prev WHERE nodes.node_id = $1
-            RETURNING prev.memory_total_bytes IS DISTINCT FROM $2
-                   OR prev.cpu_count IS DISTINCT FROM $4
-                   OR prev.gpus IS DISTINCT FROM $5::jsonb
-                   OR prev.last_seen < now() - make_interval(secs => $6)
-                   OR (prev.silent_since IS NOT NULL AND nodes.silent_since IS NULL)
-                   AS changed
-            """,
-            node_id, inv.memory_total_bytes, inv.memory_available_bytes, inv.cpu_count,
-            [g.model_dump() for g in inv.gpus], unreachable_after_s, received_at,
-        )
-        return None if row is None else bool(row["changed"])
+        """:meth:`authenticated_heartbeat` for a caller that has authenticated the node
+        itself (tests, tools): the same statement, without the credential check and
+        without confirming a credential. None: the node is unknown. Otherwise whether
+        something placement uses changed."""
+        recorded = await self._heartbeat(node_id, None, inv, unreachable_after_s,
+                                         received_at=received_at)
+        return None if recorded is None else recorded.changed
 
     async def authenticated_heartbeat(self, node_id: str, credential_sha256: str,
                                       inv: Inventory, unreachable_after_s: float, *,
                                       received_at: datetime | None = None,
                                       ) -> HeartbeatRecorded | None:
         """A heartbeat of ``node_id`` whose presented credential has the digest
-        ``credential_sha256`` (:func:`credential_digest` of it): what :meth:`node_auth`,
-        :meth:`confirm_node_credential`, :meth:`heartbeat_node` and
-        :meth:`replicas_on_node` did one after the other, in one statement. Every node
-        sends one every couple of seconds; four round trips each (and the pool's reset
-        after each) were most of what a heartbeat cost the API.
+        ``credential_sha256`` (:func:`credential_digest` of it), authenticated, written,
+        confirmed and answered in one statement. Every node sends one every couple of
+        seconds; the four round trips it took before (the credential, the write, its
+        confirmation, the claims, each with the pool's reset) were most of what a
+        heartbeat cost the API.
 
         None, and nothing written: the node is unknown, has no credential, or has
         another. The caller tells which with :meth:`node_auth` (a refusal is rare).
 
-        Otherwise the heartbeat is recorded as :meth:`heartbeat_node` records it, the
-        credential is confirmed (the first time), and the answer names the replicas
-        claiming on the node.
+        Otherwise: the inventory and ``last_seen`` are written; a silence
+        (:meth:`mark_node_silent`) is cleared only if it began no later than
+        ``received_at`` (default: now), since a heartbeat sent just before a kill -9, and
+        written just after the liveness channel saw the kill, must not clear it; the
+        credential is confirmed (the first time). ``changed`` says whether something
+        placement uses changed (capacity, or the node is back after going quiet or
+        silent), so waiting deployments should retry now; the claimed replicas are read
+        after the heartbeat arrived.
         """
+        return await self._heartbeat(node_id, credential_sha256, inv, unreachable_after_s,
+                                     received_at=received_at)
+
+    async def _heartbeat(self, node_id: str, credential_sha256: str | None, inv: Inventory,
+                         unreachable_after_s: float, *,
+                         received_at: datetime | None) -> HeartbeatRecorded | None:
+        """The heartbeat statement; ``credential_sha256`` None: no credential checked."""
         row = await self._pool.fetchrow(
             """
             WITH prev AS (
@@ -400,18 +384,24 @@ class Store:
                 -- what the comparison's time could tell is how much of the stored digest
                 -- a guess's digest shares, which leads no closer to the credential (256
                 -- random bits; one with a given digest is a preimage of SHA-256).
-                -- NO KEY UPDATE: see heartbeat_node (never waits for a placement).
+                -- NO KEY UPDATE, the lock the UPDATE itself takes: it keeps two heartbeats
+                -- of one node from reading the same prev, and unlike FOR UPDATE it does not
+                -- conflict with the KEY SHARE lock an allocation's foreign key holds on the
+                -- row, so a heartbeat never waits for a placement claiming on its node.
                 SELECT memory_total_bytes, cpu_count, gpus, last_seen, silent_since FROM nodes
-                WHERE node_id = $1 AND credential_sha256 = $8 FOR NO KEY UPDATE
+                WHERE node_id = $1 AND ($8::text IS NULL OR credential_sha256 = $8)
+                FOR NO KEY UPDATE
             ), beat AS (
                 UPDATE nodes SET memory_total_bytes = $2, memory_available_bytes = $3,
                                  cpu_count = $4, gpus = $5, last_seen = now(),
                                  silent_since = CASE
                                      WHEN prev.silent_since <= COALESCE($7::timestamptz, now())
                                      THEN NULL ELSE prev.silent_since END,
-                                 credential_confirmed_at = COALESCE(
-                                     nodes.credential_confirmed_at, now())
-                FROM prev WHERE nodes.node_id = $1 AND nodes.credential_sha256 = $8
+                                 credential_confirmed_at = CASE
+                                     WHEN $8::text IS NULL THEN nodes.credential_confirmed_at
+                                     ELSE COALESCE(nodes.credential_confirmed_at, now()) END
+                FROM prev
+                WHERE nodes.node_id = $1 AND ($8::text IS NULL OR nodes.credential_sha256 = $8)
                 RETURNING prev.memory_total_bytes IS DISTINCT FROM $2
                        OR prev.cpu_count IS DISTINCT FROM $4
                        OR prev.gpus IS DISTINCT FROM $5::jsonb

@@ -65,6 +65,7 @@ from modelkeeper.domain.nodes import (
     NODE_CREDENTIAL_HEADER,
     AgentRegistration,
     AgentWelcome,
+    HeartbeatRecorded,
     Inventory,
     PortRange,
     credential_digest,
@@ -301,21 +302,39 @@ async def test_a_heartbeat_whose_node_authenticates_at_the_second_look_is_record
     # The one-statement heartbeat wrote nothing (the node's registration, or this
     # credential, landed just after the statement read the row), and the look that tells
     # 404 from 403 then finds the node with this credential: the heartbeat is recorded the
-    # long way, not refused.
+    # second time, not refused. Should the statement miss again, the agent is told to
+    # send it again (503), not that it is unknown.
     async with node_api(local_temporal_env, database_url) as api:
         credential = (await api.join("n-late"))["node_credential"]
+        real = api.store.authenticated_heartbeat
+        calls: list[tuple[Any, ...]] = []
+
+        async def missed_once(*args: Any, **kwargs: Any) -> HeartbeatRecorded | None:
+            calls.append(args)
+            if len(calls) == 1:
+                return None
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(api.store, "authenticated_heartbeat", missed_once)
+        resp = await api.http.post("/nodes/n-late/heartbeat", json=beat(16 * GIB),
+                                   headers=bearer(credential))
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"claimed_replica_ids": []}
+        assert len(calls) == 2  # the first look missed, the second recorded it
+        row = await node_row(db, "n-late")
+        assert row is not None and row["memory_total_bytes"] == 16 * GIB
+        assert row["credential_confirmed_at"] is not None
 
         async def missed(*args: Any, **kwargs: Any) -> None:
             return None
 
         monkeypatch.setattr(api.store, "authenticated_heartbeat", missed)
-        resp = await api.http.post("/nodes/n-late/heartbeat", json=beat(16 * GIB),
+        resp = await api.http.post("/nodes/n-late/heartbeat", json=beat(8 * GIB),
                                    headers=bearer(credential))
-        assert resp.status_code == 200, resp.text
-        assert resp.json() == {"claimed_replica_ids": []}
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1", resp.text
+        assert "send it again" in resp.text
         row = await node_row(db, "n-late")
-        assert row is not None and row["memory_total_bytes"] == 16 * GIB
-        assert row["credential_confirmed_at"] is not None
+        assert row is not None and row["memory_total_bytes"] == 16 * GIB  # nothing written
 
 
 async def test_without_a_join_token_only_loopback_registers(
