@@ -121,23 +121,8 @@ class Fleet:
 
     async def start(self) -> None:
         """Start every component in order and wait until each does its job."""
-        logs = self.root / "logs"
-        pg_port = free_port()
-        self.started.append(await asyncio.to_thread(
-            start_postgres, self.root / "postgres", HOST, pg_port, logs / "postgres.log"))
-        admin = await asyncpg.connect(dsn(HOST, pg_port, "postgres"))
-        try:
-            await admin.execute(f'CREATE DATABASE "{LOCAL_DATABASE_NAME}"')
-        finally:
-            await admin.close()
-        self.database_url = dsn(HOST, pg_port, LOCAL_DATABASE_NAME)
-
-        temporal_port = free_port()
-        self.temporal_address = f"{HOST}:{temporal_port}"
-        self.started.append(await asyncio.to_thread(
-            start_dev_server, host=HOST, port=temporal_port, ui_port=None,
-            db_file=self.root / "temporal" / "temporal.db", namespace=NAMESPACE,
-            log_path=logs / "temporal.log"))
+        self.database_url, self.temporal_address = await start_database_and_temporal(
+            self.root, self.started)
 
         api_port, gateway_port = free_port(), free_port()
         self.api_url = f"http://{HOST}:{api_port}"
@@ -250,6 +235,28 @@ class Fleet:
                 signal_group(pgid, signal.SIGKILL)
         for proc in reversed(self.started):
             proc.stop(grace=STOP_GRACE_S)
+
+
+async def start_database_and_temporal(root: Path, started: list[ManagedProcess],
+                                      ) -> tuple[str, str]:
+    """An embedded PostgreSQL with modelkeeper's database, and the Temporal dev server as
+    ``up`` runs it, both on free ports with their data and logs under ``root``; each is
+    appended to ``started`` once it runs. The database's URL and Temporal's address."""
+    logs = root / "logs"
+    pg_port = free_port()
+    started.append(await asyncio.to_thread(
+        start_postgres, root / "postgres", HOST, pg_port, logs / "postgres.log"))
+    admin = await asyncpg.connect(dsn(HOST, pg_port, "postgres"))
+    try:
+        await admin.execute(f'CREATE DATABASE "{LOCAL_DATABASE_NAME}"')
+    finally:
+        await admin.close()
+    temporal_port = free_port()
+    started.append(await asyncio.to_thread(
+        start_dev_server, host=HOST, port=temporal_port, ui_port=None,
+        db_file=root / "temporal" / "temporal.db", namespace=NAMESPACE,
+        log_path=logs / "temporal.log"))
+    return dsn(HOST, pg_port, LOCAL_DATABASE_NAME), f"{HOST}:{temporal_port}"
 
 
 def engine_groups(node_id: str, *, agent_pid: int | None) -> set[int]:

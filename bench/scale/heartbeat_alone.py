@@ -47,14 +47,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import httpx
 
-from bench.recovery.fleet import HOST, NAMESPACE, SECRET, clean_environ, wait_ready
+from bench.recovery.fleet import (
+    HOST,
+    NAMESPACE,
+    SECRET,
+    clean_environ,
+    start_database_and_temporal,
+    wait_ready,
+)
 from modelkeeper.infra.processes import ManagedProcess, free_port
-from modelkeeper.launcher.postgres import dsn, start_postgres
-from modelkeeper.launcher.temporal_server import start_dev_server
-from modelkeeper.names import LOCAL_DATABASE_NAME
 
 #: A component on two shared cores takes a few seconds to import and connect.
 READY_TIMEOUT_S = 90.0
@@ -161,19 +164,8 @@ class Stack:
 
     async def start(self) -> None:
         logs = self.root / "logs"
-        pg_port = free_port()
-        self.started.append(await asyncio.to_thread(
-            start_postgres, self.root / "postgres", HOST, pg_port, logs / "postgres.log"))
-        admin = await asyncpg.connect(dsn(HOST, pg_port, "postgres"))
-        try:
-            await admin.execute(f'CREATE DATABASE "{LOCAL_DATABASE_NAME}"')
-        finally:
-            await admin.close()
-        temporal_port = free_port()
-        self.started.append(await asyncio.to_thread(
-            start_dev_server, host=HOST, port=temporal_port, ui_port=None,
-            db_file=self.root / "temporal" / "temporal.db", namespace=NAMESPACE,
-            log_path=logs / "temporal.log"))
+        database_url, temporal_address = await start_database_and_temporal(
+            self.root, self.started)
         api_port = free_port()
         self.api_url = f"http://{HOST}:{api_port}"
         env = {**clean_environ(),
@@ -181,9 +173,9 @@ class Stack:
                "MODELKEEPER_BIND_HOST": HOST,
                "MODELKEEPER_API_PORT": str(api_port),
                "MODELKEEPER_API_URL": self.api_url,
-               "MODELKEEPER_DATABASE_URL": dsn(HOST, pg_port, LOCAL_DATABASE_NAME),
+               "MODELKEEPER_DATABASE_URL": database_url,
                "MODELKEEPER_ENGINE_KEY_SECRET": SECRET,
-               "TEMPORAL_ADDRESS": f"{HOST}:{temporal_port}",
+               "TEMPORAL_ADDRESS": temporal_address,
                "TEMPORAL_NAMESPACE": NAMESPACE}
         if self.api_source is not None:
             env["PYTHONPATH"] = os.pathsep.join(
