@@ -64,7 +64,26 @@ class Settings(BaseSettings):
         description="gRPC port of the Temporal dev server (`up` only).",
     )
     temporal_ui_port: Port = Field(
-        default=8233, ge=1, le=65535, description="Port of the Temporal web UI (`up` only)."
+        default=8233, ge=1, le=65535,
+        description="Port of the Temporal web UI (`up` only), always on loopback: an operator "
+        "logs in with an admin token, and other Host headers are refused.",
+    )
+    temporal_http_port: Port = Field(
+        default=7243, ge=1, le=65535,
+        description="Port of the Temporal dev server's HTTP API (`up` only), on loopback; it "
+        "answers only loopback Host headers.",
+    )
+    temporal_metrics_port: Port = Field(
+        default=7244, ge=1, le=65535,
+        description="Port of the Temporal dev server's Prometheus metrics (`up` only), on "
+        "loopback.",
+    )
+    expose_temporal_plaintext: bool = Field(
+        default=False,
+        description="`up` with a bind_host beyond loopback: let the Temporal dev server listen "
+        "there too, in plaintext and without authentication, so agents on other machines can "
+        "poll it. Anyone who reaches it can start, signal or terminate any workflow: a "
+        "trusted network only (`up` warns). Off: Temporal stays on loopback.",
     )
     database_url: str | None = Field(
         default=None,

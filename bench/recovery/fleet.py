@@ -253,7 +253,8 @@ async def start_database_and_temporal(root: Path, started: list[ManagedProcess],
         await admin.close()
     temporal_port = free_port()
     started.append(await asyncio.to_thread(
-        start_dev_server, host=HOST, port=temporal_port, ui_port=None,
+        start_dev_server, host=HOST, port=temporal_port, http_port=free_port(),
+        metrics_port=free_port(), ui=None,
         db_file=root / "temporal" / "temporal.db", namespace=NAMESPACE,
         log_path=logs / "temporal.log"))
     return dsn(HOST, pg_port, LOCAL_DATABASE_NAME), f"{HOST}:{temporal_port}"

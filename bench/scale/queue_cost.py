@@ -48,7 +48,8 @@ async def measure(nodes: int, *, partitions_one: bool, warmup: float,
     """CPU milliseconds per node-second: the server's and the pollers'."""
     folder = Path(tempfile.mkdtemp(prefix="mk-queue-cost-"))
     port = free_port()
-    argv = dev_server_argv(host="127.0.0.1", port=port, ui_port=None,
+    argv = dev_server_argv(host="127.0.0.1", port=port, http_port=free_port(),
+                           metrics_port=free_port(), ui=None,
                            db_file=folder / "temporal.db", namespace="default")
     if not partitions_one:
         # The same command without the one-partition values: the server's default.

@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--no-demo", action="store_true",
                     help="do not deploy the demo model (SmolLM2-135M) on a fresh install")
     _add_common(up, list(PORT_FLAGS))
+    up.add_argument("--expose-temporal-plaintext", dest="expose_temporal_plaintext",
+                    action="store_const", const=True,
+                    help="with --bind-host beyond loopback, let Temporal listen there too, in "
+                         "plaintext and open to anyone who reaches it, for agents on other "
+                         "machines (trusted networks only; up warns). Default: loopback")
 
     worker = sub.add_parser("worker", help="run the control-plane Temporal worker")
     _add_common(worker, [])
@@ -113,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "(NAME-0001...), each with its own id, task queue and --memory, "
                             "running only the sim engine, served in-process; SIGUSR1 kills "
                             "the nodes listed in DATA_DIR/agent/fleet/kill (agent/fleet.py)")
+
+    ui = sub.add_parser("temporal-ui", help="serve the Temporal web UI behind the API's Host "
+                        "allowlist and an admin login (`up` runs it; docs/security.md)")
+    _add_common(ui, ["temporal_ui_port"])
+    ui.add_argument("--upstream", required=True, metavar="URL",
+                    help="the dev server's own UI, on the hidden loopback address `up` chose")
 
     leave = sub.add_parser(
         "leave", help="stop every engine a stopped agent left running on this machine: "
@@ -310,6 +321,20 @@ def _cmd_leave(settings: Settings) -> int:
     return 1 if left else 0
 
 
+def _cmd_temporal_ui(settings: Settings, upstream: str) -> int:
+    import uvicorn
+
+    from api.temporal_ui import create_app
+
+    _configure_logging(settings)
+    config = uvicorn.Config(create_app(settings, upstream), host=settings.bind_host,
+                            port=settings.temporal_ui_port,
+                            log_level=settings.log_level.lower(), access_log=False)
+    server = uvicorn.Server(config)
+    asyncio.run(server.serve())
+    return 0 if server.started else 1
+
+
 def _cmd_gateway(settings: Settings) -> int:
     from gateway.server import GatewayConfigError, run_gateway
 
@@ -352,6 +377,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                                           llama_server=getattr(args, "llama_server_path",
                                                                None)),
             "gateway": _cmd_gateway, "leave": _cmd_leave,
+            "temporal-ui": lambda s: _cmd_temporal_ui(s, args.upstream),
             "keys": lambda s: _cmd_keys(s, args),
             "tokens": lambda s: _cmd_tokens(s, args),
         }

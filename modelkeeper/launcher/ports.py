@@ -25,6 +25,8 @@ PORTS = [
     PortUse("PostgreSQL", "postgres_port", "--postgres-port"),
     PortUse("Temporal", "temporal_port", "--temporal-port"),
     PortUse("the Temporal web UI", "temporal_ui_port", "--temporal-ui-port"),
+    PortUse("Temporal's HTTP API", "temporal_http_port", "--temporal-http-port"),
+    PortUse("Temporal's metrics", "temporal_metrics_port", "--temporal-metrics-port"),
 ]
 
 #: The flag of each settings field that is a port.

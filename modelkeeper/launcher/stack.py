@@ -16,7 +16,8 @@ is ready; then supervises them like a process manager:
    no process of its own is left.
 
 Other machines (docs/second-machine.md): with ``--bind-host 0.0.0.0`` (or ``::``, or an
-address of this machine) the API, the gateway and Temporal's frontend listen there, `up`
+address of this machine) the API and the gateway listen there (Temporal too, in plaintext,
+only with ``--expose-temporal-plaintext``, and `up` then warns), `up`
 writes a join token into ``<data_dir>/join-token`` and lets the API answer to this
 machine's names, while its own children keep talking over loopback and PostgreSQL never
 leaves it. The API hands each agent a Temporal address it can reach (``api.agents``).
@@ -46,7 +47,7 @@ from agent.shards import NODE_ENV
 from ..domain.nodes import is_loopback
 from ..domain.operators import OperatorRole, name_problem
 from ..infra.network import WILDCARD_BINDS, machine_names
-from ..infra.processes import ManagedProcess, port_is_free, signal_group
+from ..infra.processes import ManagedProcess, free_port, port_is_free, signal_group, tcp_accepts
 from ..names import LOCAL_DATABASE_NAME
 from ..settings import Settings, env_var_names
 from ..store.tokens import TokensStore
@@ -96,6 +97,16 @@ LOOPBACK_OF = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}
 #: PostgreSQL listens here whatever the bind host: only `up`'s own children connect to
 #: it, and its superuser is trusted without a password (agents never reach the database).
 POSTGRES_HOST = "127.0.0.1"
+#: Where Temporal's dev server listens unless the operator asks for more
+#: (expose_temporal_plaintext): its frontend has no TLS and no authorizer, so anyone who
+#: reaches it could start, signal or terminate any workflow and complete any node's tasks.
+TEMPORAL_LOOPBACK = "127.0.0.1"
+#: The component that serves the Temporal web UI behind a Host check and a login
+#: (api.temporal_ui); the dev server's own UI listens on a hidden loopback address.
+TEMPORAL_UI = "temporal-ui"
+#: The UI proxy starts in about a second (uvicorn, one pool connection); this only bounds
+#: a hang.
+TEMPORAL_UI_READY_TIMEOUT_S = 60.0
 #: The join token `up` makes when bound beyond loopback, in the data dir, mode 0600: the
 #: one file a second machine needs copied (docs/second-machine.md).
 JOIN_TOKEN_FILE = "join-token"
@@ -115,6 +126,35 @@ def local_host(bind_host: str) -> str:
 def serves_other_machines(bind_host: str) -> bool:
     """Whether ``bind_host`` lets other machines in: anything but a loopback address."""
     return not is_loopback(bind_host)
+
+
+def temporal_host(settings: Settings) -> str:
+    """Where the Temporal dev server listens: loopback, unless the bind host lets other
+    machines in and the operator asked for Temporal there too (expose_temporal_plaintext)."""
+    if serves_other_machines(settings.bind_host):
+        return settings.bind_host if settings.expose_temporal_plaintext else TEMPORAL_LOOPBACK
+    return settings.bind_host
+
+
+def temporal_ui_host(settings: Settings) -> str:
+    """Where the Temporal UI proxy listens: always loopback (the bind host when it is one);
+    from another machine, reach it through an SSH tunnel."""
+    return TEMPORAL_LOOPBACK if serves_other_machines(settings.bind_host) else settings.bind_host
+
+
+def temporal_exposure(settings: Settings) -> str | None:
+    """The loud warning `up` logs and prints when anything of Temporal's listens beyond
+    loopback; None when all of it stays on this machine."""
+    host = temporal_host(settings)
+    if not serves_other_machines(host):
+        return None
+    return (f"WARNING: TEMPORAL IS OPEN TO THE NETWORK: its frontend ({host}:"
+            f"{settings.temporal_port}), HTTP API (:{settings.temporal_http_port}) and "
+            f"metrics (:{settings.temporal_metrics_port}) listen on {host} in plaintext, "
+            "with no authentication: anyone who reaches them can start, signal or terminate "
+            "any workflow and poll and complete any node's tasks, bypassing tokens and node "
+            "credentials. Use this on a trusted network only; elsewhere give agents a "
+            "Temporal with mTLS (docs/security.md)")
 
 
 def _port_check_host(bind_host: str) -> str:
@@ -202,7 +242,8 @@ def component_env(settings: Settings, database_url: str, *,
         "MODELKEEPER_LOG_LEVEL": settings.log_level,
         # Loopback for `up`'s own children; the API hands other machines this port on the
         # address they reached it by (api.agents.agent_temporal_address).
-        "TEMPORAL_ADDRESS": f"{_url_host(host)}:{settings.temporal_port}",
+        "TEMPORAL_ADDRESS": f"{_url_host(local_host(temporal_host(settings)))}:"
+                            f"{settings.temporal_port}",
         "TEMPORAL_NAMESPACE": settings.temporal_namespace,
     })
     if join_token_file is not None:
@@ -588,21 +629,30 @@ class Stack:
         token = asyncio.run(ensure_operator_token(database_url, s.operator_token_file,
                                                   local_operator_name()))
 
+        exposure = temporal_exposure(s)
+        if exposure:
+            log.warning("%s", exposure)
+        t_host = temporal_host(s)
+        ui = temporal_server.hidden_ui_listener(free_port())
         self.add(temporal_server.start_dev_server(
-            host=s.bind_host, port=s.temporal_port, ui_port=s.temporal_ui_port,
-            db_file=s.temporal_db_file, namespace=s.temporal_namespace,
-            log_path=s.log_dir / "temporal.log", connect_host=local_host(s.bind_host)))
+            host=t_host, port=s.temporal_port, http_port=s.temporal_http_port,
+            metrics_port=s.temporal_metrics_port, ui=ui, db_file=s.temporal_db_file,
+            namespace=s.temporal_namespace, log_path=s.log_dir / "temporal.log",
+            connect_host=local_host(t_host)))
 
         env = component_env(s, database_url, join_token_file=self.join_token_file,
                             allowed_hosts=api_allowed_hosts(s))
 
-        def component(name: str) -> ManagedProcess:
-            proc = ManagedProcess(name, [sys.executable, "-m", "modelkeeper", name],
+        def component(name: str, *args: str) -> ManagedProcess:
+            proc = ManagedProcess(name, [sys.executable, "-m", "modelkeeper", name, *args],
                                   s.log_dir / f"{name}.log",
                                   env=agent_env(env) if name == AGENT else env)
             proc.start()
             return self.add(proc)
 
+        ui_host = temporal_ui_host(s)
+        ui_proxy = component(TEMPORAL_UI, "--upstream", ui.url, "--bind-host", ui_host,
+                             "--temporal-ui-port", str(s.temporal_ui_port))
         component("worker")
         api = component("api")
         api_url = f"http://{host}:{s.api_port}"
@@ -615,6 +665,8 @@ class Stack:
                          interval=0.2)
         gateway.wait_until(_http_ok(f"http://{host}:{s.gateway_port}/healthz"),
                            timeout=60, interval=0.2)
+        ui_proxy.wait_until(lambda: tcp_accepts(local_host(ui_host), s.temporal_ui_port),
+                            timeout=TEMPORAL_UI_READY_TIMEOUT_S, interval=0.2)
         log.info("stack ready in %.1fs: %s", time.monotonic() - t0,
                  ", ".join(f"{c.proc.name} pid {c.proc.pid}" for c in self.components))
         if self.demo:
@@ -692,13 +744,15 @@ def banner(settings: Settings, demo_status: str = "", *,
            join_token_file: Path | None = None) -> str:
     """Where to look once the stack is up, and how another machine joins it."""
     h = _url_host(local_host(settings.bind_host))
+    t = _url_host(local_host(temporal_host(settings)))
+    exposure = temporal_exposure(settings)
     if serves_other_machines(settings.bind_host):
         names = reachable_at(settings)
         api = f"http://{_url_host(names[0]) if names else 'THIS_MACHINE'}:{settings.api_port}"
         token = join_token_file or "THE_JOIN_TOKEN_FILE"
         add_node = [
-            f"  other machines reach this one as {', '.join(names)} (the API, the "
-            f"gateway and Temporal listen on {settings.bind_host}, in plaintext)",
+            f"  other machines reach this one as {', '.join(names)} (the API and the "
+            f"gateway listen on {settings.bind_host}, in plaintext)",
             f"  join token     {token}   (copy it to each machine that joins, mode 0600)",
             f"  add a node     modelkeeper agent --api-url {api} --join-token-file FILE "
             "--name NAME --memory 16GiB   (on the other machine: docs/second-machine.md)",
@@ -713,9 +767,16 @@ def banner(settings: Settings, demo_status: str = "", *,
         "AUTH OFF for local use: anyone who can reach this port is served)",
         f"  API            http://{h}:{settings.api_port}   (OpenAPI docs: "
         f"http://{h}:{settings.api_port}/docs)",
-        f"  Temporal UI    http://{h}:{settings.temporal_ui_port}",
-        f"  Temporal       {h}:{settings.temporal_port}   "
-        f"(temporal workflow list --address {h}:{settings.temporal_port})",
+        f"  Temporal UI    http://{_url_host(local_host(temporal_ui_host(settings)))}:"
+        f"{settings.temporal_ui_port}   (log in with the operator token below; this "
+        "machine only)",
+        f"  Temporal       {t}:{settings.temporal_port}   "
+        f"(temporal workflow list --address {t}:{settings.temporal_port}); "
+        + ("OPEN TO THE NETWORK, see the warning below" if exposure else
+           "this machine only" + ("; agents on other machines need "
+                                  "--expose-temporal-plaintext or a Temporal with mTLS "
+                                  "(docs/second-machine.md)"
+                                  if serves_other_machines(settings.bind_host) else "")),
         f"  PostgreSQL     {postgres.dsn(POSTGRES_HOST, settings.postgres_port, DATABASE_NAME)}"
         "   (this machine only)",
         f"  data and logs  {settings.data_dir}",
@@ -725,6 +786,8 @@ def banner(settings: Settings, demo_status: str = "", *,
         lines.append(demo_status)
     lines.append(f"  operator token {settings.operator_token_file}   (admin; the modelkeeper "
                  "CLI reads it from there)")
+    if exposure:
+        lines.append(exposure)
     lines.append("Press Ctrl-C to stop everything.")
     return "\n".join(lines)
 

@@ -47,7 +47,7 @@ MODEL = {"model_id": "sim-remote", "engine": "sim", "source": "sim",
 KILL_TIMEOUT_S = 10.0
 #: Ports in the stack's namespace: a fresh namespace has no listeners, so fixed ones do.
 PORTS = {"api": 18400, "gateway": 18401, "postgres": 18432, "temporal": 17233,
-         "temporal-ui": 18233}
+         "temporal-ui": 18233, "temporal-http": 17243, "temporal-metrics": 17244}
 
 #: Run inside a namespace: one HTTP request, its answer printed as JSON. The test's own
 #: process stays in the root namespace, which reaches neither end of the link.
@@ -194,8 +194,9 @@ def _until(what: str, check: Any, timeout: float, link: Link) -> Any:
 def test_an_agent_in_another_namespace_serves_through_the_gateway(
         link: Link, tmp_path: Path) -> None:
     stack_dir, agent_dir = tmp_path / "a", tmp_path / "b"
+    # The remote agent polls A's Temporal, which stays on loopback unless asked.
     up_argv = [sys.executable, "-m", "modelkeeper", "up", "--bind-host", "0.0.0.0",
-               "--no-demo", "--data-dir", str(stack_dir)]
+               "--expose-temporal-plaintext", "--no-demo", "--data-dir", str(stack_dir)]
     for name, port in PORTS.items():
         up_argv += [f"--{name}-port", str(port)]
     up = link.spawn(link.stack_ns, up_argv)

@@ -30,7 +30,8 @@ class Up:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.ports = {name: free_port() for name in
-                      ("api", "gateway", "postgres", "temporal", "temporal-ui")}
+                      ("api", "gateway", "postgres", "temporal", "temporal-ui",
+                       "temporal-http", "temporal-metrics")}
         self.proc: subprocess.Popen[str] | None = None
         self.descendants: list[psutil.Process] = []
         #: What `up` printed after the banner, once interrupted.
@@ -130,8 +131,13 @@ def test_up_serves_persists_and_stops_cleanly(up: Up) -> None:
     docs = httpx.get(f"{api}/docs", timeout=5)
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
     assert httpx.get(f"{api}/openapi.json", timeout=5).json()["info"]["title"] == "modelkeeper"
-    ui = httpx.get(f"http://127.0.0.1:{up.ports['temporal-ui']}/api/v1/namespaces", timeout=5)
-    assert ui.status_code == 200
+    # The Temporal UI opens to the operator token's session only (issue 19).
+    ui_url = f"http://127.0.0.1:{up.ports['temporal-ui']}"
+    assert httpx.get(f"{ui_url}/api/v1/namespaces", timeout=5).status_code == 401
+    with httpx.Client(base_url=ui_url, timeout=5) as ui:
+        login = ui.post("/_modelkeeper/login", data={"token": token_file.read_text().strip()})
+        assert login.status_code == 303, login.text
+        assert ui.get("/api/v1/namespaces").status_code == 200
 
     # A workflow nobody polls for stays Running: it must still be there after a restart.
     workflow_id = f"persist-{uuid.uuid4()}"
@@ -163,8 +169,8 @@ def test_up_serves_persists_and_stops_cleanly(up: Up) -> None:
     # It says what it stopped, newest first, the demo's engine with the agent, and that
     # nothing is left (which the check below confirms from outside).
     last = up.stop_output.strip().splitlines()[-1]
-    assert last == ("stopped agent (and its 1 engine(s)), gateway, api, worker, temporal, "
-                    "postgres; no process of modelkeeper up is left"), up.stop_output
+    assert last == ("stopped agent (and its 1 engine(s)), gateway, api, worker, temporal-ui, "
+                    "temporal, postgres; no process of modelkeeper up is left"), up.stop_output
     deadline = time.monotonic() + 10
     while _alive(children) and time.monotonic() < deadline:
         time.sleep(0.1)

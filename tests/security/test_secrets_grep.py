@@ -167,7 +167,8 @@ async def run(tmp_path: Path, database_url: str) -> AsyncIterator[Run]:
     agent_dir = tmp_path / "agent"
 
     temporal_proc = temporal_server.start_dev_server(
-        host=HOST, port=temporal_port, ui_port=None, db_file=tmp_path / "temporal" / "db",
+        host=HOST, port=temporal_port, http_port=free_port(), metrics_port=free_port(),
+        ui=None, db_file=tmp_path / "temporal" / "db",
         namespace=NAMESPACE, log_path=tmp_path / "logs" / "temporal.log")
     stack.processes["temporal"] = temporal_proc
     try:

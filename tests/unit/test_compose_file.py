@@ -40,6 +40,7 @@ EXPECTED_SERVICES = {
     "temporal",
     "temporal-admin-tools",
     "temporal-ui",
+    "temporal-mtls",
     "temporal-create-search-attributes",
     *MODELKEEPER_SERVICES,
 }
@@ -70,7 +71,13 @@ IMAGE_LISTEN_PORTS = {
     "postgres": 5432,
     "temporalio/auto-setup": 7233,
     "temporalio/ui": 8080,
+    "nginx": 7233,
 }
+#: Services of Temporal's, and the profile each one that may publish a port needs: by
+#: default nothing of Temporal's is reachable from outside Compose's network (issue 19).
+TEMPORAL_SERVICES = {"temporal", "temporal-admin-tools", "temporal-ui", "temporal-mtls",
+                     "temporal-create-search-attributes"}
+PUBLISHING_PROFILES = {"temporal-ui": "ui", "temporal-mtls": "mtls"}
 
 _DEFAULTS = {name: field.default for name, field in Settings.model_fields.items()}
 ALLOWED_ENV = {env for name in Settings.model_fields for env in env_var_names(name)}
@@ -155,12 +162,18 @@ def _image_name_and_tag(image: str) -> tuple[str, str | None]:
 
 
 def _published(service: Mapping[str, Any]) -> dict[int, int]:
-    """Container port -> host port, from the short "HOST:CONTAINER" syntax."""
+    """Container port -> host port, from the short "[IP:]HOST:CONTAINER" syntax."""
+    return {container: host for container, (_, host) in _published_on(service).items()}
+
+
+def _published_on(service: Mapping[str, Any]) -> dict[int, tuple[str, int]]:
+    """Container port -> (host address, host port); "" for every address of the host."""
     result = {}
     for entry in service.get("ports", []):
         host, _, container = str(entry).rpartition(":")
         assert host, f"port {entry!r} should publish on an explicit host port"
-        result[int(container)] = int(host)
+        address, _, host_port = host.rpartition(":")
+        result[int(container)] = (address, int(host_port))
     return result
 
 
@@ -405,8 +418,10 @@ def test_published_ports_match_settings_defaults(services: dict[str, Any]) -> No
     assert _published(services["modelkeeper-gateway"]) == {
         _DEFAULTS["gateway_port"]: _DEFAULTS["gateway_port"]
     }
-    assert _published(services["temporal"]) == {7233: _DEFAULTS["temporal_port"]}
-    assert _published(services["temporal-ui"]) == {8080: _DEFAULTS["temporal_ui_port"]}
+    assert _published(services["temporal"]) == {}, "Temporal's frontend has no TLS of its own"
+    assert _published_on(services["temporal-ui"]) == {
+        8080: ("127.0.0.1", _DEFAULTS["temporal_ui_port"])}
+    assert _published(services["temporal-mtls"]) == {7233: _DEFAULTS["temporal_port"]}
     assert _published(services["modelkeeper-worker"]) == {}
     assert _published(services["postgresql"]) == {}, "keep PostgreSQL off the host"
     # Each published container port is the one the process inside listens on.
@@ -600,3 +615,38 @@ def test_dockerignore_keeps_the_build_context_small_but_complete() -> None:
     for source in _copy_sources():
         excluded = [p for p in patterns if not p.startswith("!") and fnmatch.fnmatch(source, p)]
         assert not excluded, f"{source} is copied but .dockerignore excludes it ({excluded})"
+
+
+def test_nothing_of_temporals_is_published_by_default(services: dict[str, Any]) -> None:
+    """Issue 19: 7233 and 8233 were published, in plaintext, with no authorizer."""
+    assert set(services) >= TEMPORAL_SERVICES
+    for name in TEMPORAL_SERVICES:
+        service = services[name]
+        if not service.get("ports"):
+            continue
+        assert service.get("profiles") == [PUBLISHING_PROFILES[name]], (
+            f"{name} publishes {service['ports']} without an opt-in profile")
+    default = {name for name, service in services.items() if not service.get("profiles")}
+    assert not any(_published(services[name]) for name in default & TEMPORAL_SERVICES)
+    # What the default publishes at all: the API and the gateway.
+    assert {name for name in default if services[name].get("ports")} == {
+        "modelkeeper-api", "modelkeeper-gateway"}
+
+
+def test_the_mtls_profile_requires_a_client_certificate(
+        compose: dict[str, Any], services: dict[str, Any]) -> None:
+    front = services["temporal-mtls"]
+    mounted = {entry["source"]: entry["target"] for entry in front["configs"]}
+    assert mounted == {"temporal-mtls-nginx": "/etc/nginx/nginx.conf"}
+    conf = compose["configs"]["temporal-mtls-nginx"]["content"]
+    directives = {line.strip().rstrip(";") for line in conf.splitlines()}
+    assert "ssl_verify_client on" in directives
+    assert f"listen {_listen_port(services, 'temporal-mtls')} ssl" in directives
+    assert "ssl_alpn h2" in directives, "gRPC clients negotiate HTTP/2 by ALPN"
+    assert f"proxy_pass temporal:{_listen_port(services, 'temporal')}" in directives
+    files = {line.split()[1] for line in directives
+             if line.startswith(("ssl_certificate", "ssl_client_certificate"))}
+    volume = next(v for v in front["volumes"] if v.endswith(":ro"))
+    source, target, _ = volume.split(":")
+    assert source.startswith("./secrets/"), "keys stay in secrets/, out of version control"
+    assert files == {f"{target}/server.pem", f"{target}/server.key", f"{target}/ca.pem"}
