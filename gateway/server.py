@@ -27,7 +27,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from modelkeeper.infra.processes import port_is_free
-from modelkeeper.infra.secrets import read_engine_key_secret
+from modelkeeper.infra.secrets import read_engine_key_secret, read_metrics_token
 from modelkeeper.settings import Settings
 
 from .app import Gateway
@@ -263,8 +263,11 @@ def _build_gateway(settings: Settings, secret: bytes, worker: int) -> Gateway:
     database_url = settings.gateway_store_url
     if database_url is None:
         raise GatewayConfigError(_NO_STORE)
-    return Gateway(settings, database_url=database_url, engine_key_secret=secret,
-                   gateway_id=gateway_id(worker))
+    try:
+        return Gateway(settings, database_url=database_url, engine_key_secret=secret,
+                       gateway_id=gateway_id(worker))
+    except ValueError as err:  # a setting's file (the metrics token) cannot be used
+        raise GatewayConfigError(str(err)) from err
 
 
 def _serve_one(settings: Settings, secret: bytes, worker: int, *, reuse_port: bool) -> int:
@@ -287,6 +290,10 @@ def run_gateway(settings: Settings) -> int:
     secret = engine_key_secret(settings)
     if settings.gateway_store_url is None:
         raise GatewayConfigError(_NO_STORE)
+    try:
+        read_metrics_token(settings)  # before any worker starts: one line, exit code 2
+    except ValueError as err:
+        raise GatewayConfigError(str(err)) from err
     host, port = settings.bind_host, settings.gateway_port
     # Checked without SO_REUSEPORT: another gateway on the port would otherwise quietly
     # share its traffic with this one.
