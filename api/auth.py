@@ -9,14 +9,12 @@
 * :class:`HostAllowlist`: middleware on the whole app, agents' routes included. A request
   whose ``Host`` is not a name the API is reached by gets a 400 naming it. A web page on
   a name its owner points at 127.0.0.1 (DNS rebinding) sends its own name, so the
-  browser cannot be used to reach the API on loopback.
+  browser cannot be used to reach the API on loopback. The rule is
+  :mod:`modelkeeper.infra.hosts`, which the gateway shares (its names are re-exported here).
 """
 
 from __future__ import annotations
 
-import ipaddress
-import time
-from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
@@ -29,7 +27,12 @@ from starlette.websockets import WebSocketClose
 from modelkeeper.domain.events import NewEvent
 from modelkeeper.domain.ids import DeploymentId, NodeId
 from modelkeeper.domain.operators import Operator, OperatorRole, refusal
-from modelkeeper.infra.network import is_wildcard, machine_addresses
+from modelkeeper.infra import hosts
+from modelkeeper.infra.hosts import ANY_HOST as ANY_HOST
+from modelkeeper.infra.hosts import LOOPBACK_HOSTS as LOOPBACK_HOSTS
+from modelkeeper.infra.hosts import OwnAddresses as OwnAddresses
+from modelkeeper.infra.hosts import host_allowed
+from modelkeeper.infra.hosts import host_name as host_name
 from modelkeeper.settings import Settings
 from modelkeeper.store.tokens import TokensStore
 
@@ -38,16 +41,6 @@ from .deps import SettingsDep, StoreDep
 #: The actor of changes while ``api_auth`` is off: no token names anyone. It is what
 #: operations carried as ``requested_by`` before there were tokens.
 UNAUTHENTICATED_ACTOR = "api"
-
-#: Names every API answers to: what `up`, the CLI and a probe on the machine itself use.
-LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
-#: How often, at most, a wildcard-bound API reads this machine's addresses again for a
-#: Host it does not know: often enough that an interface added after start (a VPN, the
-#: veth of docs/first-hour.md) works within seconds, rarely enough that a flood of
-#: unknown Hosts costs one read of the interfaces per period.
-OWN_ADDRESSES_TTL_S = 2.0
-#: In ``api_allowed_hosts``: answer every Host (behind a proxy that checks it).
-ANY_HOST = "*"
 
 #: Reads the header and documents the scheme in OpenAPI (the docs' Authorize button);
 #: the refusal is :func:`require_operator`'s, which says what is needed.
@@ -104,59 +97,8 @@ def change(operator: Operator, kind: str, message: str, *,
 
 def allowed_hosts(settings: Settings) -> frozenset[str]:
     """The names the API answers to: loopback, the bind host unless it is a wildcard, and
-    ``api_allowed_hosts``."""
-    bind = settings.bind_host.strip("[]").lower()
-    extra = {bind} if not is_wildcard(bind) else set()
-    return LOOPBACK_HOSTS | extra | frozenset(settings.api_allowed_hosts)
-
-
-class OwnAddresses:
-    """This machine's addresses as they are now, read again at most every ``ttl_s``.
-
-    For an API bound to a wildcard: it is reached by any address of the machine, including
-    one added after it started. An address of the machine itself is no DNS rebinding
-    risk: a page that rebinds a name sends the name, never this machine's address.
-    """
-
-    def __init__(self, read: Callable[[], frozenset[str]] = machine_addresses, *,
-                 ttl_s: float = OWN_ADDRESSES_TTL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._read = read
-        self._ttl_s = ttl_s
-        self._clock = clock
-        self._known: frozenset[str] = frozenset()
-        self._read_at: float | None = None
-
-    def __contains__(self, host: object) -> bool:
-        if not isinstance(host, str) or not _is_address(host):
-            return False  # a name is never re-read: that is the rebinding guard
-        if host in self._known:
-            return True
-        now = self._clock()
-        if self._read_at is None or now - self._read_at >= self._ttl_s:
-            self._known, self._read_at = self._read(), now
-        return host in self._known
-
-
-def _is_address(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def host_name(header: str | None) -> str | None:
-    """The host of a ``Host`` header, lower case, without port or IPv6 brackets."""
-    if not header:
-        return None
-    value = header.strip().lower()
-    if value.startswith("["):
-        end = value.find("]")
-        return value[1:end] if end > 0 else value
-    if value.count(":") > 1:
-        return value  # an IPv6 address without brackets (and so without a port)
-    return value.partition(":")[0]
+    ``api_allowed_hosts`` (the rule is :mod:`modelkeeper.infra.hosts`, the gateway's too)."""
+    return hosts.allowed_hosts(settings.bind_host, settings.api_allowed_hosts)
 
 
 class HostAllowlist:
@@ -175,9 +117,7 @@ class HostAllowlist:
             await self.app(scope, receive, send)
             return
         header = Headers(scope=scope).get("host")
-        host = host_name(header)
-        if host in self.allowed or (self.own_addresses is not None
-                                    and host in self.own_addresses):
+        if host_allowed(header, self.allowed, self.own_addresses):
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":

@@ -29,7 +29,8 @@ import aiohttp
 import asyncpg
 
 from modelkeeper.domain.engine_keys import replica_engine_key
-from modelkeeper.infra.secrets import read_previous_engine_key_secret
+from modelkeeper.domain.output_bounds import OutputRefusal, bound_output
+from modelkeeper.infra.secrets import read_metrics_token, read_previous_engine_key_secret
 from modelkeeper.settings import Settings
 from modelkeeper.store.routing import (
     ChangeListener,
@@ -41,6 +42,7 @@ from modelkeeper.store.routing import (
 from . import responses
 from .breaker import Breaker, BreakerState
 from .dispatch import GiveUp, Hold, HoldPolicy, SendTo, Tried, next_step, record
+from .edge import HostCheck, MetricsGuard, json_body_refusal
 from .metrics import CONTENT_TYPE, UNKNOWN_MODEL, GatewayMetrics
 from .responses import JSON_HEADERS, ErrorReply, Headers
 from .table import Endpoint, ModelRoute, RoutingTable, TableChange
@@ -56,6 +58,18 @@ Send = Callable[[Message], Awaitable[None]]
 
 #: Largest request body accepted (prompts with long contexts are large, but not this).
 MAX_BODY_BYTES = 32 * 1024 * 1024
+#: Largest answer an engine may give to a request that is not streamed: the gateway holds
+#: it whole before passing it on. A reply of a million tokens of text is under 8 MB, and
+#: one of 4,096 tokens with 20 alternatives each (the most a request may ask for) about
+#: 7 MB; past this, an engine is misbehaving, and holding more would let one reply (or a
+#: few) take the gateway's memory. Longer answers are streamed, which holds no more than
+#: one event.
+MAX_REPLY_BYTES = 16 * 1024 * 1024
+#: Largest server-sent event an engine may send while streaming: the gateway holds an
+#: event until it is complete. One event is one chunk of one choice, a few hundred bytes,
+#: a few KiB with 20 alternatives per token; this leaves room for an engine that sends a
+#: whole answer as one event, and stops one that never ends its line.
+MAX_EVENT_BYTES = 1024 * 1024
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATHS = frozenset({CHAT_PATH, "/v1/completions"})
 #: HTTP status the gateway records for a request whose client went away (nginx's).
@@ -75,66 +89,30 @@ REFUSED = aiohttp.ClientConnectorError
 #: Retry-After (seconds) of the 503 for keys too stale to trust: the gateway re-reads
 #: them every few seconds, so a client may try again soon.
 STALE_KEYS_RETRY_AFTER_S = 5
-#: The fields by which a request asks for a number of tokens (the second is the name
-#: newer OpenAI clients use for chat completions).
-TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
-
-
 def bound_max_tokens(payload: dict[str, Any], body: bytes, bound: int | None, *,
                      model_default: int | None = None,
-                     model_limit: int | None = None) -> bytes | ErrorReply:
-    """The body to send under the bounds on tokens per request, the gateway's ``bound``
-    (``gateway_max_tokens``, for every key) and the model's own (its catalog
-    ``default_max_tokens`` and ``max_tokens_limit``):
+                     model_limit: int | None = None,
+                     max_choices: int = 1) -> bytes | ErrorReply:
+    """The body to send under the bounds on output per request
+    (:func:`modelkeeper.domain.output_bounds.bound_output` decides, rule by rule): the
+    gateway's ``bound`` (``gateway_max_tokens``, for every key), the model's own (its
+    catalog ``default_max_tokens`` and ``max_tokens_limit``), and ``max_choices``
+    (``gateway_max_choices``). A refusal is a 400 naming the field, its value and the limit.
 
-    * a request that asks for more than ``bound`` is a 400 naming the field, its value
-      and the bound (a key's allowance is the operator's to raise, not the gateway's);
-    * one that asks for more than ``model_limit`` is lowered to it (the model's maximum
-      is applied, as its default is; the answer then ends with ``finish_reason``
-      ``length``);
-    * one that names no number is sent with ``max_tokens`` set to ``model_default``, else
-      ``model_limit``, at most ``bound``: an engine would otherwise generate until its
-      context is full;
-    * a number that is not a whole number of at least 1 is a 400 while any bound applies.
-
-    Unchanged (the same bytes) when no bound applies or none needs to change it. A field
-    is set by appending it to the body's bytes rather than dumping the payload again: the
-    body has been parsed as an object with a ``model``, so it ends in ``}`` after its
-    last member, and a duplicate member is overridden by the last one.
+    Unchanged (the same bytes) when nothing needs to change. A field is set by appending
+    it to the body's bytes rather than dumping the payload again: the body has been parsed
+    as an object with a ``model``, so it ends in ``}`` after its last member, and a
+    duplicate member is overridden by the last one.
     """
-    if bound is None and model_limit is None and model_default is None:
-        return body
-    limits = [b for b in (bound, model_limit) if b is not None]
-    most = min(limits) if limits else None
-    lowered: dict[str, int] = {}
-    named = False
-    for name in TOKEN_FIELDS:
-        value = payload.get(name)
-        if value is None:
-            continue
-        named = True
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            allowed = f"from 1 to {most}" if most is not None else "of at least 1"
-            return responses.bad_request(
-                f"`{name}` is {value!r}: it must be a whole number of tokens {allowed}",
-                "invalid_max_tokens", param=name)
-        if bound is not None and value > bound:
-            return responses.bad_request(
-                f"`{name}` is {value!r}; this gateway allows at most {bound} tokens per "
-                "request", "max_tokens_exceeded", param=name)
-        if model_limit is not None and value > model_limit:
-            lowered[name] = model_limit
-    if not named:
-        default = model_default if model_default is not None else model_limit
-        if bound is not None:
-            default = bound if default is None else min(default, bound)
-        if default is not None:
-            lowered["max_tokens"] = default
-    if not lowered:
+    decided = bound_output(payload, bound=bound, model_default=model_default,
+                           model_limit=model_limit, max_choices=max_choices)
+    if isinstance(decided, OutputRefusal):
+        return responses.bad_request(decided.message, decided.code, param=decided.field)
+    if not decided:
         return body
     end = body.rstrip().rindex(b"}")
     added = b"".join(b',"' + name.encode() + b'":' + str(value).encode()
-                     for name, value in lowered.items())
+                     for name, value in decided.items())
     return body[:end] + added + body[end:]
 
 
@@ -299,6 +277,9 @@ class Gateway:
         self._keys_trusted_until = float("-inf")
         self._key_max_staleness_s = settings.gateway_key_max_staleness_s
         self._max_tokens = settings.gateway_max_tokens
+        self._max_choices = settings.gateway_max_choices
+        self._hosts = HostCheck(settings)
+        self._metrics_guard = MetricsGuard(read_metrics_token(settings), auth=self._auth)
         self._limiter = (None if settings.gateway_key_rate_per_s is None else
                          KeyRateLimiter(settings.gateway_key_rate_per_s,
                                         settings.gateway_key_burst))
@@ -438,11 +419,23 @@ class Gateway:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         method = scope["method"]
-        if path in COMPLETION_PATHS:
+        # One pass over the headers for everything the gateway reads of them.
+        host = content_type = authorization = None
+        for name, value in scope["headers"]:
+            if name == b"host":
+                host = value
+            elif name == b"content-type":
+                content_type = value
+            elif name == b"authorization" and authorization is None:
+                authorization = value
+        if (refusal := self._hosts.refusal(host)) is not None:
+            await self._refuse(send, refusal)
+        elif path in COMPLETION_PATHS:
             if method != "POST":
                 await self._reply(send, ErrorReply(405, "use POST", "invalid_request_error",
                                                    "method_not_allowed"))
-            elif (refusal := self._admit(scope)) is not None:
+            elif (refusal := (self._admit(authorization)
+                              or json_body_refusal(content_type))) is not None:
                 await self._refuse(send, refusal)
             else:
                 await self._completion(path, receive, send)
@@ -450,13 +443,16 @@ class Gateway:
             if method != "GET":
                 await self._reply(send, ErrorReply(405, "use GET", "invalid_request_error",
                                                    "method_not_allowed"))
-            elif (refusal := self._admit(scope)) is not None:
+            elif (refusal := self._admit(authorization)) is not None:
                 await self._refuse(send, refusal)
             else:
                 await self._send_json(send, 200, responses.dumps(self._models()))
         elif path == "/metrics":
-            await self._send(send, 200, self.metrics.render(),
-                             [(b"content-type", CONTENT_TYPE.encode())])
+            if (refusal := self._metrics_guard.refusal(authorization)) is not None:
+                await self._refuse(send, refusal)
+            else:
+                await self._send(send, 200, self.metrics.render(),
+                                 [(b"content-type", CONTENT_TYPE.encode())])
         elif path == "/healthz":
             # 200 even while the store is unreachable: the gateway keeps routing with what
             # it last read, and a load balancer pulling every gateway during a database
@@ -485,16 +481,17 @@ class Gateway:
         self._keys_read_at = read_at
         self._keys_trusted_until = read_at + self._key_max_staleness_s
 
-    def _admit(self, scope: Scope) -> ErrorReply | None:
-        """Why a request to /v1 is refused: keys too stale to trust (503), no valid key
-        (401), or its key over its rate (429); None to serve it. Costs a clock read, one
-        SHA-256 and a dict lookup, and the rate limiter's arithmetic when one is set."""
+    def _admit(self, authorization: bytes | None) -> ErrorReply | None:
+        """Why a request to /v1 with this ``Authorization`` header is refused: keys too
+        stale to trust (503), no valid key (401), or its key over its rate (429); None to
+        serve it. Costs a clock read, one SHA-256 and a dict lookup, and the rate
+        limiter's arithmetic when one is set."""
         if not self._auth:
             return None
         now = time.monotonic()
         if now > self._keys_trusted_until:
             return self._stale_keys(now)
-        key_id = self._key_id(scope)
+        key_id = self._key_id(authorization)
         if key_id is None:
             return responses.unauthorized(
                 "Missing or invalid API key: send `Authorization: Bearer <key>` with a key "
@@ -503,17 +500,16 @@ class Gateway:
             return self._limiter.take(key_id, now)
         return None
 
-    def _key_id(self, scope: Scope) -> str | None:
+    def _key_id(self, authorization: bytes | None) -> str | None:
         """The id of the key the request presents; None when it presents no valid one."""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() != b"bearer":
-                    return None
-                # Keys are 256-bit random strings, so a plain hash is a safe stored form
-                # and a dict of hashes is the whole check: one SHA-256, no database trip.
-                return self._key_hashes.get(hashlib.sha256(token.strip()).hexdigest())
-        return None
+        if authorization is None:
+            return None
+        scheme, _, token = authorization.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return None
+        # Keys are 256-bit random strings, so a plain hash is a safe stored form and a
+        # dict of hashes is the whole check: one SHA-256, no database trip.
+        return self._key_hashes.get(hashlib.sha256(token.strip()).hexdigest())
 
     def _stale_keys(self, now: float) -> ErrorReply:
         age = now - self._keys_read_at
@@ -585,7 +581,8 @@ class Gateway:
         bounded = bound_max_tokens(
             payload, body, self._max_tokens,
             model_default=None if route is None else route.default_max_tokens,
-            model_limit=None if route is None else route.max_tokens_limit)
+            model_limit=None if route is None else route.max_tokens_limit,
+            max_choices=self._max_choices)
         if isinstance(bounded, ErrorReply):
             await self._finish_error(send, UNKNOWN_MODEL, started, bounded)
             return
@@ -772,11 +769,20 @@ class Gateway:
         if status == 200 and content_type.startswith("text/event-stream"):
             return await self._relay_stream(response, endpoint, send, started)
         try:
-            data = await response.read()
+            data = await _read_reply(response)
         except (aiohttp.ClientError, TimeoutError) as exc:
             self._upstream_error(endpoint, exc)
             reply = responses.upstream_failed(endpoint.model, _describe(exc),
                                               504 if isinstance(exc, TimeoutError) else 502)
+            await self._reply(send, reply)
+            return False, reply.status
+        if data is None:
+            # Counted against the replica, as a garbled answer is: a healthy engine never
+            # sends this much for a bounded request.
+            why = f"its answer was over {MAX_REPLY_BYTES} bytes, the most the gateway holds"
+            self.metrics.upstream_errors.labels(endpoint.replica_id, "reply_too_large").inc()
+            log.warning("replica %s of %s: %s", endpoint.replica_id, endpoint.model, why)
+            reply = responses.upstream_failed(endpoint.model, why)
             await self._reply(send, reply)
             return False, reply.status
         if status >= 500:
@@ -823,14 +829,23 @@ class Gateway:
                 end = _events_end(chunk)
                 if end == 0:
                     pending = chunk
-                    continue
-                if end < len(chunk):
-                    pending = chunk[end:]
-                    chunk = chunk[:end]
-                if not done and b"[DONE]" in chunk:
-                    done = True
-                chunk = responses.engine_error_events(chunk)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                else:
+                    if end < len(chunk):
+                        pending = chunk[end:]
+                        chunk = chunk[:end]
+                    if not done and b"[DONE]" in chunk:
+                        done = True
+                    chunk = responses.engine_error_events(chunk)
+                    await send({"type": "http.response.body", "body": chunk,
+                                "more_body": True})
+                if len(pending) > MAX_EVENT_BYTES:
+                    # An event that never ends would otherwise be held without bound.
+                    failure = (f"it sent an event over {MAX_EVENT_BYTES} bytes, the most the "
+                               "gateway holds")
+                    pending = b""
+                    self.metrics.upstream_errors.labels(endpoint.replica_id,
+                                                        "event_too_large").inc()
+                    break
         except (aiohttp.ClientError, TimeoutError) as exc:
             failure = _describe(exc)
             self._upstream_error(endpoint, exc, "stream_cut")
@@ -886,6 +901,23 @@ class Gateway:
         await send({"type": "http.response.start", "status": status,
                     "headers": [*headers, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+async def _read_reply(response: aiohttp.ClientResponse) -> bytes | None:
+    """An engine's whole answer; None when it is over :data:`MAX_REPLY_BYTES`. An answer
+    with a Content-Length (as engines send) is read in one go, as before the bound; one
+    without (chunked, or ended by closing) is counted as it comes."""
+    length = response.content_length
+    if length is not None:
+        return None if length > MAX_REPLY_BYTES else await response.read()
+    parts: list[bytes] = []
+    size = 0
+    async for part in response.content.iter_any():
+        size += len(part)
+        if size > MAX_REPLY_BYTES:
+            return None
+        parts.append(part)
+    return b"".join(parts)
 
 
 def _engine_headers(key: str) -> dict[str, str]:

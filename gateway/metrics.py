@@ -67,7 +67,7 @@ class GatewayMetrics:
         self.upstream_errors = Counter(
             "modelkeeper_gateway_upstream_errors",
             "Failures talking to engines, by replica and kind (connect, reset, timeout, "
-            "status_5xx, stream_cut, protocol).",
+            "status_5xx, stream_cut, protocol, reply_too_large, event_too_large).",
             ["replica", "kind"], registry=r)
         self.retries = Counter(
             "modelkeeper_gateway_retries",

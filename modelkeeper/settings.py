@@ -216,7 +216,7 @@ class Settings(BaseSettings):
                 "deadline, so its limit must be at least the deadline")
         return self
 
-    @field_validator("api_allowed_hosts", mode="before")
+    @field_validator("api_allowed_hosts", "gateway_allowed_hosts", mode="before")
     @classmethod
     def _split_hosts(cls, value: object) -> object:
         """Comma-separated in the environment; each a host name without port or scheme."""
@@ -444,6 +444,26 @@ class Settings(BaseSettings):
         description="Most tokens one request may ask for, for every key: a larger "
         "max_tokens (or max_completion_tokens) is a 400 naming it, and a request naming "
         "none is sent with max_tokens set to this. Unset: no bound.",
+    )
+    gateway_allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Host names the gateway answers besides localhost, 127.0.0.1, ::1 and "
+        "bind_host (with 0.0.0.0 or ::, also this machine's name and addresses), "
+        "comma-separated: the names clients use to reach it. Any other Host header gets a "
+        "400, which stops DNS rebinding (a web page whose own name points at the gateway). "
+        "'*' answers every host (behind a proxy that checks it).",
+    )
+    gateway_metrics_token_file: Path | None = Field(
+        default=None,
+        description="A file holding the token a scraper sends to the gateway's /metrics "
+        "(Authorization: Bearer). While gateway_auth is on, /metrics needs it (and is "
+        "refused when this is unset); with auth off, only when it is set.",
+    )
+    gateway_max_choices: int = Field(
+        default=1, ge=1, le=128,
+        description="Most outputs one request may ask for: n, best_of (vLLM, SGLang) or "
+        "n_cmpl (llama.cpp), times the prompts of a /v1/completions batch. Each output "
+        "may run to the max_tokens bound, so more would multiply it; over it, a 400.",
     )
     gateway_key_rate_per_s: float | None = Field(
         default=None, gt=0,

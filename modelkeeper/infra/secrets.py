@@ -60,6 +60,15 @@ def read_join_token(settings: Settings) -> str | None:
     return None
 
 
+def read_metrics_token(settings: Settings) -> str | None:
+    """The token the gateway's /metrics asks of a scraper: the file
+    ``gateway_metrics_token_file`` names, read once at start; None when unset. Raises
+    ``ValueError`` naming the setting when the file cannot be read or is empty."""
+    if settings.gateway_metrics_token_file is None:
+        return None
+    return _read_token_file(settings.gateway_metrics_token_file, "gateway_metrics_token_file")
+
+
 def new_node_credential() -> str:
     """A fresh node credential: ``mkc-`` + 256 random bits, base64url."""
     return NODE_CREDENTIAL_PREFIX + secrets.token_urlsafe(CREDENTIAL_BYTES)

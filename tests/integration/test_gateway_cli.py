@@ -27,9 +27,12 @@ def cli(database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, "MODELKEEPER_DATABASE_URL": database_url})
 
 
-def start_gateway(tmp_path: Path, database_url: str, port: int, *flags: str) -> ManagedProcess:
+def start_gateway(tmp_path: Path, database_url: str, port: int, *flags: str,
+                  metrics_token_file: Path | None = None) -> ManagedProcess:
     env = {**os.environ, "MODELKEEPER_DATABASE_URL": database_url,
            "MODELKEEPER_ENGINE_KEY_SECRET": SECRET.decode(), "MODELKEEPER_BIND_HOST": HOST}
+    if metrics_token_file is not None:
+        env["MODELKEEPER_GATEWAY_METRICS_TOKEN_FILE"] = str(metrics_token_file)
     process = ManagedProcess("gateway", [sys.executable, "-m", "modelkeeper", "gateway",
                                          "--gateway-port", str(port), *flags],
                              tmp_path / "gateway.log", env=env)
@@ -64,7 +67,11 @@ async def test_keys_cli_and_a_multi_worker_gateway(tmp_path: Path, database_url:
         async with sims(tmp_path, MODEL, "r-cli") as (sim,):
             await add_replica(conn, deployment, "r-cli", sim.url)
             port = free_port()
-            gateway = start_gateway(tmp_path, database_url, port, "--workers", "2")
+            # With client auth on, /metrics needs the scraper's token (every worker reads it).
+            token_file = tmp_path / "metrics-token"
+            token_file.write_text("scrape-me\n")
+            gateway = start_gateway(tmp_path, database_url, port, "--workers", "2",
+                                    metrics_token_file=token_file)
             try:
                 base = f"http://{HOST}:{port}"
                 # Separate clients, separate connections: SO_REUSEPORT spreads them over
@@ -89,7 +96,9 @@ async def test_keys_cli_and_a_multi_worker_gateway(tmp_path: Path, database_url:
                                       max_retries=0).models.list()
 
                 # Any worker's /metrics counts every worker's requests.
-                scraped = httpx.get(base + "/metrics").text
+                assert httpx.get(base + "/metrics").status_code == 401
+                scraped = httpx.get(base + "/metrics",
+                                    headers={"Authorization": "Bearer scrape-me"}).text
                 assert metric(scraped, "modelkeeper_gateway_requests_total", model=MODEL,
                               code="200") == 7
 

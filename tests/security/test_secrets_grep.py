@@ -56,6 +56,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 HOST = "127.0.0.1"
 NAMESPACE = "default"
 MODEL = "sim-secrets"
+#: What the scraper sends to the gateway's /metrics (searched for like every other secret).
+METRICS_TOKEN = "mkm-secrets-grep-scrape-token-0123456789abcdef"
 GiB = 1 << 30
 #: Interpreters starting on a busy 2-core machine; a healthy stack is up in a fraction.
 START_TIMEOUT_S = 120.0
@@ -184,8 +186,11 @@ async def run(tmp_path: Path, database_url: str) -> AsyncIterator[Run]:
             f"{stack.api_url}/healthz",
             lambda r: r.status_code == 200 and r.json().get("control_workers", 0) >= 1),
             START_TIMEOUT_S, 0.2)
-        # As in production: the gateway holds no DSN of the schema's owner.
+        # As in production: the gateway holds no DSN of the schema's owner, and with
+        # client auth on its /metrics answers the scraper's token.
+        (tmp_path / "metrics-token").write_text(METRICS_TOKEN + "\n")
         _start(stack, "gateway", ["gateway"], {
+            "MODELKEEPER_GATEWAY_METRICS_TOKEN_FILE": str(tmp_path / "metrics-token"),
             **base, "MODELKEEPER_GATEWAY_PORT": str(gateway_port),
             "MODELKEEPER_GATEWAY_DATABASE_URL": gateway_dsn(db.hostname, db.port,
                                                             db.path.lstrip("/")),
@@ -311,7 +316,9 @@ async def test_no_secret_in_logs_history_events_or_responses(run: Run,
             chat = await _until(answered, timeout=SERVE_TIMEOUT_S, what="a gateway answer")
             assert chat.json()["choices"][0]["message"]["content"] == "the quick brown"
             await gateway.get("/v1/models")
-            await gateway.get("/metrics")
+            metrics = await gateway.get("/metrics",
+                                        headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+            assert metrics.status_code == 200, metrics.text
 
         # The listings an operator (or an attacker with a viewer token) reads.
         for path in ("/nodes", f"/nodes/{node['node_id']}", "/models", f"/models/{MODEL}",
@@ -338,7 +345,8 @@ async def test_no_secret_in_logs_history_events_or_responses(run: Run,
 
     credential_file = run.tmp / "agent" / "agent" / "node_credential"
     named = {"the join token": run.join_token, "the client API key": run.client_key,
-             "the operator token": run.operator_token}
+             "the operator token": run.operator_token,
+             "the gateway's metrics token": METRICS_TOKEN}
     if credential_file.exists():
         named["the node credential"] = credential_file.read_text().strip()
     named.update(_derived_keys(run.cluster_secret, {node["node_id"], *replica_ids}))

@@ -549,8 +549,9 @@ async def test_slow_headers_and_bodies_get_a_408(database_url: str) -> None:
                                gateway_body_timeout_s=0.5) as server:
         port = server.settings.gateway_port
         for data in [b"",  # connected, says nothing
-                     b"GET /healthz HTTP/1.1\r\nHost: x\r\n",  # headers never end
-                     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                     b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n",  # headers never end
+                     b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100\r\n"
                      b"\r\n{\"model\":"]:  # body never ends
             received, took = await asyncio.to_thread(_raw, port, data, 10.0)
             assert received.startswith(b"HTTP/1.1 408"), received
@@ -558,7 +559,8 @@ async def test_slow_headers_and_bodies_get_a_408(database_url: str) -> None:
             # The same error shape as every other answer of the gateway: OpenAI's.
             error = json.loads(received.split(b"\r\n\r\n", 1)[1])["error"]
             assert error["code"] == "request_timeout", error
-        big = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (70 << 10) + b"\r\n\r\n"
+        big = (b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Pad: " + b"a" * (70 << 10)
+               + b"\r\n\r\n")
         received, _ = await asyncio.to_thread(_raw, port, big, 10.0)
         assert received.startswith(b"HTTP/1.1 400"), received[:100]
         error = json.loads(received.split(b"\r\n\r\n", 1)[1])["error"]
