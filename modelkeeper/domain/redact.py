@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import re
+import string
 from collections.abc import Iterable, Iterator
 
 #: What a scrubbed secret reads as.
@@ -64,6 +65,8 @@ _ESCAPE = re.compile(
 #: What a backslash before a letter stands for, where it is not the letter itself: the
 #: whitespace that separates a secret from what follows.
 _CONTROL_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "b": " ", "f": " ", "v": " ", "0": " "}
+#: The characters a secret of rules 2 and 3 holds, and those that start an escape.
+_SIGNIFICANT = frozenset(string.ascii_letters + string.digits + "_-\\%")
 
 
 def _unescape(match: re.Match[str]) -> str:
@@ -77,49 +80,58 @@ def _unescape(match: re.Match[str]) -> str:
     return _CONTROL_ESCAPES.get(char, char)
 
 
-def _decode(text: str) -> tuple[str, list[int]] | None:
+def _decode(text: str, significant: frozenset[str]) -> tuple[str, list[int]] | None:
     """``text`` with each escape read as its character, and where each character of the
-    result begins in ``text`` (one entry more: ``len(text)``); None when ``text`` holds no
-    escape. Each escape is one character of the result, each other character itself, so
-    a match from i to j in the result came from ``starts[i]`` to ``starts[j]``."""
+    result begins in ``text`` (one entry more: ``len(text)``). Each escape is one
+    character of the result, each other character itself, so a match from i to j in the
+    result came from ``starts[i]`` to ``starts[j]``.
+
+    None when no escape stands for a ``significant`` character (one a secret may hold, or
+    one that starts an escape): reading the others (``\\"`` in JSON, ``\\n``) only
+    swaps a character no secret holds for another, so it can reveal nothing, and most
+    log lines with escapes are spared the work.
+    """
+    escapes = list(_ESCAPE.finditer(text))
+    chars = [_unescape(match) for match in escapes]
+    if not any(char in significant for char in chars):
+        return None
     pieces: list[str] = []
     starts: list[int] = []
     pos = 0
-    found = False
-    for match in _ESCAPE.finditer(text):
-        found = True
+    for match, char in zip(escapes, chars, strict=True):
         begin = match.start()
         pieces.append(text[pos:begin])
         starts.extend(range(pos, begin))
-        pieces.append(_unescape(match))
+        pieces.append(char)
         starts.append(begin)
         pos = match.end()
-    if not found:
-        return None
     pieces.append(text[pos:])
     starts.extend(range(pos, len(text) + 1))
     return "".join(pieces), starts
 
 
 @functools.lru_cache(maxsize=64)
-def _pattern(known: tuple[str, ...]) -> re.Pattern[str]:
+def _rules(known: tuple[str, ...]) -> tuple[re.Pattern[str], frozenset[str]]:
     """The rules as one pattern, the known values first (longest first, so that a value
-    that holds another is taken whole)."""
+    that holds another is taken whole); and the characters an escape must stand for to
+    matter (see :func:`_decode`)."""
     values = sorted({v for v in known if len(v) >= MIN_KNOWN_CHARS}, key=len, reverse=True)
+    significant = _SIGNIFICANT.union(*values)
     if not values:
-        return _SECRET
-    return re.compile("|".join([*map(re.escape, values), _SECRET.pattern]))
+        return _SECRET, significant
+    return re.compile("|".join([*map(re.escape, values), _SECRET.pattern])), significant
 
 
-def _spans(text: str, pattern: re.Pattern[str]) -> Iterator[tuple[int, int]]:
+def _spans(text: str, known: tuple[str, ...]) -> Iterator[tuple[int, int]]:
     """Where secrets lie in ``text``, in every reading, as spans of ``text`` itself."""
+    pattern, significant = _rules(known)
     view = text
     to_text: list[int] | None = None  # where each character of view begins in text
     for _ in range(DECODE_ROUNDS + 1):
         for match in pattern.finditer(view):
             begin, end = match.span()
             yield (begin, end) if to_text is None else (to_text[begin], to_text[end])
-        decoded = _decode(view)
+        decoded = _decode(view, significant)
         if decoded is None:
             return
         view, starts = decoded
@@ -140,7 +152,7 @@ def scrub_secrets(text: str, *, known: Iterable[str] = ()) -> str:
     """``text`` with every secret in it replaced by :data:`REDACTED` (the rules are in the
     module docstring); ``known``: values to scrub wherever they show, whatever they look
     like (the key an engine was given)."""
-    spans = _merged(_spans(text, _pattern(tuple(known))))
+    spans = _merged(_spans(text, tuple(known)))
     if not spans:
         return text
     out: list[str] = []
