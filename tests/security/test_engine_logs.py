@@ -17,7 +17,7 @@ import signal
 import stat
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -99,8 +99,7 @@ def _kill_engines() -> None:
             continue
 
 
-async def _until(check: object, what: str) -> None:
-    assert callable(check)
+async def _until(check: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -166,6 +165,16 @@ async def test_engine_logs_are_closed_to_other_users(tmp_path: Path, open_umask:
     assert stat.S_IMODE(logs.stat().st_mode) & ~0o750 == 0, oct(logs.stat().st_mode)
     for path in (log, old):
         assert stat.S_IMODE(path.stat().st_mode) & ~0o640 == 0, (path, oct(path.stat().st_mode))
+
+
+def test_every_managed_process_log_is_closed_to_other_users(tmp_path: Path,
+                                                           open_umask: None) -> None:
+    # `up`'s components log through the same class.
+    proc = ManagedProcess("true", ["true"], tmp_path / "component.log")
+    proc.start()
+    proc.stop(grace=5)
+    mode = stat.S_IMODE((tmp_path / "component.log").stat().st_mode)
+    assert mode & ~0o640 == 0, oct(mode)
 
 
 async def test_an_engine_outlives_its_agent_and_its_log_is_still_written_and_scrubbed(
