@@ -10,11 +10,13 @@ is free, which is worse than no engine at all.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -27,8 +29,9 @@ import psutil
 from pydantic import Field
 
 from modelkeeper.domain.base import Frozen
-from modelkeeper.domain.engine_keys import derive_engine_key, scrub_keys
+from modelkeeper.domain.engine_keys import derive_engine_key
 from modelkeeper.domain.ids import NodeId, ReplicaId
+from modelkeeper.domain.redact import scrub_secrets
 from modelkeeper.domain.shards import (
     ExitKind,
     FetchProgress,
@@ -42,11 +45,18 @@ from modelkeeper.domain.shards import (
     classify_exit,
 )
 from modelkeeper.domain.sources import SourcePolicy
-from modelkeeper.infra.processes import ManagedProcess, port_is_free, signal_group
+from modelkeeper.infra.processes import (
+    LOG_DRAIN_TIMEOUT_S,
+    LOG_MODE,
+    ManagedProcess,
+    port_is_free,
+    signal_group,
+)
 
 from .engines.base import EngineAdapter, adapter_for
 from .fetch import FetchRefused, WeightFetcher, file_sha256, is_remote
 from .inventory import read_available_memory
+from .log_filter import filter_command, secret_values
 from .startup_gate import (
     Admitted,
     Queued,
@@ -81,6 +91,9 @@ INHERITED_PREFIXES = ("LC_", "XDG_", "CUDA_", "NVIDIA_", "NCCL_", "HF_", "TRANSF
 #: token.
 SECRET_NAME_WORDS = ("KEY", "SECRET", "TOKEN", "PASSWORD", "CREDENTIAL")
 
+#: The engines' log folder: the agent's user and its group (the operators) may list it,
+#: nobody else. Each log in it is :data:`~modelkeeper.infra.processes.LOG_MODE`.
+LOG_FOLDER_MODE = 0o750
 #: The watch reports the end of an engine with this many of its last log lines.
 LOG_TAIL_LINES = 200
 #: How often a start polls readiness and a watch polls the process; also how often a
@@ -124,7 +137,13 @@ class EngineProcess(Protocol):
         ...
 
     def reap(self) -> None:
-        """Once it has exited: collect it and close its log."""
+        """Once it has exited: collect it, and wait (briefly) for the last of its output
+        to reach its log. Harmless when called again."""
+        ...
+
+    @property
+    def log_writer(self) -> tuple[int, float] | None:
+        """The process writing its log, if not the engine itself: (pid, start time)."""
         ...
 
 
@@ -133,15 +152,33 @@ EngineLauncher = Callable[[str, list[str], Path, dict[str, str]], EngineProcess]
 
 
 class ChildEngine:
-    """An engine run as a child process in a group of its own (:class:`ManagedProcess`)."""
+    """An engine run as a child process in a group of its own (:class:`ManagedProcess`),
+    its output written to its log through a log filter (:mod:`agent.log_filter`) that
+    scrubs every secret, the values of the engine's own secret variables included."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path,
                  env: dict[str, str]) -> None:
-        self._proc = ManagedProcess(name, argv, log_path, env=env)
+        filter_argv, filter_env = filter_command(
+            sys.executable, env, secret_values(env, SECRET_NAME_WORDS))
+        self._proc = ManagedProcess(name, argv, log_path, env=env, log_filter=filter_argv,
+                                    log_filter_env=filter_env)
+        self._reaped = False
 
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    @property
+    def log_writer(self) -> tuple[int, float] | None:
+        """The log filter's pid and start time, recorded so that an agent that adopts
+        the engine can wait for its log's last lines too."""
+        filt = self._proc.filter_popen
+        if filt is None:
+            return None
+        try:
+            return filt.pid, float(psutil.Process(filt.pid).create_time())
+        except psutil.Error:
+            return None  # gone already: nothing to wait for
 
     def start(self) -> None:
         self._proc.start()
@@ -153,10 +190,13 @@ class ChildEngine:
         return self._proc.poll()
 
     def signal(self, sig: int) -> None:
-        signal_group(self.pid, sig)
+        if not self._reaped:  # once reaped, its group id may be another's
+            signal_group(self.pid, sig)
 
     def reap(self) -> None:
-        self._proc.stop(grace=0)
+        if not self._reaped:
+            self._proc.stop(grace=0)
+            self._reaped = True
 
 
 class ShardRecord(Frozen):
@@ -172,6 +212,10 @@ class ShardRecord(Frozen):
     started_at: datetime
     oom_kills_at_start: int | None = None
     notes: list[str] = Field(default_factory=list)
+    #: The log filter's pid and start time (see :mod:`agent.log_filter`): an agent that
+    #: adopted the engine waits for it to end before it reads the log's tail.
+    log_writer_pid: int | None = None
+    log_writer_create_time: float | None = None
 
 
 @dataclass
@@ -243,9 +287,9 @@ def engine_environment(parent: Mapping[str, str], plan_env: Mapping[str, str], *
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
-    """The last ``lines`` of an engine's log, keys scrubbed: the tail leaves the node (in
-    ShardExit, then Temporal's history and the audit log), and an engine may log its own
-    key (SGLang prints its server arguments at start)."""
+    """The last ``lines`` of an engine's log, secrets scrubbed: the tail leaves the node
+    (in ShardExit, then Temporal's history and the audit log). The log filter scrubbed
+    the log already; this is the second lock, for a log written before it existed."""
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
@@ -255,7 +299,36 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
             text = f.read().decode(errors="replace")
     except OSError:
         return []
-    return [scrub_keys(line) for line in text.splitlines()[-lines:]]
+    return scrub_secrets(text).splitlines()[-lines:]
+
+
+def _wait_for_log_writer(record: ShardRecord) -> None:
+    """Until the log filter of an adopted engine that ended has written its last lines
+    (LOG_DRAIN_TIMEOUT_S at most): it is no child of ours, so it is watched by pid."""
+    if record.log_writer_pid is None or record.log_writer_create_time is None:
+        return
+    if not _process_matches(record.log_writer_pid, record.log_writer_create_time):
+        return
+    try:
+        psutil.Process(record.log_writer_pid).wait(LOG_DRAIN_TIMEOUT_S)
+    except (psutil.NoSuchProcess, psutil.TimeoutExpired):
+        return
+
+
+def prepare_log_folder(folder: Path) -> None:
+    """The engines' log folder, created if missing and closed to other users
+    (:data:`LOG_FOLDER_MODE`, or tighter); each log in it tightened to
+    :data:`~modelkeeper.infra.processes.LOG_MODE`, for logs an older agent left readable
+    by all."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mode = folder.stat().st_mode & 0o777
+    if mode & ~LOG_FOLDER_MODE:
+        folder.chmod(mode & LOG_FOLDER_MODE)
+    for log_file in folder.glob("*.log"):
+        with contextlib.suppress(OSError):
+            file_mode = log_file.stat().st_mode & 0o777
+            if file_mode & ~LOG_MODE:
+                log_file.chmod(file_mode & LOG_MODE)
 
 
 def _signal(live: LiveShard, sig: int) -> None:
@@ -302,6 +375,7 @@ class ShardManager:
         self.node_id = node_id
         self._records = agent_dir / "shards"
         self._logs = agent_dir / "logs"
+        self._logs_prepared = False
         self._host = engine_host
         self._ports = port_range
         self._node_key = node_key
@@ -525,16 +599,22 @@ class ShardManager:
             plan = adapter.launch_plan(spec, host=self._host, port=port, api_key=key)
             env = engine_environment(os.environ, plan.env, node_id=self.node_id,
                                      replica_id=spec.replica_id)
+            if not self._logs_prepared:
+                prepare_log_folder(self._logs)
+                self._logs_prepared = True
             log_path = self._logs / f"{spec.replica_id}.log"
             proc = self._launcher(f"engine {spec.replica_id}", list(plan.argv), log_path, env)
             oom_before = read_oom_kills()
             proc.start()
+            writer = proc.log_writer
             record = ShardRecord(
                 spec=spec, port=port, pid=proc.pid, create_time=proc.create_time(),
                 log_path=str(log_path),
                 url=f"http://{self._host}:{port}" if plan.serves_http else None,
                 state=ShardState.STARTING, started_at=datetime.now(UTC),
-                oom_kills_at_start=oom_before, notes=plan.notes)
+                oom_kills_at_start=oom_before, notes=plan.notes,
+                log_writer_pid=None if writer is None else writer[0],
+                log_writer_create_time=None if writer is None else writer[1])
             # Written before we wait on it: if the agent dies now, its successor adopts it.
             self._save(record)
             live = LiveShard(record=record, proc=proc)
@@ -576,7 +656,7 @@ class ShardManager:
                 break
             if check is not None:
                 # The engine's own words, which leave the node in ShardExit.detail.
-                detail = scrub_keys(check.detail)
+                detail = scrub_secrets(check.detail)
             if time.time() > deadline:
                 tail = _tail(Path(live.record.log_path))
                 await self.stop(spec.replica_id, grace_s=START_FAILED_STOP_GRACE_S)
@@ -602,10 +682,13 @@ class ShardManager:
                 return None
             # Sidecars die with the engine: the group goes, not just its leader.
             live.proc.signal(signal.SIGKILL)
+            # Before the tail is read: its last lines may still be in the log filter.
+            live.proc.reap()
         elif _process_matches(record.pid, record.create_time):
             return None
         else:
             code = None
+            _wait_for_log_writer(record)
         oom_pids = kernel_oom_pids() if code == -signal.SIGKILL else frozenset()
         kind, detail = classify_exit(code, oom_kills_before=record.oom_kills_at_start,
                                      oom_kills_after=read_oom_kills(),

@@ -11,8 +11,9 @@ arguments, as SGLang passes them).
 Run by path rather than as a module, and importing only the standard library at the top:
 the interpreter SGLang is installed for need not have modelkeeper installed.
 
-SGLang logs its whole argument object at start, the key included, into the engine's log
-on the node; the agent scrubs keys from every log tail before it leaves the node.
+SGLang logs its whole argument object at start, the key included. That output reaches the
+engine's log only through the agent's log filter (:mod:`agent.log_filter`), which scrubs
+the key from it.
 """
 
 from __future__ import annotations

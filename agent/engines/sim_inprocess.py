@@ -88,6 +88,11 @@ class InProcessSim:
         """Nothing to collect: the task is gone once :meth:`poll` answers."""
 
     @property
+    def log_writer(self) -> tuple[int, float] | None:
+        """None: an in-process sim writes no log."""
+        return None
+
+    @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 

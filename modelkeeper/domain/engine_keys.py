@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import re
 
 #: Marks a string as a modelkeeper engine key, so one found in a log is recognisable.
 KEY_PREFIX = "mk-"
 #: Marks a node key (what an agent gets at registration).
 NODE_KEY_PREFIX = "mkn-"
 #: Marks a node's credential (what an agent presents on every call after registering).
-#: Defined here, beside the other prefixes, so that one pattern scrubs them all.
+#: Every prefix of ours is ``mk``, at most one letter and ``-``: one pattern scrubs them
+#: all (:mod:`modelkeeper.domain.redact`).
 NODE_CREDENTIAL_PREFIX = "mkc-"
 
 #: Prefixed to the node id before it is MACed: a node key is then never the HMAC of a
@@ -37,14 +37,6 @@ NODE_CREDENTIAL_PREFIX = "mkc-"
 #: derived engine keys as HMAC(secret, replica id), and a node could be named like a
 #: replica).
 NODE_KEY_CONTEXT = b"modelkeeper node key v1\x00"
-
-#: Anything that looks like one of our keys or credentials: a prefix and at least this
-#: many key characters. 32 is well under every real one (64 hex digits, or 43 base64url
-#: characters) and well over any word a log line would put after "mk-".
-_MIN_SECRET_CHARS = 32
-_SECRET_PATTERN = re.compile(r"mk[nc]?-[A-Za-z0-9_\-]{" + str(_MIN_SECRET_CHARS) + ",}")
-#: What a scrubbed key reads as in a log.
-REDACTED = "mk-<redacted>"
 
 
 def _mac_hex(key: bytes, message: bytes) -> str:
@@ -93,8 +85,3 @@ def verify_engine_key(key: bytes, replica_id: str, presented: str) -> bool:
         expected.encode("utf-8"), presented.encode("utf-8", errors="surrogatepass")
     )
 
-
-def scrub_keys(text: str) -> str:
-    """``text`` with every engine key, node key and node credential replaced by
-    :data:`REDACTED`: for engine log lines before they leave the node."""
-    return _SECRET_PATTERN.sub(REDACTED, text)

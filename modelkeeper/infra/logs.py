@@ -10,7 +10,10 @@ codes Temporal's core writes to a terminal (they end up raw in a log file).
 * :class:`RepeatFilter` applies it to records the agent does not write itself (the
   Temporal SDK's and its core's), keyed by their message with the numbers taken out.
 * :class:`OneLineFormatter` writes an error that only says a peer is unreachable as one
-  line; any other exception keeps its traceback, which is how a bug is found.
+  line; any other exception keeps its traceback, which is how a bug is found. Every line
+  it writes, traceback included, has its secrets scrubbed
+  (:func:`modelkeeper.domain.redact.scrub_secrets`): a message or an exception that
+  quotes a key must not put it in a log file.
 * :func:`configure_logging` puts them together, and forwards Temporal's core logs into
   Python's logging (plain text, our format) instead of its coloured console output.
 """
@@ -28,6 +31,8 @@ import httpx
 from temporalio.runtime import LogForwardingConfig, LoggingConfig, Runtime, TelemetryConfig
 from temporalio.runtime import TelemetryFilter as CoreFilter
 from temporalio.service import RPCError, RPCStatusCode
+
+from modelkeeper.domain.redact import scrub_secrets
 
 #: The first repeat of a failure is logged this long after the first line: an API or
 #: Temporal that restarts is back within it, so a restart costs one line.
@@ -172,9 +177,12 @@ def one_line(exc: BaseException) -> str:
 class OneLineFormatter(logging.Formatter):
     """The usual format, with an unreachable peer's exception (:func:`is_unreachable`)
     appended to the message in one line instead of a traceback. Any other exception keeps
-    its traceback."""
+    its traceback. Secrets are scrubbed from the whole of what it writes."""
 
     def format(self, record: logging.LogRecord) -> str:
+        return scrub_secrets(self._format(record))
+
+    def _format(self, record: logging.LogRecord) -> str:
         exc = record.exc_info[1] if record.exc_info else None
         if exc is None or not is_unreachable(exc):
             return super().format(record)

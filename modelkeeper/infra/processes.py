@@ -3,6 +3,9 @@
 Everything modelkeeper starts (servers under ``up``, engines under an agent, servers in
 tests) goes through :class:`ManagedProcess`, so stopping always reaches grandchildren
 too: a server that forks workers must not outlive the command that started it.
+
+Logs are created readable by their owner and group only (:data:`LOG_MODE`): a server's or
+an engine's log may say more than every user of the machine should read.
 """
 
 from __future__ import annotations
@@ -19,6 +22,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+#: The mode of every log a managed process writes: its owner writes, its group (the
+#: operators) reads, nobody else. An existing log is tightened to it, never widened.
+LOG_MODE = 0o640
+#: How long :meth:`ManagedProcess.stop` waits for a log filter to write the last of its
+#: child's output once the child's group is gone: the filter reads what is left in a pipe
+#: (64 KiB at most) and exits, in milliseconds. It is left to finish on its own past this
+#: (a grandchild that left the group still holds the pipe).
+LOG_DRAIN_TIMEOUT_S = 2.0
+
+
+def open_log(path: Path) -> IO[bytes]:
+    """``path`` opened to append, created with :data:`LOG_MODE` (tightened to it if it
+    was wider), its folder created if missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, LOG_MODE)
+    try:
+        mode = os.fstat(fd).st_mode & 0o777
+        if mode & ~LOG_MODE:
+            os.fchmod(fd, mode & LOG_MODE)
+        return os.fdopen(fd, "ab")
+    except BaseException:
+        os.close(fd)
+        raise
+
 
 class ProcessExitedError(RuntimeError):
     """A child exited while we were waiting for it to become ready."""
@@ -31,35 +58,78 @@ class ManagedProcess:
     name: str
     argv: Sequence[str]
     log_path: Path
-    env: Mapping[str, str] | None = None
+    # Out of repr(): an engine's environment holds its key.
+    env: Mapping[str, str] | None = field(default=None, repr=False)
     cwd: Path | None = None
     user: str | None = None
+    #: A command that reads the child's output on its stdin and writes it to the log (its
+    #: stdout), instead of the child writing the log itself: how an agent scrubs secrets
+    #: from engine logs (:mod:`agent.log_filter`). It runs in a session of its own, beside
+    #: the child, and must exit when its stdin closes.
+    log_filter: Sequence[str] | None = None
+    log_filter_env: Mapping[str, str] | None = field(default=None, repr=False)
     popen: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    filter_popen: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _log: IO[bytes] | None = field(default=None, init=False)
 
     def start(self) -> None:
-        """Start the child, appending its stdout and stderr to ``log_path``.
+        """Start the child, appending its stdout and stderr to ``log_path`` (through the
+        log filter, when there is one).
 
         May be called again once the child has exited and :meth:`stop` has run: that is how
         `up` restarts a component, with the same command, environment and log.
         """
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self._log is not None:
             # Left open by a start whose Popen raised: a supervisor retrying must not leak.
             self._log.close()
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.popen = subprocess.Popen(
-            list(self.argv),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=dict(self.env) if self.env is not None else None,
-            cwd=self.cwd,
-            user=self.user,
-            # A new session makes the child a group leader, so killpg reaches everything
-            # it forks, and a Ctrl-C in our terminal is not delivered to it twice.
-            start_new_session=True,
-        )
+        self._log = open_log(self.log_path)
+        output: IO[bytes] | int = self._log
+        if self.log_filter is not None:
+            output = self._start_filter(self._log)
+        try:
+            self.popen = subprocess.Popen(
+                list(self.argv),
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env=dict(self.env) if self.env is not None else None,
+                cwd=self.cwd,
+                user=self.user,
+                # A new session makes the child a group leader, so killpg reaches everything
+                # it forks, and a Ctrl-C in our terminal is not delivered to it twice.
+                start_new_session=True,
+            )
+        finally:
+            if isinstance(output, int):
+                # The child holds the pipe's write end now (or failed to start, and the
+                # filter, seeing it closed, exits).
+                os.close(output)
+
+    def _start_filter(self, log: IO[bytes]) -> int:
+        """Start the log filter on a new pipe; the pipe's write end, for the child."""
+        assert self.log_filter is not None
+        read_end, write_end = os.pipe()
+        try:
+            self.filter_popen = subprocess.Popen(
+                list(self.log_filter),
+                stdin=read_end,
+                # Its own errors go to the log too: they are the only trace of a filter
+                # that failed.
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(self.log_filter_env) if self.log_filter_env is not None else None,
+                cwd=self.cwd,
+                user=self.user,
+                # Not in the child's group: a signal for the child must leave the filter
+                # to write the child's last words, and end it only by closing the pipe.
+                start_new_session=True,
+            )
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        return write_end
 
     @property
     def pid(self) -> int:
@@ -110,11 +180,20 @@ class ManagedProcess:
                     self.popen.wait(5)
             # The leader may be gone while children it forked linger in the group.
             signal_group(self.popen.pid, signal.SIGKILL)
+            self._drain_log()
             return self.popen.returncode
         finally:
             if self._log is not None:
                 self._log.close()
                 self._log = None
+
+    def _drain_log(self) -> None:
+        """Wait (LOG_DRAIN_TIMEOUT_S at most) for the log filter to write the last of the
+        child's output and exit."""
+        if self.filter_popen is None:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.filter_popen.wait(LOG_DRAIN_TIMEOUT_S)
 
 
 def signal_group(pgid: int, sig: int) -> None:

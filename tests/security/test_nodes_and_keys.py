@@ -54,11 +54,9 @@ from api.agents import registration_warnings
 from api.app import create_app
 from modelkeeper.domain.catalog import ReplicaStateUpdate
 from modelkeeper.domain.engine_keys import (
-    REDACTED,
     derive_engine_key,
     derive_node_key,
     replica_engine_key,
-    scrub_keys,
 )
 from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
 from modelkeeper.domain.nodes import (
@@ -72,6 +70,7 @@ from modelkeeper.domain.nodes import (
     endpoint_refusal,
     node_address,
 )
+from modelkeeper.domain.redact import REDACTED, scrub_secrets
 from modelkeeper.domain.shards import EngineKind, FetchProgress, ShardSpec
 from modelkeeper.domain.status import ReplicaState
 from modelkeeper.infra.processes import ManagedProcess, free_port
@@ -544,7 +543,7 @@ def test_keys_are_scrubbed_from_log_tails(tmp_path: Path) -> None:
         assert secret not in text
     assert text.count(REDACTED) == 4
     assert tail[0] == "starting" and tail[-1] == "mk-short stays"
-    assert scrub_keys(f"key='{engine_key}'.") == f"key='{REDACTED}'."
+    assert scrub_secrets(f"key='{engine_key}'.") == f"key='{REDACTED}'."
 
 
 PARENT_ENV = {
