@@ -47,8 +47,11 @@ def unstorable(value: Any, loc: Loc) -> Iterator[tuple[Loc, str, str]]:
 
 
 def printable(text: str) -> str:
-    """``text`` with each lone surrogate written as its escape, so that it can be encoded
-    (in an error that echoes it)."""
+    """``text`` with each NUL and lone surrogate written as its escape (``\\u0000``,
+    ``\\ud800``), for an error that echoes it: a surrogate cannot be encoded at all, and
+    the API's documents promise strings without NUL, answers included."""
+    if NUL in text:
+        text = text.replace(NUL, "\\u0000")
     if text.isascii():
         return text
     return text.encode("utf-8", "backslashreplace").decode("utf-8")

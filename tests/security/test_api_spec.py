@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from api.app import create_app
 from api.operations import DrainRequest
+from modelkeeper.domain.catalog import NO_NUL_PATTERN
 from modelkeeper.domain.nodes import PortRange
 from modelkeeper.domain.ops import MAX_DRAIN_GRACE_S
 from modelkeeper.settings import Settings
@@ -94,3 +95,32 @@ async def test_docs_load_nothing_from_another_site(http: httpx.AsyncClient) -> N
     assert (await http.get("/docs/oauth2-redirect")).status_code == 200
     # ReDoc's page loads its script and fonts from other sites: not served.
     assert (await http.get("/redoc")).status_code == 404
+
+
+async def test_every_free_string_in_the_spec_says_it_holds_no_nul(
+        http: httpx.AsyncClient) -> None:
+    spec = (await http.get("/openapi.json")).json()
+    strings = [schema for schema in schemas(spec) if schema.get("type") == "string"]
+    free = [s for s in strings if not {"enum", "const", "format"}.intersection(s)]
+    assert len(free) > 20, free  # the walk found the document's strings
+    assert all("pattern" in s for s in free), [s for s in free if "pattern" not in s]
+    [deployment_id] = [p for p in spec["paths"]["/events"]["get"]["parameters"]
+                       if p["name"] == "deployment_id"]
+    assert numeric_or_string(deployment_id["schema"])["pattern"] == NO_NUL_PATTERN
+
+
+def schemas(node: Any) -> Iterator[dict[str, Any]]:
+    """Every object in a JSON document."""
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from schemas(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from schemas(value)
+
+
+def numeric_or_string(schema: dict[str, Any]) -> dict[str, Any]:
+    """The non-null branch of ``X | None``."""
+    [branch] = [b for b in schema.get("anyOf", [schema]) if b.get("type") != "null"]
+    return dict(branch)
