@@ -277,8 +277,9 @@ class LiveStack:
                             f"{deployment['status']}, and answers through the gateway")
         registered = {n["node_id"] for n in await self._nodes()}
         if len(registered) > 1:
-            held.append(f"nodes registered during the fuzz (loopback registration is open "
-                        f"without a join token, by design): {len(registered) - 1}")
+            held.append(f"nodes registered besides the local one, by the fuzz runs so far "
+                        f"(loopback registration is open without a join token, by design): "
+                        f"{len(registered) - 1}")
         return held, problems
 
     async def _nodes(self) -> list[dict[str, Any]]:
