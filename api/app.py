@@ -6,8 +6,9 @@ agents call), ``nodes``, ``deployments``,
 ``deps``, all read from ``app.state``: building an app is only wiring.
 
 Who may call what is wired here too (``auth``): every route answers only to the allowed
-Host names, and the operators' routers need an operator token; health and the agents'
-routes do not.
+Host names, and the operators' routers need an operator token, checked before anything of
+the request is read; health and the agents' routes do not. Then the bounds on what any
+client sends (``limits``): bodies, and strings the store cannot hold.
 """
 
 from __future__ import annotations
@@ -26,33 +27,55 @@ from modelkeeper.infra.network import is_wildcard
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 
-from . import agents, auth, deployments, limits, liveness, monitoring, nodes, operations
+from . import (
+    agents,
+    auth,
+    deployments,
+    limits,
+    liveness,
+    monitoring,
+    nodes,
+    operations,
+    spec,
+    swagger,
+)
 
 log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings) -> FastAPI:
     """The API application, bound to the store and Temporal named by ``settings``."""
-    app = FastAPI(title="modelkeeper", version=__version__, lifespan=_lifespan)
+    app = FastAPI(title="modelkeeper", version=__version__, lifespan=_lifespan,
+                  # FastAPI's pages load their scripts from a CDN: swagger serves its own.
+                  docs_url=None, redoc_url=None,
+                  # Every string a route reads refused with a 422 if the store cannot
+                  # hold it (NUL, lone surrogates), before any route sees it.
+                  dependencies=[Depends(limits.refuse_unstorable)])
     app.state.settings = settings
-    app.add_middleware(auth.HostAllowlist, allowed=auth.allowed_hosts(settings),
-                       own_addresses=auth.OwnAddresses() if is_wildcard(settings.bind_host)
-                       else None)
-    limits.install(app)  # the body limit, outermost; 422s that echo any input
+    swagger.install(app)
+    spec.install(app)
     if not settings.api_auth:
         log.warning("api_auth is off: anyone who reaches this API may deploy, delete and "
                     "cordon without a token")
     # On the router, not per route: a route added to an operator router later is guarded.
     guarded = [Depends(auth.require_operator)]
-    app.include_router(monitoring.health)
-    app.include_router(monitoring.router, dependencies=guarded, responses=auth.AUTH_RESPONSES)
-    app.include_router(agents.router)
-    app.include_router(nodes.router, dependencies=guarded, responses=auth.AUTH_RESPONSES)
-    app.include_router(liveness.router)
-    app.include_router(deployments.router, dependencies=guarded,
-                       responses=auth.AUTH_RESPONSES)
-    app.include_router(operations.router, dependencies=guarded,
-                       responses=auth.AUTH_RESPONSES)
+    routers = [(monitoring.health, False), (monitoring.router, True), (agents.router, False),
+               (nodes.router, True), (liveness.router, False), (deployments.router, True),
+               (operations.router, True)]
+    for router, operators in routers:
+        if operators:
+            app.include_router(router, dependencies=guarded, responses=auth.AUTH_RESPONSES)
+        else:
+            app.include_router(router)
+    # Middleware, innermost first. The body limit, sparing only the liveness streams (and
+    # 422s that echo any input); outside it, the operators' token, checked before anything
+    # of a body is read; outermost, the Host, refused before any token lookup.
+    limits.install(app, streams=liveness.router.routes)
+    app.add_middleware(auth.OperatorsFirst, routes=[
+        (route, operators) for router, operators in routers for route in router.routes])
+    app.add_middleware(auth.HostAllowlist, allowed=auth.allowed_hosts(settings),
+                       own_addresses=auth.OwnAddresses() if is_wildcard(settings.bind_host)
+                       else None)
     return app
 
 

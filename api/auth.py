@@ -15,12 +15,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 from starlette.datastructures import Headers
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocketClose
 
@@ -34,6 +37,7 @@ from modelkeeper.infra.hosts import OwnAddresses as OwnAddresses
 from modelkeeper.infra.hosts import host_allowed
 from modelkeeper.infra.hosts import host_name as host_name
 from modelkeeper.settings import Settings
+from modelkeeper.store import Store
 from modelkeeper.store.tokens import TokensStore
 
 from .deps import SettingsDep, StoreDep
@@ -52,6 +56,9 @@ _NEEDS_TOKEN = ("send one as `Authorization: Bearer <token>`. `modelkeeper token
                 "sends MODELKEEPER_TOKEN or the file MODELKEEPER_TOKEN_FILE (default "
                 "<data_dir>/operator-token, which `up` writes)")
 
+#: Where :class:`OperatorsFirst` leaves the operator it found, in the request's state.
+_OPERATOR_STATE = "modelkeeper_operator"
+
 #: What a refusal answers, documented on every operator route (``create_app``).
 AUTH_RESPONSES: dict[int | str, dict[str, str]] = {
     401: {"description": "No operator token, or one unknown or revoked."},
@@ -59,27 +66,43 @@ AUTH_RESPONSES: dict[int | str, dict[str, str]] = {
 }
 
 
-async def require_operator(
-    request: Request, store: StoreDep, settings: SettingsDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
-) -> Operator:
-    """The operator behind the request, allowed its method; else a 401 or a 403."""
+async def authenticate_operator(*, store: Store, settings: Settings, method: str, path: str,
+                                authorization: str | None) -> Operator:
+    """The operator an ``Authorization`` header names, allowed ``method``; else an
+    HTTPException, 401 or 403, saying what is needed."""
     if not settings.api_auth:
         return Operator(name=UNAUTHENTICATED_ACTOR, role=OperatorRole.ADMIN)
-    if credentials is None:
-        raise HTTPException(401, f"{request.method} {request.url.path} needs an operator "
+    scheme, token = get_authorization_scheme_param(authorization)
+    if not token or scheme.lower() != "bearer":
+        raise HTTPException(401, f"{method} {path} needs an operator "
                                  f"token, and none was sent; {_NEEDS_TOKEN}",
                             headers={"WWW-Authenticate": "Bearer"})
-    record = await TokensStore.of(store).authenticate(credentials.credentials)
+    record = await TokensStore.of(store).authenticate(token)
     if record is None:
         raise HTTPException(401, "the bearer token sent is not an active operator token "
                                  "(unknown or revoked: `modelkeeper tokens ls` lists them); "
                                  + _NEEDS_TOKEN, headers={"WWW-Authenticate": "Bearer"})
-    why = refusal(record.role, request.method)
+    why = refusal(record.role, method)
     if why is not None:
         raise HTTPException(403, f"token {record.name!r} ({record.token_id}) cannot "
-                                 f"{request.method} {request.url.path}: {why}")
+                                 f"{method} {path}: {why}")
     return Operator(name=record.name, role=record.role)
+
+
+async def require_operator(
+    request: Request, store: StoreDep, settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
+) -> Operator:
+    """The operator behind the request, allowed its method; else a 401 or a 403. Found by
+    :class:`OperatorsFirst` already, before anything of the request was read; looked up
+    here only where that middleware is not installed."""
+    found = request.scope.get("state", {}).get(_OPERATOR_STATE)
+    if isinstance(found, Operator):
+        return found
+    authorization = (None if credentials is None
+                     else f"{credentials.scheme} {credentials.credentials}")
+    return await authenticate_operator(store=store, settings=settings, method=request.method,
+                                       path=request.url.path, authorization=authorization)
 
 
 #: The operator calling a route: its name is the actor of the change it records. The same
@@ -129,3 +152,47 @@ class HostAllowlist:
                   "if clients reach it by another name, add that name to "
                   "MODELKEEPER_API_ALLOWED_HOSTS")
         await JSONResponse({"detail": detail}, status_code=400)(scope, receive, send)
+
+
+class OperatorsFirst:
+    """ASGI middleware: a request for an operator route is authenticated before anything
+    of it is read. FastAPI reads and parses a route's body before its dependencies run,
+    ``require_operator`` included, so without this a caller with no token could make the
+    API hold a body (up to the body limit) before being refused.
+
+    ``routes``: the app's routes in the order they are matched, each with whether it is an
+    operator's. The first route that matches the request's path and method decides, as in
+    Starlette's router; a request that matches none (a 404 or a 405) is passed on, and
+    answered without its body being read. A refusal closes the connection: the body the
+    client may still be sending is not read.
+    """
+
+    def __init__(self, app: ASGIApp, routes: Sequence[tuple[BaseRoute, bool]]) -> None:
+        self.app = app
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self._guarded(scope):
+            await self.app(scope, receive, send)
+            return
+        state = scope["app"].state
+        headers = Headers(scope=scope)
+        try:
+            operator = await authenticate_operator(
+                store=state.store, settings=state.settings, method=scope["method"],
+                path=scope["path"], authorization=headers.get("authorization"))
+        except HTTPException as refused:
+            answer = {**(refused.headers or {})}
+            if "content-length" in headers or "transfer-encoding" in headers:
+                answer["Connection"] = "close"
+            await JSONResponse({"detail": refused.detail}, status_code=refused.status_code,
+                               headers=answer)(scope, receive, send)
+            return
+        scope.setdefault("state", {})[_OPERATOR_STATE] = operator
+        await self.app(scope, receive, send)
+
+    def _guarded(self, scope: Scope) -> bool:
+        for route, guarded in self.routes:
+            if route.matches(scope)[0] is Match.FULL:
+                return guarded
+        return False

@@ -8,8 +8,14 @@ a body over :data:`MAX_BODY_BYTES` with a 422 in FastAPI's own error shape, nami
 body's size and the limit: from its Content-Length before anything is read, or, for a
 chunked body, as soon as the bytes read pass the limit.
 
-The agents' liveness streams are exempt: a stream is one long-lived body by design, and
-its route bounds each line itself (``liveness.MAX_LINE_BYTES``).
+One route is exempt: ``POST /nodes/{node_id}/liveness``, an agent's liveness stream, one
+long-lived body by design. Its route reads nothing before it has checked the node's
+credential, and then bounds each line itself (``liveness.MAX_LINE_BYTES``). Any other
+request, whatever its path ends with, is bounded.
+
+No route may be handed a string the store cannot hold: :func:`refuse_unstorable`, a
+dependency of every route, answers a 422 naming the first body field, path or query
+parameter holding a NUL or a lone surrogate (PostgreSQL refuses both; a 500 each before).
 
 A 422 echoes the input it refuses, and Python's JSON parser accepts ``NaN`` and
 ``Infinity``, which FastAPI's own handler then cannot encode (a 500 for ``"cpu_cores":
@@ -27,17 +33,22 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.dependencies.models import Dependant
 from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from modelkeeper.domain.text import printable, unstorable
 
 #: The largest body any route needs is an agent's registration listing its shards (about
 #: 200 bytes each, at most ``nodes.MAX_SHARDS_PER_NODE``); 1 MiB holds that several times.
@@ -46,14 +57,12 @@ MAX_BODY_BYTES = 1 << 20
 #: UTF-8); any other body that is not JSON gets its 422.
 FASTAPI_BODY_ERROR = "There was an error parsing the body"
 _PARAMETER = re.compile(r"\{[^}]*\}")
-#: Paths whose body is a stream (``POST /nodes/{id}/liveness``), not a document.
-STREAM_SUFFIX = "/liveness"
 
 
-def install(app: FastAPI) -> None:
-    """The bounds on ``app``: the body limit (outermost of the middleware added so far) and
-    the 422 handler that can encode any input."""
-    app.add_middleware(BodyLimit)
+def install(app: FastAPI, *, streams: Sequence[BaseRoute] = ()) -> None:
+    """The bounds on ``app``: the body limit (outermost of the middleware added so far),
+    sparing the routes in ``streams``, and the 422 handler that can encode any input."""
+    app.add_middleware(BodyLimit, streams=streams)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
 
@@ -99,9 +108,12 @@ def _literal_chars(template: str) -> int:
 
 
 def _finite(value: Any) -> Any:
-    """``value`` with every NaN or infinity replaced by its name, which JSON can carry."""
+    """``value`` with every NaN or infinity replaced by its name, and every lone surrogate
+    by its escape, which JSON (as UTF-8) can carry."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if isinstance(value, str):
+        return printable(value)
     if isinstance(value, dict):
         return {key: _finite(item) for key, item in value.items()}
     if isinstance(value, list):
@@ -109,16 +121,59 @@ def _finite(value: Any) -> Any:
     return value
 
 
+async def refuse_unstorable(request: Request) -> None:
+    """A 422 naming the first path parameter, query parameter or body field whose string
+    the store cannot hold (a NUL, a lone surrogate): the dependency of every route, run
+    before any route reads its parameters. Query parameters the route does not take are
+    not looked at (nothing reads them); nor is a body the route does not take (the
+    liveness stream's is read by its route, line by line)."""
+    route = request.scope.get("route")
+    if not isinstance(route, APIRoute):
+        return
+    taken = _query_names(route.dependant)
+    body = await _body_json(request) if route.body_field is not None else None
+    found = next(chain(
+        unstorable(dict(request.path_params), ("path",)),
+        *(unstorable(value, ("query", name))
+          for name, value in request.query_params.multi_items() if name in taken),
+        unstorable(body, ("body",))), None)
+    if found is not None:
+        loc, problem, text = found
+        where = ".".join(printable(str(part)) for part in loc)
+        raise RequestValidationError([{"type": "string_unstorable", "loc": loc,
+                                       "input": printable(text), "msg": f"{where} {problem}"}])
+
+
+def _query_names(dependant: Dependant) -> set[str]:
+    """The query parameters a route takes, its dependencies' included."""
+    names = {param.alias for param in dependant.query_params}
+    for dependency in dependant.dependencies:
+        names |= _query_names(dependency)
+    return names
+
+
+async def _body_json(request: Request) -> Any:
+    """The body as JSON, as FastAPI has already parsed it (Starlette keeps it); None for a
+    body that is not JSON, which the route's own validation refuses."""
+    try:
+        return await request.json()
+    except ValueError:
+        return None
+
+
 class BodyLimit:
     """ASGI middleware: a body over ``max_bytes`` is answered 422 and never reaches a
-    route."""
+    route, but for a request of a route in ``streams``."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES, *,
+                 streams: Sequence[BaseRoute] = ()) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.streams = streams
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"].endswith(STREAM_SUFFIX):
+        if scope["type"] != "http" or any(
+                route.matches(scope)[0] is Match.FULL for route in self.streams):
             await self.app(scope, receive, send)
             return
         declared = _content_length(scope)

@@ -59,6 +59,7 @@ from modelkeeper.domain.liveness import (
     step,
 )
 from modelkeeper.domain.nodes import NodeSilentInput
+from modelkeeper.infra.http_server import release_body_deadline
 from modelkeeper.names import SIGNAL_NODE_SILENT, deployment_workflow_id
 from modelkeeper.store import Store
 
@@ -200,12 +201,18 @@ async def liveness_stream(node_id: NodeId, request: Request, store: StoreDep, *,
     Answered when the stream ends: 204 after ``bye``, 409 when a newer stream of the node
     replaced it, 503 when the API is shutting down; at once with 404 when the node is not
     registered (the agent registers again through its heartbeat), 401 or 403 without the
-    node's own credential (no stream of another node is replaced, nothing is written)."""
+    node's own credential (no stream of another node is replaced, nothing is written).
+
+    The one route whose body is not bounded (``limits.BodyLimit``) nor given a deadline
+    (``release_body_deadline``): nothing of the body is read before the credential is
+    checked, and then each line is bounded (``MAX_LINE_BYTES``)."""
     try:
         await authenticate_node(node_id, authorization, store)
     except HTTPException as refused:
         raise HTTPException(refused.status_code, refused.detail,
                             headers={**(refused.headers or {}), **_CLOSE}) from None
+    # The node is who it says: its stream may outlive the server's body deadline.
+    release_body_deadline(request.scope)
     cleared = await store.mark_node_alive(node_id, at=datetime.now(UTC))
     if cleared is None:
         raise HTTPException(404, f"node {node_id!r} is not registered", headers=_CLOSE)

@@ -30,6 +30,7 @@ from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_n
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId
 from modelkeeper.domain.operators import Operator
 from modelkeeper.domain.ops import (
+    MAX_DRAIN_GRACE_S,
     DrainInput,
     OperationKind,
     OperationRecord,
@@ -90,7 +91,7 @@ class ReconfigureRequest(Frozen):
 class DrainRequest(Frozen):
     """POST /nodes/{id}/drain (the body is optional); the limits are DrainInput's."""
 
-    grace_s: float | None = None
+    grace_s: float | None = Field(default=None, gt=0, le=MAX_DRAIN_GRACE_S)
     uncordon_on_cancel: StrictBool = False
 
 

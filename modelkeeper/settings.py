@@ -7,6 +7,7 @@ namespace, which use the ``temporal`` CLI's own names (``TEMPORAL_ADDRESS``,
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Annotated, Literal, Self
@@ -195,6 +196,25 @@ class Settings(BaseSettings):
         "whose own name points at the API). '*' answers every host (behind a proxy that "
         "checks it).",
     )
+    api_header_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="Longest a client of the API may take to send a request's headers (and "
+        "a new connection its first request): a slow or stalled sender holds a connection "
+        "no longer (a 408). Headers are at most 64 KiB (a 431 beyond).",
+    )
+    api_body_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="Longest a client of the API may take to send a request's body once "
+        "its headers are in (a 408 beyond): bodies are at most 1 MiB. The agents' liveness "
+        "streams, long-lived by design, are exempt once their node's credential is checked.",
+    )
+    api_trusted_proxies: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Addresses (or networks, e.g. 10.0.0.0/8) of the proxies in front of "
+        "the API whose X-Forwarded-For and X-Forwarded-Proto it believes, comma-separated. "
+        "Empty (the default): none; the peer is the TCP connection's, which is what "
+        "registration checks (only loopback may register without a join token).",
+    )
     token: str | None = Field(
         default=None,
         description="Operator token the CLI sends to the API (Authorization: Bearer). "
@@ -215,6 +235,25 @@ class Settings(BaseSettings):
                 f"{self.node_silent_after_s:g}: damping only stretches the liveness "
                 "deadline, so its limit must be at least the deadline")
         return self
+
+    @field_validator("api_trusted_proxies", mode="before")
+    @classmethod
+    def _split_proxies(cls, value: object) -> object:
+        """Comma-separated in the environment; each an address or a network."""
+        proxies = ([p.strip() for p in value.split(",") if p.strip()]
+                   if isinstance(value, str) else value)
+        if not isinstance(proxies, list):
+            return proxies  # pydantic names the type it wanted
+        for proxy in proxies:
+            if not isinstance(proxy, str):
+                continue
+            try:
+                ipaddress.ip_network(proxy, strict=False)
+            except ValueError:
+                raise ValueError(f"{proxy!r} is not an address or network: give the "
+                                 "proxies' addresses, comma-separated (e.g. "
+                                 "10.0.0.5,192.168.1.0/24); '*' is not accepted") from None
+        return proxies
 
     @field_validator("api_allowed_hosts", "gateway_allowed_hosts", mode="before")
     @classmethod

@@ -74,7 +74,7 @@ class Inventory(Frozen):
 
 
 class PortRange(Frozen):
-    """The ports an agent hands to engines, both ends included."""
+    """The ports an agent hands to engines, both ends included: low <= high."""
 
     low: int = Field(ge=1, le=MAX_PORT)
     high: int = Field(ge=1, le=MAX_PORT)

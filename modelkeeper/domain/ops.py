@@ -217,13 +217,18 @@ class RestartInput(Tolerant):
     requested_by: str = ""
 
 
+#: The longest a drain may give its replicas to move: a day. A drain is a maintenance
+#: window's step; one left waiting longer holds its node cordoned and forgotten.
+MAX_DRAIN_GRACE_S = 86_400.0
+
+
 class DrainInput(Tolerant):
     """DrainSaga: cordon the node, replace each replica on it elsewhere within
     ``grace_s``; a replica with nowhere else to go is stopped at the end, with that
     reason."""
 
     node_id: NodeId
-    grace_s: float = Field(default=300.0, gt=0, le=86_400)
+    grace_s: float = Field(default=300.0, gt=0, le=MAX_DRAIN_GRACE_S)
     #: Cancelling the drain uncordons the node too.
     uncordon_on_cancel: bool = False
     requested_by: str = ""

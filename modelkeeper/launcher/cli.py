@@ -261,13 +261,11 @@ def _cmd_api(settings: Settings) -> int:
     import uvicorn
 
     from api.app import create_app
+    from api.server import uvicorn_config
 
     _check_temporal_security(settings)
     _configure_logging(settings)
-    config = uvicorn.Config(create_app(settings), host=settings.bind_host,
-                            port=settings.api_port, log_level=settings.log_level.lower(),
-                            access_log=False)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
     asyncio.run(server.serve())
     return 0 if server.started else 1
 

@@ -31,6 +31,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from api.app import create_app
+from api.server import uvicorn_config
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.names import SIGNAL_NODE_SILENT, deployment_workflow_id
 from modelkeeper.settings import Settings
@@ -79,14 +80,16 @@ class Api:
             database_url=database_url, api_port=port, api_url=self.url,
             temporal_address=client.service_client.config.target_host,
             temporal_namespace=client.namespace, node_silent_after_s=SILENT_AFTER_S,
-            api_auth=False, engine_key_secret=SECRET)
+            api_auth=False, engine_key_secret=SECRET,
+            # Far shorter than any test here: a stream the body deadline cut would show.
+            api_body_timeout_s=1.0)
         self.app = create_app(self.settings)
         self.agents: dict[str, ManagedProcess] = {}
 
     async def start(self) -> None:
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.settings.api_port,
-                                log_level="warning")
-        self.server = uvicorn.Server(config)
+        # As `modelkeeper api` serves it: its body deadline must not cut a stream.
+        self.server = uvicorn.Server(uvicorn_config(self.app, self.settings,
+                                                    log_level="warning"))
         self.task = asyncio.create_task(self.server.serve())
         await until(lambda: self.server.started)
         self.store: Store = self.app.state.store
