@@ -15,7 +15,8 @@ How a node authenticates (docs/security.md, "Nodes and engine keys"):
   credential, from the moment it is issued (it would let any node that joined speak for
   any other): an operator removes the node (``modelkeeper nodes rm``) and the agent joins
   again, as a new node with a new key epoch, so a new node key.
-* **Names are unique**: a registration under a name another node has is a 409 naming it.
+* **Ids and names each name one node**: a registration whose name is another node's name
+  or id (or whose id is another's name) is a 409 naming that node.
 * **Each peer address** may register ``registration_burst`` times at once, then
   ``registration_per_s`` a second: a 429 with Retry-After past that.
 
@@ -103,8 +104,9 @@ REGISTRATION_RESPONSES: dict[int | str, dict[str, str]] = {
                          "token."},
 }
 #: Peers whose buckets the API keeps before it forgets the full ones (a full bucket is
-#: what a peer never seen gets, so forgetting it changes nothing): bounds the memory a
-#: flood from many addresses can take, at a few hundred bytes a peer.
+#: what a peer never seen gets, so forgetting it changes nothing), and then, should a
+#: flood from that many addresses leave none full, the oldest: bounds the memory at a few
+#: hundred bytes a peer, at the price of a fresh burst for a peer forgotten that way.
 MAX_TRACKED_PEERS = 10_000
 
 
@@ -123,6 +125,9 @@ class RegistrationBuckets:
         if len(self._buckets) >= MAX_TRACKED_PEERS and peer not in self._buckets:
             self._buckets = {p: b for p, b in self._buckets.items()
                              if bucket_tokens(b, now, self.limit) < self.limit.burst}
+            while len(self._buckets) >= MAX_TRACKED_PEERS:
+                # Dicts keep insertion order: the first is the longest tracked.
+                del self._buckets[next(iter(self._buckets))]
         bucket, wait_s = take_registration(self._buckets.get(peer), now, self.limit)
         self._buckets[peer] = bucket
         return wait_s

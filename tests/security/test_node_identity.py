@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from temporalio.testing import WorkflowEnvironment
 
 from agent.engines.sim_server import API_KEY_ENV as SIM_KEY_ENV
+from api import agents
 from api.nodes import resolve_node_ids
 from modelkeeper.domain.catalog import ReplicaStateUpdate
 from modelkeeper.domain.engine_keys import (
@@ -344,3 +345,20 @@ async def test_a_peer_that_registers_too_often_gets_429(
             resp = await other.post("/nodes/register", json=registration("n-3"),
                                     headers=bearer(JOIN_TOKEN))
             assert resp.status_code == 200, resp.text
+
+
+def test_the_api_forgets_full_buckets_first_and_stays_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agents, "MAX_TRACKED_PEERS", 3)
+    buckets = agents.RegistrationBuckets(RegistrationLimit(per_s=1.0, burst=2))
+    for peer in ("a", "b", "b", "c"):
+        assert buckets.take(peer, 0.0) is None
+    assert buckets.take("b", 0.0) is not None  # b spent its burst
+    # At 1 s, "a" and "c" are full again, so forgotten; "b" holds one token, so kept.
+    assert buckets.take("d", 1.0) is None
+    assert set(buckets._buckets) == {"b", "d"}
+    assert buckets.take("b", 1.0) is None and buckets.take("b", 1.0) is not None
+    # None full: the oldest goes, and the count stays at the bound.
+    for peer in ("e", "f"):
+        assert buckets.take(peer, 1.0) is None
+    assert len(buckets._buckets) == 3 and "b" not in buckets._buckets
