@@ -115,9 +115,11 @@ HEARTBEAT = "heartbeat"
 LIVENESS = "liveness stream"
 
 #: Answers to a registration that retrying cannot change: the join token or the node's
-#: credential is wrong, or the agent advertises an address that is not its own (403), or
-#: its registration is malformed (422).
-REGISTRATION_REFUSALS = frozenset({401, 403, 422})
+#: credential is wrong or missing (a credential lost since it was issued: the answer says
+#: an operator must remove the node), or the agent advertises an address that is not its
+#: own (403), another node has its name (409), or its registration is malformed (422).
+#: A 429 (too many registrations from this address) is retried, as is any other error.
+REGISTRATION_REFUSALS = frozenset({401, 403, 409, 422})
 
 
 class AgentConfigError(Exception):

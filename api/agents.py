@@ -12,10 +12,13 @@ How a node authenticates (docs/security.md, "Nodes and engine keys"):
   carries it in ``X-Node-Credential``. A node speaks only for itself: another node's
   credential is a 403 and changes nothing.
 * **A lost credential.** The join token alone never takes over a node that holds a
-  credential (it would let any node that joined speak for any other): an operator removes
-  the node (``modelkeeper nodes rm``) and the agent joins again. The one exception is a
-  credential never used since it was issued, whose answer may have been lost on the way:
-  the join token may issue that node a new one.
+  credential, from the moment it is issued (it would let any node that joined speak for
+  any other): an operator removes the node (``modelkeeper nodes rm``) and the agent joins
+  again, as a new node with a new key epoch, so a new node key.
+* **Ids and names each name one node**: a registration whose name is another node's name
+  or id (or whose id is another's name) is a 409 naming that node.
+* **Each peer address** may register ``registration_burst`` times at once, then
+  ``registration_per_s`` a second: a 429 with Retry-After past that.
 
 Where an agent's worker polls: :func:`agent_temporal_address` (the answer's
 ``temporal_address``), so that an agent on another machine is never sent a wildcard or
@@ -25,6 +28,8 @@ this machine's loopback.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -43,16 +48,28 @@ from modelkeeper.domain.nodes import (
     AgentWelcome,
     HeartbeatAnswer,
     HeartbeatRecorded,
+    NameTaken,
     NodeAuth,
     Refused,
+    RegistrationLimit,
+    TokenBucket,
     admit_registration,
+    bucket_tokens,
     credential_digest,
     credential_matches,
     is_loopback,
+    name_taken_reason,
     node_address,
+    registration_rate_refusal,
+    take_registration,
 )
 from modelkeeper.infra.network import WILDCARD_BINDS
-from modelkeeper.infra.secrets import new_node_credential, read_engine_key_secret, read_join_token
+from modelkeeper.infra.secrets import (
+    new_key_epoch,
+    new_node_credential,
+    read_engine_key_secret,
+    read_join_token,
+)
 from modelkeeper.names import node_task_queue
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
@@ -75,12 +92,45 @@ NODE_AUTH_RESPONSES: dict[int | str, dict[str, str]] = {
 #: ... and refusing a registration.
 REGISTRATION_RESPONSES: dict[int | str, dict[str, str]] = {
     401: {"description": "Joining needs the join token, and it is missing or wrong."},
-    403: {"description": "The node is registered with another credential; or no join "
-                         "token is set and the agent is not on loopback; or it advertises "
-                         "an engine address that is not its own."},
+    403: {"description": "The node is registered and this is not its credential (or none "
+                         "was sent: `modelkeeper nodes rm NODE` lets a node that lost it "
+                         "join again); or no join token is set and the agent is not on "
+                         "loopback; or it advertises an engine address that is not its "
+                         "own."},
+    409: {"description": "Another node has this name."},
+    429: {"description": "Too many registrations from this address; Retry-After says when "
+                         "to send it again."},
     503: {"description": "The API holds no engine key secret, or cannot read its join "
                          "token."},
 }
+#: Peers whose buckets the API keeps before it forgets the full ones (a full bucket is
+#: what a peer never seen gets, so forgetting it changes nothing), and then, should a
+#: flood from that many addresses leave none full, the oldest: bounds the memory at a few
+#: hundred bytes a peer, at the price of a fresh burst for a peer forgotten that way.
+MAX_TRACKED_PEERS = 10_000
+
+
+class RegistrationBuckets:
+    """Each peer address's registration bucket (:func:`take_registration`): the state the
+    rule keeps, in this API process. Behind several API processes each has its own, so
+    the limit is per process."""
+
+    def __init__(self, limit: RegistrationLimit) -> None:
+        self.limit = limit
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def take(self, peer: str, now: float) -> float | None:
+        """One registration from ``peer`` at ``now``: None when it may, else the seconds
+        until it may."""
+        if len(self._buckets) >= MAX_TRACKED_PEERS and peer not in self._buckets:
+            self._buckets = {p: b for p, b in self._buckets.items()
+                             if bucket_tokens(b, now, self.limit) < self.limit.burst}
+            while len(self._buckets) >= MAX_TRACKED_PEERS:
+                # Dicts keep insertion order: the first is the longest tracked.
+                del self._buckets[next(iter(self._buckets))]
+        bucket, wait_s = take_registration(self._buckets.get(peer), now, self.limit)
+        self._buckets[peer] = bucket
+        return wait_s
 
 
 @asynccontextmanager
@@ -90,6 +140,8 @@ async def _announce_registration_policy(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     for line in registration_warnings(settings):
         log.warning("%s", line)
+    app.state.registration_buckets = RegistrationBuckets(RegistrationLimit(
+        per_s=settings.registration_per_s, burst=settings.registration_burst))
     yield
 
 
@@ -200,9 +252,22 @@ async def authenticate_node(node_id: str, authorization: str | None, store: Stor
                     node_id)
         raise HTTPException(403, f"node {node_id!r}: the credential presented is not this "
                                  "node's; a node may speak only for itself")
-    if not auth.credential_confirmed:
-        await store.confirm_node_credential(node_id)
     return auth
+
+
+def _admit_rate(request: Request, peer: str | None) -> None:
+    """429 (with Retry-After) when ``peer`` has registered too often: before any other
+    work, so a flood costs a dictionary look-up a request."""
+    buckets: RegistrationBuckets = request.app.state.registration_buckets
+    wait_s = buckets.take(peer or "", time.monotonic())
+    if wait_s is None:
+        return
+    retry_after = max(1, math.ceil(wait_s))
+    log.warning("refused a registration from %s: over the limit of %s", peer,
+                buckets.limit)
+    raise HTTPException(HTTPStatus.TOO_MANY_REQUESTS,
+                        registration_rate_refusal(peer, buckets.limit, retry_after),
+                        headers={"Retry-After": str(retry_after)})
 
 
 @router.post("/nodes/register", response_model=AgentWelcome,
@@ -216,13 +281,15 @@ async def register_node(reg: AgentRegistration, request: Request, store: StoreDe
     """An agent (re)registers; the answer says where its worker must poll, and carries
     its node key (and, when this call issued one, its credential). 401: the join token is
     missing or wrong; 403: the node is another's, a remote agent with no join token set, or
-    an agent that advertises an engine address that is not its own."""
+    an agent that advertises an engine address that is not its own; 409: another node has
+    the name; 429: this address registered too often."""
+    peer = request.client.host if request.client is not None else None
+    _admit_rate(request, peer)
     secret = read_engine_key_secret(settings)
     if secret is None:
         raise HTTPException(503, "the API holds no engine key secret "
                                  "(MODELKEEPER_ENGINE_KEY_SECRET): it cannot give the node "
                                  "its key")
-    peer = request.client.host if request.client is not None else None
     match admit_registration(
             reg.node_id, known=await store.node_auth(reg.node_id),
             credential=credential, token_presented=bearer(authorization),
@@ -239,11 +306,17 @@ async def register_node(reg: AgentRegistration, request: Request, store: StoreDe
     except ValueError as err:
         raise HTTPException(HTTPStatus.FORBIDDEN, str(err)) from None
     issued = new_node_credential() if verdict.issue_credential else None
-    await store.register_node(
+    # A fresh epoch each time, used only if this inserts the node (a join): a node
+    # re-registering keeps its own, which its running engines' keys derive from.
+    registered = await store.register_node(
         reg, address=address,
-        credential_sha256=None if issued is None else credential_digest(issued))
-    if verdict.confirms:
-        await store.confirm_node_credential(reg.node_id)
+        credential_sha256=None if issued is None else credential_digest(issued),
+        key_epoch=new_key_epoch())
+    if isinstance(registered, NameTaken):
+        reason = name_taken_reason(registered, node_id=reg.node_id)
+        log.warning("refused the registration of node %s from %s: %s", reg.node_id, peer,
+                    reason)
+        raise HTTPException(HTTPStatus.CONFLICT, reason)
     # What it already runs is adopted by each owning deployment's probe, and stopped by
     # the agent itself if nobody watches it within its orphan grace; logged here so an
     # operator can see what came back with the node. No key or credential in it.
@@ -265,7 +338,8 @@ async def register_node(reg: AgentRegistration, request: Request, store: StoreDe
         temporal_namespace=settings.temporal_namespace,
         task_queue=node_task_queue(reg.node_id),
         heartbeat_interval_s=settings.heartbeat_interval_s,
-        node_key=derive_node_key(secret.encode(), reg.node_id),
+        node_key=derive_node_key(secret.encode(), reg.node_id,
+                                 key_epoch=registered.key_epoch),
         node_credential=issued)
 
 

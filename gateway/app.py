@@ -350,14 +350,14 @@ class Gateway:
 
     def _make_endpoint(self, replica: ReplicaRoute, route: DeploymentRoute) -> Endpoint:
         # The engine's key derives from the key of the node its endpoint was checked
-        # against (modelkeeper.domain.engine_keys): the gateway holds the cluster secret,
-        # so it derives both steps.
+        # against, in that node's key epoch then (modelkeeper.domain.engine_keys): the
+        # gateway holds the cluster secret, so it derives both steps.
         key = replica_engine_key(self._secret, node_id=replica.node_id,
-                                 replica_id=replica.replica_id)
+                                 replica_id=replica.replica_id, key_epoch=replica.key_epoch)
         if self._previous_secret is not None:
             self._fallback_headers[replica.replica_id] = _engine_headers(replica_engine_key(
                 self._previous_secret, node_id=replica.node_id,
-                replica_id=replica.replica_id))
+                replica_id=replica.replica_id, key_epoch=replica.key_epoch))
         breaker = Breaker(self.settings.gateway_breaker_failures,
                           self.settings.gateway_breaker_open_s)
         return Endpoint(replica.replica_id, replica.endpoint, route.deployment_id,

@@ -325,6 +325,21 @@ class Settings(BaseSettings):
         description="A file holding the join token (`--join-token-file`): keeps it off "
         "the command line. MODELKEEPER_JOIN_TOKEN wins when both are set.",
     )
+    registration_burst: int = Field(
+        default=64, ge=1, le=1_000_000,
+        description="Registrations the API accepts from one peer address at once, before "
+        "registration_per_s paces it (a 429 with Retry-After). An agent registers once per "
+        "start and after its node is removed, so one machine needs a few; 64 leaves room "
+        "for a rack of agents behind one address restarting together. A fleet harness "
+        "(`modelkeeper agent --fleet N`, bench/scale) registers N nodes from one address at "
+        "once: give the API at least N (bench/scale does).",
+    )
+    registration_per_s: float = Field(
+        default=1.0, gt=0, le=1_000_000,
+        description="Registrations a second one peer address may make once its burst is "
+        "spent: a second apiece, so a looping or hostile agent adds at most 3,600 nodes "
+        "an hour, each costing a row and a signal to every waiting deployment.",
+    )
     engine_key_secret: str | None = Field(
         default=None,
         description="Cluster secret from which each node's key, and from that each "

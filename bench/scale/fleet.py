@@ -71,6 +71,9 @@ class ScaleFleet(Fleet):
 
     def __post_init__(self) -> None:
         self.agent_count = 0
+        # The fleet registers all its nodes from one address at once; the API's default
+        # burst (registration_burst) is sized for machines, not for a harness.
+        self.extra_env.setdefault("MODELKEEPER_REGISTRATION_BURST", str(max(self.size, 1)))
 
     @property
     def fleet_dir(self) -> Path:

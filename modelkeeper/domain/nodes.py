@@ -39,6 +39,14 @@ NODE_CREDENTIAL_HEADER = "X-Node-Credential"
 NODE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 NODE_NAME_RULE = ("a host name: letters, digits, '.', '-' and '_', starting with a letter "
                   "or digit, at most 64 characters")
+#: What a node's id may be: the name's characters, at most 128 of them (the agent makes
+#: ``n-`` and 12 hex digits). An id is a path segment (``/nodes/{id}``: one holding ``/``
+#: could never be removed), part of its Temporal task queue (``node/<id>``,
+#: ``names.node_task_queue``) and printed in tables and events, so no ``/``, whitespace,
+#: control or bidirectional characters.
+NODE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+NODE_ID_RULE = ("letters, digits, '.', '-' and '_', starting with a letter or digit, at "
+                "most 128 characters")
 #: Schemes an engine endpoint may have: engines serve plain HTTP (TLS terminates nowhere
 #: between the gateway and an engine today), https for one that does.
 ENDPOINT_SCHEMES = frozenset({"http", "https"})
@@ -104,7 +112,7 @@ class AgentRegistration(Frozen):
     refused.
     """
 
-    node_id: NodeId = Field(min_length=1, max_length=128)
+    node_id: NodeId = Field(pattern=NODE_ID_PATTERN, description=NODE_ID_RULE)
     name: str = Field(pattern=NODE_NAME_PATTERN, description=NODE_NAME_RULE)
     labels: Labels = Field(default_factory=dict)
     inventory: Inventory
@@ -220,6 +228,22 @@ class NodeAuth(Frozen):
     credential_confirmed: bool
     address: str | None
     engine_ports: PortRange | None
+
+
+class NodeRegistered(Frozen):
+    """A registration the store wrote: the node's key epoch (kept from its join; None for a
+    node that joined before epochs, whose key is the first scheme's)."""
+
+    key_epoch: str | None
+
+
+class NameTaken(Frozen):
+    """A registration the store refused: ``field`` (``name`` or ``node_id``) is ``value``,
+    which already names another node, ``holder``, as its id or its name."""
+
+    field: str
+    value: str
+    holder: NodeId
 
 
 class EndpointRefused(Frozen):
@@ -420,10 +444,9 @@ class Admitted(Frozen):
     #: How: ``credential`` (the node's own), ``join token``, or ``loopback`` (no join token
     #: is set and the agent runs on the API's machine).
     admitted_by: str
-    #: Issue the node a (new) credential in the answer.
+    #: Issue the node a credential in the answer: it joins (or, registered before
+    #: credentials existed, gets its first).
     issue_credential: bool
-    #: The node proved it holds its credential: the join token can no longer replace it.
-    confirms: bool = False
 
 
 class Refused(Frozen):
@@ -433,30 +456,36 @@ class Refused(Frozen):
     reason: str
 
 
+def lost_credential_remedy(node_id: str) -> str:
+    """What an agent refused for want of its credential is told: the one way back."""
+    return (f"an agent that lost its credential (its data dir's node_credential file, or "
+            f"the answer of the registration that issued it) joins again as a new node once "
+            f"an operator has removed this one: `modelkeeper nodes rm {node_id}`")
+
+
 def admit_registration(node_id: str, *, known: NodeAuth | None, credential: str | None,
                        token_presented: str | None, join_token: str | None,
                        peer_loopback: bool) -> Admitted | Refused:
     """Whether an agent may register as ``node_id``, in order:
 
-    1. A node that holds a credential is re-registered by that credential only. Another
-       credential, or none, is refused (403): the join token is shared by every node, so
-       accepting it here would let any node speak for any other. The one exception: a
-       credential never used since it was issued (its answer may have been lost), which
-       the join token may replace, as for a new node.
+    1. A node that holds a credential is re-registered by that credential only, from the
+       moment it was issued. Another credential, or none, is refused (403): the join token
+       is shared by every node, so accepting it here would let any node speak for any
+       other, and a node whose first answer is still on its way is no exception (a second
+       registration then took the node over, issue 19). An agent whose answer was lost
+       has no credential and is refused too: an operator removes the node, and it joins
+       again as new (:func:`lost_credential_remedy`).
     2. A new node (or one registered before credentials existed) joins with the join
        token when one is set (401 without it), and gets a credential.
     3. With no join token set, only an agent on loopback may join (403 otherwise).
     """
     if known is not None and known.credential_sha256 is not None:
         if credential_matches(credential, known.credential_sha256):
-            return Admitted(admitted_by="credential", issue_credential=False, confirms=True)
-        if credential is not None or known.credential_confirmed:
-            why = "the credential presented is not its own" if credential else "none was presented"
-            return Refused(status=HTTPStatus.FORBIDDEN, reason=(
-                f"node {node_id!r} is registered and holds a credential, and {why}: "
-                f"a node may speak only for itself. An agent that lost its credential joins "
-                f"again once an operator has removed the node (`modelkeeper nodes rm "
-                f"{node_id}`)"))
+            return Admitted(admitted_by="credential", issue_credential=False)
+        why = "the credential presented is not its own" if credential else "none was presented"
+        return Refused(status=HTTPStatus.FORBIDDEN, reason=(
+            f"node {node_id!r} is registered and holds a credential, and {why}: a node may "
+            f"speak only for itself. {lost_credential_remedy(node_id)}"))
     if join_token is not None:
         if secret_matches(token_presented, join_token):
             return Admitted(admitted_by="join token", issue_credential=True)
@@ -470,3 +499,69 @@ def admit_registration(node_id: str, *, known: NodeAuth | None, credential: str 
         f"node {node_id!r}: no join token is set on the API, so it accepts registrations "
         f"from loopback only; set MODELKEEPER_JOIN_TOKEN (or MODELKEEPER_JOIN_TOKEN_FILE) "
         f"on the API and give the agent the same token (--join-token-file)"))
+
+
+def name_taken_reason(taken: NameTaken, *, node_id: str) -> str:
+    """Why ``node_id`` may not register: what it would be called already names another
+    node. Ids and names are unique together, so what an operator types (`modelkeeper
+    cordon NODE`) is never a guess."""
+    if taken.field == "node_id":
+        fix = "remove that node or give this agent another data dir (a new id)"
+    else:
+        fix = "give this agent another name (--name)"
+    return (f"{taken.field} = {taken.value!r} already names node {taken.holder!r} (as its "
+            f"id or its name), so node {node_id!r} may not register with it: a node's id "
+            f"and name each name one node. If {taken.holder!r} is this machine's earlier "
+            f"self (its data dir was lost), remove it (`modelkeeper nodes rm "
+            f"{taken.holder}`); otherwise {fix}")
+
+
+# -- how often a peer may register ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBucket:
+    """One peer's registrations: ``tokens`` left at ``at`` (seconds on a monotonic clock).
+
+    A dataclass, not a model: the API keeps one per peer and replaces it on every
+    registration, from numbers it made itself."""
+
+    tokens: float
+    at: float
+
+
+class RegistrationLimit(Frozen):
+    """How many registrations one peer address may make: ``burst`` at once, then
+    ``per_s`` a second (settings ``registration_burst`` and ``registration_per_s``)."""
+
+    per_s: float = Field(gt=0)
+    burst: int = Field(ge=1)
+
+    def __str__(self) -> str:
+        return f"{self.burst} at once, then {self.per_s:g} a second"
+
+
+def bucket_tokens(bucket: TokenBucket | None, now: float, limit: RegistrationLimit) -> float:
+    """The tokens ``bucket`` holds at ``now``: refilled at ``per_s``, never above
+    ``burst``. A peer never seen holds a full bucket."""
+    if bucket is None:
+        return float(limit.burst)
+    return min(float(limit.burst), bucket.tokens + max(0.0, now - bucket.at) * limit.per_s)
+
+
+def take_registration(bucket: TokenBucket | None, now: float, limit: RegistrationLimit
+                      ) -> tuple[TokenBucket, float | None]:
+    """One registration from a peer at ``now``: its bucket afterwards, and None when it
+    may register, else the seconds until it may (a refused attempt takes nothing)."""
+    tokens = bucket_tokens(bucket, now, limit)
+    if tokens >= 1.0:
+        return TokenBucket(tokens=tokens - 1.0, at=now), None
+    return TokenBucket(tokens=tokens, at=now), (1.0 - tokens) / limit.per_s
+
+
+def registration_rate_refusal(peer: str | None, limit: RegistrationLimit,
+                              retry_after_s: int) -> str:
+    """The 429's sentence: the peer, the limit, and when to try again."""
+    return (f"too many registrations from {peer or 'this address'}: the limit is {limit} "
+            f"per peer address (registration_burst, registration_per_s); try again in "
+            f"{retry_after_s} s")

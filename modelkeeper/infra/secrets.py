@@ -16,6 +16,9 @@ from ..settings import Settings
 
 #: Random bytes in a node credential: 256 bits, so its stored SHA-256 cannot be searched.
 CREDENTIAL_BYTES = 32
+#: Random bytes in a node's key epoch: it need not be secret (the cluster secret is), only
+#: never drawn twice for one node id; 128 bits never repeat.
+KEY_EPOCH_BYTES = 16
 
 
 def read_engine_key_secret(settings: Settings) -> str | None:
@@ -72,3 +75,9 @@ def read_metrics_token(settings: Settings) -> str | None:
 def new_node_credential() -> str:
     """A fresh node credential: ``mkc-`` + 256 random bits, base64url."""
     return NODE_CREDENTIAL_PREFIX + secrets.token_urlsafe(CREDENTIAL_BYTES)
+
+
+def new_key_epoch() -> str:
+    """A fresh key epoch for a node that joins (:func:`~modelkeeper.domain.engine_keys.
+    derive_node_key`): hex, so it holds no NUL."""
+    return secrets.token_hex(KEY_EPOCH_BYTES)

@@ -178,9 +178,17 @@ def _on_node(args: argparse.Namespace, then: Callable[[str], Request]) -> Reques
 
 def _node_request(command: str, target: str, then: Callable[[str], Request],
                   nodes: list[dict[str, Any]]) -> Request:
-    """``then`` of the node whose id or name is ``target``."""
-    match = next((n for n in nodes if n["node_id"] == target), None) \
-        or next((n for n in nodes if n["name"] == target), None)
+    """``then`` of the node whose id or name is ``target``. An id wins (ids are unique);
+    a name two nodes share (registered before names were unique) is refused, listing
+    both, since acting on either would be a guess."""
+    match = next((n for n in nodes if n["node_id"] == target), None)
+    if match is None:
+        named = [n for n in nodes if n["name"] == target]
+        if len(named) > 1:
+            ids = ", ".join(sorted(n["node_id"] for n in named))
+            raise UsageError(f"{command} {target!r}: {len(named)} nodes have that name "
+                             f"({ids}); give the id of the one you mean")
+        match = named[0] if named else None
     if match is None:
         known = ", ".join(sorted(n["name"] for n in nodes)) or "none"
         raise UsageError(f"{command} {target!r}: no node has that id or name "

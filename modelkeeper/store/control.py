@@ -38,8 +38,10 @@ from ..domain.nodes import (
     GpuInfo,
     HeartbeatRecorded,
     Inventory,
+    NameTaken,
     NodeAuth,
     NodeRecord,
+    NodeRegistered,
     NodeRemoval,
     NodeState,
     NodeUpdate,
@@ -85,6 +87,9 @@ class UnknownModelError(Exception):
 #: apart from each other and from the migration lock, which uses the one-bigint form.
 _NODE_LOCK_SPACE = int.from_bytes(b"mkNd", "big", signed=True)
 _REPLICA_LOCK_SPACE = int.from_bytes(b"mkRp", "big", signed=True)
+#: ... and for registration: a name's (or id's) holder is checked and written under its
+#: lock, so two nodes registering one name at once cannot both find it free.
+_NODE_NAME_LOCK_SPACE = int.from_bytes(b"mkNn", "big", signed=True)
 #: The placement lock: every optimistic attempt holds it shared, the serialized last
 #: attempt exclusively, which is what makes that attempt's snapshot exact.
 _PLACEMENT_LOCK = (int.from_bytes(b"mkPl", "big", signed=True), 0)
@@ -232,8 +237,13 @@ class Store:
     # -- nodes ----------------------------------------------------------------------------
 
     async def register_node(self, reg: AgentRegistration, *, address: str | None = None,
-                            credential_sha256: str | None = None) -> None:
-        """Insert or refresh a node from its agent's registration.
+                            credential_sha256: str | None = None,
+                            key_epoch: str | None = None) -> NodeRegistered | NameTaken:
+        """Insert or refresh a node from its agent's registration, unless another node has
+        its name, or its name as id, or its id as name (:class:`NameTaken`, nothing
+        written): an operator names a node by id or name, and each must name one node.
+        Names registered twice before that rule stay until one of the nodes is removed;
+        neither may register under it meanwhile.
 
         Operator labels and the cordon are left untouched: they outrank the agent's view
         and survive re-registration. A liveness silence is left too: the agent's liveness
@@ -241,41 +251,65 @@ class Store:
 
         ``address``: where the registration came from (the API decides it, see
         :func:`~modelkeeper.domain.nodes.node_address`); None leaves the stored one.
-        ``credential_sha256``: a credential just issued, not yet confirmed; None leaves the
-        stored one. The declared engine ports are always replaced by the registration's.
-        The caller has authenticated the agent: nothing here checks it.
+        ``credential_sha256``: a credential just issued; None leaves the stored one.
+        ``key_epoch``: the epoch of a node that joins now, written only when this inserts
+        the node: a re-registration keeps the one it joined with, since its running
+        engines hold keys derived from it (migration 0015). The declared engine ports are
+        always replaced by the registration's. The caller has authenticated the agent:
+        nothing here checks it.
         """
         inv = reg.inventory
         ports = reg.engine_ports
-        await self._pool.execute(
-            """
-            INSERT INTO nodes (node_id, name, agent_labels, memory_total_bytes,
-                               memory_available_bytes, cpu_count, gpus, address,
-                               engine_port_low, engine_port_high, credential_sha256)
-            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
-            ON CONFLICT (node_id) DO UPDATE SET
-                name = EXCLUDED.name,
-                agent_labels = EXCLUDED.agent_labels,
-                memory_total_bytes = EXCLUDED.memory_total_bytes,
-                memory_available_bytes = EXCLUDED.memory_available_bytes,
-                cpu_count = EXCLUDED.cpu_count,
-                gpus = EXCLUDED.gpus,
-                address = COALESCE(EXCLUDED.address, nodes.address),
-                engine_port_low = EXCLUDED.engine_port_low,
-                engine_port_high = EXCLUDED.engine_port_high,
-                credential_sha256 = COALESCE(EXCLUDED.credential_sha256,
-                                             nodes.credential_sha256),
-                credential_confirmed_at = CASE WHEN EXCLUDED.credential_sha256 IS NULL
-                                               THEN nodes.credential_confirmed_at END,
-                registered_at = now(),
-                last_seen = now()
-            """,
-            reg.node_id, reg.name, reg.labels, inv.memory_total_bytes,
-            inv.memory_available_bytes, inv.cpu_count,
-            [g.model_dump() for g in inv.gpus], address,
-            None if ports is None else ports.low, None if ports is None else ports.high,
-            credential_sha256,
-        )
+        async with self._pool.acquire() as conn, conn.transaction():
+            # Ids and names are one space (an operator names a node by either), so both
+            # are locked, in one order so that two registrations queue, never deadlock.
+            for key in sorted({_lock_key(reg.name), _lock_key(reg.node_id)}):
+                await conn.execute("SELECT pg_advisory_xact_lock($1, $2)",
+                                   _NODE_NAME_LOCK_SPACE, key)
+            taken = await conn.fetchrow(
+                """
+                SELECT node_id, CASE WHEN name = $1 THEN 'node_id' ELSE 'name' END AS field
+                FROM nodes
+                WHERE node_id <> $1 AND (name = $2 OR node_id = $2 OR name = $1)
+                ORDER BY node_id LIMIT 1
+                """, reg.node_id, reg.name)
+            if taken is not None:
+                field = taken["field"]
+                return NameTaken(field=field,
+                                 value=reg.node_id if field == "node_id" else reg.name,
+                                 holder=NodeId(taken["node_id"]))
+            epoch: str | None = await conn.fetchval(
+                """
+                INSERT INTO nodes (node_id, name, agent_labels, memory_total_bytes,
+                                   memory_available_bytes, cpu_count, gpus, address,
+                                   engine_port_low, engine_port_high, credential_sha256,
+                                   key_epoch)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+                ON CONFLICT (node_id) DO UPDATE SET
+                    name = EXCLUDED.name,
+                    agent_labels = EXCLUDED.agent_labels,
+                    memory_total_bytes = EXCLUDED.memory_total_bytes,
+                    memory_available_bytes = EXCLUDED.memory_available_bytes,
+                    cpu_count = EXCLUDED.cpu_count,
+                    gpus = EXCLUDED.gpus,
+                    address = COALESCE(EXCLUDED.address, nodes.address),
+                    engine_port_low = EXCLUDED.engine_port_low,
+                    engine_port_high = EXCLUDED.engine_port_high,
+                    credential_sha256 = COALESCE(EXCLUDED.credential_sha256,
+                                                 nodes.credential_sha256),
+                    credential_confirmed_at = CASE WHEN EXCLUDED.credential_sha256 IS NULL
+                                                   THEN nodes.credential_confirmed_at END,
+                    registered_at = now(),
+                    last_seen = now()
+                RETURNING key_epoch
+                """,
+                reg.node_id, reg.name, reg.labels, inv.memory_total_bytes,
+                inv.memory_available_bytes, inv.cpu_count,
+                [g.model_dump() for g in inv.gpus], address,
+                None if ports is None else ports.low, None if ports is None else ports.high,
+                credential_sha256, key_epoch,
+            )
+        return NodeRegistered(key_epoch=epoch)
 
     async def node_auth(self, node_id: str) -> NodeAuth | None:
         """What authenticates ``node_id`` and bounds what it reports; None when unknown."""
@@ -292,13 +326,6 @@ class Store:
                         address=row["address"],
                         engine_ports=_port_range(row["engine_port_low"],
                                                  row["engine_port_high"]))
-
-    async def confirm_node_credential(self, node_id: str) -> None:
-        """The node authenticated with its credential: from now on the join token alone
-        can no longer issue it another (see ``api.agents``). Writes only the first time."""
-        await self._pool.execute(
-            "UPDATE nodes SET credential_confirmed_at = now() "
-            "WHERE node_id = $1 AND credential_confirmed_at IS NULL", node_id)
 
     async def delete_node(self, node_id: str, *, force: bool = False) -> NodeRemoval | None:
         """Remove a node (an operator's ``DELETE /nodes/{id}``); None when unknown.
@@ -807,18 +834,20 @@ class Store:
 
         An endpoint is recorded only on the address its rank 0's node registered from and
         in that node's declared engine ports (the gateway sends prompts and the replica's
-        key there), together with that node (whose key the engine's derives from).
+        key there), together with that node and its key epoch (whose key the engine's
+        derives from: the gateway cannot read nodes).
         Otherwise the state is still written, the endpoint is cleared, so no gateway
         routes to it, and the refusal is returned for the caller to record.
         """
         endpoint = update.endpoint
         refused: EndpointRefused | None = None
         node_id: str | None = None
+        key_epoch: str | None = None
         if endpoint is not None:
             row = await self._pool.fetchrow(
                 """
                 SELECT r.deployment_id, n.node_id, n.address, n.engine_port_low,
-                       n.engine_port_high
+                       n.engine_port_high, n.key_epoch
                 FROM replicas r
                 LEFT JOIN allocations a ON a.replica_id = r.replica_id AND a.rank = 0
                 LEFT JOIN nodes n ON n.node_id = a.node_id
@@ -826,6 +855,7 @@ class Store:
                 """, update.replica_id)
             if row is not None:  # else the replica is gone: the UPDATE below is a no-op
                 node_id = row["node_id"]
+                key_epoch = row["key_epoch"]
                 reason = ("the replica holds no claim for its rank 0"
                           if row["node_id"] is None else
                           endpoint_refusal(endpoint, address=row["address"],
@@ -844,6 +874,9 @@ class Store:
                    endpoint_node_id = CASE WHEN $4 THEN NULL
                                            WHEN $3 IS NULL THEN endpoint_node_id
                                            ELSE $5 END,
+                   endpoint_node_epoch = CASE WHEN $4 THEN NULL
+                                              WHEN $3 IS NULL THEN endpoint_node_epoch
+                                              ELSE $6 END,
                    ready_at = CASE WHEN $2 = 'ready' AND ready_at IS NULL THEN now()
                                    ELSE ready_at END,
                    left_routing_at = CASE WHEN $2 = 'ready' THEN NULL
@@ -851,7 +884,8 @@ class Store:
                                           ELSE left_routing_at END
             WHERE replica_id = $1
             """,
-            update.replica_id, update.state.value, endpoint, refused is not None, node_id)
+            update.replica_id, update.state.value, endpoint, refused is not None, node_id,
+            key_epoch)
         return refused
 
     async def release_replica(self, replica_id: str) -> bool:

@@ -42,6 +42,9 @@ class ReplicaRoute:
     #: The node the endpoint was checked against (its rank 0's), whose key the engine's
     #: key derives from (:func:`modelkeeper.domain.engine_keys.replica_engine_key`).
     node_id: str = ""
+    #: That node's key epoch when the endpoint was recorded (migration 0015); None: the
+    #: first scheme, the node id alone.
+    key_epoch: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +122,9 @@ _ROUTE_SELECT = """
            COALESCE(array_agg(r.endpoint ORDER BY r.replica_id)
                     FILTER (WHERE r.replica_id IS NOT NULL), '{}') AS endpoints,
            COALESCE(array_agg(r.endpoint_node_id ORDER BY r.replica_id)
-                    FILTER (WHERE r.replica_id IS NOT NULL), '{}') AS endpoint_nodes
+                    FILTER (WHERE r.replica_id IS NOT NULL), '{}') AS endpoint_nodes,
+           COALESCE(array_agg(r.endpoint_node_epoch ORDER BY r.replica_id)
+                    FILTER (WHERE r.replica_id IS NOT NULL), '{}') AS endpoint_epochs
     FROM deployments d
     LEFT JOIN replicas r
            ON r.deployment_id = d.deployment_id
@@ -140,9 +145,10 @@ def _route(row: asyncpg.Record) -> DeploymentRoute:
         last_failure=row["last_failure"],
         consecutive_failures=row["consecutive_failures"],
         created_at=row["created_at"],
-        ready=tuple(ReplicaRoute(rid, url, node)
-                    for rid, url, node in zip(row["replica_ids"], row["endpoints"],
-                                              row["endpoint_nodes"], strict=True)),
+        ready=tuple(ReplicaRoute(rid, url, node, epoch)
+                    for rid, url, node, epoch in zip(row["replica_ids"], row["endpoints"],
+                                                     row["endpoint_nodes"],
+                                                     row["endpoint_epochs"], strict=True)),
         default_max_tokens=row["default_max_tokens"],
         max_tokens_limit=row["max_tokens_limit"],
     )

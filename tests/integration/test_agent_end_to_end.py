@@ -28,6 +28,7 @@ from modelkeeper.domain.engine_keys import replica_engine_key
 from modelkeeper.infra.processes import free_port
 from modelkeeper.names import node_task_queue
 from modelkeeper.settings import Settings
+from tests.support.node_keys import key_epoch
 
 with workflow.unsafe.imports_passed_through():
     from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
@@ -202,7 +203,9 @@ async def test_llamacpp_shard_serves_survives_agent_restart_and_reports_exit(
     await claim(cluster.settings.database_url or "", node, "rep-1")
     endpoint = await cluster.call(node, "start_shard", StartShardInput(spec=spec), ShardEndpoint)
     assert endpoint.url is not None
-    key = replica_engine_key(SECRET.encode(), node_id=node, replica_id="rep-1")
+    key = replica_engine_key(SECRET.encode(), node_id=node, replica_id="rep-1",
+                             key_epoch=await key_epoch(cluster.settings.database_url or "",
+                                                       node))
     async with httpx.AsyncClient(base_url=endpoint.url, timeout=60) as http:
         chat = await http.post(
             "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import asyncpg
 import httpx
 import pytest
 from temporalio.testing import WorkflowEnvironment
@@ -195,9 +196,15 @@ async def test_an_unknown_node_is_a_422_listing_the_known_ones_by_name_and_id(
 
 
 async def test_a_name_two_nodes_share_is_refused_naming_both(
-        api: httpx.AsyncClient, store: Store) -> None:
+        api: httpx.AsyncClient, store: Store, database_url: str) -> None:
     await _register(store, "n-1", "box")
-    await _register(store, "n-2", "box")
+    # Registration refuses a taken name now (issue 19); rows from before that rule may
+    # still share one, written here directly.
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute("INSERT INTO nodes (node_id, name) VALUES ('n-2', 'box')")
+    finally:
+        await conn.close()
     await api.post("/models", json=SIM)
     resp = await api.post("/deployments", json={"model_id": "sim-a", "node_ids": ["box"]})
     assert resp.status_code == 422, resp.text

@@ -27,6 +27,7 @@ from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.launcher.cli import build_parser
 from modelkeeper.launcher.operator_cli import run_operator_command
 from modelkeeper.settings import Settings
+from tests.support.node_keys import key_epoch
 from worker.main import run_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -157,7 +158,7 @@ async def test_deploy_survive_agent_kill_and_delete(stack: Stack) -> None:
     [replica] = view["replicas"]
     first_node = nodes[replica["nodes"][0]]
     assert first_node == "n16"  # bin-packed: the tightest node that fits
-    await _assert_serves(replica)
+    await _assert_serves(stack, replica)
 
     # Restart the worker mid-flight: nothing is placed twice, nothing is lost.
     await stack.restart_worker()
@@ -183,7 +184,7 @@ async def test_deploy_survive_agent_kill_and_delete(stack: Stack) -> None:
               if e["kind"] == "replica.placed"]
     assert len(placed) == 2, placed
     assert nodes[new_replica["nodes"][0]] == "n32"
-    await _assert_serves(new_replica)
+    await _assert_serves(stack, new_replica)
     # Detection (3 s heartbeat timeout) + lost timeout (4 s) + load + 2 s.
     assert moved_in < 3 + 4 + 1 + 2 + 2, moved_in
     print(f"\nre-served on another node {moved_in:.1f}s after kill -9 of its agent")
@@ -275,10 +276,12 @@ async def _serving(stack: Stack, deployment_id: str) -> dict[str, Any] | None:
     return view if view["status"] == "serving" else None
 
 
-async def _assert_serves(replica: dict[str, Any]) -> None:
-    # Derived as the gateway does: from the key of the node rank 0 runs on.
-    key = replica_engine_key(SECRET.encode(), node_id=replica["nodes"][0],
-                             replica_id=replica["replica_id"])
+async def _assert_serves(stack: Stack, replica: dict[str, Any]) -> None:
+    # Derived as the gateway does: from the key of the node rank 0 runs on, in its epoch.
+    node = replica["nodes"][0]
+    key = replica_engine_key(SECRET.encode(), node_id=node, replica_id=replica["replica_id"],
+                             key_epoch=await key_epoch(stack.settings.database_url or "",
+                                                       node))
     async with httpx.AsyncClient(base_url=replica["endpoint"], timeout=10) as http:
         resp = await http.post("/v1/chat/completions",
                                headers={"Authorization": f"Bearer {key}"},

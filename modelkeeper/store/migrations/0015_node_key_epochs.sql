@@ -1,0 +1,21 @@
+-- 0015: node keys that change when a node joins again (issue 19).
+--
+-- nodes.key_epoch: random, drawn by the API when the node joins (its row is inserted) and
+--   kept while it re-registers with its credential (an agent restart): its node key is
+--   HMAC(cluster secret, node id and this epoch), so `modelkeeper nodes rm` and a new join,
+--   the remedy for a stolen credential, hand out a new key, while engines started before
+--   an agent restart keep matching theirs. NULL: the node joined before this migration;
+--   its key is the first scheme's (the node id alone) until it joins again. Existing rows
+--   are left NULL on purpose: their agents hold that key in memory and start engines with
+--   it, so a new epoch here would refuse every engine they start until they re-register.
+-- replicas.endpoint_node_epoch: the key epoch of endpoint_node_id when the endpoint was
+--   recorded, set and cleared with it: the gateway derives the engine's key from the node
+--   id and this epoch, and cannot read nodes. NULL with an endpoint_node_id: the first
+--   scheme (endpoints recorded before this migration, or on a node that has no epoch).
+--   The gateway's role reads it through its table-wide SELECT on replicas (0013).
+--
+-- Since issue 19 a credential, once issued, is required to register the node again:
+-- credential_confirmed_at (0011) no longer opens a window for the join token; it only
+-- records when the node first authenticated.
+ALTER TABLE nodes ADD COLUMN key_epoch text;
+ALTER TABLE replicas ADD COLUMN endpoint_node_epoch text;
