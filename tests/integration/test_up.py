@@ -20,6 +20,7 @@ import pytest
 
 from modelkeeper.infra.processes import free_port
 from modelkeeper.launcher import binaries
+from modelkeeper.names import local_database_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -147,7 +148,8 @@ def test_up_serves_persists_and_stops_cleanly(up: Up) -> None:
     from modelkeeper.domain.events import NewEvent
     from modelkeeper.store import Store
 
-    dsn = f"postgresql://postgres@127.0.0.1:{up.ports['postgres']}/modelkeeper"
+    # As the schema's owner, with the password file `up` keeps (the superuser's is `up`'s).
+    dsn = local_database_url("127.0.0.1", up.ports["postgres"], data_dir=up.data_dir)
 
     async def write_then_read(write: bool) -> list[str]:
         async with await Store.connect(dsn) as store:

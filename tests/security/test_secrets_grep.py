@@ -45,7 +45,7 @@ from modelkeeper.domain.operators import OperatorRole
 from modelkeeper.infra import temporal
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.launcher import temporal_server
-from modelkeeper.launcher.postgres import gateway_dsn
+from modelkeeper.launcher.postgres import GATEWAY_ROLE
 from modelkeeper.names import deployment_workflow_id
 from modelkeeper.store.routing import RoutingStore
 from modelkeeper.store.tokens import TokensStore
@@ -152,7 +152,7 @@ def _kill_engines(agent_dir: Path) -> None:
 
 
 @pytest.fixture
-async def run(tmp_path: Path, database_url: str) -> AsyncIterator[Run]:
+async def run(tmp_path: Path, pg_server: PgServer, database_url: str) -> AsyncIterator[Run]:
     (tmp_path / "logs").mkdir()
     api_port, gateway_port, temporal_port = free_port(), free_port(), free_port()
     stack = Run(tmp=tmp_path, database_url=database_url,
@@ -163,7 +163,6 @@ async def run(tmp_path: Path, database_url: str) -> AsyncIterator[Run]:
     join_token_file.write_text(stack.join_token + "\n")
     join_token_file.chmod(0o600)
     db = urlsplit(database_url)
-    assert db.hostname is not None and db.port is not None
     agent_dir = tmp_path / "agent"
 
     temporal_proc = temporal_server.start_dev_server(
@@ -186,8 +185,8 @@ async def run(tmp_path: Path, database_url: str) -> AsyncIterator[Run]:
         # As in production: the gateway holds no DSN of the schema's owner.
         _start(stack, "gateway", ["gateway"], {
             **base, "MODELKEEPER_GATEWAY_PORT": str(gateway_port),
-            "MODELKEEPER_GATEWAY_DATABASE_URL": gateway_dsn(db.hostname, db.port,
-                                                            db.path.lstrip("/")),
+            "MODELKEEPER_GATEWAY_DATABASE_URL": pg_server.url(db.path.lstrip("/"),
+                                                              role=GATEWAY_ROLE),
             "MODELKEEPER_GATEWAY_AUTH": "true", "MODELKEEPER_USAGE_FLUSH_INTERVAL_S": "0.2",
             "MODELKEEPER_ENGINE_KEY_SECRET": stack.cluster_secret})
         low = free_port()
