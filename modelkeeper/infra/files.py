@@ -10,13 +10,28 @@ umask (commonly 022, which made these 0644 in a 0755 folder).
 from __future__ import annotations
 
 import logging
+import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 #: No bit for the group or others on anything created: files 0600, folders 0700.
 PRIVATE_UMASK = 0o077
+
+
+@contextmanager
+def private_files() -> Iterator[None]:
+    """Within: every file this process and the children it starts create is private
+    (:data:`PRIVATE_UMASK`). The umask is the process's; it is put back on the way out,
+    for a caller in the same process (tests)."""
+    previous = os.umask(PRIVATE_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(previous)
 
 
 def make_private_dir(path: Path, *, traverse_gid: int | None = None) -> None:

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from ..domain.operators import OperatorRole
-from ..infra.files import PRIVATE_UMASK
+from ..infra.files import private_files
 from ..settings import Settings, config_table_markdown
 from .operator_cli import (
     OPERATOR_COMMANDS,
@@ -278,9 +278,6 @@ def _cmd_agent(settings: Settings, fleet_size: int | None = None, *,
                          "no llama-server; leave out --llama-server")
     _check_temporal_security(settings)
     _configure_logging(settings)
-    # What the agent writes (its credential, shard records, weights, engine logs) and
-    # what its engines write are this user's alone (modelkeeper.infra.files).
-    umask = os.umask(PRIVATE_UMASK)
 
     def agent(stop: asyncio.Event) -> Any:
         if fleet_size is None:
@@ -288,18 +285,20 @@ def _cmd_agent(settings: Settings, fleet_size: int | None = None, *,
         return run_fleet(settings, stop, size=fleet_size)
 
     try:
-        if fleet_size is None:
-            asyncio.run(_until_signalled(agent))
-        else:
-            import uvloop
+        # What the agent writes (its credential, shard records, weights, engine logs) and
+        # what its engines write are this user's alone (modelkeeper.infra.files).
+        with private_files():
+            if fleet_size is None:
+                asyncio.run(_until_signalled(agent))
+            else:
+                import uvloop
 
-            # A thousand nodes' pings, heartbeats and workers share one event loop: uvloop's
-            # is the cheaper one (the fleet is a test harness; one agent keeps asyncio's).
-            uvloop.run(_until_signalled(agent))
+                # A thousand nodes' pings, heartbeats and workers share one event loop:
+                # uvloop's is the cheaper one (the fleet is a test harness; one agent
+                # keeps asyncio's).
+                uvloop.run(_until_signalled(agent))
     except AgentConfigError as exc:
         raise UsageError(str(exc)) from None
-    finally:
-        os.umask(umask)
     return 0
 
 

@@ -44,7 +44,7 @@ from agent.shards import NODE_ENV
 
 from ..domain.nodes import is_loopback
 from ..domain.operators import OperatorRole, name_problem
-from ..infra.files import PRIVATE_UMASK, make_private_dir
+from ..infra.files import make_private_dir, private_files
 from ..infra.network import WILDCARD_BINDS, machine_names
 from ..infra.processes import ManagedProcess, port_is_free, signal_group
 from ..names import LOCAL_DATABASE_NAME, local_database_passfile
@@ -768,29 +768,27 @@ def run_up(settings: Settings, out: Callable[[str], None], *, demo: bool = True)
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     stack = Stack(settings, demo=demo)
     # Every file and folder `up` and its children make is private (0600, 0700): logs,
-    # Temporal's database, the agent's records. Restored at the end, for a caller in the
-    # same process (tests).
-    umask = os.umask(PRIVATE_UMASK)
-    try:
+    # Temporal's database, the agent's records.
+    with private_files():
         try:
-            stack.start()
-        except (TimeoutError, RuntimeError, OSError) as exc:
-            raise StackError(str(exc)) from exc
-        out(banner(settings, stack.demo_status, join_token_file=stack.join_token_file))
-        while True:
-            stack.supervise(time.monotonic())
-            time.sleep(POLL_INTERVAL_S)
-    except _StopRequested:
-        out("stopping...")
-        return 0
-    finally:
-        # A second Ctrl-C must not abandon children half-way through the shutdown.
-        for sig in previous:
-            signal.signal(sig, signal.SIG_IGN)
-        out(describe_stop(stack.stop()))
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        os.umask(umask)
+            try:
+                stack.start()
+            except (TimeoutError, RuntimeError, OSError) as exc:
+                raise StackError(str(exc)) from exc
+            out(banner(settings, stack.demo_status, join_token_file=stack.join_token_file))
+            while True:
+                stack.supervise(time.monotonic())
+                time.sleep(POLL_INTERVAL_S)
+        except _StopRequested:
+            out("stopping...")
+            return 0
+        finally:
+            # A second Ctrl-C must not abandon children half-way through the shutdown.
+            for sig in previous:
+                signal.signal(sig, signal.SIG_IGN)
+            out(describe_stop(stack.stop()))
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 class _StopRequested(BaseException):
