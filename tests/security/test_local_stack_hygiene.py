@@ -24,7 +24,6 @@ from modelkeeper.domain.engine_keys import derive_node_key
 from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
 from modelkeeper.domain.shards import EngineKind, FetchProgress, ShardSpec
 from modelkeeper.domain.sources import SourceRefused, check_path
-from modelkeeper.infra.files import make_private_dir
 from modelkeeper.infra.model_files import source_policy
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.launcher import stack, temporal_server
@@ -161,6 +160,8 @@ def _progress(_: FetchProgress) -> None:
 
 async def test_what_up_s_components_write_is_private(
         tmp_path: Path, dev_server: ManagedProcess, manager: ShardManager) -> None:
+    from modelkeeper.infra.files import make_private_dir
+
     data_dir = tmp_path / "data"
     # Data dirs an older up made: 0755, with a file in it.
     data_dir.chmod(0o755)

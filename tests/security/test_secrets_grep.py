@@ -45,7 +45,7 @@ from modelkeeper.domain.operators import OperatorRole
 from modelkeeper.infra import temporal
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.launcher import temporal_server
-from modelkeeper.launcher.postgres import GATEWAY_ROLE
+from modelkeeper.launcher.postgres import GATEWAY_ROLE, SUPERUSER, read_password
 from modelkeeper.names import deployment_workflow_id
 from modelkeeper.store.routing import RoutingStore
 from modelkeeper.store.tokens import TokensStore
@@ -340,6 +340,11 @@ async def test_no_secret_in_logs_history_events_or_responses(run: Run,
     if credential_file.exists():
         named["the node credential"] = credential_file.read_text().strip()
     named.update(_derived_keys(run.cluster_secret, {node["node_id"], *replica_ids}))
+    # The database passwords the components connected with (through password files).
+    for role in (SUPERUSER, GATEWAY_ROLE):
+        password = read_password(pg_server.data_dir, role)
+        assert password is not None, role
+        named[f"the database password of {role}"] = password
     needles = _needles(named)
     assert engine_keys_given <= set(needles.values()), "an engine key the search misses"
 
