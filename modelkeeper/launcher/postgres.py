@@ -69,10 +69,10 @@ SCRAM_ITERATIONS = 4096
 #: Random bytes in each generated password (and in each verifier's salt, the RFC's 16).
 PASSWORD_BYTES = 32
 SALT_BYTES = 16
-#: pg_hba.conf as `up` writes it at each start (initdb's allows anything, by design of
-#: the tool: `--auth=trust` it was). Loopback only, and a password on every line: the
-#: server listens on loopback alone and its Unix sockets are off, so the other lines are
-#: there for a server someone starts by hand on this data dir.
+#: pg_hba.conf as `up` writes it before the server starts (an older `up` kept initdb's,
+#: made with ``--auth=trust``). Loopback only, and a password on every line: the server
+#: listens on loopback alone with its Unix sockets off; the other lines hold for a server
+#: someone starts by hand on this data dir.
 HBA_CONF = """\
 # Written by `modelkeeper up` at each start; edits here are lost. Every role logs in with
 # its password (SCRAM), which up keeps in <data_dir>/secrets/ROLE.pgpass, mode 0600.

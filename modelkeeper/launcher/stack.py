@@ -159,8 +159,8 @@ SECRET_READERS: dict[str, frozenset[str]] = {
     "engine_key_secret_previous": frozenset({"gateway"}),
     "database_url": frozenset({"api", "worker"}),
     "gateway_database_url": frozenset({"gateway"}),
-    "join_token": frozenset({"api", "agent"}),
-    "join_token_file": frozenset({"api", "agent"}),
+    "join_token": frozenset({"api", AGENT}),
+    "join_token_file": frozenset({"api", AGENT}),
     # The CLI's operator token: no child calls the API as an operator.
     "token": frozenset(),
     "token_file": frozenset(),
@@ -172,11 +172,6 @@ def env_for(component: str, env: dict[str, str]) -> dict[str, str]:
     withheld = {name for field, readers in SECRET_READERS.items() if component not in readers
                 for name in env_var_names(field)}
     return {name: value for name, value in env.items() if name not in withheld}
-
-
-def agent_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` without what an agent must not hold (:func:`env_for`)."""
-    return env_for(AGENT, env)
 
 
 def gateway_auth_under_up(settings: Settings) -> bool:
@@ -236,6 +231,12 @@ def component_env(settings: Settings, database_url: str, *,
     if allowed_hosts:
         env["MODELKEEPER_API_ALLOWED_HOSTS"] = ",".join(allowed_hosts)
     return env
+
+
+def _owner_dsn(settings: Settings) -> str:
+    """The DSN of the schema's owner on `up`'s PostgreSQL: the API's, the worker's."""
+    return postgres.owner_dsn(POSTGRES_HOST, settings.postgres_port, DATABASE_NAME,
+                              data_dir=settings.data_dir)
 
 
 def _url_host(host: str) -> str:
@@ -606,8 +607,7 @@ class Stack:
         # The roles and the database, as the superuser, whose password no child gets.
         asyncio.run(postgres.provision(s.data_dir, POSTGRES_HOST, s.postgres_port,
                                        database=DATABASE_NAME))
-        database_url = postgres.owner_dsn(POSTGRES_HOST, s.postgres_port, DATABASE_NAME,
-                                          data_dir=s.data_dir)
+        database_url = _owner_dsn(s)
         token = asyncio.run(ensure_operator_token(database_url, s.operator_token_file,
                                                   local_operator_name()))
 
@@ -742,9 +742,9 @@ def banner(settings: Settings, demo_status: str = "", *,
         f"  Temporal UI    http://{h}:{settings.temporal_ui_port}",
         f"  Temporal       {h}:{settings.temporal_port}   "
         f"(temporal workflow list --address {h}:{settings.temporal_port})",
-        f"  PostgreSQL     postgresql://{postgres.OWNER_ROLE}@{POSTGRES_HOST}:"
-        f"{settings.postgres_port}/{DATABASE_NAME}   (this machine only; its password is in "
-        f"{local_database_passfile(settings.data_dir, postgres.OWNER_ROLE)})",
+        # The owner's DSN without its passfile query: the file is named in words.
+        f"  PostgreSQL     {_owner_dsn(settings).partition('?')[0]}   (this machine only; "
+        f"its password is in {local_database_passfile(settings.data_dir, postgres.OWNER_ROLE)})",
         f"  data and logs  {settings.data_dir}",
         *add_node,
     ]
