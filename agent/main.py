@@ -67,6 +67,7 @@ from modelkeeper.domain.nodes import (
 )
 from modelkeeper.domain.units import parse_bytes
 from modelkeeper.infra import temporal
+from modelkeeper.infra.files import make_private_dir
 from modelkeeper.infra.logs import LogBackoff, one_line, repeat_note
 from modelkeeper.infra.secrets import read_join_token
 from modelkeeper.settings import Settings
@@ -217,9 +218,11 @@ def node_name_problem(name: str) -> str | None:
 def writable_agent_dir(settings: Settings, *under: str) -> Path:
     """The agent's folder in the data dir (or ``under`` it), made when missing and written
     once to see that it can be; an AgentConfigError naming the data dir when not, rather
-    than a traceback from the first file the agent writes there."""
+    than a traceback from the first file the agent writes there. The agent's folder is
+    made private (0700; modelkeeper.infra.files): it holds the node's credential."""
     path = settings.agent_dir.joinpath(*under)
     try:
+        make_private_dir(settings.agent_dir)
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass

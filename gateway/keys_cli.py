@@ -5,16 +5,36 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from modelkeeper.names import local_database_url
+from modelkeeper.names import LOCAL_DATABASE_OWNER, local_database_passfile, local_database_url
 from modelkeeper.settings import Settings
 from modelkeeper.store.routing import ApiKeyRecord, RoutingStore
 
 
+class LocalDatabaseError(Exception):
+    """The database of the local `up` is not this user's to open: a sentence, exit 2."""
+
+
 def database_url(settings: Settings) -> str:
-    """MODELKEEPER_DATABASE_URL, or else the database of a local `modelkeeper up`."""
+    """MODELKEEPER_DATABASE_URL, or else the database of a local `modelkeeper up`, as the
+    owner of its schema, whose password `up` keeps in a file only its user may read.
+
+    Raises :class:`LocalDatabaseError` naming that file when this user cannot read it
+    (another user's `up`, or none has run with this data dir): asyncpg would only say
+    that the password was wrong."""
     if settings.database_url:
         return settings.database_url
-    return local_database_url(settings.bind_host, settings.postgres_port)
+    passfile = local_database_passfile(settings.data_dir, LOCAL_DATABASE_OWNER)
+    try:
+        with passfile.open():
+            pass
+    except OSError as err:
+        raise LocalDatabaseError(
+            f"MODELKEEPER_DATABASE_URL is unset, and the password file of the local "
+            f"`modelkeeper up`'s database, {passfile}, cannot be read ({err.strerror}): "
+            "run this as the user who runs `up`, with its --data-dir, or set "
+            "MODELKEEPER_DATABASE_URL") from err
+    return local_database_url(settings.bind_host, settings.postgres_port,
+                              data_dir=settings.data_dir)
 
 
 def _row(key: ApiKeyRecord) -> str:

@@ -9,6 +9,9 @@ another version (a worker mid-upgrade), so they keep their values too."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from urllib.parse import quote
+
 from .domain.ids import DeploymentId, NodeId
 
 #: Task queue polled by the control-plane worker (`modelkeeper worker`).
@@ -47,14 +50,32 @@ def deployment_workflow_id(deployment_id: DeploymentId) -> str:
     return f"deployment/{deployment_id}"
 
 #: The database `up` creates inside its embedded PostgreSQL, and the superuser initdb
-#: makes there (trust auth on loopback only; see docs/architecture.md).
+#: makes there. Every role logs in with a password (SCRAM), kept in a file of its own
+#: under the data dir (local_database_passfile); see docs/security.md.
 LOCAL_DATABASE_NAME = "modelkeeper"
 LOCAL_DATABASE_USER = "postgres"
+#: The role that owns `up`'s database and its schema: the API, the worker and the
+#: `tokens` and `keys` commands connect as it (Compose's owner role has the same name).
+LOCAL_DATABASE_OWNER = "modelkeeper"
+#: The folder of the data dir that holds the password files of `up`'s database roles.
+LOCAL_DATABASE_SECRETS_DIR = "secrets"
 
 
-def local_database_url(host: str, port: int, database: str = LOCAL_DATABASE_NAME) -> str:
-    """A libpq/asyncpg DSN for the embedded server of a local `modelkeeper up`."""
-    return f"postgresql://{LOCAL_DATABASE_USER}@{host}:{port}/{database}"
+def local_database_passfile(data_dir: Path, role: str) -> Path:
+    """The password file (libpq's pgpass format, mode 0600) of ``role`` on the embedded
+    server of the `modelkeeper up` whose data dir is ``data_dir``."""
+    return data_dir / LOCAL_DATABASE_SECRETS_DIR / f"{role}.pgpass"
+
+
+def local_database_url(host: str, port: int, *, data_dir: Path,
+                       role: str = LOCAL_DATABASE_OWNER,
+                       database: str = LOCAL_DATABASE_NAME) -> str:
+    """An asyncpg DSN for ``role`` on the embedded server of a local `modelkeeper up`.
+
+    It names the role's password file, never the password: the DSN travels in children's
+    environments and may be printed, the password stays in a file only its user reads."""
+    passfile = quote(str(local_database_passfile(data_dir, role)))
+    return f"postgresql://{role}@{host}:{port}/{database}?passfile={passfile}"
 
 
 #: PostgreSQL NOTIFY channels (see migration 0002); payload is a deployment id.

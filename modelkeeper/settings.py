@@ -88,12 +88,14 @@ class Settings(BaseSettings):
     )
     database_url: str | None = Field(
         default=None,
-        description="PostgreSQL DSN. Unset under `up`, which points it at its embedded server.",
+        description="PostgreSQL DSN. Unset under `up`, which points it at its embedded server "
+        "(as the schema's owner, modelkeeper, whose password is in "
+        "<data_dir>/secrets/modelkeeper.pgpass).",
     )
     gateway_database_url: str | None = Field(
         default=None,
         description="PostgreSQL DSN the gateway connects with: a role without DDL rights "
-        "(`up` uses modelkeeper_gateway, made by migration 0013), so the process facing "
+        "(`up` uses modelkeeper_gateway, with its own password), so the process facing "
         "clients cannot change the schema. Set, the gateway never applies migrations; "
         "unset, it uses database_url and migrates like every component.",
     )
@@ -420,8 +422,9 @@ class Settings(BaseSettings):
     source_local_roots: Annotated[list[Path], NoDecode] | None = Field(
         default=None,
         description="Folders, comma-separated, under which a source path must lie (checked "
-        "again after resolving links). Unset: the data dir and the packaged models' "
-        "folder. The API reads a file's size to estimate memory only under these.",
+        "again after resolving links). Unset: <data_dir>/models and the packaged models' "
+        "folder (never the whole data dir, which holds the secrets and PostgreSQL's "
+        "files). The API reads a file's size to estimate memory only under these.",
     )
     source_max_download_bytes: int = Field(
         default=DEFAULT_MAX_DOWNLOAD_BYTES, gt=0,
@@ -441,7 +444,8 @@ class Settings(BaseSettings):
     gateway_auth: bool = Field(
         default=True,
         description="Require a client API key (`modelkeeper keys create`) on /v1. Off: "
-        "anyone who reaches the port is served, and the gateway warns loudly at start.",
+        "anyone who reaches the port is served, and the gateway warns loudly at start. "
+        "`up` turns it off unless set (or `up --gateway-auth`).",
     )
     gateway_workers: int = Field(
         default=1, ge=1, le=256,
@@ -572,6 +576,11 @@ class Settings(BaseSettings):
     def operator_token_file(self) -> Path:
         """Where `up` keeps the local user's admin token (mode 0600); the CLI's default."""
         return self.data_dir / "operator-token"
+
+    @property
+    def models_dir(self) -> Path:
+        """Where local model files go: a default source root (source_local_roots)."""
+        return self.data_dir / "models"
 
     @property
     def agent_dir(self) -> Path:

@@ -27,7 +27,13 @@ from temporalio.testing import WorkflowEnvironment
 from api.app import create_app
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.launcher import binaries
-from modelkeeper.launcher.postgres import dsn, start_postgres
+from modelkeeper.launcher.postgres import (
+    GATEWAY_ROLE,
+    SUPERUSER,
+    dsn,
+    ensure_role,
+    start_postgres,
+)
 from modelkeeper.names import SEARCH_ATTRIBUTES
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
@@ -37,15 +43,17 @@ _db_counter = itertools.count()
 
 
 class PgServer:
-    """A running test PostgreSQL."""
+    """A running test PostgreSQL; its roles' password files are in ``data_dir``."""
 
-    def __init__(self, process: ManagedProcess, host: str, port: int) -> None:
+    def __init__(self, process: ManagedProcess, host: str, port: int, data_dir: Path) -> None:
         self.process = process
         self.host = host
         self.port = port
+        self.data_dir = data_dir
 
-    def url(self, database: str) -> str:
-        return dsn(self.host, self.port, database)
+    def url(self, database: str, role: str = SUPERUSER) -> str:
+        """The DSN of ``role`` (default: the superuser), which names its password file."""
+        return dsn(self.host, self.port, database, data_dir=self.data_dir, role=role)
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +63,7 @@ def pg_server() -> Iterator[PgServer]:
         port = free_port()
         proc = start_postgres(root / "data", "127.0.0.1", port, root / "postgres.log")
         try:
-            yield PgServer(proc, "127.0.0.1", port)
+            yield PgServer(proc, "127.0.0.1", port, root)
         finally:
             proc.stop()
 
@@ -65,6 +73,8 @@ async def pg_template(pg_server: PgServer) -> str:
     admin = await asyncpg.connect(pg_server.url("postgres"))
     try:
         await admin.execute(f"CREATE DATABASE {TEMPLATE_DB}")
+        # The gateway's role logs in with its password, as under `up`.
+        await ensure_role(admin, pg_server.data_dir, GATEWAY_ROLE)
     finally:
         await admin.close()
     store = await Store.connect(pg_server.url(TEMPLATE_DB), max_size=1)

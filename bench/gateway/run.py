@@ -309,7 +309,7 @@ async def run(args: argparse.Namespace) -> str:
         pg = start_postgres(logs / "pg", HOST, pg_port, logs / "postgres.log")
         started: list[ManagedProcess] = [pg]
         try:
-            db_url = dsn(HOST, pg_port, "bench")
+            db_url = dsn(HOST, pg_port, "bench", data_dir=logs)
             key = await setup_store(db_url)
             engine_key = replica_engine_key(SECRET.encode(), node_id=NODE, replica_id=REPLICA)
             sim_port = free_port()

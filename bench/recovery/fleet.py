@@ -246,7 +246,7 @@ async def start_database_and_temporal(root: Path, started: list[ManagedProcess],
     pg_port = free_port()
     started.append(await asyncio.to_thread(
         start_postgres, root / "postgres", HOST, pg_port, logs / "postgres.log"))
-    admin = await asyncpg.connect(dsn(HOST, pg_port, "postgres"))
+    admin = await asyncpg.connect(dsn(HOST, pg_port, "postgres", data_dir=root))
     try:
         await admin.execute(f'CREATE DATABASE "{LOCAL_DATABASE_NAME}"')
     finally:
@@ -257,7 +257,7 @@ async def start_database_and_temporal(root: Path, started: list[ManagedProcess],
         metrics_port=free_port(), ui=None,
         db_file=root / "temporal" / "temporal.db", namespace=NAMESPACE,
         log_path=logs / "temporal.log"))
-    return dsn(HOST, pg_port, LOCAL_DATABASE_NAME), f"{HOST}:{temporal_port}"
+    return dsn(HOST, pg_port, LOCAL_DATABASE_NAME, data_dir=root), f"{HOST}:{temporal_port}"
 
 
 def engine_groups(node_id: str, *, agent_pid: int | None) -> set[int]:

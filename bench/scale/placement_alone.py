@@ -220,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         proc = start_postgres(root / "data", "127.0.0.1", port, root / "postgres.log")
         try:
-            asyncio.run(_create_and_measure(dsn("127.0.0.1", port, "postgres"),
-                                            dsn("127.0.0.1", port, DATABASE), args))
+            asyncio.run(_create_and_measure(dsn("127.0.0.1", port, "postgres", data_dir=root),
+                                            dsn("127.0.0.1", port, DATABASE, data_dir=root),
+                                            args))
         finally:
             proc.stop()
     return 0

@@ -47,13 +47,15 @@ def packaged_models_dir() -> Path | None:
 
 def source_policy(settings: Settings) -> SourcePolicy:
     """The source policy that ``settings`` describe, with the default local roots filled
-    in: the data dir and the packaged models' folder. Roots are resolved here, once, so
-    that a path is compared with where the roots really are."""
+    in: ``<data_dir>/models`` and the packaged models' folder (the demo's). Not the whole
+    data dir: it holds the secrets and PostgreSQL's files, which no catalog entry may
+    name. Roots are resolved here, once, so that a path is compared with where the roots
+    really are."""
     if settings.source_local_roots is not None:
         roots = list(settings.source_local_roots)
     else:
         packaged = packaged_models_dir()
-        roots = [settings.data_dir, *([] if packaged is None else [packaged])]
+        roots = [settings.models_dir, *([] if packaged is None else [packaged])]
     return SourcePolicy(
         schemes=frozenset(settings.source_schemes), hosts=tuple(settings.source_hosts),
         local_roots=tuple(PurePosixPath(root.expanduser().resolve()) for root in roots),

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from ..domain.operators import OperatorRole
+from ..infra.files import private_files
 from ..settings import Settings, config_table_markdown
 from .operator_cli import (
     OPERATOR_COMMANDS,
@@ -72,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run the whole local stack in the foreground")
     up.add_argument("--no-demo", action="store_true",
                     help="do not deploy the demo model (SmolLM2-135M) on a fresh install")
+    up.add_argument("--gateway-auth", dest="gateway_auth", action="store_const", const=True,
+                    help="the gateway asks for client API keys (`modelkeeper keys create "
+                         "NAME`), as MODELKEEPER_GATEWAY_AUTH=true does; off by default "
+                         "under up")
     _add_common(up, list(PORT_FLAGS))
     up.add_argument("--expose-temporal-plaintext", dest="expose_temporal_plaintext",
                     action="store_const", const=True,
@@ -289,14 +294,18 @@ def _cmd_agent(settings: Settings, fleet_size: int | None = None, *,
         return run_fleet(settings, stop, size=fleet_size)
 
     try:
-        if fleet_size is None:
-            asyncio.run(_until_signalled(agent))
-        else:
-            import uvloop
+        # What the agent writes (its credential, shard records, weights, engine logs) and
+        # what its engines write are this user's alone (modelkeeper.infra.files).
+        with private_files():
+            if fleet_size is None:
+                asyncio.run(_until_signalled(agent))
+            else:
+                import uvloop
 
-            # A thousand nodes' pings, heartbeats and workers share one event loop: uvloop's
-            # is the cheaper one (the fleet is a test harness; one agent keeps asyncio's).
-            uvloop.run(_until_signalled(agent))
+                # A thousand nodes' pings, heartbeats and workers share one event loop:
+                # uvloop's is the cheaper one (the fleet is a test harness; one agent
+                # keeps asyncio's).
+                uvloop.run(_until_signalled(agent))
     except AgentConfigError as exc:
         raise UsageError(str(exc)) from None
     return 0
@@ -343,17 +352,27 @@ def _cmd_gateway(settings: Settings) -> int:
         raise UsageError(str(exc)) from None
 
 
+def _database_url(settings: Settings) -> str:
+    """The DSN `keys` and `tokens` use (``gateway.keys_cli.database_url``); a UsageError
+    naming the password file when this user may not open a local `up`'s database."""
+    from gateway.keys_cli import LocalDatabaseError, database_url
+
+    try:
+        return database_url(settings)
+    except LocalDatabaseError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _cmd_keys(settings: Settings, args: argparse.Namespace) -> int:
     from gateway.keys_cli import run_keys_command
 
+    settings = settings.model_copy(update={"database_url": _database_url(settings)})
     return run_keys_command(settings, args.keys_action, getattr(args, "keys_argument", None),
                             out=print)
 
 
 def _cmd_tokens(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.keys_cli import database_url
-
-    return run_tokens_command(database_url(settings), args, out=print)
+    return run_tokens_command(_database_url(settings), args, out=print)
 
 
 def run(argv: Sequence[str] | None = None) -> int:

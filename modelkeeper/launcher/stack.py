@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-import asyncpg
 import httpx
 import psutil
 
@@ -46,9 +45,10 @@ from agent.shards import NODE_ENV
 
 from ..domain.nodes import is_loopback
 from ..domain.operators import OperatorRole, name_problem
+from ..infra.files import make_private_dir, private_files
 from ..infra.network import WILDCARD_BINDS, machine_names
 from ..infra.processes import ManagedProcess, free_port, port_is_free, signal_group, tcp_accepts
-from ..names import LOCAL_DATABASE_NAME
+from ..names import LOCAL_DATABASE_NAME, local_database_passfile
 from ..settings import Settings, env_var_names
 from ..store.tokens import TokensStore
 from . import postgres, temporal_server
@@ -95,7 +95,7 @@ AGENT = "agent"
 #: IPv6's for ``::`` (which on Linux also takes IPv4, but need not).
 LOOPBACK_OF = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}
 #: PostgreSQL listens here whatever the bind host: only `up`'s own children connect to
-#: it, and its superuser is trusted without a password (agents never reach the database).
+#: it (agents never reach the database), each role with its password (launcher.postgres).
 POSTGRES_HOST = "127.0.0.1"
 #: Where Temporal's dev server listens unless the operator asks for more
 #: (expose_temporal_plaintext): its frontend has no TLS and no authorizer, so anyone who
@@ -187,16 +187,39 @@ TEMPORAL_SECURITY_FIELDS = (
 )
 
 
-#: Settings `up`'s own agent is not given: an agent holds no cluster secret (the API hands
-#: it its node's key) and no database credentials, as on any other machine.
-AGENT_WITHHELD_FIELDS = ("engine_key_secret", "engine_key_secret_previous", "database_url",
-                         "gateway_database_url")
+#: Settings that hold a secret or lead to one (a DSN names its role's password file), and
+#: the children of `up` that read each. A child gets only those it reads, so one taken
+#: over holds no more than it needs: the worker no cluster secret, the gateway no owner's
+#: DSN, the agent (as on any other machine) no DSN and no cluster secret: the API hands it
+#: its node's key. `up` itself puts no secret in an environment (the API and the gateway
+#: read the cluster secret from its file); these are the operator's own variables, passed
+#: on to the children that use them.
+SECRET_READERS: dict[str, frozenset[str]] = {
+    "engine_key_secret": frozenset({"api", "gateway"}),
+    "engine_key_secret_previous": frozenset({"gateway"}),
+    "database_url": frozenset({"api", "worker"}),
+    "gateway_database_url": frozenset({"gateway"}),
+    "join_token": frozenset({"api", AGENT}),
+    "join_token_file": frozenset({"api", AGENT}),
+    # The CLI's operator token: no child calls the API as an operator.
+    "token": frozenset(),
+    "token_file": frozenset(),
+}
 
 
-def agent_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` (the components' environment) without what an agent must not hold."""
-    withheld = {name for field in AGENT_WITHHELD_FIELDS for name in env_var_names(field)}
+def env_for(component: str, env: dict[str, str]) -> dict[str, str]:
+    """``env`` (the components' environment) with only the secrets ``component`` reads."""
+    withheld = {name for field, readers in SECRET_READERS.items() if component not in readers
+                for name in env_var_names(field)}
     return {name: value for name, value in env.items() if name not in withheld}
+
+
+def gateway_auth_under_up(settings: Settings) -> bool:
+    """Whether `up`'s gateway asks for client API keys: only when the operator said so
+    (``up --gateway-auth``, or MODELKEEPER_GATEWAY_AUTH=true in its environment). Off
+    otherwise, unlike a gateway started alone: the quick start is one command and a
+    `curl`, on loopback, and the banner says AUTH OFF."""
+    return settings.gateway_auth and "gateway_auth" in settings.model_fields_set
 
 
 def component_env(settings: Settings, database_url: str, *,
@@ -220,25 +243,23 @@ def component_env(settings: Settings, database_url: str, *,
     env.setdefault("MODELKEEPER_SETTLING_WINDOW_S", "2")
     env.update({
         "MODELKEEPER_API_URL": f"http://{_url_host(host)}:{settings.api_port}",
-        "MODELKEEPER_ENGINE_KEY_SECRET": settings.engine_key_secret
-        or settings.engine_key_secret_file.read_text().strip(),
         # Off, as in production: the agent may exit on its own (a crash, a kill -9) and
         # `up` restarts it, so it must leave its engines for its successor to adopt. `up`
         # stops them itself when it stops (stop_engines), so Ctrl-C leaves nothing behind.
         "MODELKEEPER_AGENT_STOP_ENGINES_ON_EXIT": "false",
-        # Local use: the gateway serves without client keys, and says so loudly (its log,
-        # and the banner). Production sets MODELKEEPER_GATEWAY_AUTH=true and issues keys.
-        "MODELKEEPER_GATEWAY_AUTH": "false",
+        # Local use: the gateway serves without client keys unless the operator asked for
+        # them, and says so loudly (its log, and the banner).
+        "MODELKEEPER_GATEWAY_AUTH": str(gateway_auth_under_up(settings)).lower(),
         "MODELKEEPER_DATA_DIR": str(settings.data_dir),
         "MODELKEEPER_BIND_HOST": settings.bind_host,
         "MODELKEEPER_API_PORT": str(settings.api_port),
         "MODELKEEPER_GATEWAY_PORT": str(settings.gateway_port),
         "MODELKEEPER_DATABASE_URL": database_url,
         # The gateway alone reads this: it connects as its own role, which may not change
-        # the schema (migration 0013 made it when the API first migrated, before the
-        # gateway starts), and so it never migrates.
+        # the schema (`up` made it, and migration 0013 granted it its tables when the
+        # API first migrated, before the gateway starts), and so it never migrates.
         "MODELKEEPER_GATEWAY_DATABASE_URL": postgres.gateway_dsn(
-            POSTGRES_HOST, settings.postgres_port, DATABASE_NAME),
+            POSTGRES_HOST, settings.postgres_port, DATABASE_NAME, data_dir=settings.data_dir),
         "MODELKEEPER_LOG_LEVEL": settings.log_level,
         # Loopback for `up`'s own children; the API hands other machines this port on the
         # address they reached it by (api.agents.agent_temporal_address).
@@ -253,19 +274,15 @@ def component_env(settings: Settings, database_url: str, *,
     return env
 
 
+def _owner_dsn(settings: Settings) -> str:
+    """The DSN of the schema's owner on `up`'s PostgreSQL: the API's, the worker's."""
+    return postgres.owner_dsn(POSTGRES_HOST, settings.postgres_port, DATABASE_NAME,
+                              data_dir=settings.data_dir)
+
+
 def _url_host(host: str) -> str:
     """``host`` as it goes before ``:port`` in an address or URL (IPv6 in brackets)."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-async def _ensure_database(admin_url: str, name: str) -> None:
-    conn = await asyncpg.connect(admin_url)
-    try:
-        exists = await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name)
-        if not exists:
-            await conn.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await conn.close()
 
 
 def ensure_secret_file(path: Path) -> str:
@@ -614,8 +631,13 @@ class Stack:
     def start(self) -> None:
         """Start every component and wait for each to be ready."""
         s = self.settings
-        s.data_dir.mkdir(parents=True, exist_ok=True)
+        # Its files are its user's alone: the secrets, and the state and logs, which name
+        # every model, node and endpoint (run_up sets umask 077 for what comes later).
+        make_private_dir(s.data_dir, traverse_gid=postgres.system_gid())
         s.log_dir.mkdir(parents=True, exist_ok=True)
+        # Where local model files go: the one folder of the data dir that path sources
+        # may name by default (modelkeeper.infra.model_files.source_policy).
+        s.models_dir.mkdir(exist_ok=True)
         ensure_secret_file(s.engine_key_secret_file)
         self.join_token_file = ensure_join_token(s)
         host = _url_host(local_host(s.bind_host))
@@ -623,9 +645,10 @@ class Stack:
 
         self.add(postgres.start_postgres(s.postgres_dir, POSTGRES_HOST, s.postgres_port,
                                           s.log_dir / "postgres.log"))
-        asyncio.run(_ensure_database(postgres.dsn(POSTGRES_HOST, s.postgres_port, "postgres"),
-                                     DATABASE_NAME))
-        database_url = postgres.dsn(POSTGRES_HOST, s.postgres_port, DATABASE_NAME)
+        # The roles and the database, as the superuser, whose password no child gets.
+        asyncio.run(postgres.provision(s.data_dir, POSTGRES_HOST, s.postgres_port,
+                                       database=DATABASE_NAME))
+        database_url = _owner_dsn(s)
         token = asyncio.run(ensure_operator_token(database_url, s.operator_token_file,
                                                   local_operator_name()))
 
@@ -646,7 +669,7 @@ class Stack:
         def component(name: str, *args: str) -> ManagedProcess:
             proc = ManagedProcess(name, [sys.executable, "-m", "modelkeeper", name, *args],
                                   s.log_dir / f"{name}.log",
-                                  env=agent_env(env) if name == AGENT else env)
+                                  env=env_for(name, env))
             proc.start()
             return self.add(proc)
 
@@ -764,7 +787,10 @@ def banner(settings: Settings, demo_status: str = "", *,
     lines = [
         "modelkeeper is up.",
         f"  gateway        http://{h}:{settings.gateway_port}/v1   (OpenAI-compatible; "
-        "AUTH OFF for local use: anyone who can reach this port is served)",
+        + ("client API keys required: make one with `modelkeeper keys create NAME`)"
+           if gateway_auth_under_up(settings) else
+           "AUTH OFF for local use: anyone who can reach this port is served; "
+           "up --gateway-auth asks for keys)"),
         f"  API            http://{h}:{settings.api_port}   (OpenAPI docs: "
         f"http://{h}:{settings.api_port}/docs)",
         f"  Temporal UI    http://{_url_host(local_host(temporal_ui_host(settings)))}:"
@@ -777,8 +803,9 @@ def banner(settings: Settings, demo_status: str = "", *,
                                   "--expose-temporal-plaintext or a Temporal with mTLS "
                                   "(docs/second-machine.md)"
                                   if serves_other_machines(settings.bind_host) else "")),
-        f"  PostgreSQL     {postgres.dsn(POSTGRES_HOST, settings.postgres_port, DATABASE_NAME)}"
-        "   (this machine only)",
+        # The owner's DSN without its passfile query: the file is named in words.
+        f"  PostgreSQL     {_owner_dsn(settings).partition('?')[0]}   (this machine only; "
+        f"its password is in {local_database_passfile(settings.data_dir, postgres.OWNER_ROLE)})",
         f"  data and logs  {settings.data_dir}",
         *add_node,
     ]
@@ -803,25 +830,28 @@ def run_up(settings: Settings, out: Callable[[str], None], *, demo: bool = True)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     stack = Stack(settings, demo=demo)
-    try:
+    # Every file and folder `up` and its children make is private (0600, 0700): logs,
+    # Temporal's database, the agent's records.
+    with private_files():
         try:
-            stack.start()
-        except (TimeoutError, RuntimeError, OSError) as exc:
-            raise StackError(str(exc)) from exc
-        out(banner(settings, stack.demo_status, join_token_file=stack.join_token_file))
-        while True:
-            stack.supervise(time.monotonic())
-            time.sleep(POLL_INTERVAL_S)
-    except _StopRequested:
-        out("stopping...")
-        return 0
-    finally:
-        # A second Ctrl-C must not abandon children half-way through the shutdown.
-        for sig in previous:
-            signal.signal(sig, signal.SIG_IGN)
-        out(describe_stop(stack.stop()))
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            try:
+                stack.start()
+            except (TimeoutError, RuntimeError, OSError) as exc:
+                raise StackError(str(exc)) from exc
+            out(banner(settings, stack.demo_status, join_token_file=stack.join_token_file))
+            while True:
+                stack.supervise(time.monotonic())
+                time.sleep(POLL_INTERVAL_S)
+        except _StopRequested:
+            out("stopping...")
+            return 0
+        finally:
+            # A second Ctrl-C must not abandon children half-way through the shutdown.
+            for sig in previous:
+                signal.signal(sig, signal.SIG_IGN)
+            out(describe_stop(stack.stop()))
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 class _StopRequested(BaseException):

@@ -20,6 +20,7 @@ import pytest
 
 from modelkeeper.infra.processes import free_port
 from modelkeeper.launcher import binaries
+from modelkeeper.names import local_database_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -115,6 +116,13 @@ def test_up_serves_persists_and_stops_cleanly(up: Up) -> None:
     token_file = up.data_dir / "operator-token"
     assert f"operator token {token_file}" in banner
     assert token_file.stat().st_mode & 0o777 == 0o600
+    # What up and its children wrote is theirs alone (issue 19): no group or other bit
+    # but the g+x PostgreSQL's own user gets under root to reach its data.
+    for path in (up.data_dir / "logs" / "api.log", up.data_dir / "temporal" / "temporal.db",
+                 *(up.data_dir / "agent" / "shards").iterdir(),
+                 up.data_dir / "secrets" / "modelkeeper.pgpass"):
+        assert path.stat().st_mode & 0o077 == 0, path
+    assert up.data_dir.stat().st_mode & 0o067 == 0
     assert httpx.get(f"{api}/deployments", timeout=5).status_code == 401
     [demo] = httpx.get(f"{api}/deployments", timeout=5, headers=up.operator()).json()
     assert (demo["model_id"], demo["ready_replicas"]) == ("smollm2-135m", 1)
@@ -153,7 +161,8 @@ def test_up_serves_persists_and_stops_cleanly(up: Up) -> None:
     from modelkeeper.domain.events import NewEvent
     from modelkeeper.store import Store
 
-    dsn = f"postgresql://postgres@127.0.0.1:{up.ports['postgres']}/modelkeeper"
+    # As the schema's owner, with the password file `up` keeps (the superuser's is `up`'s).
+    dsn = local_database_url("127.0.0.1", up.ports["postgres"], data_dir=up.data_dir)
 
     async def write_then_read(write: bool) -> list[str]:
         async with await Store.connect(dsn) as store:

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from gateway.server import GatewayServer
-from modelkeeper.launcher.postgres import GATEWAY_ROLE, gateway_dsn
+from modelkeeper.launcher.postgres import GATEWAY_ROLE, ensure_role
 from modelkeeper.store import Store
 from modelkeeper.store.routing import RoutingStore
 from modelkeeper.store.schema import MIGRATIONS_DIR
@@ -68,15 +68,14 @@ REFUSED = [
 ]
 
 
-def _gateway_url(database_url: str) -> str:
-    url = urlsplit(database_url)
-    assert url.hostname is not None and url.port is not None
-    return gateway_dsn(url.hostname, url.port, url.path.lstrip("/"))
+def _gateway_url(pg_server: PgServer, database_url: str) -> str:
+    return pg_server.url(urlsplit(database_url).path.lstrip("/"), role=GATEWAY_ROLE)
 
 
 @pytest.fixture
-async def as_gateway(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(_gateway_url(database_url))
+async def as_gateway(pg_server: PgServer,
+                     database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(_gateway_url(pg_server, database_url))
     try:
         yield conn
     finally:
@@ -91,14 +90,15 @@ async def test_the_gateway_role_is_refused(as_gateway: asyncpg.Connection,
         await as_gateway.execute(statement)
 
 
-async def test_the_gateway_role_cannot_migrate(database_url: str) -> None:
+async def test_the_gateway_role_cannot_migrate(pg_server: PgServer, database_url: str) -> None:
     with pytest.raises(asyncpg.InsufficientPrivilegeError):
-        await RoutingStore.connect(_gateway_url(database_url), max_size=1, migrate=True)
+        await RoutingStore.connect(_gateway_url(pg_server, database_url), max_size=1,
+                                   migrate=True)
 
 
 async def test_the_gateway_serves_and_writes_usage_on_its_role(
-        tmp_path: Path, database_url: str) -> None:
-    gateway_url = _gateway_url(database_url)
+        tmp_path: Path, pg_server: PgServer, database_url: str) -> None:
+    gateway_url = _gateway_url(pg_server, database_url)
     owner = await asyncpg.connect(database_url)
     keys = await RoutingStore.connect(database_url, max_size=1, migrate=False)
     try:
@@ -164,9 +164,9 @@ async def owner_without_createrole(pg_server: PgServer,
     role, database = f"mk_owner_{suffix}", f"mk_owned_{suffix}"
     admin = await asyncpg.connect(pg_server.url("postgres"))
     try:
-        await admin.execute(f"CREATE ROLE {role} LOGIN NOCREATEROLE")
+        await ensure_role(admin, pg_server.data_dir, role)  # LOGIN NOCREATEROLE, a password
         await admin.execute(f"CREATE DATABASE {database} OWNER {role}")
-        yield database, f"postgresql://{role}@{pg_server.host}:{pg_server.port}/{database}"
+        yield database, pg_server.url(database, role=role)
     finally:
         await admin.execute(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
         await admin.execute(f"DROP ROLE IF EXISTS {role}")
@@ -174,17 +174,16 @@ async def owner_without_createrole(pg_server: PgServer,
 
 
 async def test_an_owner_that_may_not_create_roles_grants_the_operators_role(
-        owner_without_createrole: tuple[str, str]) -> None:
+        pg_server: PgServer, owner_without_createrole: tuple[str, str]) -> None:
     # The role exists cluster-wide already (the operator made it, or another database's
     # migration did); the whole chain of migrations runs as a plain owner and grants it.
-    _, owner_url = owner_without_createrole
+    database, owner_url = owner_without_createrole
     store = await Store.connect(owner_url, max_size=1)
     try:
         assert 13 in await store.schema_versions()
     finally:
         await store.close()
-    conn = await asyncpg.connect(owner_url.replace(urlsplit(owner_url).username or "",
-                                                   GATEWAY_ROLE, 1))
+    conn = await asyncpg.connect(pg_server.url(database, role=GATEWAY_ROLE))
     try:
         assert await conn.fetchval("SELECT count(*) FROM replicas") == 0
         with pytest.raises(asyncpg.InsufficientPrivilegeError):

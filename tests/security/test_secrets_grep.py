@@ -51,7 +51,7 @@ from modelkeeper.domain.operators import OperatorRole
 from modelkeeper.infra import temporal
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.launcher import temporal_server
-from modelkeeper.launcher.postgres import gateway_dsn
+from modelkeeper.launcher.postgres import GATEWAY_ROLE, SUPERUSER, read_password
 from modelkeeper.names import deployment_workflow_id
 from modelkeeper.store.routing import RoutingStore
 from modelkeeper.store.tokens import TokensStore
@@ -168,7 +168,7 @@ def _kill_engines(agent_dir: Path) -> None:
 
 
 @pytest.fixture
-async def run(tmp_path: Path, database_url: str) -> AsyncIterator[Run]:
+async def run(tmp_path: Path, pg_server: PgServer, database_url: str) -> AsyncIterator[Run]:
     (tmp_path / "logs").mkdir()
     api_port, gateway_port, temporal_port = free_port(), free_port(), free_port()
     stack = Run(tmp=tmp_path, database_url=database_url,
@@ -179,7 +179,6 @@ async def run(tmp_path: Path, database_url: str) -> AsyncIterator[Run]:
     join_token_file.write_text(stack.join_token + "\n")
     join_token_file.chmod(0o600)
     db = urlsplit(database_url)
-    assert db.hostname is not None and db.port is not None
     agent_dir = tmp_path / "agent"
 
     temporal_proc = temporal_server.start_dev_server(
@@ -206,8 +205,8 @@ async def run(tmp_path: Path, database_url: str) -> AsyncIterator[Run]:
         _start(stack, "gateway", ["gateway"], {
             "MODELKEEPER_GATEWAY_METRICS_TOKEN_FILE": str(tmp_path / "metrics-token"),
             **base, "MODELKEEPER_GATEWAY_PORT": str(gateway_port),
-            "MODELKEEPER_GATEWAY_DATABASE_URL": gateway_dsn(db.hostname, db.port,
-                                                            db.path.lstrip("/")),
+            "MODELKEEPER_GATEWAY_DATABASE_URL": pg_server.url(db.path.lstrip("/"),
+                                                              role=GATEWAY_ROLE),
             "MODELKEEPER_GATEWAY_AUTH": "true", "MODELKEEPER_USAGE_FLUSH_INTERVAL_S": "0.2",
             "MODELKEEPER_ENGINE_KEY_SECRET": stack.cluster_secret})
         low = free_port()
@@ -364,6 +363,11 @@ async def test_no_secret_in_logs_history_events_or_responses(run: Run,
     if credential_file.exists():
         named["the node credential"] = credential_file.read_text().strip()
     named.update(_derived_keys(run.cluster_secret, {node["node_id"], *replica_ids}))
+    # The database passwords the components connected with (through password files).
+    for role in (SUPERUSER, GATEWAY_ROLE):
+        password = read_password(pg_server.data_dir, role)
+        assert password is not None, role
+        named[f"the database password of {role}"] = password
     needles = _needles(named)
     assert engine_keys_given <= set(needles.values()), "an engine key the search misses"
 
