@@ -202,6 +202,8 @@ def check_ports(settings: Settings) -> None:
     """Fail with one clear line if a port `up` needs is taken (or configured twice)."""
     seen: dict[int, PortUse] = {}
     for use in PORTS:
+        if use.field == "temporal_mtls_port" and not temporal_mtls_front(settings):
+            continue  # nothing listens there: a port taken by another program is no matter
         port = int(getattr(settings, use.field))
         env = env_var_names(use.field)[0]
         if port in seen:
@@ -693,8 +695,14 @@ class Stack:
         ui_proxy = component(TEMPORAL_UI, "--upstream", ui.url, "--bind-host", ui_host,
                              "--temporal-ui-port", str(s.temporal_ui_port))
         if temporal_mtls_front(s):
-            mtls = ensure_mtls_files(s.temporal_mtls_dir, mtls_server_names(s),
-                                     now=datetime.now(UTC))
+            try:
+                mtls = ensure_mtls_files(s.temporal_mtls_dir, mtls_server_names(s),
+                                         now=datetime.now(UTC))
+            except ValueError as err:  # a file there that is not what up made
+                raise StackError(f"cannot use the CA and certificates in "
+                                 f"{s.temporal_mtls_dir} ({err}); remove the folder to "
+                                 "make new ones, and copy the new agent files to every "
+                                 "agent") from err
             log.info("Temporal's mTLS front uses %s (agents on other machines copy %s)",
                      mtls.folder, ", ".join(AGENT_FILES))
             front = component(TEMPORAL_FRONT, "--upstream",

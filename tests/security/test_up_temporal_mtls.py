@@ -15,6 +15,7 @@ real dev server and a real Temporal client (modelkeeper.infra.temporal.connect):
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 import stat
 import sys
@@ -232,3 +233,17 @@ async def test_the_api_hands_a_remote_agent_the_mtls_front(
         assert resp.status_code == 200, resp.text
         assert resp.json()["temporal_address"] == \
             local_temporal_env.client.service_client.config.target_host
+
+
+def test_the_front_s_port_is_checked_only_when_the_front_runs(tmp_path: Path) -> None:
+    # Every port `up` needs, free, except the front's, which another program holds.
+    ports = {use.field: free_port() for use in stack.PORTS}
+    local = Settings(data_dir=tmp_path, **ports)
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        held = taken.getsockname()[1]
+        stack.check_ports(local.model_copy(update={"temporal_mtls_port": held}))
+        wide = local.model_copy(update={"bind_host": "0.0.0.0", "temporal_mtls_port": held})
+        with pytest.raises(stack.StackError, match="Temporal's mTLS front"):
+            stack.check_ports(wide)
