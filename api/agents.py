@@ -185,7 +185,9 @@ def agent_temporal_address(settings: Settings, *, peer_loopback: bool,
        loopback, unless the agent is on this machine too.
     3. Otherwise Temporal's port on ``api_host``, the host the agent reached the API by:
        Temporal runs beside the API, as under `up` (whose API reaches it on loopback).
-       An agent that reached the API can resolve and route to that host.
+       An agent that reached the API can resolve and route to that host. The port is
+       ``agent_temporal_port`` when set (under `up`, its mTLS front's, the one door to
+       Temporal that other machines have), else the API's own.
 
     ``api_host`` is the request's Host (which the allowlist admitted), else the address
     of the API's socket it arrived on; None leaves the address as it is.
@@ -197,6 +199,8 @@ def agent_temporal_address(settings: Settings, *, peer_loopback: bool,
     usable = host not in WILDCARD_BINDS and (peer_loopback or not is_loopback(host))
     if usable or api_host is None or api_host in WILDCARD_BINDS or not port:
         return address
+    if settings.agent_temporal_port is not None:
+        port = str(settings.agent_temporal_port)
     return f"[{api_host}]:{port}" if ":" in api_host else f"{api_host}:{port}"
 
 

@@ -84,7 +84,15 @@ class Settings(BaseSettings):
         description="`up` with a bind_host beyond loopback: let the Temporal dev server listen "
         "there too, in plaintext and without authentication, so agents on other machines can "
         "poll it. Anyone who reaches it can start, signal or terminate any workflow: a "
-        "trusted network only (`up` warns). Off: Temporal stays on loopback.",
+        "trusted network only (`up` warns). Off: Temporal stays on loopback, and agents on "
+        "other machines reach it through the mTLS front (temporal_mtls_port).",
+    )
+    temporal_mtls_port: Port = Field(
+        default=7235, ge=1, le=65535,
+        description="Port of `up`'s Temporal mTLS front, on bind_host when it is beyond "
+        "loopback (and expose_temporal_plaintext is off): TLS 1.2+ that requires a client "
+        "certificate from `up`'s own CA (<data_dir>/temporal-mtls), passed on to the "
+        "loopback dev server. Agents on other machines poll Temporal there.",
     )
     database_url: str | None = Field(
         default=None,
@@ -154,6 +162,13 @@ class Settings(BaseSettings):
         "API's own TEMPORAL_ADDRESS, unless that is a wildcard, or loopback while the agent "
         "is remote: then Temporal's port on the host the agent used to reach the API "
         "(docs/second-machine.md).",
+    )
+    agent_temporal_port: Port | None = Field(
+        default=None, ge=1, le=65535,
+        description="Temporal port the API hands agents on other machines, with the host "
+        "they reached the API by, when agent_temporal_address is unset and TEMPORAL_ADDRESS "
+        "is loopback or a wildcard. `up` sets it to temporal_mtls_port when its mTLS front "
+        "runs. Unset: TEMPORAL_ADDRESS's port.",
     )
     node_unreachable_after_s: float = Field(
         default=6.0, gt=0,
@@ -566,6 +581,11 @@ class Settings(BaseSettings):
     def temporal_db_file(self) -> Path:
         """Temporal dev server's SQLite file; keeping it makes workflows survive a restart."""
         return self.data_dir / "temporal" / "temporal.db"
+
+    @property
+    def temporal_mtls_dir(self) -> Path:
+        """Where `up` keeps the CA and certificates of its Temporal mTLS front (0700)."""
+        return self.data_dir / "temporal-mtls"
 
     @property
     def engine_key_secret_file(self) -> Path:

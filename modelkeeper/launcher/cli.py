@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -129,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(ui, ["temporal_ui_port"])
     ui.add_argument("--upstream", required=True, metavar="URL",
                     help="the dev server's own UI, on the hidden loopback address `up` chose")
+
+    front = sub.add_parser("temporal-front", help="serve Temporal to agents on other "
+                           "machines over TLS with a required client certificate from up's "
+                           "own CA (`up --bind-host` runs it; docs/second-machine.md)")
+    _add_common(front, ["temporal_mtls_port"])
+    front.add_argument("--upstream", required=True, metavar="HOST:PORT",
+                       help="the dev server's frontend, on loopback")
 
     leave = sub.add_parser(
         "leave", help="stop every engine a stopped agent left running on this machine: "
@@ -342,6 +350,42 @@ def _cmd_temporal_ui(settings: Settings, upstream: str) -> int:
     return 0 if server.started else 1
 
 
+def _cmd_temporal_front(settings: Settings, upstream: str) -> int:
+    import ssl
+
+    from ..infra.pki import MtlsFiles
+    from ..infra.tls_front import TlsFront, server_context
+
+    _configure_logging(settings)
+    host, sep, port = upstream.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"--upstream is {upstream!r}; it must be HOST:PORT, the Temporal "
+                         "dev server's frontend")
+    files = MtlsFiles(settings.temporal_mtls_dir)
+    try:
+        context = server_context(ca_file=files.ca, cert_file=files.server_cert,
+                                 key_file=files.server_key)
+    except (OSError, ssl.SSLError) as err:
+        raise UsageError(f"cannot load the mTLS front's CA and certificate from "
+                         f"{files.folder} ({err}); `up --bind-host` makes them") from None
+    front = TlsFront(context, upstream_host=host.strip("[]"), upstream_port=int(port))
+
+    async def serve() -> None:
+        try:
+            await front.start(settings.bind_host, settings.temporal_mtls_port)
+        except OSError as err:
+            raise UsageError(f"cannot listen on {settings.bind_host}:"
+                             f"{settings.temporal_mtls_port} ({err.strerror}); choose "
+                             "another port with --temporal-mtls-port") from None
+        logging.getLogger(__name__).info(
+            "Temporal mTLS front on %s:%d, passing verified clients on to %s",
+            settings.bind_host, settings.temporal_mtls_port, upstream)
+        await front.serve_forever()
+
+    asyncio.run(serve())
+    return 0
+
+
 def _cmd_gateway(settings: Settings) -> int:
     from gateway.server import GatewayConfigError, run_gateway
 
@@ -395,6 +439,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                                                                None)),
             "gateway": _cmd_gateway, "leave": _cmd_leave,
             "temporal-ui": lambda s: _cmd_temporal_ui(s, args.upstream),
+            "temporal-front": lambda s: _cmd_temporal_front(s, args.upstream),
             "keys": lambda s: _cmd_keys(s, args),
             "tokens": lambda s: _cmd_tokens(s, args),
         }

@@ -27,6 +27,7 @@ PORTS = [
     PortUse("the Temporal web UI", "temporal_ui_port", "--temporal-ui-port"),
     PortUse("Temporal's HTTP API", "temporal_http_port", "--temporal-http-port"),
     PortUse("Temporal's metrics", "temporal_metrics_port", "--temporal-metrics-port"),
+    PortUse("Temporal's mTLS front", "temporal_mtls_port", "--temporal-mtls-port"),
 ]
 
 #: The flag of each settings field that is a port.

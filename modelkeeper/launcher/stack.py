@@ -16,8 +16,11 @@ is ready; then supervises them like a process manager:
    no process of its own is left.
 
 Other machines (docs/second-machine.md): with ``--bind-host 0.0.0.0`` (or ``::``, or an
-address of this machine) the API and the gateway listen there (Temporal too, in plaintext,
-only with ``--expose-temporal-plaintext``, and `up` then warns), `up`
+address of this machine) the API and the gateway listen there, and so does Temporal's
+mTLS front (``temporal-front``: TLS requiring a client certificate from `up`'s own CA in
+``<data_dir>/temporal-mtls``, before the dev server, which stays on loopback); only with
+``--expose-temporal-plaintext`` does the dev server itself listen there, in plaintext,
+and `up` then warns instead. `up`
 writes a join token into ``<data_dir>/join-token`` and lets the API answer to this
 machine's names, while its own children keep talking over loopback and PostgreSQL never
 leaves it. The API hands each agent a Temporal address it can reach (``api.agents``).
@@ -35,6 +38,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
 
@@ -47,6 +51,13 @@ from ..domain.nodes import is_loopback
 from ..domain.operators import OperatorRole, name_problem
 from ..infra.files import make_private_dir, private_files
 from ..infra.network import WILDCARD_BINDS, machine_names
+from ..infra.pki import (
+    AGENT_CERT_FILE,
+    AGENT_FILES,
+    AGENT_KEY_FILE,
+    CA_FILE,
+    ensure_mtls_files,
+)
 from ..infra.processes import ManagedProcess, free_port, port_is_free, signal_group, tcp_accepts
 from ..names import LOCAL_DATABASE_NAME, local_database_passfile
 from ..settings import Settings, env_var_names
@@ -107,6 +118,15 @@ TEMPORAL_UI = "temporal-ui"
 #: The UI proxy starts in about a second (uvicorn, one pool connection); this only bounds
 #: a hang.
 TEMPORAL_UI_READY_TIMEOUT_S = 60.0
+#: The component that lets agents on other machines reach the loopback dev server: TLS
+#: with a required client certificate (modelkeeper.infra.tls_front).
+TEMPORAL_FRONT = "temporal-front"
+#: The front listens within a second of starting (one Python process, no I/O but its
+#: certificate files); this only bounds a hang.
+TEMPORAL_FRONT_READY_TIMEOUT_S = 30.0
+#: Names the front's certificate carries besides the machine's own, so that a client on
+#: this machine can check it too (they name no other machine).
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 #: The join token `up` makes when bound beyond loopback, in the data dir, mode 0600: the
 #: one file a second machine needs copied (docs/second-machine.md).
 JOIN_TOKEN_FILE = "join-token"
@@ -136,6 +156,20 @@ def temporal_host(settings: Settings) -> str:
     return settings.bind_host
 
 
+def temporal_mtls_front(settings: Settings) -> bool:
+    """Whether `up` runs its mTLS front (TEMPORAL_FRONT): when other machines may reach
+    this one and the dev server itself stays on loopback."""
+    return serves_other_machines(settings.bind_host) and not settings.expose_temporal_plaintext
+
+
+def mtls_server_names(settings: Settings) -> list[str]:
+    """The names and addresses on the front's certificate: those agents may reach the API
+    by (an agent dials Temporal on the host it reached the API by, api.agents), and
+    loopback's."""
+    names = [*reachable_at(settings), *api_allowed_hosts(settings), *LOOPBACK_NAMES]
+    return list(dict.fromkeys(n.strip("[]") for n in names if n != "*"))
+
+
 def temporal_ui_host(settings: Settings) -> str:
     """Where the Temporal UI proxy listens: always loopback (the bind host when it is one);
     from another machine, reach it through an SSH tunnel."""
@@ -153,8 +187,9 @@ def temporal_exposure(settings: Settings) -> str | None:
             f"metrics (:{settings.temporal_metrics_port}) listen on {host} in plaintext, "
             "with no authentication: anyone who reaches them can start, signal or terminate "
             "any workflow and poll and complete any node's tasks, bypassing tokens and node "
-            "credentials. Use this on a trusted network only; elsewhere give agents a "
-            "Temporal with mTLS (docs/security.md)")
+            "credentials. Use this on a trusted network only; elsewhere drop "
+            "--expose-temporal-plaintext and agents reach Temporal through up's mTLS front "
+            "(docs/second-machine.md)")
 
 
 def _port_check_host(bind_host: str) -> str:
@@ -167,6 +202,8 @@ def check_ports(settings: Settings) -> None:
     """Fail with one clear line if a port `up` needs is taken (or configured twice)."""
     seen: dict[int, PortUse] = {}
     for use in PORTS:
+        if use.field == "temporal_mtls_port" and not temporal_mtls_front(settings):
+            continue  # nothing listens there: a port taken by another program is no matter
         port = int(getattr(settings, use.field))
         env = env_var_names(use.field)[0]
         if port in seen:
@@ -197,7 +234,8 @@ TEMPORAL_SECURITY_FIELDS = (
 SECRET_READERS: dict[str, frozenset[str]] = {
     "engine_key_secret": frozenset({"api", "gateway"}),
     "engine_key_secret_previous": frozenset({"gateway"}),
-    "database_url": frozenset({"api", "worker"}),
+    # The Temporal UI's proxy checks each login's operator token in the store.
+    "database_url": frozenset({"api", "worker", TEMPORAL_UI}),
     "gateway_database_url": frozenset({"gateway"}),
     "join_token": frozenset({"api", AGENT}),
     "join_token_file": frozenset({"api", AGENT}),
@@ -271,6 +309,10 @@ def component_env(settings: Settings, database_url: str, *,
         env["MODELKEEPER_JOIN_TOKEN_FILE"] = str(join_token_file)
     if allowed_hosts:
         env["MODELKEEPER_API_ALLOWED_HOSTS"] = ",".join(allowed_hosts)
+    if temporal_mtls_front(settings):
+        # Agents on other machines are sent to the mTLS front, never to the dev server's
+        # own port, which is on loopback (api.agents.agent_temporal_address, rule 3).
+        env["MODELKEEPER_AGENT_TEMPORAL_PORT"] = str(settings.temporal_mtls_port)
     return env
 
 
@@ -676,6 +718,23 @@ class Stack:
         ui_host = temporal_ui_host(s)
         ui_proxy = component(TEMPORAL_UI, "--upstream", ui.url, "--bind-host", ui_host,
                              "--temporal-ui-port", str(s.temporal_ui_port))
+        if temporal_mtls_front(s):
+            try:
+                mtls = ensure_mtls_files(s.temporal_mtls_dir, mtls_server_names(s),
+                                         now=datetime.now(UTC))
+            except ValueError as err:  # a file there that is not what up made
+                raise StackError(f"cannot use the CA and certificates in "
+                                 f"{s.temporal_mtls_dir} ({err}); remove the folder to "
+                                 "make new ones, and copy the new agent files to every "
+                                 "agent") from err
+            log.info("Temporal's mTLS front uses %s (agents on other machines copy %s)",
+                     mtls.folder, ", ".join(AGENT_FILES))
+            front = component(TEMPORAL_FRONT, "--upstream",
+                              f"{TEMPORAL_LOOPBACK}:{s.temporal_port}", "--bind-host",
+                              s.bind_host, "--temporal-mtls-port", str(s.temporal_mtls_port))
+            front.wait_until(lambda: tcp_accepts(local_host(s.bind_host),
+                                                 s.temporal_mtls_port),
+                             timeout=TEMPORAL_FRONT_READY_TIMEOUT_S, interval=0.2)
         component("worker")
         api = component("api")
         api_url = f"http://{host}:{s.api_port}"
@@ -771,15 +830,34 @@ def banner(settings: Settings, demo_status: str = "", *,
     exposure = temporal_exposure(settings)
     if serves_other_machines(settings.bind_host):
         names = reachable_at(settings)
-        api = f"http://{_url_host(names[0]) if names else 'THIS_MACHINE'}:{settings.api_port}"
+        here = _url_host(names[0]) if names else "THIS_MACHINE"
+        api = f"http://{here}:{settings.api_port}"
         token = join_token_file or "THE_JOIN_TOKEN_FILE"
         add_node = [
             f"  other machines reach this one as {', '.join(names)} (the API and the "
             f"gateway listen on {settings.bind_host}, in plaintext)",
             f"  join token     {token}   (copy it to each machine that joins, mode 0600)",
-            f"  add a node     modelkeeper agent --api-url {api} --join-token-file FILE "
-            "--name NAME --memory 16GiB   (on the other machine: docs/second-machine.md)",
         ]
+        if temporal_mtls_front(settings):
+            folder = settings.temporal_mtls_dir
+            add_node += [
+                f"  Temporal mTLS  {here}:{settings.temporal_mtls_port}   (agents on other "
+                "machines poll here: TLS, with a client certificate from this stack's CA)",
+                f"  agent files    {', '.join(str(folder / f) for f in AGENT_FILES)}   "
+                "(copy them too, mode 0600)",
+                "  add a node     " + " ".join(
+                    f"{env_var_names(field)[0]}=DIR/{name}" for field, name in (
+                        ("temporal_tls_ca_file", CA_FILE),
+                        ("temporal_tls_cert_file", AGENT_CERT_FILE),
+                        ("temporal_tls_key_file", AGENT_KEY_FILE)))
+                + f" modelkeeper agent --api-url {api} --join-token-file FILE --name NAME "
+                "--memory 16GiB   (on the other machine, DIR holding the copies: "
+                "docs/second-machine.md)",
+            ]
+        else:
+            add_node.append(
+                f"  add a node     modelkeeper agent --api-url {api} --join-token-file FILE "
+                "--name NAME --memory 16GiB   (on the other machine: docs/second-machine.md)")
     else:
         add_node = [
             "  add a node     modelkeeper agent --data-dir DIR --memory 16GiB   (this "
@@ -799,10 +877,8 @@ def banner(settings: Settings, demo_status: str = "", *,
         f"  Temporal       {t}:{settings.temporal_port}   "
         f"(temporal workflow list --address {t}:{settings.temporal_port}); "
         + ("OPEN TO THE NETWORK, see the warning below" if exposure else
-           "this machine only" + ("; agents on other machines need "
-                                  "--expose-temporal-plaintext or a Temporal with mTLS "
-                                  "(docs/second-machine.md)"
-                                  if serves_other_machines(settings.bind_host) else "")),
+           "this machine only" + ("; agents on other machines use the mTLS front below"
+                                  if temporal_mtls_front(settings) else "")),
         # The owner's DSN without its passfile query: the file is named in words.
         f"  PostgreSQL     {_owner_dsn(settings).partition('?')[0]}   (this machine only; "
         f"its password is in {local_database_passfile(settings.data_dir, postgres.OWNER_ROLE)})",

@@ -1,9 +1,11 @@
 """A second machine for real: `up --bind-host 0.0.0.0` in one network namespace, an agent
-in another, joined by a veth pair, with nothing shared but the API's URL and the join
-token file (docs/second-machine.md).
+in another, joined by a veth pair, with nothing shared but the API's URL, the join token
+file and the three files of `up`'s Temporal mTLS front (docs/second-machine.md).
 
 A model pinned to the remote node is deployed and served through the gateway: that takes
-the API handing the agent a Temporal address it can reach (not ``0.0.0.0``), the agent
+the API handing the agent a Temporal address it can reach (not ``0.0.0.0``, and the mTLS
+front's, not the dev server's on loopback), the agent's worker getting through that front
+with the agent certificate `up` made, the agent
 advertising its own address on the link (not 127.0.0.1), its engine listening there, and
 the gateway in the first namespace reaching it.
 
@@ -47,7 +49,8 @@ MODEL = {"model_id": "sim-remote", "engine": "sim", "source": "sim",
 KILL_TIMEOUT_S = 10.0
 #: Ports in the stack's namespace: a fresh namespace has no listeners, so fixed ones do.
 PORTS = {"api": 18400, "gateway": 18401, "postgres": 18432, "temporal": 17233,
-         "temporal-ui": 18233, "temporal-http": 17243, "temporal-metrics": 17244}
+         "temporal-ui": 18233, "temporal-http": 17243, "temporal-metrics": 17244,
+         "temporal-mtls": 17235}
 
 #: Run inside a namespace: one HTTP request, its answer printed as JSON. The test's own
 #: process stays in the root namespace, which reaches neither end of the link.
@@ -194,13 +197,14 @@ def _until(what: str, check: Any, timeout: float, link: Link) -> Any:
 def test_an_agent_in_another_namespace_serves_through_the_gateway(
         link: Link, tmp_path: Path) -> None:
     stack_dir, agent_dir = tmp_path / "a", tmp_path / "b"
-    # The remote agent polls A's Temporal, which stays on loopback unless asked.
+    # The remote agent polls A's Temporal, which stays on loopback, through the mTLS front.
     up_argv = [sys.executable, "-m", "modelkeeper", "up", "--bind-host", "0.0.0.0",
-               "--expose-temporal-plaintext", "--no-demo", "--data-dir", str(stack_dir)]
+               "--no-demo", "--data-dir", str(stack_dir)]
     for name, port in PORTS.items():
         up_argv += [f"--{name}-port", str(port)]
     up = link.spawn(link.stack_ns, up_argv)
-    link.logs += [stack_dir / "logs" / f"{name}.log" for name in ("api", "worker", "gateway")]
+    link.logs += [stack_dir / "logs" / f"{name}.log" for name in ("api", "worker", "gateway",
+                                                                  "temporal-front")]
     banner = _wait_for_banner(up, link)
 
     # `up` made the join token, and says where it is and how to join.
@@ -211,9 +215,20 @@ def test_an_agent_in_another_namespace_serves_through_the_gateway(
     operator = (stack_dir / "operator-token").read_text().strip()
     api = f"http://{link.stack_ip}:{PORTS['api']}"
 
-    # Machine B gets the API's URL and the token file, and nothing else.
+    # Machine B gets the API's URL, the token file and copies of the three Temporal files
+    # the banner names, and nothing else.
+    mtls = stack_dir / "temporal-mtls"
+    copies = tmp_path / "b-temporal"
+    copies.mkdir(mode=0o700)
+    for name in ("ca.pem", "agent.pem", "agent.key"):
+        assert str(mtls / name) in banner, banner
+        shutil.copy(mtls / name, copies / name)
+    assert f"Temporal mTLS  {link.stack_ip}:{PORTS['temporal-mtls']}" in banner, banner
     agent_log = tmp_path / "agent-b.log"
     link.spawn(link.agent_ns, [
+        "env", f"MODELKEEPER_TEMPORAL_TLS_CA_FILE={copies / 'ca.pem'}",
+        f"MODELKEEPER_TEMPORAL_TLS_CERT_FILE={copies / 'agent.pem'}",
+        f"MODELKEEPER_TEMPORAL_TLS_KEY_FILE={copies / 'agent.key'}",
         sys.executable, "-m", "modelkeeper", "agent", "--data-dir", str(agent_dir),
         "--api-url", api, "--join-token-file", str(token_file), "--name", "b",
         "--memory", NODE_MEMORY], log=agent_log)
@@ -226,6 +241,9 @@ def test_an_agent_in_another_namespace_serves_through_the_gateway(
 
     node = _until("node b registered and ready", node_b, 90, link)
     assert "registered; polling" in agent_log.read_text(), link.log_tails()
+    # Its worker polls through the mTLS front: the API sent it the front's address.
+    assert f"on Temporal at {link.stack_ip}:{PORTS['temporal-mtls']}" in \
+        agent_log.read_text(), link.log_tails()
 
     status, text = link.request("POST", f"{api}/models", body=MODEL, token=operator)
     assert status == 201, text

@@ -32,7 +32,7 @@ class Up:
         self.data_dir = data_dir
         self.ports = {name: free_port() for name in
                       ("api", "gateway", "postgres", "temporal", "temporal-ui",
-                       "temporal-http", "temporal-metrics")}
+                       "temporal-http", "temporal-metrics", "temporal-mtls")}
         self.proc: subprocess.Popen[str] | None = None
         self.descendants: list[psutil.Process] = []
         #: What `up` printed after the banner, once interrupted.

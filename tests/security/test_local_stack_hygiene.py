@@ -32,7 +32,7 @@ from modelkeeper.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)
 
-CHILDREN = ("worker", "api", "gateway", "agent")
+CHILDREN = ("worker", "api", "gateway", "agent", "temporal-ui", "temporal-front")
 
 
 def _up_env(settings: Settings) -> dict[str, str]:
@@ -76,6 +76,9 @@ def test_each_child_gets_only_the_secrets_it_reads(
         "gateway": {"MODELKEEPER_GATEWAY_DATABASE_URL", "MODELKEEPER_ENGINE_KEY_SECRET",
                     "MODELKEEPER_ENGINE_KEY_SECRET_PREVIOUS"},
         "agent": set(),
+        # The Temporal UI's proxy checks logins against the operator tokens in the store.
+        "temporal-ui": {"MODELKEEPER_DATABASE_URL"},
+        "temporal-front": set(),
     }
     gateway_url = urlsplit(stack.env_for("gateway", env)["MODELKEEPER_GATEWAY_DATABASE_URL"])
     assert gateway_url.username == "modelkeeper_gateway"
@@ -127,7 +130,8 @@ def private() -> Iterator[None]:
 def dev_server(tmp_path: Path, private: None) -> Iterator[ManagedProcess]:
     data_dir = tmp_path / "data"
     proc = temporal_server.start_dev_server(
-        host="127.0.0.1", port=free_port(), ui_port=None,
+        host="127.0.0.1", port=free_port(), http_port=free_port(),
+        metrics_port=free_port(), ui=None,
         db_file=data_dir / "temporal" / "temporal.db", namespace="default",
         log_path=data_dir / "logs" / "temporal.log")
     try:
