@@ -144,6 +144,24 @@ async def test_a_body_in_the_same_read_as_its_headers_is_not_counted_as_headers(
         protocol.connection_lost(None)
 
 
+async def test_a_malformed_request_gets_a_400_in_openais_shape() -> None:
+    """The parser's refusals are written below the app, in the shape of every other error."""
+    protocol = gateway_protocol(Settings())(
+        config=uvicorn.Config(_app, log_config=None), server_state=ServerState(),
+        app_state={}, _loop=asyncio.get_running_loop())
+    transport = _Transport()
+    protocol.connection_made(transport)
+    try:
+        protocol.data_received(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nBad Header\r\n\r\n")
+        assert transport.closed and transport.written.startswith(b"HTTP/1.1 400 "), (
+            transport.written[:80])
+        error = json.loads(transport.written.split(b"\r\n\r\n", 1)[1])["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error",
+                                                  "malformed_request"), error
+    finally:
+        protocol.connection_lost(None)
+
+
 def _endless_header(port: int, limit: int) -> tuple[bytes, int]:
     """Send one header line that never ends, in small writes, until the server answers or
     ``limit`` bytes are sent; what came back and how much was sent."""
