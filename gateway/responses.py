@@ -22,7 +22,8 @@ from modelkeeper.store.routing import DeploymentRoute
 #: What ASGI wants for headers.
 Headers = list[tuple[bytes, bytes]]
 
-JSON_HEADERS: Headers = [(b"content-type", b"application/json")]
+JSON_CONTENT_TYPE = b"application/json"
+JSON_HEADERS: Headers = [(b"content-type", JSON_CONTENT_TYPE)]
 
 
 def dumps(obj: Any) -> bytes:
@@ -46,8 +47,16 @@ class ErrorReply:
 
     def body(self) -> bytes:
         """The JSON body: ``{"error": {...}}`` as the OpenAI API shapes it."""
-        return dumps({"error": {"message": self.message, "type": self.type,
-                                "param": self.param, "code": self.code, **self.extra}})
+        return error_json(self.message, self.type, self.code, param=self.param,
+                          extra=self.extra)
+
+
+def error_json(message: str, type_: str, code: str, *, param: str | None = None,
+               extra: dict[str, Any] | None = None) -> bytes:
+    """An error body, ``{"error": {...}}``, as the OpenAI API shapes it: for
+    :class:`ErrorReply`, and for the answers the HTTP protocol writes below the app."""
+    return dumps({"error": {"message": message, "type": type_, "param": param,
+                            "code": code, **(extra or {})}})
 
 
 def bad_request(message: str, code: str = "invalid_request", *,

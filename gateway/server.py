@@ -24,14 +24,14 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from modelkeeper.infra.http_server import TimedHttpProtocol, timed_protocol
 from modelkeeper.infra.processes import port_is_free
 from modelkeeper.infra.secrets import read_engine_key_secret, read_metrics_token
 from modelkeeper.settings import Settings
 
 from .app import Gateway
-from .responses import ErrorReply
+from .responses import JSON_CONTENT_TYPE, error_json
 
 log = logging.getLogger(__name__)
 
@@ -84,167 +84,31 @@ def bind_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
     return sock
 
 
-#: The most bytes a request line and headers may take. An OpenAI client sends well under
-#: 2 KiB; nginx's default for large headers is 32 KiB. Over it, a 400. Counted twice: as
-#: the bytes arrive (httptools keeps a header line in memory until it ends, so a line that
-#: never ends would otherwise grow without bound: 4 connections took a gateway from 80 MB
-#: to 402 MB), and as the parser hands over whole headers (a request that arrives in one
-#: read, the rest of which may be a body).
-MAX_HEADER_BYTES = 64 << 10
+class GatewayHttpProtocol(TimedHttpProtocol):
+    """The HTTP protocol every server that faces clients shares
+    (:mod:`modelkeeper.infra.http_server`: header and body deadlines, a header cap counted
+    as the bytes arrive, a lingering close), with the gateway's error shape: the answers it
+    writes below the app (a 400, 408 or 431) are OpenAI's, as every other error the gateway
+    gives, so a client's error handling needs one parser."""
+
+    def error_body(self, message: str, code: str) -> tuple[bytes, bytes]:
+        # Each is the request's own fault (malformed, too large, too slow).
+        return JSON_CONTENT_TYPE, error_json(message, "invalid_request_error", code)
 
 
-def _raw_error(status_line: bytes, reply: ErrorReply) -> bytes:
-    """A whole HTTP/1.1 error answer that closes the connection, written to the transport
-    below the app (a request that never reached it), in the shape of every other error
-    the gateway gives: OpenAI's, so a client's error handling needs one parser."""
-    body = reply.body()
-    return (status_line + b"\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-
-
-#: What a request that is late with its headers or body gets before its connection closes.
-_TIMEOUT_RESPONSE = _raw_error(b"HTTP/1.1 408 Request Timeout", ErrorReply(
-    408, "the request was not sent in time: its headers or body stopped arriving",
-    "invalid_request_error", "request_timeout"))
-#: Which part of a request a connection is reading.
-_IDLE, _HEADERS, _BODY = 0, 1, 2
-
-
-class HeaderTooLarge(Exception):
-    """Raised from a parser callback: the parser's error makes the server answer 400."""
-
-
-class TimedHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, with a deadline on each part of a request.
-
-    uvicorn bounds only the idle time between requests (its keep-alive timeout), and
-    stops counting at the first byte: a client sending a byte every few seconds, or headers
-    and then nothing, holds its connection, and a task, for as long as it likes
-    (slowloris). Here a new connection, and a request once begun, must deliver its headers
-    within ``header_timeout_s``, and its body within ``body_timeout_s`` of the headers,
-    or get a 408 and a closed connection; headers may take ``MAX_HEADER_BYTES`` at most.
-
-    A deadline is armed only when a part of a request is still missing after the bytes
-    at hand are parsed: a request that arrives whole, as most do, costs no timer.
-    """
-
-    header_timeout_s = 10.0
-    body_timeout_s = 60.0
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._reading = _HEADERS  # a new connection owes its first request
-        self._header_bytes = 0
-        #: Bytes received while the request's headers were still incomplete, counted
-        #: before the parser buffers them.
-        self._header_arrived = 0
-        self._deadline: asyncio.TimerHandle | None = None
-        self._deadline_for = _IDLE
-        self._arm(_HEADERS)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
-
-    def data_received(self, data: bytes) -> None:
-        if self._reading == _HEADERS:
-            # Counted before parsing: the parser holds an unfinished header line in
-            # memory, and the callbacks below see it only once it ends. A read that
-            # completes the headers may carry a body too, so the bound is judged after
-            # parsing, on a request still reading its headers: at most one read more
-            # than the bound is ever buffered.
-            self._header_arrived += len(data)
-        super().data_received(data)
-        if (self._reading == _HEADERS and self._header_arrived > MAX_HEADER_BYTES
-                and not self.transport.is_closing()):
-            self.send_400_response("request headers over the limit")
-            return
-        reading = self._reading
-        if reading == _IDLE or self.transport.is_closing():
-            self._disarm()
-        elif self._deadline_for != reading:
-            self._arm(reading)
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._reading = _HEADERS
-        self._header_bytes = 0
-        self._header_arrived = 0
-
-    def on_url(self, url: bytes) -> None:
-        self._count_header_bytes(len(url))
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_header_bytes(len(name) + len(value))
-        super().on_header(name, value)
-
-    def on_headers_complete(self) -> None:
-        self._reading = _BODY
-        super().on_headers_complete()
-
-    def on_message_complete(self) -> None:
-        self._reading = _IDLE
-        super().on_message_complete()
-
-    def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to a request its parser refused (headers over the bound, a
-        malformed request line) is plain text; here it is OpenAI's error shape."""
-        if self._header_bytes > MAX_HEADER_BYTES or self._header_arrived > MAX_HEADER_BYTES:
-            # uvicorn's message is the same for every parser error; this one has a limit.
-            msg = f"the request's headers are over {MAX_HEADER_BYTES} bytes"
-        self.transport.write(_raw_error(b"HTTP/1.1 400 Bad Request", ErrorReply(
-            400, msg, "invalid_request_error", "malformed_request")))
-        self.transport.close()
-
-    def _count_header_bytes(self, size: int) -> None:
-        self._header_bytes += size
-        if self._header_bytes > MAX_HEADER_BYTES:
-            raise HeaderTooLarge(f"request headers over {MAX_HEADER_BYTES} bytes")
-
-    def _arm(self, reading: int) -> None:
-        self._disarm()
-        delay = self.header_timeout_s if reading == _HEADERS else self.body_timeout_s
-        self._deadline = self.loop.call_later(delay, self._late, reading)
-        self._deadline_for = reading
-
-    def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-        self._deadline_for = _IDLE
-
-    def _late(self, reading: int) -> None:
-        """The deadline for ``reading`` passed: if that part is still missing, answer 408
-        (unless a response has begun) and close."""
-        self._deadline = None
-        self._deadline_for = _IDLE
-        if self._reading != reading or self.transport.is_closing():
-            return
-        cycle = self.cycle
-        if cycle is None or not cycle.response_started:
-            self.transport.write(_TIMEOUT_RESPONSE)
-        if cycle is not None and not cycle.response_complete:
-            # The app's pending receive() then reads a disconnect, and stops.
-            cycle.disconnected = True
-            cycle.message_event.set()
-        self.transport.close()
-
-
-def timed_protocol(settings: Settings) -> type[TimedHttpProtocol]:
-    """:class:`TimedHttpProtocol` with the settings' deadlines (uvicorn builds one per
-    connection from the class it is given)."""
-    return type("TimedHttpProtocol", (TimedHttpProtocol,), {
-        "header_timeout_s": settings.gateway_header_timeout_s,
-        "body_timeout_s": settings.gateway_body_timeout_s})
+def gateway_protocol(settings: Settings) -> type[TimedHttpProtocol]:
+    """:class:`GatewayHttpProtocol` with the settings' deadlines."""
+    return timed_protocol("GatewayHttpProtocol", base=GatewayHttpProtocol,
+                          header_timeout_s=settings.gateway_header_timeout_s,
+                          body_timeout_s=settings.gateway_body_timeout_s)
 
 
 def uvicorn_config(app: Gateway, settings: Settings) -> uvicorn.Config:
     """The server settings: the measured-fastest protocol stack (httptools, bounded in
-    time and header size by :class:`TimedHttpProtocol`), no access log (a log line per
+    time and header size by :class:`GatewayHttpProtocol`), no access log (a log line per
     request would cost more than the gateway's own work)."""
     return uvicorn.Config(
-        app, loop="uvloop", http=timed_protocol(settings), lifespan="on", access_log=False,
+        app, loop="uvloop", http=gateway_protocol(settings), lifespan="on", access_log=False,
         log_config=None, log_level=settings.log_level.lower(),
         # OpenAI clients keep connections open between requests; closing them after 5 s
         # idle (uvicorn's default) would make them reconnect all the time.

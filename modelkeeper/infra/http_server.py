@@ -1,7 +1,7 @@
 """uvicorn's httptools protocol with the bounds its own does not have: a deadline on each
 part of a request, and a cap on the bytes of its request line and headers counted as they
-arrive. Shared by the HTTP servers that face clients (the API, and the gateway once it
-moves to it); each names the shape of its own error bodies.
+arrive. Shared by the HTTP servers that face clients (the API and the gateway); each
+names its deadlines and the shape of its own error bodies.
 
 uvicorn bounds only the idle time between requests (its keep-alive timeout), and stops
 counting at the first byte: a client sending a byte every few seconds, or headers and then
@@ -101,6 +101,8 @@ class TimedHttpProtocol(HttpToolsProtocol):
         self._body_unbounded = False
         self._deadline: asyncio.TimerHandle | None = None
         self._deadline_for = _IDLE
+        self._extensions: dict[str, dict[object, object]] = {
+            STREAM_BODY_EXTENSION: {"release": self._release_body}}
         self._arm(_HEADERS)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -118,32 +120,52 @@ class TimedHttpProtocol(HttpToolsProtocol):
             return
         # Bytes that may belong to a request's head are counted before the parser holds
         # them; once the parser reads a body, the body's own bounds apply.
+        if self._reading == _BODY:
+            super().data_received(data)
+        elif self._head_bytes + len(data) <= self.max_header_bytes:
+            # The usual read, a whole request or head well under the cap: parsed at once,
+            # with no slicing (the gateway's hot path; see _read_head for the rest).
+            self._head_bytes += len(data)
+            super().data_received(data)
+        else:
+            rest = self._read_head(data)
+            if rest is None:
+                return
+            if rest:
+                super().data_received(rest)
+        reading = self._reading
+        if reading == _IDLE or self._closing() or (
+                reading == _BODY and self._body_unbounded):
+            if self._deadline is not None:
+                self._disarm()
+        elif self._deadline_for != reading:
+            self._arm(reading)
+
+    def _read_head(self, data: bytes) -> bytes | None:
+        """Parse ``data``, which would take the head past the cap if it all belonged to
+        it, piece by piece while the head is still arriving, refusing the request once
+        the cap is reached; the bytes left once a body is being read, or None when the
+        connection is closing."""
         while data and self._reading != _BODY:
             room = self.max_header_bytes - self._head_bytes
             if room <= 0:
                 self._refuse_head()
-                return
+                return None
             piece, data = data[:room], data[room:]
             self._head_bytes += len(piece)
             super().data_received(piece)
-            if self.transport.is_closing():
+            if self._closing():
                 self._disarm()
-                return
-        if data:
-            super().data_received(data)
-        reading = self._reading
-        if reading == _IDLE or self.transport.is_closing() or (
-                reading == _BODY and self._body_unbounded):
-            self._disarm()
-        elif self._deadline_for != reading:
-            self._arm(reading)
+                return None
+        return data
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._reading = _HEADERS
         self._body_unbounded = False
-        self.scope["extensions"] = {
-            STREAM_BODY_EXTENSION: {"release": self._release_body}}
+        # One dict per connection, not per request: its callable acts on the request
+        # being read, whichever scope it is reached from.
+        self.scope["extensions"] = self._extensions
 
     def on_headers_complete(self) -> None:
         self._reading = _BODY
@@ -151,8 +173,9 @@ class TimedHttpProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._reading = _IDLE
-        # The next request's head is counted afresh (a pipelined one may already be in the
-        # bytes at hand, counted with this one: the cap then errs on the strict side).
+        # The next request's head is counted afresh. A pipelined one already in the bytes
+        # at hand goes uncounted, so the parser may hold one read past the cap: still
+        # bounded.
         self._head_bytes = 0
         super().on_message_complete()
 

@@ -1,7 +1,9 @@
 """The gateway's edge (issue 19): what reaches it before a request is routed, and what an
 engine may send back.
 
-* A header line that never ends is cut once the header bound has arrived (finding 8).
+* A header line that never ends is cut once the header bound has arrived (finding 8), by
+  the HTTP protocol the API uses too (modelkeeper.infra.http_server), answering a 431 in
+  OpenAI's error shape that a client still sending reads whole.
 * Engine-native knobs that set how much is generated are bounded like ``max_tokens``
   (finding 9).
 * The Host allowlist and ``Content-Type: application/json`` (no blind cross-site POSTs).
@@ -13,6 +15,7 @@ engine may send back.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,7 +30,7 @@ from uvicorn.server import ServerState
 
 import gateway.app
 from gateway.edge import HostCheck
-from gateway.server import MAX_HEADER_BYTES, GatewayConfigError, GatewayServer, timed_protocol
+from gateway.server import GatewayConfigError, GatewayServer, gateway_protocol
 from modelkeeper.domain.output_bounds import (
     ENGINE_OUTPUT_FIELDS,
     OutputField,
@@ -36,6 +39,7 @@ from modelkeeper.domain.output_bounds import (
 )
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.infra.hosts import OwnAddresses
+from modelkeeper.infra.http_server import MAX_HEADER_BYTES
 from modelkeeper.infra.processes import free_port
 from modelkeeper.settings import Settings
 from tests.support.gateway_support import (
@@ -82,6 +86,9 @@ class _Transport(asyncio.Transport):
     def resume_reading(self) -> None:
         pass
 
+    def can_write_eof(self) -> bool:
+        return False  # no half-close here: a refusal closes at once
+
 
 async def _app(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -93,7 +100,7 @@ _READ = 4096
 
 
 async def test_an_endless_header_line_is_cut_once_the_bound_has_arrived() -> None:
-    protocol_class = timed_protocol(Settings(gateway_header_timeout_s=30.0))
+    protocol_class = gateway_protocol(Settings(gateway_header_timeout_s=30.0))
     protocol = protocol_class(config=uvicorn.Config(_app, log_config=None),
                               server_state=ServerState(), app_state={},
                               _loop=asyncio.get_running_loop())
@@ -107,17 +114,20 @@ async def test_an_endless_header_line_is_cut_once_the_bound_has_arrived() -> Non
             fed += len(chunk)
             chunk = b"a" * _READ
         assert transport.closed, f"still reading a header line after {fed} bytes"
-        # Cut at the first read past the bound: the parser never held more than that.
-        assert MAX_HEADER_BYTES < fed <= MAX_HEADER_BYTES + 2 * _READ, fed
-        assert transport.written.startswith(b"HTTP/1.1 400 "), transport.written[:80]
-        assert b'"the request\'s headers are over 65536 bytes"' in transport.written
+        # Cut in the read that passed the bound: the parser was fed no more than the bound.
+        assert MAX_HEADER_BYTES < fed <= MAX_HEADER_BYTES + _READ, fed
+        assert transport.written.startswith(b"HTTP/1.1 431 "), transport.written[:80]
+        error = json.loads(transport.written.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error == {"message": "the request line and headers are over 65536 bytes",
+                         "type": "invalid_request_error", "param": None,
+                         "code": "headers_too_large"}, error
     finally:
         protocol.connection_lost(None)
 
 
 async def test_a_body_in_the_same_read_as_its_headers_is_not_counted_as_headers() -> None:
     """A read that completes the headers may carry a large body: the bound is on headers."""
-    protocol_class = timed_protocol(Settings())
+    protocol_class = gateway_protocol(Settings())
     protocol = protocol_class(config=uvicorn.Config(_app, log_config=None),
                               server_state=ServerState(), app_state={},
                               _loop=asyncio.get_running_loop())
@@ -129,7 +139,25 @@ async def test_a_body_in_the_same_read_as_its_headers_is_not_counted_as_headers(
                                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
                                + body[:3 * MAX_HEADER_BYTES])
         protocol.data_received(body[3 * MAX_HEADER_BYTES:])
-        assert not transport.written.startswith(b"HTTP/1.1 400"), transport.written[:200]
+        assert not transport.written.startswith(b"HTTP/1.1 4"), transport.written[:200]
+    finally:
+        protocol.connection_lost(None)
+
+
+async def test_a_malformed_request_gets_a_400_in_openais_shape() -> None:
+    """The parser's refusals are written below the app, in the shape of every other error."""
+    protocol = gateway_protocol(Settings())(
+        config=uvicorn.Config(_app, log_config=None), server_state=ServerState(),
+        app_state={}, _loop=asyncio.get_running_loop())
+    transport = _Transport()
+    protocol.connection_made(transport)
+    try:
+        protocol.data_received(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nBad Header\r\n\r\n")
+        assert transport.closed and transport.written.startswith(b"HTTP/1.1 400 "), (
+            transport.written[:80])
+        error = json.loads(transport.written.split(b"\r\n\r\n", 1)[1])["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error",
+                                                  "malformed_request"), error
     finally:
         protocol.connection_lost(None)
 
@@ -165,15 +193,40 @@ def _endless_header(port: int, limit: int) -> tuple[bytes, int]:
     return received, sent
 
 
-async def test_a_gateway_answers_an_endless_header_line_with_a_400(database_url: str) -> None:
+async def test_a_gateway_answers_an_endless_header_line_with_a_431(database_url: str) -> None:
     async with running_gateway(database_url, gateway_header_timeout_s=5.0) as server:
         received, sent = await asyncio.to_thread(
             _endless_header, server.settings.gateway_port, 16 * MAX_HEADER_BYTES)
         # Not a 408 after the header timeout: cut for its size. How much was sent says
         # little (the kernel's buffers take megabytes); what the parser held is the exact
         # test's above.
-        assert received.startswith(b"HTTP/1.1 400"), (sent, received[:200])
-        assert b"the request's headers are over 65536 bytes" in received
+        assert received.startswith(b"HTTP/1.1 431"), (sent, received[:200])
+        assert b"the request line and headers are over 65536 bytes" in received
+
+
+def _refused_while_sending(port: int, data: bytes) -> bytes:
+    """Send all of ``data`` at once, then read the answer until the server closes."""
+    with socket.create_connection((HOST, port), timeout=10) as sock:
+        sock.sendall(data)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+async def test_a_client_refused_while_still_sending_reads_the_answer(
+        database_url: str) -> None:
+    """The connection lingers after the 431 (reads and drops what still comes, within a
+    bound) rather than closing with the client's bytes unread, which makes the kernel
+    reset it and throw the answer away before the client reads it."""
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nX-Big: "
+            + b"a" * (MAX_HEADER_BYTES + 1))
+    async with running_gateway(database_url) as server:
+        received = await asyncio.to_thread(
+            _refused_while_sending, server.settings.gateway_port, head + b"b" * (1 << 20))
+    assert received.startswith(b"HTTP/1.1 431"), received[:200]
+    error = json.loads(received.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "headers_too_large", error
 
 
 # -- a fake engine: counts output as the real ones do, or misbehaves on request ------------

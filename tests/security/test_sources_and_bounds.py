@@ -562,10 +562,10 @@ async def test_slow_headers_and_bodies_get_a_408(database_url: str) -> None:
         big = (b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Pad: " + b"a" * (70 << 10)
                + b"\r\n\r\n")
         received, _ = await asyncio.to_thread(_raw, port, big, 10.0)
-        assert received.startswith(b"HTTP/1.1 400"), received[:100]
+        assert received.startswith(b"HTTP/1.1 431"), received[:100]
         error = json.loads(received.split(b"\r\n\r\n", 1)[1])["error"]
         assert (error["code"], error["message"]) == (
-            "malformed_request", "the request's headers are over 65536 bytes"), error
+            "headers_too_large", "the request line and headers are over 65536 bytes"), error
         # A whole request is served as before, on a connection kept alive.
         async with httpx.AsyncClient() as http:
             for _ in range(3):
