@@ -130,6 +130,10 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 #: The join token `up` makes when bound beyond loopback, in the data dir, mode 0600: the
 #: one file a second machine needs copied (docs/second-machine.md).
 JOIN_TOKEN_FILE = "join-token"
+#: The token a scraper sends to the gateway's /metrics while client keys are on (`up
+#: --gateway-auth`), in the data dir, mode 0600: with keys on, the gateway refuses /metrics
+#: to anyone without it, and a key of a client is no scraper's business.
+GATEWAY_METRICS_TOKEN_FILE = "gateway-metrics-token"
 
 
 class StackError(Exception):
@@ -262,14 +266,16 @@ def gateway_auth_under_up(settings: Settings) -> bool:
 
 def component_env(settings: Settings, database_url: str, *,
                   join_token_file: Path | None = None,
-                  allowed_hosts: list[str] | None = None) -> dict[str, str]:
+                  allowed_hosts: list[str] | None = None,
+                  metrics_token_file: Path | None = None) -> dict[str, str]:
     """The environment for child components: the parent's, plus where the servers are.
 
     Children reach every server on ``local_host`` (loopback for a wildcard bind) and
     PostgreSQL on POSTGRES_HOST. ``join_token_file``: the token the API admits other
     machines with, which `up`'s own agent presents too (with a token set, the API asks it
     of loopback agents as well). ``allowed_hosts``: the names the API answers to besides
-    loopback, when other machines reach it.
+    loopback, when other machines reach it. ``metrics_token_file``: the token the
+    gateway's /metrics asks for while client keys are on (ensure_gateway_metrics_token).
     """
     host = local_host(settings.bind_host)
     env = dict(os.environ)
@@ -309,6 +315,8 @@ def component_env(settings: Settings, database_url: str, *,
         env["MODELKEEPER_JOIN_TOKEN_FILE"] = str(join_token_file)
     if allowed_hosts:
         env["MODELKEEPER_API_ALLOWED_HOSTS"] = ",".join(allowed_hosts)
+    if metrics_token_file is not None:
+        env["MODELKEEPER_GATEWAY_METRICS_TOKEN_FILE"] = str(metrics_token_file)
     if temporal_mtls_front(settings):
         # Agents on other machines are sent to the mTLS front, never to the dev server's
         # own port, which is on loopback (api.agents.agent_temporal_address, rule 3).
@@ -334,6 +342,18 @@ def ensure_secret_file(path: Path) -> str:
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32) + "\n")
     return path.read_text().strip()
+
+
+def ensure_gateway_metrics_token(settings: Settings) -> Path | None:
+    """The file holding the gateway's /metrics token, when `up`'s gateway asks for client
+    keys and the operator named no file of their own (gateway_metrics_token_file); made
+    once (mode 0600) and kept. None otherwise: with keys off, /metrics is open on the
+    gateway's port, as `up`'s banner says."""
+    if not gateway_auth_under_up(settings) or settings.gateway_metrics_token_file is not None:
+        return None
+    path = settings.data_dir / GATEWAY_METRICS_TOKEN_FILE
+    ensure_secret_file(path)
+    return path
 
 
 def ensure_join_token(settings: Settings) -> Path | None:
@@ -682,6 +702,7 @@ class Stack:
         s.models_dir.mkdir(exist_ok=True)
         ensure_secret_file(s.engine_key_secret_file)
         self.join_token_file = ensure_join_token(s)
+        metrics_token_file = ensure_gateway_metrics_token(s)
         host = _url_host(local_host(s.bind_host))
         t0 = time.monotonic()
 
@@ -706,6 +727,7 @@ class Stack:
             connect_host=local_host(t_host)))
 
         env = component_env(s, database_url, join_token_file=self.join_token_file,
+                            metrics_token_file=metrics_token_file,
                             allowed_hosts=api_allowed_hosts(s))
 
         def component(name: str, *args: str) -> ManagedProcess:
@@ -862,10 +884,13 @@ def banner(settings: Settings, demo_status: str = "", *,
         add_node = [
             "  add a node     modelkeeper agent --data-dir DIR --memory 16GiB   (this "
             "machine; for another, run up --bind-host 0.0.0.0: docs/second-machine.md)"]
+    metrics_token_default = settings.data_dir / GATEWAY_METRICS_TOKEN_FILE
     lines = [
         "modelkeeper is up.",
         f"  gateway        http://{h}:{settings.gateway_port}/v1   (OpenAI-compatible; "
-        + ("client API keys required: make one with `modelkeeper keys create NAME`)"
+        + ("client API keys required: make one with `modelkeeper keys create NAME`; "
+           "/metrics takes the token in "
+           f"{settings.gateway_metrics_token_file or metrics_token_default})"
            if gateway_auth_under_up(settings) else
            "AUTH OFF for local use: anyone who can reach this port is served; "
            "up --gateway-auth asks for keys)"),

@@ -205,6 +205,16 @@ def test_up_s_gateway_asks_for_keys_only_when_told(monkeypatch: pytest.MonkeyPat
     gateway_line = next(line for line in stack.banner(on).splitlines() if "gateway " in line)
     assert "AUTH OFF" not in gateway_line
     assert "modelkeeper keys create NAME" in gateway_line
+    # With keys on, the gateway's /metrics asks for a token: `up` makes one, private, and
+    # hands the gateway its file (with keys off there is none, and /metrics stays open).
+    assert stack.ensure_gateway_metrics_token(off) is None
+    token_file = stack.ensure_gateway_metrics_token(on)
+    assert token_file == tmp_path / stack.GATEWAY_METRICS_TOKEN_FILE
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert len(token_file.read_text().strip()) == 64
+    assert stack.component_env(on, "postgresql://x", metrics_token_file=token_file)[
+        "MODELKEEPER_GATEWAY_METRICS_TOKEN_FILE"] == str(token_file)
+    assert str(token_file) in gateway_line
     monkeypatch.setenv("MODELKEEPER_GATEWAY_AUTH", "true")
     assert auth(up()) == "true"
     monkeypatch.setenv("MODELKEEPER_GATEWAY_AUTH", "false")
