@@ -56,6 +56,7 @@ from modelkeeper.names import deployment_workflow_id
 from modelkeeper.store.routing import RoutingStore
 from modelkeeper.store.tokens import TokensStore
 from tests.conftest import PgServer
+from tests.support.node_keys import key_epoch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -232,15 +233,20 @@ def _derivations() -> list[Callable[[bytes, str], str]]:
     engine key; whatever is added later is searched for too."""
     found: list[Callable[[bytes, str], str]] = []
     for name, function in inspect.getmembers(engine_keys, inspect.isfunction):
-        if name.startswith("derive_") and len(inspect.signature(function).parameters) == 2:
+        positional = [p for p in inspect.signature(function).parameters.values()
+                      if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+        if name.startswith("derive_") and len(positional) == 2:
             found.append(function)
     assert found, "engine_keys derives nothing any more: update this test"
     return found
 
 
-def _derived_keys(cluster_secret: str, ids: set[str]) -> dict[str, str]:
+def _derived_keys(cluster_secret: str, ids: set[str],
+                  epochs: dict[str, str | None]) -> dict[str, str]:
     """Each key derivable from the cluster secret and ``ids``, by a name that says how
-    (never the key itself, which must not end up in a test report either)."""
+    (never the key itself, which must not end up in a test report either). A derivation
+    that takes a node's ``key_epoch`` (migration 0015) is given the id's epoch from
+    ``epochs``, and none (the scheme before it) as well."""
     keys: dict[str, str] = {"the cluster secret": cluster_secret}
     frontier = dict(keys)
     for _ in range(DERIVATION_ROUNDS):
@@ -248,9 +254,13 @@ def _derived_keys(cluster_secret: str, ids: set[str]) -> dict[str, str]:
         for how, key in frontier.items():
             for derive in _derivations():
                 for id_ in sorted(ids):
-                    with contextlib.suppress(ValueError):
-                        value = derive(key.encode(), id_)
-                        produced.setdefault(f"{derive.__name__}({how}, {id_})", value)
+                    takes_epoch = "key_epoch" in inspect.signature(derive).parameters
+                    for epoch in ({epochs.get(id_), None} if takes_epoch else {None}):
+                        with contextlib.suppress(ValueError):
+                            value = (derive(key.encode(), id_, key_epoch=epoch)
+                                     if takes_epoch else derive(key.encode(), id_))
+                            produced.setdefault(
+                                f"{derive.__name__}({how}, {id_}, epoch {epoch})", value)
         fresh = {how: v for how, v in produced.items() if v not in keys.values()}
         keys.update(fresh)
         frontier = fresh
@@ -362,7 +372,9 @@ async def test_no_secret_in_logs_history_events_or_responses(run: Run,
              "the gateway's metrics token": METRICS_TOKEN}
     if credential_file.exists():
         named["the node credential"] = credential_file.read_text().strip()
-    named.update(_derived_keys(run.cluster_secret, {node["node_id"], *replica_ids}))
+    named.update(_derived_keys(
+        run.cluster_secret, {node["node_id"], *replica_ids},
+        {node["node_id"]: await key_epoch(run.database_url, node["node_id"])}))
     # The database passwords the components connected with (through password files).
     for role in (SUPERUSER, GATEWAY_ROLE):
         password = read_password(pg_server.data_dir, role)
