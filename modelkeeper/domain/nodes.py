@@ -13,7 +13,7 @@ from http import HTTPStatus
 from typing import Self
 from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import Frozen, Tolerant
 from .catalog import MAX_CPU_CORES, MAX_MEMORY_BYTES, STRICT, JsonInt, Labels
@@ -79,6 +79,20 @@ class Inventory(Frozen):
     memory_available_bytes: JsonInt | None = Field(default=None, ge=0, le=MAX_MEMORY_BYTES)
     cpu_count: JsonInt | None = Field(default=None, ge=0, le=MAX_CPU_CORES)
     gpus: list[GpuInfo] = Field(default_factory=list, max_length=MAX_GPUS_PER_NODE)
+
+    @field_validator("gpus")
+    @classmethod
+    def _one_gpu_per_index(cls, gpus: list[GpuInfo]) -> list[GpuInfo]:
+        # Placement refuses a node view that lists an index twice (placement.NodeView), so
+        # an inventory that did was stored, then failed every read of the nodes: a 500 on
+        # each placement dry run, found by the live fuzz (bench/results/fuzz.md).
+        seen: set[int] = set()
+        for gpu in gpus:
+            if gpu.index in seen:
+                raise ValueError(f"gpus: index {gpu.index} is listed twice; each GPU has "
+                                 "one entry, by its own index")
+            seen.add(gpu.index)
+        return gpus
 
 
 class PortRange(Frozen):

@@ -313,6 +313,26 @@ async def test_a_malformed_node_id_is_refused(
         assert await db.fetchval("SELECT count(*) FROM nodes") == 0
 
 
+async def test_an_inventory_listing_a_gpu_twice_is_refused_and_placement_reads_on(
+        local_temporal_env: WorkflowEnvironment, database_url: str,
+        db: asyncpg.Connection) -> None:
+    # The live fuzz registered such a node: stored, it broke every read of the nodes as
+    # placement sees them, and GET /placement/explain answered 500 from then on.
+    gpu = {"index": 3, "name": "g", "memory_bytes": GIB, "healthy": True}
+    body = registration("n-gpus")
+    body["inventory"]["gpus"] = [gpu, {**gpu, "memory_bytes": 2 * GIB}]
+    async with node_api(local_temporal_env, database_url) as api:
+        resp = await api.http.post("/nodes/register", json=body, headers=bearer(JOIN_TOKEN))
+        assert resp.status_code == 422, resp.text
+        [error] = resp.json()["detail"]
+        assert error["loc"][:3] == ["body", "inventory", "gpus"], error
+        assert "index 3 is listed twice" in error["msg"], error
+        assert await db.fetchval("SELECT count(*) FROM nodes") == 0
+        body["inventory"]["gpus"] = [gpu]
+        resp = await api.http.post("/nodes/register", json=body, headers=bearer(JOIN_TOKEN))
+        assert resp.status_code == 200, resp.text
+
+
 # -- low: registrations are rate-limited per peer ---------------------------------------
 
 
