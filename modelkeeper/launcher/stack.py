@@ -435,9 +435,14 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-#: How long the demo must read cant_place before `up` reports it so (see deploy_demo):
-#: several heartbeats of the local agent, each of which signals a node change.
-DEMO_CANT_PLACE_SETTLE_S = 15.0
+#: How long the demo must read cant_place before `up` reports it so (see deploy_demo).
+#: Several heartbeats of the local agent, each of which signals a node change; and more
+#: than replica_lost_after_s (15 s by default) with room to spare: after a restart of
+#: `up`, the demo's old replica is unreachable (its engine stopped with the last `up`), its
+#: replacement avoids the old replica's node (the only one) and reads cant_place until
+#: the old one is declared lost and placed again there. At 15 s this setting raced that
+#: timer, and `up` printed cant_place for a demo that served a few seconds later.
+DEMO_CANT_PLACE_SETTLE_S = 35.0
 
 
 def deploy_demo(api_url: str, marker: Path, *, token: str, timeout: float = 120.0) -> str:
