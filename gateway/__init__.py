@@ -20,7 +20,8 @@ replica of its model.
 * :mod:`gateway.breaker`: the per-replica circuit breaker.
 * :mod:`gateway.responses`: OpenAI-shaped errors and the reasons a model can't be served.
 * :mod:`gateway.metrics`: Prometheus metrics, summed over workers.
-* :mod:`gateway.usage`: per-replica usage written to the store once per tick.
+* :mod:`gateway.usage`: per-replica usage written to the store once per tick, and what
+  it (and each replica's metric series) hears of replicas entering and leaving routing.
 * :mod:`gateway.server`: uvicorn, one worker or several sharing the port.
 * :mod:`gateway.keys_cli`: `modelkeeper keys create|ls|revoke`.
 
