@@ -2,9 +2,9 @@
 before the first byte: a replica now, a hold until something changes, or an error.
 
 Pure: the table, what the request has been through and the time come in as arguments,
-and the gateway only carries out the answer (``Gateway._route``). It is never consulted
-while the first pick succeeds and that attempt answers, so the hot path does not pay for
-it. The rules, in order:
+and the gateway only carries out the answer (``gateway.routing.Router.route``). It is
+never consulted while the first pick succeeds and that attempt answers, so the hot path
+does not pay for it. The rules, in order:
 
 1. **Only what the engine cannot have acted on comes here.** The gateway records a
    failure only when the connection was refused or dropped before any byte came back. A

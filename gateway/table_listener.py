@@ -16,7 +16,7 @@ Keys are also re-read every ``key_refresh_s`` whatever is notified, and each rea
 handed over with the time it began: a connection that drops silently takes up to its ping
 interval and timeout to notice, and the notifications lost meanwhile may be revocations.
 The gateway trusts the keys for a bounded time after the read that gave them (see
-``Gateway._admit``), and refuses every keyed request once that time has passed.
+``gateway.admission.Admission.refusal``), and refuses every keyed request once that time has passed.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ the database sees one write per worker per tick however many requests there are.
 Two moments do not wait for the tick (:meth:`UsageReporter.nudge`): a replica leaving
 routing, and the last request of a replica out of routing ending. A drain waits for just
 those rows, and a tick can be long; both happen once per replica that leaves, not per
-request.
+request. :class:`UsageTracker` hears of both, and keeps each replica's metric series in
+step with its entering and leaving routing.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import asyncpg
 
 from modelkeeper.store.routing import DeploymentUsage, ReplicaUsage, RoutingStore
 
-from .table import Endpoint, RoutingTable
+from .breaker import BreakerState
+from .metrics import GatewayMetrics
+from .table import Endpoint, RoutingTable, TableChange
 
 log = logging.getLogger(__name__)
 
@@ -140,3 +143,57 @@ class UsageReporter:
             await asyncio.wait_for(self._routes.clear_usage(self._gateway_id), 5)
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
             log.warning("could not remove this worker's usage rows (%s); they go stale", exc)
+
+
+class UsageTracker:
+    """This worker's usage as replicas come and go: the reporter that writes it (from
+    :meth:`start`), nudged when a drain waits for a row, and each replica's metric
+    series, which start when it enters routing and go once it has left with nothing open.
+    """
+
+    def __init__(self, table: RoutingTable, metrics: GatewayMetrics, *, gateway_id: str,
+                 interval_s: float) -> None:
+        self._table = table
+        self._metrics = metrics
+        self._gateway_id = gateway_id
+        self._interval_s = interval_s
+        #: None until :meth:`start`: before it there is no store to write to.
+        self.reporter: UsageReporter | None = None
+
+    def start(self, routes: RoutingStore) -> None:
+        """Start writing usage to ``routes`` once per tick."""
+        self.reporter = UsageReporter(routes, self._table, self._gateway_id,
+                                      self._interval_s)
+        self.reporter.start()
+
+    async def close(self) -> None:
+        """Stop writing, and remove this worker's rows."""
+        if self.reporter is not None:
+            await self.reporter.close()
+
+    def applied(self, change: TableChange) -> None:
+        """An update of the table from the store put replicas in or out of routing."""
+        for endpoint in change.added:
+            self._metrics.set_breaker(endpoint.replica_id, BreakerState.CLOSED)
+            log.info("routing %s to replica %s at %s", endpoint.model, endpoint.replica_id,
+                     endpoint.url)
+        for endpoint in change.removed:
+            if endpoint.in_flight == 0:
+                # With requests still open its series goes when they end (left), or the
+                # gauge would be counted down from nothing.
+                self._metrics.forget_replica(endpoint.model, endpoint.replica_id)
+            log.info("replica %s of %s is out of routing (%d request(s) in flight)",
+                     endpoint.replica_id, endpoint.model, endpoint.in_flight)
+        if change.removed and self.reporter is not None:
+            # A drain waits for this worker's row written after the replica left routing.
+            self.reporter.nudge()
+
+    def left(self, endpoint: Endpoint) -> None:
+        """The last request of an endpoint out of routing ended: write that down now (a
+        drain is waiting for it) and drop its series, unless the replica is routed again
+        at another address, whose series it shares."""
+        if self.reporter is not None:
+            self.reporter.nudge()
+        entry = self._table.models.get(endpoint.model)
+        if entry is None or all(e.replica_id != endpoint.replica_id for e in entry.endpoints):
+            self._metrics.forget_replica(endpoint.model, endpoint.replica_id)

@@ -1,6 +1,6 @@
 """How much output one request may ask of an engine: the request fields, engine by engine,
 that set how many tokens are generated or how many outputs, and the rules that bound them.
-Pure: the gateway carries out the answer (``gateway.app.bound_max_tokens``).
+Pure: the gateway carries out the answer (``gateway.admission.bound_max_tokens``).
 
 The gateway bounds ``max_tokens`` by the model's catalog limit and ``gateway_max_tokens``.
 Each engine also reads fields of its own that set the same thing, and those bypassed the

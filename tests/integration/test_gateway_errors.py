@@ -15,7 +15,7 @@ import asyncpg
 import httpx
 import pytest
 
-import gateway.app
+import gateway.admission
 from modelkeeper.domain.engine_keys import replica_engine_key
 from modelkeeper.infra.processes import free_port
 from modelkeeper.store.routing import RoutingStore
@@ -90,7 +90,7 @@ async def test_each_of_the_gateways_own_errors_has_the_shape(
     dead = await add_deployment(db, "dead")
     await add_replica(db, dead, "r-dead", f"http://{HOST}:{free_port()}")
     # Small enough for a test's body to cross it in several chunks.
-    monkeypatch.setattr(gateway.app, "MAX_BODY_BYTES", 1024)
+    monkeypatch.setattr(gateway.admission, "MAX_BODY_BYTES", 1024)
     chat = "/v1/chat/completions"
     # The type httpx's json= sends, for the bodies sent as bytes (the gateway wants it).
     async with running_gateway(database_url, gateway_wait_for_replica_s=0.3) as server, \
@@ -135,7 +135,7 @@ async def test_keys_and_rates_are_refused_in_the_shape(database_url: str) -> Non
         async with running_gateway(database_url, gateway_auth=True, gateway_key_rate_per_s=0.1,
                                    gateway_key_burst=1) as server, \
                 httpx.AsyncClient(timeout=20) as http:
-            await until(lambda: bool(server.gateway._key_hashes), what="key cached")
+            await until(lambda: bool(server.gateway.admission._key_hashes), what="key cached")
             missing = await http.get(server.url + "/v1/models")
             assert (missing.status_code, error_of(missing)["code"]) == (401, "invalid_api_key")
             headers = {"Authorization": f"Bearer {key}"}

@@ -258,7 +258,7 @@ async def test_client_keys_401_and_revocation(
 
             record, key = await routes.create_api_key("tests")
             assert key.startswith("mkc-") and record.prefix == key[:12]
-            await until(lambda: len(server.gateway._key_hashes) == 1, what="key cached")
+            await until(lambda: len(server.gateway.admission._key_hashes) == 1, what="key cached")
             client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=key,
                                         max_retries=0)
             chat = await client.chat.completions.create(
@@ -267,7 +267,7 @@ async def test_client_keys_401_and_revocation(
 
             assert [r.key_id for r in await routes.revoke_api_keys(record.prefix)] == [
                 record.key_id]
-            await until(lambda: not server.gateway._key_hashes, what="revocation seen")
+            await until(lambda: not server.gateway.admission._key_hashes, what="revocation seen")
             with pytest.raises(openai.AuthenticationError):
                 await client.chat.completions.create(
                     model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
@@ -309,7 +309,7 @@ async def test_usage_is_written_in_batches(
                 await asyncio.sleep(0.05)
             waiting = await routes.deployment_usage(deployment)
             assert waiting[0].waiting == 0 and waiting[0].last_request_at is not None
-            usage = server.gateway._usage
+            usage = server.gateway.usage.reporter
             assert usage is not None
         # A stopped worker removes its rows.
         assert await routes.replica_usage("r-u") == []

@@ -28,7 +28,7 @@ import uvicorn
 from aiohttp import web
 from uvicorn.server import ServerState
 
-import gateway.app
+import gateway.streaming
 from gateway.edge import HostCheck
 from gateway.server import GatewayConfigError, GatewayServer, gateway_protocol
 from modelkeeper.domain.output_bounds import (
@@ -419,8 +419,8 @@ def test_every_engines_length_and_count_fields_are_bounded(engine: EngineKind) -
 
 async def test_an_engines_answer_past_the_bound_fails_and_counts_against_it(
         database_url: str, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gateway.app, "MAX_REPLY_BYTES", SMALL_REPLY, raising=False)
-    monkeypatch.setattr(gateway.app, "MAX_EVENT_BYTES", SMALL_EVENT, raising=False)
+    monkeypatch.setattr(gateway.streaming, "MAX_REPLY_BYTES", SMALL_REPLY, raising=False)
+    monkeypatch.setattr(gateway.streaming, "MAX_EVENT_BYTES", SMALL_EVENT, raising=False)
     models = ("huge", "huge-length", "endless-event")
     async with FakeEngine() as engine:
         await _route(db, engine, *models)

@@ -36,7 +36,7 @@ from agent.fetch import FetchRefused, WeightFetcher
 from api.app import create_app
 from api.limits import MAX_BODY_BYTES
 from api.monitoring import MAX_EVENTS_LIMIT
-from gateway.app import KeyRateLimiter, bound_max_tokens
+from gateway.admission import KeyRateLimiter, bound_max_tokens
 from gateway.responses import ErrorReply
 from modelkeeper.domain.catalog import MAX_LABELS, MAX_MEMORY_BYTES, MAX_NODE_IDS
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
@@ -522,7 +522,7 @@ async def test_rate_limit_and_max_tokens_at_the_gateway(database_url: str) -> No
         async with running_gateway(database_url, gateway_auth=True, gateway_key_rate_per_s=0.5,
                                    gateway_key_burst=2, gateway_max_tokens=8) as server, \
                 httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}) as http:
-            await until(lambda: bool(server.gateway._key_hashes), what="key cached")
+            await until(lambda: bool(server.gateway.admission._key_hashes), what="key cached")
             over = await http.post(server.url + "/v1/completions",
                                    json={"model": "m", "prompt": "x", "max_tokens": 9})
             assert over.status_code == 400 and "max_tokens" in over.json()["error"]["message"]
@@ -636,7 +636,7 @@ async def test_a_revoked_key_stops_working_while_the_store_is_unreachable(
                                    gateway_key_max_staleness_s=staleness) as server, \
                 httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"},
                                   timeout=5) as http:
-            await until(lambda: bool(server.gateway._key_hashes), what="key cached")
+            await until(lambda: bool(server.gateway.admission._key_hashes), what="key cached")
             assert (await http.get(server.url + "/v1/models")).status_code == 200
             proxy.cut()  # the gateway's store is now unreachable, silently
             await routes.revoke_api_keys(record.prefix)  # a notification it never gets
@@ -654,7 +654,7 @@ async def test_a_revoked_key_stops_working_while_the_store_is_unreachable(
                                      headers={"Authorization": ""})
             assert keyless.status_code == 503
             proxy.heal()  # back: the keys are read again, and the revocation seen
-            await until(lambda: not server.gateway._key_hashes, timeout=30,
+            await until(lambda: not server.gateway.admission._key_hashes, timeout=30,
                         what="keys read again")
             assert (await http.get(server.url + "/v1/models")).status_code == 401
     finally:

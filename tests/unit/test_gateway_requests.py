@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from gateway import responses
-from gateway.app import bound_max_tokens, request_problem
+from gateway.admission import bound_max_tokens, request_problem
 from gateway.responses import ErrorReply, engine_error
 
 pytestmark = pytest.mark.timeout(10)

@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 import pytest
 
 from gateway import responses
-from gateway.app import _events_end
 from gateway.breaker import Breaker, BreakerState
+from gateway.streaming import _events_end
 from gateway.table import Endpoint, RoutingTable
 from modelkeeper.store.routing import (
     DeploymentRoute,

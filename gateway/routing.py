@@ -1,0 +1,117 @@
+"""Routing: which replica a request goes to, and what happens when none can take it.
+
+The strategy is in units of its own, apart from the proxy that carries it out: the
+first pick is :meth:`gateway.table.ModelRoute.pick` (fewest requests open, round robin
+among equals, breaker permitting), and everything after a first pick that finds nothing
+or fails is :func:`gateway.dispatch.next_step`, pure, rule by rule. :class:`Router` only
+carries out their answers: send (through :mod:`gateway.forwarding`), hold, or give up.
+A new routing signal belongs in such a unit, not in a branch here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from modelkeeper.settings import Settings
+
+from .asgi import Send, send_reply
+from .dispatch import GiveUp, Hold, HoldPolicy, SendTo, Tried, next_step, record
+from .forwarding import REFUSED, Forwarder, Replied, RetryElsewhere
+from .metrics import GatewayMetrics
+from .responses import ErrorReply
+from .streaming import describe
+from .table import Endpoint, ModelRoute, RoutingTable
+
+
+def model_list(table: RoutingTable) -> dict[str, Any]:
+    """``/v1/models``: every model the table knows, in OpenAI's shape, with its replicas."""
+    data = []
+    for model_id in sorted(table.models):
+        entry = table.models[model_id]
+        route = entry.route
+        data.append({
+            "id": model_id, "object": "model",
+            "created": int(route.created_at.timestamp()), "owned_by": "modelkeeper",
+            "status": route.status, "ready_replicas": len(entry.endpoints),
+            "desired_replicas": route.desired_replicas,
+        })
+    return {"object": "list", "data": data}
+
+
+class Router:
+    """Routes requests over the table's replicas, holding them while none can take them."""
+
+    def __init__(self, settings: Settings, *, table: RoutingTable, metrics: GatewayMetrics,
+                 forwarder: Forwarder) -> None:
+        self.table = table
+        self.metrics = metrics
+        # Bound once: the hot path pays no lookup through the forwarder.
+        self._attempt = forwarder.attempt
+        self._policy = HoldPolicy(wait_s=settings.gateway_wait_for_replica_s,
+                                  retries=settings.gateway_retries,
+                                  retry_after_s=settings.gateway_retry_after_s)
+
+    async def route(self, path: str, body: bytes, entry: ModelRoute, send: Send,
+                    started: float) -> int:
+        """Pick a replica and send the request; when none can be picked, or a connection
+        fails before any byte came back, do what :func:`~gateway.dispatch.next_step` says:
+        send it (again), hold it until a replica it may go to is ready, or answer with an
+        error. Returns the HTTP status given to the client.
+
+        The hot path is the first pick and one attempt: nothing else is computed or
+        allocated (not even the deadline) unless that pick finds nothing or fails."""
+        model = entry.route.model_id
+        endpoint = entry.pick(time.monotonic())
+        tried: Tried | None = None
+        arrived: float | None = None
+        while True:
+            if endpoint is None:
+                if arrived is None:
+                    # ``started`` is on the perf_counter clock; breakers are on monotonic.
+                    arrived = time.monotonic() - (time.perf_counter() - started)
+                found = await self._next_endpoint(model, tried, arrived)
+                if isinstance(found, ErrorReply):
+                    await send_reply(send, found)
+                    return found.status
+                endpoint = found
+                if tried is not None:
+                    self.metrics.retries.labels(model).inc()
+            match await self._attempt(endpoint, path, body, send=send, started=started):
+                case Replied(status=status):
+                    return status
+                case RetryElsewhere(error=error):
+                    tried = record(tried, endpoint, why=describe(error),
+                                   refused=isinstance(error, REFUSED))
+                    endpoint = None
+
+    async def _next_endpoint(self, model: str, tried: Tried | None,
+                             arrived: float) -> Endpoint | ErrorReply:
+        """The replica to send the request to, once there is one it may go to; or the
+        error to answer with. Holds the request meanwhile, woken by the store's
+        notifications and by breakers changing or coming due, never by polling."""
+        while True:
+            now = time.monotonic()
+            match next_step(self.table, model, tried, now, arrived=arrived,
+                            policy=self._policy):
+                case SendTo(endpoint=endpoint):
+                    return endpoint
+                case GiveUp(reply=reply):
+                    return reply
+                case Hold(entry=entry, until=until):
+                    await self._hold(entry, until - now)
+
+    async def _hold(self, entry: ModelRoute, timeout: float) -> None:
+        """Wait until ``entry`` changes, ``timeout`` seconds at most; counted as waiting."""
+        changed = entry.changed
+        model = entry.route.model_id
+        entry.waiting += 1
+        self.metrics.waiting.labels(model).inc()
+        try:
+            await asyncio.wait_for(changed.wait(), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            entry.waiting -= 1
+            self.metrics.waiting.labels(model).dec()
