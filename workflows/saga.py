@@ -1,9 +1,10 @@
 """What the saga workflows share: the step record, the op helpers, and how a cancel lands.
 
 A saga (restart.py, drain.py, switch.py) never touches a replica. It asks the deployment's
-workflow for ops (:mod:`modelkeeper.domain.ops`) through the activities named in
-:mod:`modelkeeper.names` (``activities.ops``; workflows do not import activity modules), and
-shows every step, each compensation included, in its :class:`OperationRecord`.
+workflow for ops (:mod:`modelkeeper.domain.ops`) through activities called by method, through
+their stubs (:mod:`activities.saga_stubs`: the modules that run them hold the store and the
+deployment workflow), so mypy checks every input and result; and it shows every step, each
+compensation included, in its :class:`OperationRecord`.
 
 **The record.** :class:`Saga` holds the record; each step is appended (running), then
 ended (done or failed). A compensation is a step of its own, named ``undo: ...``, that
@@ -34,7 +35,7 @@ Deterministic: no I/O, no clock but ``workflow.now()``, tasks only through
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -50,6 +51,7 @@ from temporalio.exceptions import (
 )
 
 with workflow.unsafe.imports_passed_through():
+    from activities.saga_stubs import OperationsActivityStubs, OpsActivityStubs
     from modelkeeper.domain.ids import DeploymentId, NodeId, OperationId, OpId, ReplicaId
     from modelkeeper.domain.ops import (
         OP_ENDED,
@@ -74,13 +76,6 @@ with workflow.unsafe.imports_passed_through():
         StepState,
     )
     from modelkeeper.names import (
-        ACTIVITY_AWAIT_OP,
-        ACTIVITY_BEGIN_OPERATION,
-        ACTIVITY_CANCEL_OP,
-        ACTIVITY_DESCRIBE_DEPLOYMENT,
-        ACTIVITY_RECORD_OPERATION,
-        ACTIVITY_REQUEST_OP,
-        ACTIVITY_SET_GENERATION,
         CONTROL_TASK_QUEUE,
         ERROR_NO_DEPLOYMENT,
         ERROR_OP_REFUSED,
@@ -89,6 +84,7 @@ with workflow.unsafe.imports_passed_through():
     )
 
 _T = TypeVar("_T")
+_A = TypeVar("_A")
 
 # Timeouts and retry policies of the sagas' activities, each named once beside its reason.
 
@@ -260,8 +256,8 @@ class Saga:
         while True:
             await workflow.wait_condition(lambda: self._written < self._version)
             version, record = self._version, self.record
-            await workflow.execute_activity(
-                ACTIVITY_RECORD_OPERATION, record, task_queue=CONTROL_TASK_QUEUE,
+            await workflow.execute_activity_method(
+                OperationsActivityStubs.record_operation, record, task_queue=CONTROL_TASK_QUEUE,
                 start_to_close_timeout=STORE_TIMEOUT, retry_policy=OPERATION_RETRY)
             self._written = version
 
@@ -295,7 +291,7 @@ class Saga:
         the saga fails with the store's message, which names the running one."""
         try:
             stored: OperationRecord | None = await self.atomic(self.call(
-                ACTIVITY_BEGIN_OPERATION, self.record, result_type=OperationRecord,
+                OperationsActivityStubs.begin_operation, self.record,
                 retry_policy=OPERATION_RETRY))
         except ActivityError as err:
             conflict = _conflict(err)
@@ -356,15 +352,16 @@ class Saga:
 
     # -- activities and ops ----------------------------------------------------------------
 
-    async def call(self, activity: str, arg: Any, *, result_type: type | None = None,
+    async def call(self, activity: Callable[[Any, _A], Awaitable[_T]], arg: _A, *,
                    start_to_close: timedelta = STORE_TIMEOUT,
                    retry_policy: RetryPolicy = STORE_RETRY,
-                   heartbeat_timeout: timedelta | None = None) -> Any:
-        """One activity on the control queue, by name. A cancel of the saga that
-        cancelled it is raised as asyncio.CancelledError (see the module docstring)."""
+                   heartbeat_timeout: timedelta | None = None) -> _T:
+        """One activity on the control queue, by method (a stub's: activities.saga_stubs).
+        A cancel of the saga that cancelled it is raised as asyncio.CancelledError (see
+        the module docstring)."""
         try:
-            return await workflow.execute_activity(
-                activity, arg, result_type=result_type, task_queue=CONTROL_TASK_QUEUE,
+            return await workflow.execute_activity_method(
+                activity, arg, task_queue=CONTROL_TASK_QUEUE,
                 start_to_close_timeout=start_to_close, retry_policy=retry_policy,
                 heartbeat_timeout=heartbeat_timeout)
         except ActivityError as err:
@@ -378,11 +375,10 @@ class Saga:
 
     async def describe(self, deployment_id: DeploymentId) -> DeploymentBrief:
         """The deployment as it stands (describe_deployment)."""
-        brief: DeploymentBrief = await self.call(
-            ACTIVITY_DESCRIBE_DEPLOYMENT, DescribeDeploymentInput(deployment_id=deployment_id),
-            result_type=DeploymentBrief, start_to_close=UPDATE_TIMEOUT,
-            retry_policy=UPDATE_RETRY)
-        return brief
+        return await self.call(
+            OpsActivityStubs.describe_deployment,
+            DescribeDeploymentInput(deployment_id=deployment_id),
+            start_to_close=UPDATE_TIMEOUT, retry_policy=UPDATE_RETRY)
 
     async def op(self, deployment_id: DeploymentId, request: OpRequest, *,
                  name: str) -> Op:
@@ -408,10 +404,9 @@ class Saga:
     async def _request(self, op: Op) -> None:
         try:
             op.outcome = await self.call(
-                ACTIVITY_REQUEST_OP, OpCall(deployment_id=op.deployment_id,
-                                            request=op.request),
-                result_type=OpOutcome, start_to_close=UPDATE_TIMEOUT,
-                retry_policy=UPDATE_RETRY)
+                OpsActivityStubs.request_op, OpCall(deployment_id=op.deployment_id,
+                                                    request=op.request),
+                start_to_close=UPDATE_TIMEOUT, retry_policy=UPDATE_RETRY)
         except ActivityError as err:
             op.refused = describe_failure(err)
             if isinstance(err.cause, ApplicationError):
@@ -421,13 +416,13 @@ class Saga:
         """Until the op ends (await_op long-polls and heartbeats). Failing that (the
         deployment gone meanwhile), the op is marked lost: its end is unknown."""
         try:
-            outcome: OpOutcome = await self.call(
-                ACTIVITY_AWAIT_OP, AwaitOpCall(
+            outcome = await self.call(
+                OpsActivityStubs.await_op, AwaitOpCall(
                     deployment_id=op.deployment_id,
                     request=AwaitOpRequest(op_id=op.request.op_id,
                                            wait_s=AWAIT_POLL.total_seconds())),
-                result_type=OpOutcome, start_to_close=AWAIT_LIFETIME,
-                retry_policy=UPDATE_RETRY, heartbeat_timeout=AWAIT_HEARTBEAT_TIMEOUT)
+                start_to_close=AWAIT_LIFETIME, retry_policy=UPDATE_RETRY,
+                heartbeat_timeout=AWAIT_HEARTBEAT_TIMEOUT)
         except ActivityError as err:
             op.lost = f"its outcome is unknown: {describe_failure(err)}"
             return op.outcome
@@ -446,11 +441,11 @@ class Saga:
         succeeded (nothing to undo by a cancel; a switch then replaces it back)."""
         step = self.step(f"undo: cancel {self.record.steps[op.step].name}")
         try:
-            outcome: OpOutcome = await self.call(
-                ACTIVITY_CANCEL_OP, CancelOpCall(deployment_id=op.deployment_id,
-                                                 request=CancelOpRequest(op_id=op.request.op_id)),
-                result_type=OpOutcome, start_to_close=UPDATE_TIMEOUT,
-                retry_policy=UPDATE_RETRY)
+            outcome = await self.call(
+                OpsActivityStubs.cancel_op,
+                CancelOpCall(deployment_id=op.deployment_id,
+                             request=CancelOpRequest(op_id=op.request.op_id)),
+                start_to_close=UPDATE_TIMEOUT, retry_policy=UPDATE_RETRY)
         except ActivityError as err:
             reason = describe_failure(err)
             self.end_step(step, StepState.FAILED, reason)
@@ -491,8 +486,8 @@ class Saga:
 
     async def _set_generation(self, call: SetGenerationCall, step: int) -> str | None:
         try:
-            await self.call(ACTIVITY_SET_GENERATION, call, start_to_close=UPDATE_TIMEOUT,
-                            retry_policy=UPDATE_RETRY)
+            await self.call(OpsActivityStubs.set_generation, call,
+                            start_to_close=UPDATE_TIMEOUT, retry_policy=UPDATE_RETRY)
         except ActivityError as err:
             error = describe_failure(err)
             self.end_step(step, StepState.FAILED, error)
