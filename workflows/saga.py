@@ -1,4 +1,6 @@
 """What the saga workflows share: the step record, the op helpers, and how a cancel lands.
+(What only the sagas that move replicas onto a new generation share, restart and switch,
+is in saga_moves.py.)
 
 A saga (restart.py, drain.py, switch.py) never touches a replica. It asks the deployment's
 workflow for ops (:mod:`modelkeeper.domain.ops`) through activities called by method, through
@@ -37,7 +39,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
@@ -52,7 +54,7 @@ from temporalio.exceptions import (
 
 with workflow.unsafe.imports_passed_through():
     from activities.saga_stubs import OperationsActivityStubs, OpsActivityStubs
-    from modelkeeper.domain.ids import DeploymentId, NodeId, OperationId, OpId, ReplicaId
+    from modelkeeper.domain.ids import DeploymentId, NodeId, OperationId, OpId
     from modelkeeper.domain.ops import (
         OP_ENDED,
         AwaitOpCall,
@@ -70,7 +72,6 @@ with workflow.unsafe.imports_passed_through():
         OpOutcome,
         OpRequest,
         OpState,
-        ReplicaBrief,
         SetGenerationCall,
         SetGenerationRequest,
         StepState,
@@ -127,11 +128,6 @@ AWAIT_LIFETIME = timedelta(days=1)
 #: An op that failed for want of room says so first (OpOutcome.error): the sagas then try
 #: a stop-first replace, or wait for room.
 NO_ROOM = "no room"
-#: A replica's phase once its stop is under way (modelkeeper.domain.keeper.Phase.STOPPING;
-#: ReplicaBrief carries it as text): such a replica is not restarted, switched or restored.
-STOPPING = "stopping"
-#: ... and the phase of one that serves: those are replaced first.
-READY = "ready"
 #: The web UI's current details list at most this many steps (the newest): a drain of a
 #: large node has hundreds, and the store's record keeps them all.
 DETAILS_STEPS = 20
@@ -507,21 +503,6 @@ def new_record(kind: OperationKind, *, summary: str, requested_by: str,
                            requested_by=requested_by, created_at=now, updated_at=now)
 
 
-def next_replica(brief: DeploymentBrief, generation: Generation, *,
-                 tried: set[ReplicaId]) -> ReplicaBrief | None:
-    """The next replica to move onto ``generation``: one not on it yet, not on its way out,
-    not leased to an op in flight (the deployment would refuse it) and not tried already;
-    ready ones first, then in the deployment's order.
-
-    Asked of a fresh brief before each replica, so one the keeper placed meanwhile (on the
-    deployment's generation, the old one) is moved too."""
-    candidates = [r for r in brief.replicas
-                  if r.phase != STOPPING and r.replica_id not in tried and r.op_id is None
-                  and (r.generation is None or r.generation.number < generation.number)]
-    candidates.sort(key=lambda r: r.phase != READY)  # stable: keeps the order otherwise
-    return candidates[0] if candidates else None
-
-
 # -- text ----------------------------------------------------------------------------------
 
 def details(record: OperationRecord, *, title: str) -> str:
@@ -561,28 +542,6 @@ def describe_outcome(op: Op) -> str:
     return "; ".join(parts)
 
 
-def outage(outcome: OpOutcome | None) -> str:
-    """A stop-first replace's outage window, from the retire to the new replica's
-    readiness (OpOutcome.started_at to ended_at), as a sentence."""
-    if outcome is None or outcome.started_at is None or outcome.ended_at is None:
-        return "outage window unknown"
-    seconds = (outcome.ended_at - outcome.started_at).total_seconds()
-    return (f"out of service {seconds:.0f} s, from {_clock(outcome.started_at)} "
-            f"to {_clock(outcome.ended_at)}")
-
-
-def _clock(at: datetime) -> str:
-    return at.strftime("%H:%M:%S")
-
-
-def generation_label(generation: Generation) -> str:
-    """A generation as an operator reads it: the model, and its engine arguments if any."""
-    if not generation.engine_args:
-        return generation.model_id
-    args = ", ".join(f"{k}={v}" for k, v in sorted(generation.engine_args.items()))
-    return f"{generation.model_id} ({args})"
-
-
 async def _wait_out(task: asyncio.Future[Any]) -> bool:
     """Wait for ``task``; a cancel of the waiting task does not reach it (workflow.wait
     never cancels what it waits for). Returns whether a cancel came meanwhile."""
@@ -617,8 +576,3 @@ def describe_failure(err: ActivityError) -> str:
     if isinstance(cause, ApplicationError):
         return cause.message
     return str(cause or err)
-
-
-def lives(brief: DeploymentBrief, replica_id: ReplicaId) -> bool:
-    """Whether ``replica_id`` is among ``brief``'s replicas and not on its way out."""
-    return any(r.replica_id == replica_id and r.phase != STOPPING for r in brief.replicas)
