@@ -1,9 +1,10 @@
 """The sagas' activities that keep their record and the cordon in the store (control queue).
 
-A saga (workflows/restart.py, drain.py, switch.py) calls these by the names in
-``modelkeeper.names``; each is one or two short queries, so a start-to-close of 10 s is
-plenty, and each is idempotent, so the caller may retry it freely (only
-``begin_operation``'s conflict is final: it is raised non-retryable).
+A saga (workflows/restart.py, drain.py, switch.py) calls these by method, through their
+stubs (:mod:`activities.saga_stubs`: workflows must not import the store); each is one or
+two short queries, so a start-to-close of 10 s is plenty, and each is idempotent, so the
+caller may retry it freely (only ``begin_operation``'s conflict is final: it is raised
+non-retryable).
 
 The API inserts an operation's row before it starts the saga; a saga started with the
 ``temporal`` CLI has none, and its ``begin_operation`` inserts it. Either way the saga
@@ -36,8 +37,10 @@ from modelkeeper.names import (
 )
 from modelkeeper.store import OperationConflictError, OperationsStore, Store
 
+from .saga_stubs import OperationsActivityStubs
 
-class OperationsActivities:
+
+class OperationsActivities(OperationsActivityStubs):
     """The operations' activities, bound to one store and one Temporal client."""
 
     def __init__(self, store: Store, client: Client) -> None:

@@ -3,8 +3,10 @@ control worker).
 
 A Python workflow cannot send an update to another workflow, so a saga (workflows/restart.py,
 drain.py, switch.py) asks through these. Each is one update or query of the deployment's
-workflow (``deployment/<id>``), the single writer of its replicas; none touches a replica
-itself. The contract is :mod:`modelkeeper.domain.ops`.
+workflow (``deployment/<id>``), the single writer of its replicas, called by method
+(``DeploymentWorkflow.op``), so mypy checks what goes in and comes back; none touches a
+replica itself. The contract is :mod:`modelkeeper.domain.ops`; the sagas call these through
+their stubs (:mod:`activities.saga_stubs`).
 
 Failures a retry cannot mend are non-retryable, with the deployment's own words:
 
@@ -22,10 +24,9 @@ make every update idempotent.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from pydantic import BaseModel
 from temporalio import activity
 from temporalio.api.errordetails.v1 import NamespaceNotFoundFailure
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
@@ -43,6 +44,7 @@ from modelkeeper.domain.ops import (
     OpOutcome,
     SetGenerationCall,
 )
+from modelkeeper.infra.temporal import execute_update
 from modelkeeper.names import (
     ACTIVITY_AWAIT_OP,
     ACTIVITY_CANCEL_OP,
@@ -51,13 +53,14 @@ from modelkeeper.names import (
     ACTIVITY_SET_GENERATION,
     ERROR_NO_DEPLOYMENT,
     ERROR_OP_REFUSED,
-    QUERY_BRIEF,
-    UPDATE_AWAIT_OP,
     UPDATE_CANCEL_OP,
     UPDATE_OP,
     UPDATE_SET_GENERATION,
     deployment_workflow_id,
 )
+from workflows.deployment import DeploymentWorkflow
+
+from .saga_stubs import OpsActivityStubs
 
 _R = TypeVar("_R")
 
@@ -72,23 +75,23 @@ _COMPLETED_MARKERS = ("workflow execution already completed",
 AWAIT_HEARTBEAT_EVERY_S = 2.0
 
 
-class OpsActivities:
+class OpsActivities(OpsActivityStubs):
     """Activities bound to one Temporal client: each asks one deployment's workflow."""
 
     def __init__(self, client: Client) -> None:
         self._client = client
 
-    def _handle(self, deployment_id: DeploymentId) -> WorkflowHandle[Any, Any]:
+    def _handle(self, deployment_id: DeploymentId) -> WorkflowHandle[DeploymentWorkflow, Any]:
         # By workflow id alone: the latest run, whatever continue-as-new has done.
-        return self._client.get_workflow_handle(deployment_workflow_id(deployment_id))
+        return self._client.get_workflow_handle_for(DeploymentWorkflow.run,
+                                                    deployment_workflow_id(deployment_id))
 
-    async def _update(self, deployment_id: DeploymentId, update: str, arg: BaseModel, *,
-                      result_type: type[_R], update_id: str | None = None) -> _R:
-        """One update, its refusals and a closed workflow turned into non-retryable
-        errors (the module docstring says which)."""
+    async def _update(self, deployment_id: DeploymentId, update: Awaitable[_R]) -> _R:
+        """One update (``execute_update`` by method, so mypy checks it), its refusals and
+        a closed workflow turned into non-retryable errors (the module docstring says
+        which)."""
         try:
-            result: _R = await self._handle(deployment_id).execute_update(
-                update, arg, id=update_id, result_type=result_type)
+            result = await update
         except WorkflowUpdateFailedError as err:
             cause = err.cause
             if _says_completed(str(cause)):
@@ -109,9 +112,9 @@ class OpsActivities:
     async def request_op(self, call: OpCall) -> OpOutcome:
         """Ask for a surge, replace or retire; answers the op as it stands (usually
         running). A retry asks again with the same op id and is answered, never repeated."""
-        return await self._update(call.deployment_id, UPDATE_OP, call.request,
-                                  result_type=OpOutcome,
-                                  update_id=f"{UPDATE_OP}:{call.request.op_id}")
+        return await self._update(call.deployment_id, execute_update(
+            self._handle(call.deployment_id), DeploymentWorkflow.op, call.request,
+            id=f"{UPDATE_OP}:{call.request.op_id}"))
 
     @activity.defn(name=ACTIVITY_AWAIT_OP)
     async def await_op(self, call: AwaitOpCall) -> OpOutcome:
@@ -122,8 +125,9 @@ class OpsActivities:
         worker crash or a missed heartbeat) simply polls again. No update id: each poll
         must be answered afresh, not from the server's memory of the first."""
         while True:
-            poll = asyncio.ensure_future(self._update(
-                call.deployment_id, UPDATE_AWAIT_OP, call.request, result_type=OpOutcome))
+            poll = asyncio.ensure_future(self._update(call.deployment_id, execute_update(
+                self._handle(call.deployment_id), DeploymentWorkflow.await_op,
+                call.request)))
             try:
                 # Heartbeat while the poll waits too: the saga's heartbeat timeout can then
                 # be short, and a worker killed mid-poll is replaced in seconds.
@@ -141,23 +145,22 @@ class OpsActivities:
     async def cancel_op(self, call: CancelOpCall) -> OpOutcome:
         """The compensation: retire what the op surged, keep what it would have
         retired. Answers the op as it stands after the cancel."""
-        return await self._update(call.deployment_id, UPDATE_CANCEL_OP, call.request,
-                                  result_type=OpOutcome,
-                                  update_id=f"{UPDATE_CANCEL_OP}:{call.request.op_id}")
+        return await self._update(call.deployment_id, execute_update(
+            self._handle(call.deployment_id), DeploymentWorkflow.cancel_op, call.request,
+            id=f"{UPDATE_CANCEL_OP}:{call.request.op_id}"))
 
     @activity.defn(name=ACTIVITY_SET_GENERATION)
     async def set_generation(self, call: SetGenerationCall) -> None:
         """Set what the deployment runs from now on (a switch's commit, or a restart's)."""
-        await self._update(call.deployment_id, UPDATE_SET_GENERATION, call.request,
-                           result_type=type(None),
-                           update_id=f"{UPDATE_SET_GENERATION}:{call.request.op_id}")
+        await self._update(call.deployment_id, execute_update(
+            self._handle(call.deployment_id), DeploymentWorkflow.set_generation,
+            call.request, id=f"{UPDATE_SET_GENERATION}:{call.request.op_id}"))
 
     @activity.defn(name=ACTIVITY_DESCRIBE_DEPLOYMENT)
     async def describe_deployment(self, request: DescribeDeploymentInput) -> DeploymentBrief:
         """The deployment as a saga sees it: generation, desired count, replicas."""
         try:
-            brief: DeploymentBrief = await self._handle(request.deployment_id).query(
-                QUERY_BRIEF, result_type=DeploymentBrief)
+            brief = await self._handle(request.deployment_id).query(DeploymentWorkflow.brief)
         except RPCError as err:
             if _not_running(err):
                 raise _no_deployment(request.deployment_id) from err

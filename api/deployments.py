@@ -31,11 +31,11 @@ from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.sources import SourceKind, SourcePolicy, SourceRefused, check_source
 from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.infra.model_files import resolve_model_path, source_policy
+from modelkeeper.infra.temporal import execute_update
 from modelkeeper.names import (
     CONTROL_TASK_QUEUE,
     SIGNAL_DELETE,
     SIGNAL_RETRY,
-    UPDATE_SCALE,
     deployment_workflow_id,
 )
 from modelkeeper.settings import Settings
@@ -355,8 +355,9 @@ async def scale_deployment(deployment_id: str, patch: operations.DeploymentPatch
     request = ScaleRequest(replicas=patch.replicas)
     view = await _existing(store, deployment_id)
     try:
-        await temporal.get_workflow_handle(view.workflow_id).execute_update(
-            UPDATE_SCALE, request, result_type=int, rpc_timeout=UPDATE_ANSWER_TIMEOUT)
+        await execute_update(
+            temporal.get_workflow_handle_for(DeploymentWorkflow.run, view.workflow_id),
+            DeploymentWorkflow.scale, request, rpc_timeout=UPDATE_ANSWER_TIMEOUT)
     except WorkflowUpdateFailedError as exc:
         raise HTTPException(409, str(exc.cause or exc)) from None
     except RPCError as exc:

@@ -14,8 +14,9 @@ good; a start refused by one, and a cancel of one, end it first (:func:`abandone
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Self, TypeVar
 
 from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +25,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from modelkeeper.domain.base import Frozen, Tolerant
+from modelkeeper.domain.base import Frozen
 from modelkeeper.domain.catalog import MAX_REPLICAS, DeploymentView, JsonInt
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId
@@ -39,20 +40,20 @@ from modelkeeper.domain.ops import (
     SwitchInput,
 )
 from modelkeeper.domain.status import DeploymentStatus
-from modelkeeper.names import (
-    CONTROL_TASK_QUEUE,
-    WORKFLOW_DRAIN,
-    WORKFLOW_RESTART,
-    WORKFLOW_SWITCH,
-)
+from modelkeeper.names import CONTROL_TASK_QUEUE
 from modelkeeper.store import OperationConflictError, OperationsStore, Store
 from modelkeeper.store.operations import MAX_LIST_LIMIT, OperationNumberingError
+from workflows.drain import DrainSaga
+from workflows.restart import RestartSaga
+from workflows.switch import SwitchSaga
 
 from .auth import OperatorDep, change
 from .deps import StoreDep, TemporalDep
 from .problems import problems
 
 router = APIRouter()
+
+_I = TypeVar("_I")
 
 #: A running row whose workflow Temporal does not know is left alone this long: the API
 #: inserts the row before it starts the workflow, and a start in flight must not see its
@@ -123,7 +124,7 @@ async def restart_deployment(deployment_id: str, store: StoreDep,
                f"{view.desired_replicas} {plural} one at a time")
     return await _start(
         store, temporal, kind=OperationKind.RESTART, deployment_id=view.deployment_id,
-        workflow=WORKFLOW_RESTART, summary=summary, operator=operator,
+        workflow=RestartSaga.run, summary=summary, operator=operator,
         arg=RestartInput(deployment_id=view.deployment_id, requested_by=operator.name))
 
 
@@ -143,7 +144,7 @@ async def switch_deployment(deployment_id: str, request: SwitchRequest, store: S
     summary = f"switch {view.deployment_id} from {_runs(view)} to {request.model_id}"
     return await _start(
         store, temporal, kind=OperationKind.SWITCH, deployment_id=view.deployment_id,
-        workflow=WORKFLOW_SWITCH, summary=summary, operator=operator,
+        workflow=SwitchSaga.run, summary=summary, operator=operator,
         arg=SwitchInput(deployment_id=view.deployment_id, model_id=request.model_id,
                         requested_by=operator.name))
 
@@ -176,8 +177,8 @@ async def start_reconfigure(deployment_id: str, engine_args: dict[str, Any], *,
     shown = ", ".join(f"{k}={v}" for k, v in sorted(engine_args.items()))
     return await _start(
         store, temporal, kind=OperationKind.RECONFIGURE, deployment_id=view.deployment_id,
-        workflow=WORKFLOW_SWITCH, summary=f"reconfigure {view.deployment_id} "
-                                          f"({model.model_id}): {shown}",
+        workflow=SwitchSaga.run, summary=f"reconfigure {view.deployment_id} "
+                                         f"({model.model_id}): {shown}",
         operator=operator,
         arg=SwitchInput(deployment_id=view.deployment_id, engine_args=engine_args,
                         requested_by=operator.name))
@@ -205,15 +206,17 @@ async def drain_node(node_id: str, store: StoreDep, temporal: TemporalDep, *,
     summary = (f"drain node {node.name} ({node_id}): move its {replicas} replica(s) of "
                f"{len(on_node)} deployment(s) elsewhere within {arg.grace_s:g}s")
     return await _start(store, temporal, kind=OperationKind.DRAIN, node_id=arg.node_id,
-                        workflow=WORKFLOW_DRAIN, summary=summary, arg=arg, operator=operator)
+                        workflow=DrainSaga.run, summary=summary, arg=arg, operator=operator)
 
 
-async def _start(store: Store, temporal: Client, *, kind: OperationKind, workflow: str,
-                 arg: Tolerant, summary: str, operator: Operator,
+async def _start(store: Store, temporal: Client, *, kind: OperationKind,
+                 workflow: Callable[[Any, _I], Awaitable[OperationRecord]], arg: _I,
+                 summary: str, operator: Operator,
                  deployment_id: DeploymentId | None = None,
                  node_id: NodeId | None = None) -> OperationStarted:
     """Insert the operation's row (409 while another runs on its subject), then start its
-    workflow under the row's id; a failed start ends the row as failed (503)."""
+    workflow (a saga's ``run``, so mypy checks ``arg`` against it) under the row's id; a
+    failed start ends the row as failed (503)."""
     ops = OperationsStore.of(store)
     subject = node_id if kind is OperationKind.DRAIN else deployment_id
     assert subject is not None  # each route names the one its kind needs

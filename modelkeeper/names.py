@@ -116,7 +116,8 @@ ACTIVITY_DELETE_DEPLOYMENT = "delete_deployment"
 ACTIVITY_WATCH_FOR_ROOM = "watch_for_room"
 #: Routing: mark a replica draining and wait (bounded) for its in-flight requests.
 ACTIVITY_DRAIN_REPLICA = "drain_replica"
-#: The sagas' activities (control queue): ask a deployment workflow (activities.ops) ...
+#: The sagas' activities (control queue), as their stubs (activities.saga_stubs) and the
+#: classes that run them register them: ask a deployment workflow (activities.ops) ...
 ACTIVITY_REQUEST_OP = "request_op"
 ACTIVITY_AWAIT_OP = "await_op"
 ACTIVITY_CANCEL_OP = "cancel_op"

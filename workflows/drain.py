@@ -38,6 +38,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
+    from activities.saga_stubs import OperationsActivityStubs
     from modelkeeper.domain.ids import ReplicaId
     from modelkeeper.domain.ops import (
         DrainInput,
@@ -51,13 +52,7 @@ with workflow.unsafe.imports_passed_through():
         SetCordonInput,
         StepState,
     )
-    from modelkeeper.names import (
-        ACTIVITY_NODE_DEPLOYMENTS,
-        ACTIVITY_SET_CORDON,
-        ERROR_NO_DEPLOYMENT,
-        QUERY_OPERATION,
-        WORKFLOW_DRAIN,
-    )
+    from modelkeeper.names import ERROR_NO_DEPLOYMENT, QUERY_OPERATION, WORKFLOW_DRAIN
 
 # Not passed through: the sandbox re-imports it with each workflow, and checks it.
 from .saga import (
@@ -139,11 +134,10 @@ class DrainSaga:
         self._cordon_step = step = saga.step(f"cordon {node}")
 
         async def cordon() -> bool:
-            known: bool | None = await saga.call(
-                ACTIVITY_SET_CORDON, SetCordonInput(
+            known = await saga.call(
+                OperationsActivityStubs.set_cordon, SetCordonInput(
                     node_id=node, cordoned=True,
-                    reason=f"draining: {saga.record.operation_id}"),
-                result_type=bool)
+                    reason=f"draining: {saga.record.operation_id}"))
             if known is False:
                 saga.end_step(step, StepState.FAILED, f"node_id: {node} is not a known node")
                 return False
@@ -153,9 +147,8 @@ class DrainSaga:
         # Atomic: a cordon cut short could land after the uncordon of a cancel.
         if not await saga.atomic(cordon()):
             return f"node_id: {node} is not a known node"
-        claims: list[NodeReplica] = await saga.call(
-            ACTIVITY_NODE_DEPLOYMENTS, NodeDeploymentsInput(node_id=node),
-            result_type=list[NodeReplica])
+        claims = await saga.call(OperationsActivityStubs.node_deployments,
+                                 NodeDeploymentsInput(node_id=node))
         # A replica with several shards on the node is listed once per shard.
         replicas = list({c.replica_id: c for c in claims}.values())
         deadline = workflow.now() + timedelta(seconds=self._input.grace_s)
@@ -244,7 +237,7 @@ class DrainSaga:
             node = self._input.node_id
             step = saga.step(f"undo: uncordon {node}")
             try:
-                await saga.call(ACTIVITY_SET_CORDON,
+                await saga.call(OperationsActivityStubs.set_cordon,
                                 SetCordonInput(node_id=node, cordoned=False))
             except ActivityError as err:
                 saga.end_step(step, StepState.FAILED, describe_failure(err))

@@ -44,15 +44,8 @@ with workflow.unsafe.imports_passed_through():
     from modelkeeper.names import QUERY_OPERATION, WORKFLOW_RESTART
 
 # Not passed through: the sandbox re-imports it with each workflow, and checks it.
-from .saga import (
-    Saga,
-    UndoFailed,
-    describe_failure,
-    describe_outcome,
-    new_record,
-    next_replica,
-    outage,
-)
+from .saga import Saga, UndoFailed, describe_failure, describe_outcome, new_record
+from .saga_moves import next_replica, outage
 
 
 def static_summary(request: RestartInput) -> str:

@@ -1,9 +1,12 @@
 """What the saga workflows share: the step record, the op helpers, and how a cancel lands.
+(What only the sagas that move replicas onto a new generation share, restart and switch,
+is in saga_moves.py.)
 
 A saga (restart.py, drain.py, switch.py) never touches a replica. It asks the deployment's
-workflow for ops (:mod:`modelkeeper.domain.ops`) through the activities named in
-:mod:`modelkeeper.names` (``activities.ops``; workflows do not import activity modules), and
-shows every step, each compensation included, in its :class:`OperationRecord`.
+workflow for ops (:mod:`modelkeeper.domain.ops`) through activities called by method, through
+their stubs (:mod:`activities.saga_stubs`: the modules that run them hold the store and the
+deployment workflow), so mypy checks every input and result; and it shows every step, each
+compensation included, in its :class:`OperationRecord`.
 
 **The record.** :class:`Saga` holds the record; each step is appended (running), then
 ended (done or failed). A compensation is a step of its own, named ``undo: ...``, that
@@ -34,9 +37,9 @@ Deterministic: no I/O, no clock but ``workflow.now()``, tasks only through
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
@@ -50,7 +53,8 @@ from temporalio.exceptions import (
 )
 
 with workflow.unsafe.imports_passed_through():
-    from modelkeeper.domain.ids import DeploymentId, NodeId, OperationId, OpId, ReplicaId
+    from activities.saga_stubs import OperationsActivityStubs, OpsActivityStubs
+    from modelkeeper.domain.ids import DeploymentId, NodeId, OperationId, OpId
     from modelkeeper.domain.ops import (
         OP_ENDED,
         AwaitOpCall,
@@ -68,19 +72,11 @@ with workflow.unsafe.imports_passed_through():
         OpOutcome,
         OpRequest,
         OpState,
-        ReplicaBrief,
         SetGenerationCall,
         SetGenerationRequest,
         StepState,
     )
     from modelkeeper.names import (
-        ACTIVITY_AWAIT_OP,
-        ACTIVITY_BEGIN_OPERATION,
-        ACTIVITY_CANCEL_OP,
-        ACTIVITY_DESCRIBE_DEPLOYMENT,
-        ACTIVITY_RECORD_OPERATION,
-        ACTIVITY_REQUEST_OP,
-        ACTIVITY_SET_GENERATION,
         CONTROL_TASK_QUEUE,
         ERROR_NO_DEPLOYMENT,
         ERROR_OP_REFUSED,
@@ -89,6 +85,7 @@ with workflow.unsafe.imports_passed_through():
     )
 
 _T = TypeVar("_T")
+_A = TypeVar("_A")
 
 # Timeouts and retry policies of the sagas' activities, each named once beside its reason.
 
@@ -131,11 +128,6 @@ AWAIT_LIFETIME = timedelta(days=1)
 #: An op that failed for want of room says so first (OpOutcome.error): the sagas then try
 #: a stop-first replace, or wait for room.
 NO_ROOM = "no room"
-#: A replica's phase once its stop is under way (modelkeeper.domain.keeper.Phase.STOPPING;
-#: ReplicaBrief carries it as text): such a replica is not restarted, switched or restored.
-STOPPING = "stopping"
-#: ... and the phase of one that serves: those are replaced first.
-READY = "ready"
 #: The web UI's current details list at most this many steps (the newest): a drain of a
 #: large node has hundreds, and the store's record keeps them all.
 DETAILS_STEPS = 20
@@ -260,8 +252,8 @@ class Saga:
         while True:
             await workflow.wait_condition(lambda: self._written < self._version)
             version, record = self._version, self.record
-            await workflow.execute_activity(
-                ACTIVITY_RECORD_OPERATION, record, task_queue=CONTROL_TASK_QUEUE,
+            await workflow.execute_activity_method(
+                OperationsActivityStubs.record_operation, record, task_queue=CONTROL_TASK_QUEUE,
                 start_to_close_timeout=STORE_TIMEOUT, retry_policy=OPERATION_RETRY)
             self._written = version
 
@@ -295,7 +287,7 @@ class Saga:
         the saga fails with the store's message, which names the running one."""
         try:
             stored: OperationRecord | None = await self.atomic(self.call(
-                ACTIVITY_BEGIN_OPERATION, self.record, result_type=OperationRecord,
+                OperationsActivityStubs.begin_operation, self.record,
                 retry_policy=OPERATION_RETRY))
         except ActivityError as err:
             conflict = _conflict(err)
@@ -356,15 +348,16 @@ class Saga:
 
     # -- activities and ops ----------------------------------------------------------------
 
-    async def call(self, activity: str, arg: Any, *, result_type: type | None = None,
+    async def call(self, activity: Callable[[Any, _A], Awaitable[_T]], arg: _A, *,
                    start_to_close: timedelta = STORE_TIMEOUT,
                    retry_policy: RetryPolicy = STORE_RETRY,
-                   heartbeat_timeout: timedelta | None = None) -> Any:
-        """One activity on the control queue, by name. A cancel of the saga that
-        cancelled it is raised as asyncio.CancelledError (see the module docstring)."""
+                   heartbeat_timeout: timedelta | None = None) -> _T:
+        """One activity on the control queue, by method (a stub's: activities.saga_stubs).
+        A cancel of the saga that cancelled it is raised as asyncio.CancelledError (see
+        the module docstring)."""
         try:
-            return await workflow.execute_activity(
-                activity, arg, result_type=result_type, task_queue=CONTROL_TASK_QUEUE,
+            return await workflow.execute_activity_method(
+                activity, arg, task_queue=CONTROL_TASK_QUEUE,
                 start_to_close_timeout=start_to_close, retry_policy=retry_policy,
                 heartbeat_timeout=heartbeat_timeout)
         except ActivityError as err:
@@ -378,11 +371,10 @@ class Saga:
 
     async def describe(self, deployment_id: DeploymentId) -> DeploymentBrief:
         """The deployment as it stands (describe_deployment)."""
-        brief: DeploymentBrief = await self.call(
-            ACTIVITY_DESCRIBE_DEPLOYMENT, DescribeDeploymentInput(deployment_id=deployment_id),
-            result_type=DeploymentBrief, start_to_close=UPDATE_TIMEOUT,
-            retry_policy=UPDATE_RETRY)
-        return brief
+        return await self.call(
+            OpsActivityStubs.describe_deployment,
+            DescribeDeploymentInput(deployment_id=deployment_id),
+            start_to_close=UPDATE_TIMEOUT, retry_policy=UPDATE_RETRY)
 
     async def op(self, deployment_id: DeploymentId, request: OpRequest, *,
                  name: str) -> Op:
@@ -408,10 +400,9 @@ class Saga:
     async def _request(self, op: Op) -> None:
         try:
             op.outcome = await self.call(
-                ACTIVITY_REQUEST_OP, OpCall(deployment_id=op.deployment_id,
-                                            request=op.request),
-                result_type=OpOutcome, start_to_close=UPDATE_TIMEOUT,
-                retry_policy=UPDATE_RETRY)
+                OpsActivityStubs.request_op, OpCall(deployment_id=op.deployment_id,
+                                                    request=op.request),
+                start_to_close=UPDATE_TIMEOUT, retry_policy=UPDATE_RETRY)
         except ActivityError as err:
             op.refused = describe_failure(err)
             if isinstance(err.cause, ApplicationError):
@@ -421,13 +412,13 @@ class Saga:
         """Until the op ends (await_op long-polls and heartbeats). Failing that (the
         deployment gone meanwhile), the op is marked lost: its end is unknown."""
         try:
-            outcome: OpOutcome = await self.call(
-                ACTIVITY_AWAIT_OP, AwaitOpCall(
+            outcome = await self.call(
+                OpsActivityStubs.await_op, AwaitOpCall(
                     deployment_id=op.deployment_id,
                     request=AwaitOpRequest(op_id=op.request.op_id,
                                            wait_s=AWAIT_POLL.total_seconds())),
-                result_type=OpOutcome, start_to_close=AWAIT_LIFETIME,
-                retry_policy=UPDATE_RETRY, heartbeat_timeout=AWAIT_HEARTBEAT_TIMEOUT)
+                start_to_close=AWAIT_LIFETIME, retry_policy=UPDATE_RETRY,
+                heartbeat_timeout=AWAIT_HEARTBEAT_TIMEOUT)
         except ActivityError as err:
             op.lost = f"its outcome is unknown: {describe_failure(err)}"
             return op.outcome
@@ -446,11 +437,11 @@ class Saga:
         succeeded (nothing to undo by a cancel; a switch then replaces it back)."""
         step = self.step(f"undo: cancel {self.record.steps[op.step].name}")
         try:
-            outcome: OpOutcome = await self.call(
-                ACTIVITY_CANCEL_OP, CancelOpCall(deployment_id=op.deployment_id,
-                                                 request=CancelOpRequest(op_id=op.request.op_id)),
-                result_type=OpOutcome, start_to_close=UPDATE_TIMEOUT,
-                retry_policy=UPDATE_RETRY)
+            outcome = await self.call(
+                OpsActivityStubs.cancel_op,
+                CancelOpCall(deployment_id=op.deployment_id,
+                             request=CancelOpRequest(op_id=op.request.op_id)),
+                start_to_close=UPDATE_TIMEOUT, retry_policy=UPDATE_RETRY)
         except ActivityError as err:
             reason = describe_failure(err)
             self.end_step(step, StepState.FAILED, reason)
@@ -491,8 +482,8 @@ class Saga:
 
     async def _set_generation(self, call: SetGenerationCall, step: int) -> str | None:
         try:
-            await self.call(ACTIVITY_SET_GENERATION, call, start_to_close=UPDATE_TIMEOUT,
-                            retry_policy=UPDATE_RETRY)
+            await self.call(OpsActivityStubs.set_generation, call,
+                            start_to_close=UPDATE_TIMEOUT, retry_policy=UPDATE_RETRY)
         except ActivityError as err:
             error = describe_failure(err)
             self.end_step(step, StepState.FAILED, error)
@@ -510,21 +501,6 @@ def new_record(kind: OperationKind, *, summary: str, requested_by: str,
     return OperationRecord(operation_id=OperationId(workflow.info().workflow_id), kind=kind,
                            deployment_id=deployment_id, node_id=node_id, summary=summary,
                            requested_by=requested_by, created_at=now, updated_at=now)
-
-
-def next_replica(brief: DeploymentBrief, generation: Generation, *,
-                 tried: set[ReplicaId]) -> ReplicaBrief | None:
-    """The next replica to move onto ``generation``: one not on it yet, not on its way out,
-    not leased to an op in flight (the deployment would refuse it) and not tried already;
-    ready ones first, then in the deployment's order.
-
-    Asked of a fresh brief before each replica, so one the keeper placed meanwhile (on the
-    deployment's generation, the old one) is moved too."""
-    candidates = [r for r in brief.replicas
-                  if r.phase != STOPPING and r.replica_id not in tried and r.op_id is None
-                  and (r.generation is None or r.generation.number < generation.number)]
-    candidates.sort(key=lambda r: r.phase != READY)  # stable: keeps the order otherwise
-    return candidates[0] if candidates else None
 
 
 # -- text ----------------------------------------------------------------------------------
@@ -566,28 +542,6 @@ def describe_outcome(op: Op) -> str:
     return "; ".join(parts)
 
 
-def outage(outcome: OpOutcome | None) -> str:
-    """A stop-first replace's outage window, from the retire to the new replica's
-    readiness (OpOutcome.started_at to ended_at), as a sentence."""
-    if outcome is None or outcome.started_at is None or outcome.ended_at is None:
-        return "outage window unknown"
-    seconds = (outcome.ended_at - outcome.started_at).total_seconds()
-    return (f"out of service {seconds:.0f} s, from {_clock(outcome.started_at)} "
-            f"to {_clock(outcome.ended_at)}")
-
-
-def _clock(at: datetime) -> str:
-    return at.strftime("%H:%M:%S")
-
-
-def generation_label(generation: Generation) -> str:
-    """A generation as an operator reads it: the model, and its engine arguments if any."""
-    if not generation.engine_args:
-        return generation.model_id
-    args = ", ".join(f"{k}={v}" for k, v in sorted(generation.engine_args.items()))
-    return f"{generation.model_id} ({args})"
-
-
 async def _wait_out(task: asyncio.Future[Any]) -> bool:
     """Wait for ``task``; a cancel of the waiting task does not reach it (workflow.wait
     never cancels what it waits for). Returns whether a cancel came meanwhile."""
@@ -622,8 +576,3 @@ def describe_failure(err: ActivityError) -> str:
     if isinstance(cause, ApplicationError):
         return cause.message
     return str(cause or err)
-
-
-def lives(brief: DeploymentBrief, replica_id: ReplicaId) -> bool:
-    """Whether ``replica_id`` is among ``brief``'s replicas and not on its way out."""
-    return any(r.replica_id == replica_id and r.phase != STOPPING for r in brief.replicas)

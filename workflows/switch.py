@@ -56,19 +56,8 @@ with workflow.unsafe.imports_passed_through():
     from modelkeeper.names import QUERY_OPERATION, WORKFLOW_SWITCH
 
 # Not passed through: the sandbox re-imports it with each workflow, and checks it.
-from .saga import (
-    STOPPING,
-    Op,
-    Saga,
-    UndoFailed,
-    describe_failure,
-    describe_outcome,
-    generation_label,
-    lives,
-    new_record,
-    next_replica,
-    outage,
-)
+from .saga import Op, Saga, UndoFailed, describe_failure, describe_outcome, new_record
+from .saga_moves import STOPPING, generation_label, lives, next_replica, outage
 
 
 def operation_kind(request: SwitchInput) -> OperationKind:

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
+from typing import Any, TypeVar, overload
 
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, TLSConfig
+from temporalio.workflow import UpdateMethodMultiParam
 
 from ..domain.ids import DeploymentId
 from ..names import SIGNAL_NODES_CHANGED, deployment_workflow_id
 from ..settings import Settings, env_var_names
+
+_W = TypeVar("_W")
+_A = TypeVar("_A")
+_R = TypeVar("_R")
 
 #: What a PEM file starts with. Checked at start so that a DER file, or a key where the
 #: certificate belongs, is named here rather than failing as a bare handshake error later.
@@ -178,3 +186,30 @@ async def signal_unplaceable(client: Client, deployment_ids: list[str]) -> int:
         except RPCError:
             continue  # it finished meanwhile (deleted): nothing to retry
     return sent
+
+
+@overload
+async def execute_update(handle: WorkflowHandle[_W, Any],
+                         update: UpdateMethodMultiParam[[_W, _A], Coroutine[Any, Any, _R]],
+                         arg: _A, *, id: str | None = None,
+                         rpc_timeout: timedelta | None = None) -> _R: ...
+
+
+@overload
+async def execute_update(handle: WorkflowHandle[_W, Any],
+                         update: UpdateMethodMultiParam[[_W, _A], _R], arg: _A, *,
+                         id: str | None = None, rpc_timeout: timedelta | None = None) -> _R: ...
+
+
+async def execute_update(handle: WorkflowHandle[Any, Any], update: Any, arg: Any, *,
+                         id: str | None = None, rpc_timeout: timedelta | None = None) -> Any:
+    """``handle.execute_update(update, arg)`` for an update referenced by method, typed by
+    what the handler returns.
+
+    Why not the SDK's own: ``@workflow.update(name=...)`` on an ``async def`` types the
+    handler's result as its coroutine, so ``await handle.execute_update(W.op, request)``
+    reads to mypy as a coroutine, not the op's outcome. The first overload unwraps that;
+    the second takes a handler whose result the SDK types right (``@workflow.update`` with
+    no name). Either way mypy checks the argument against the handler's parameter, and the
+    SDK takes the update's name and result type from the handler at run time."""
+    return await handle.execute_update(update, arg, id=id, rpc_timeout=rpc_timeout)
