@@ -33,10 +33,10 @@ import httpx
 import psutil
 
 from agent.shards import NODE_ENV
+from cli.postgres import dsn, start_postgres
+from cli.temporal_server import start_dev_server
 from modelkeeper.domain.operators import OperatorRole
 from modelkeeper.infra.processes import ManagedProcess, free_port, signal_group
-from modelkeeper.launcher.postgres import dsn, start_postgres
-from modelkeeper.launcher.temporal_server import start_dev_server
 from modelkeeper.names import LOCAL_DATABASE_NAME
 from modelkeeper.store.routing import RoutingStore
 from modelkeeper.store.tokens import TokensStore

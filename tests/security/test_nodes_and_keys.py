@@ -52,6 +52,8 @@ from agent.identity import CREDENTIAL_FILE, load_credential, save_credential
 from agent.shards import NODE_ENV, REPLICA_ENV, ShardManager, _tail, engine_environment
 from api.agents import registration_warnings
 from api.app import create_app
+from cli.main import run as cli_run
+from cli.operator_cli import OPERATOR_COMMANDS, Request, UsageError
 from modelkeeper.domain.catalog import ReplicaStateUpdate
 from modelkeeper.domain.engine_keys import (
     derive_engine_key,
@@ -75,8 +77,6 @@ from modelkeeper.domain.shards import EngineKind, FetchProgress, ShardSpec
 from modelkeeper.domain.status import ReplicaState
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.infra.secrets import new_node_credential, read_join_token
-from modelkeeper.launcher.cli import run as cli_run
-from modelkeeper.launcher.operator_cli import OPERATOR_COMMANDS, Request, UsageError
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 from modelkeeper.store.routing import RoutingStore
@@ -707,7 +707,7 @@ async def test_an_operator_removes_a_node(
 
 
 def _parse(*argv: str) -> Any:
-    from modelkeeper.launcher.cli import build_parser
+    from cli.main import build_parser
 
     return build_parser().parse_args(list(argv))
 

@@ -46,22 +46,28 @@ import httpx
 import psutil
 
 from agent.shards import NODE_ENV
-
-from ..domain.nodes import is_loopback
-from ..domain.operators import OperatorRole, name_problem
-from ..infra.files import make_private_dir, private_files
-from ..infra.network import WILDCARD_BINDS, machine_names
-from ..infra.pki import (
+from modelkeeper.domain.nodes import is_loopback
+from modelkeeper.domain.operators import OperatorRole, name_problem
+from modelkeeper.infra.files import make_private_dir, private_files
+from modelkeeper.infra.network import WILDCARD_BINDS, machine_names
+from modelkeeper.infra.pki import (
     AGENT_CERT_FILE,
     AGENT_FILES,
     AGENT_KEY_FILE,
     CA_FILE,
     ensure_mtls_files,
 )
-from ..infra.processes import ManagedProcess, free_port, port_is_free, signal_group, tcp_accepts
-from ..names import LOCAL_DATABASE_NAME, local_database_passfile
-from ..settings import Settings, env_var_names
-from ..store.tokens import TokensStore
+from modelkeeper.infra.processes import (
+    ManagedProcess,
+    free_port,
+    port_is_free,
+    signal_group,
+    tcp_accepts,
+)
+from modelkeeper.names import LOCAL_DATABASE_NAME, local_database_passfile
+from modelkeeper.settings import Settings, env_var_names
+from modelkeeper.store.tokens import TokensStore
+
 from . import postgres, temporal_server
 from .ports import PORTS, PortUse
 
