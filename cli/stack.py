@@ -45,7 +45,7 @@ from types import FrameType
 import httpx
 import psutil
 
-from agent.shards import NODE_ENV
+from agent.engine_process import NODE_ENV
 from modelkeeper.domain.nodes import is_loopback
 from modelkeeper.domain.operators import OperatorRole, name_problem
 from modelkeeper.infra.files import make_private_dir, private_files
@@ -587,7 +587,8 @@ def describe_exit(code: int) -> str:
 
 
 def _engine_groups(node_id: str) -> set[int]:
-    """Process groups of the running engines that carry ``node_id``'s marker (agent.shards)."""
+    """Process groups of the running engines that carry ``node_id``'s marker
+    (agent.engine_process.NODE_ENV)."""
     groups = set()
     for proc in psutil.process_iter():
         try:

@@ -28,7 +28,7 @@ import httpx
 import psutil
 import pytest
 
-from agent.shards import NODE_ENV
+from agent.engine_process import NODE_ENV
 from cli.stack import GIVE_UP_AFTER_EXITS, GIVE_UP_WINDOW_S
 from modelkeeper.domain.ids import NodeId
 from modelkeeper.names import CONTROL_TASK_QUEUE, node_task_queue

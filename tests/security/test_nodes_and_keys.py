@@ -40,6 +40,7 @@ from fastapi import FastAPI
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from activities.store import StoreActivities
+from agent.engine_process import NODE_ENV, REPLICA_ENV, engine_environment, read_log_tail
 from agent.engines.base import EngineAdapter
 from agent.engines.llamacpp import LlamaCppAdapter
 from agent.engines.sglang import ENTRY_SCRIPT, SglangAdapter
@@ -49,7 +50,7 @@ from agent.engines.sim import SimAdapter
 from agent.engines.sim_server import API_KEY_ENV as SIM_KEY_ENV
 from agent.engines.vllm import VllmAdapter
 from agent.identity import CREDENTIAL_FILE, load_credential, save_credential
-from agent.shards import NODE_ENV, REPLICA_ENV, ShardManager, _tail, engine_environment
+from agent.shards import ShardManager
 from api.agents import registration_warnings
 from api.app import create_app
 from cli.main import run as cli_run
@@ -522,7 +523,7 @@ def test_keys_are_scrubbed_from_log_tails(tmp_path: Path) -> None:
         f"Authorization: Bearer {engine_key}\n"
         f"node key {node_key} credential {credential}\n"
         "mk-short stays\n")
-    tail = _tail(log)
+    tail = read_log_tail(log)
     text = "\n".join(tail)
     for secret in (engine_key, node_key, credential):
         assert secret not in text
