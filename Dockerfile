@@ -17,6 +17,7 @@ COPY worker ./worker
 COPY api ./api
 COPY agent ./agent
 COPY gateway ./gateway
+COPY cli ./cli
 
 RUN pip install --no-cache-dir -c constraints.txt . \
     && useradd --create-home --uid 10001 --user-group modelkeeper

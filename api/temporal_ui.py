@@ -3,7 +3,7 @@
 The dev server's UI answers every Host, has no login, and its own ``/api/v1`` can list
 every history and terminate any workflow. A web page that rebinds its name to 127.0.0.1
 is same-origin with it, reads its CSRF cookie and sends it back. So `up` runs that UI on a
-hidden loopback address (modelkeeper.launcher.temporal_server.hidden_ui_listener) and
+hidden loopback address (cli.temporal_server.hidden_ui_listener) and
 this proxy on the documented port, which, in order:
 
 1. refuses a request whose Host is not one the API answers to (auth.HostAllowlist, the

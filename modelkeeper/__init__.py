@@ -1,16 +1,16 @@
 """modelkeeper: keeps self-hosted LLM deployments served.
 
-The package is in rooms, each importing only what lies below it (the import-linter
-contract in pyproject.toml checks this):
+This package is the ground floor of the rooms, each importing only what lies below it
+(the import-linter contract in pyproject.toml checks this):
 
-- ``launcher``: the `modelkeeper` command, `up` and the operator CLI;
 - ``store``: PostgreSQL (migrations, control and routing queries), and ``infra``: shared
   I/O such as connecting to Temporal and managed processes;
 - ``settings`` and ``names``: the one home of every setting and shared name;
 - ``domain``: pure models and decisions (the keeper, placement), no I/O.
 
-The components (``api``, ``worker``, ``gateway``, ``agent``) and the Temporal code
-(``workflows``, ``activities``) are top-level packages beside this one.
+The `modelkeeper` command (``cli``: `up` and the operator CLI), the components (``api``,
+``worker``, ``gateway``, ``agent``) and the Temporal code (``workflows``, ``activities``)
+are top-level packages beside this one.
 """
 
 __version__ = "0.1.0"

@@ -25,15 +25,15 @@ from fastapi import FastAPI
 from temporalio.testing import WorkflowEnvironment
 
 from api.app import create_app
-from modelkeeper.infra.processes import ManagedProcess, free_port
-from modelkeeper.launcher import binaries
-from modelkeeper.launcher.postgres import (
+from cli import binaries
+from cli.postgres import (
     GATEWAY_ROLE,
     SUPERUSER,
     dsn,
     ensure_role,
     start_postgres,
 )
+from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.names import SEARCH_ATTRIBUTES
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store

@@ -39,7 +39,7 @@ KILLED_CODE = -signal.SIGKILL
 
 class InProcessSim:
     """One sim engine served on this process's event loop (an
-    :class:`agent.shards.EngineProcess`)."""
+    :class:`agent.engine_process.EngineProcess`)."""
 
     def __init__(self, name: str, config: SimConfig, api_key: str | None) -> None:
         self.name = name
@@ -52,7 +52,7 @@ class InProcessSim:
     @property
     def pid(self) -> int:
         # Reported, never signalled: every signal goes through signal() (see
-        # agent.shards.EngineProcess).
+        # agent.engine_process.EngineProcess).
         return os.getpid()
 
     def create_time(self) -> float:
@@ -104,7 +104,7 @@ class InProcessSim:
 
 
 class InProcessSims:
-    """The launcher (:data:`agent.shards.EngineLauncher`) of one simulated node: it serves
+    """The launcher (:data:`agent.engine_process.EngineLauncher`) of one simulated node: it serves
     the sim engine in-process and refuses every other engine, and it keeps the node's
     engines so that the fleet can kill them all at once when the node dies."""
 

@@ -46,9 +46,9 @@ import psutil
 import uvloop
 
 from agent.engines.sim_server import API_KEY_ENV
+from cli.postgres import dsn, start_postgres
 from modelkeeper.domain.engine_keys import replica_engine_key
 from modelkeeper.infra.processes import ManagedProcess, free_port
-from modelkeeper.launcher.postgres import dsn, start_postgres
 from modelkeeper.store.routing import RoutingStore
 
 from . import loadgen

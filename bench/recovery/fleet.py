@@ -9,7 +9,7 @@ servers are.
 
 A *whole-node crash* is SIGKILL to the agent's process group and then to every engine
 that agent started. Engines run in process groups of their own (so an agent restart does
-not take them down) and carry their node's id in their environment (``agent.shards``), so
+not take them down) and carry their node's id in their environment (``agent.engine_process``), so
 they are found by that marker and by parentage. The agent goes first: an agent that saw
 its engine die would report an engine exit, which is a different (and faster) path.
 """
@@ -32,11 +32,11 @@ import asyncpg
 import httpx
 import psutil
 
-from agent.shards import NODE_ENV
+from agent.engine_process import NODE_ENV
+from cli.postgres import dsn, start_postgres
+from cli.temporal_server import start_dev_server
 from modelkeeper.domain.operators import OperatorRole
 from modelkeeper.infra.processes import ManagedProcess, free_port, signal_group
-from modelkeeper.launcher.postgres import dsn, start_postgres
-from modelkeeper.launcher.temporal_server import start_dev_server
 from modelkeeper.names import LOCAL_DATABASE_NAME
 from modelkeeper.store.routing import RoutingStore
 from modelkeeper.store.tokens import TokensStore

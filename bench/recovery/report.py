@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from activities.node import MAX_HEARTBEAT_THROTTLE
-from agent.shards import POLL_INTERVAL_S as AGENT_WATCH_POLL_S
+from agent.engine_process import POLL_INTERVAL_S as AGENT_WATCH_POLL_S
 from modelkeeper.settings import Settings, env_var_names
 from workflows.deployment import WorkflowTimings
 

@@ -16,7 +16,7 @@ import signal
 from pathlib import Path
 from types import FrameType
 
-from modelkeeper.launcher.cli import main
+from cli.main import main
 from modelkeeper.store.control import PLACEMENT_TIMING_LOGGER
 
 

@@ -49,13 +49,13 @@ from typing import Any
 
 import asyncpg
 
+from cli.postgres import dsn, start_postgres
 from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.nodes import AgentRegistration, GpuInfo, Inventory, NodeUpdate
 from modelkeeper.domain.placement import CantPlace, PlacementRequest
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.infra.processes import free_port
-from modelkeeper.launcher.postgres import dsn, start_postgres
 from modelkeeper.store import Store
 
 GIB = 1024**3

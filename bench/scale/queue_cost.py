@@ -1,5 +1,5 @@
 """What an idle node's task queue costs the Temporal dev server, with the server's default
-partitions and with one (``DYNAMIC_CONFIG`` in :mod:`modelkeeper.launcher.temporal_server`).
+partitions and with one (``DYNAMIC_CONFIG`` in :mod:`cli.temporal_server`).
 
 Each node of a fleet polls a task queue of its own, one poll at a time, as the agent's
 worker does (``PollerBehaviorSimpleMaximum(1)``, activities only). This starts the dev
@@ -26,8 +26,8 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
 
+from cli.temporal_server import DYNAMIC_CONFIG, dev_server_argv
 from modelkeeper.infra.processes import ManagedProcess, free_port, tcp_accepts
-from modelkeeper.launcher.temporal_server import DYNAMIC_CONFIG, dev_server_argv
 
 
 @activity.defn

@@ -43,8 +43,8 @@ from bench.recovery.fleet import (
     FleetError,
     wait_ready,
 )
+from cli.stack import FIRST_RESTART_DELAY_S
 from modelkeeper.infra.processes import ManagedProcess, signal_group, tcp_accepts
-from modelkeeper.launcher.stack import FIRST_RESTART_DELAY_S
 
 from .netns import NodeNetwork
 

@@ -27,7 +27,7 @@ import asyncpg
 import httpx
 import psutil
 
-from agent.shards import NODE_ENV, REPLICA_ENV
+from agent.engine_process import NODE_ENV, REPLICA_ENV
 from modelkeeper.infra.processes import ManagedProcess
 
 from .clients import Outcome, judge_failure, judge_reply

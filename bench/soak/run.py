@@ -46,7 +46,7 @@ import uvloop
 
 from bench.common import code_version, interrupt_on_sigterm, remove_unless_kept, stop_fleet
 from bench.recovery.report import settings_in_force
-from modelkeeper.launcher.stack import DEMO_MODEL, DEMO_MODEL_ID
+from cli.stack import DEMO_MODEL, DEMO_MODEL_ID
 
 from . import netns
 from .clients import MAX_TOKENS, STREAM_SHARE, Ledger, LoadClient

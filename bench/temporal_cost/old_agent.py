@@ -21,7 +21,7 @@ from temporalio.worker import Worker
 
 import agent.main
 from activities.node import MAX_HEARTBEAT_THROTTLE
-from modelkeeper.launcher.cli import main
+from cli.main import main
 
 if __name__ == "__main__":
     # run_agent looks Worker up in its module's globals when it builds the worker; these

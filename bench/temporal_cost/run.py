@@ -51,7 +51,7 @@ from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client
 
 from activities.node import MAX_HEARTBEAT_THROTTLE
-from agent.shards import POLL_INTERVAL_S as WATCH_POLL_S
+from agent.engine_process import POLL_INTERVAL_S as WATCH_POLL_S
 from bench.common import (
     STEADY_WINDOW_S,
     code_version,

@@ -19,10 +19,10 @@ from temporalio.client import Client
 from temporalio.service import RetryConfig
 from temporalio.testing import WorkflowEnvironment
 
+from cli import binaries
 from modelkeeper.domain.catalog import DeploymentRequest
 from modelkeeper.domain.ids import DeploymentId, ModelId
 from modelkeeper.infra.processes import free_port
-from modelkeeper.launcher import binaries
 from modelkeeper.names import deployment_workflow_id
 from modelkeeper.store import Store
 

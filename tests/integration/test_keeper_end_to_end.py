@@ -22,10 +22,10 @@ import uvicorn
 from temporalio.testing import WorkflowEnvironment
 
 from api.app import create_app
+from cli.main import build_parser
+from cli.operator_cli import run_operator_command
 from modelkeeper.domain.engine_keys import replica_engine_key
 from modelkeeper.infra.processes import ManagedProcess, free_port
-from modelkeeper.launcher.cli import build_parser
-from modelkeeper.launcher.operator_cli import run_operator_command
 from modelkeeper.settings import Settings
 from tests.support.node_keys import key_epoch
 from worker.main import run_worker

@@ -16,7 +16,8 @@ from typing import Any
 import psutil
 import pytest
 
-from agent.shards import REPLICA_ENV, ShardManager
+from agent.engine_process import REPLICA_ENV
+from agent.shards import ShardManager
 from modelkeeper.domain.engine_keys import derive_node_key
 from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
 from modelkeeper.domain.shards import (

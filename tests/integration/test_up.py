@@ -18,8 +18,8 @@ import httpx
 import psutil
 import pytest
 
+from cli import binaries
 from modelkeeper.infra.processes import free_port
-from modelkeeper.launcher import binaries
 from modelkeeper.names import local_database_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

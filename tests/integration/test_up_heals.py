@@ -28,9 +28,9 @@ import httpx
 import psutil
 import pytest
 
-from agent.shards import NODE_ENV
+from agent.engine_process import NODE_ENV
+from cli.stack import GIVE_UP_AFTER_EXITS, GIVE_UP_WINDOW_S
 from modelkeeper.domain.ids import NodeId
-from modelkeeper.launcher.stack import GIVE_UP_AFTER_EXITS, GIVE_UP_WINDOW_S
 from modelkeeper.names import CONTROL_TASK_QUEUE, node_task_queue
 from tests.integration import test_up as plain_up
 

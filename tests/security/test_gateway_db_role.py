@@ -21,8 +21,8 @@ import asyncpg
 import httpx
 import pytest
 
+from cli.postgres import GATEWAY_ROLE, ensure_role
 from gateway.server import GatewayServer
-from modelkeeper.launcher.postgres import GATEWAY_ROLE, ensure_role
 from modelkeeper.store import Store
 from modelkeeper.store.routing import RoutingStore
 from modelkeeper.store.schema import MIGRATIONS_DIR

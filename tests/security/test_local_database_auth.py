@@ -30,9 +30,10 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from cli import main as cli
+from cli import postgres
 from modelkeeper.domain.operators import OperatorRole
 from modelkeeper.infra.processes import ManagedProcess, free_port
-from modelkeeper.launcher import cli, postgres
 from modelkeeper.store import Store
 from modelkeeper.store.tokens import TokensStore
 

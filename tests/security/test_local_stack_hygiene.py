@@ -20,14 +20,14 @@ import pytest
 
 from agent.main import writable_agent_dir
 from agent.shards import ShardManager
+from cli import stack, temporal_server
+from cli.main import build_parser, load_settings
 from modelkeeper.domain.engine_keys import derive_node_key
 from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
 from modelkeeper.domain.shards import EngineKind, FetchProgress, ShardSpec
 from modelkeeper.domain.sources import SourceRefused, check_path
 from modelkeeper.infra.model_files import source_policy
 from modelkeeper.infra.processes import ManagedProcess, free_port
-from modelkeeper.launcher import stack, temporal_server
-from modelkeeper.launcher.cli import build_parser, load_settings
 from modelkeeper.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)

@@ -20,7 +20,7 @@ from urllib.parse import unquote
 
 import pytest
 
-from agent.shards import _tail
+from agent.engine_process import read_log_tail
 from modelkeeper.domain.engine_keys import derive_engine_key, derive_node_key
 from modelkeeper.infra.logs import LOG_FORMAT, OneLineFormatter
 from modelkeeper.store.tokens import new_operator_token
@@ -81,7 +81,7 @@ def test_the_log_tail_sent_to_temporal_holds_no_secret(tmp_path: Path, form: str
     line, _ = _lines()[form]
     log = tmp_path / "engine.log"
     log.write_text(f"before\n{line}\nafter\n")
-    tail = _tail(log)
+    tail = read_log_tail(log)
     assert _leaks("\n".join(tail)) == [], form
     assert tail[0] == "before" and tail[-1] == "after"
 

@@ -31,6 +31,7 @@ from temporalio.testing import WorkflowEnvironment
 from agent.engines.sim_server import API_KEY_ENV as SIM_KEY_ENV
 from api import agents
 from api.nodes import resolve_node_ids
+from cli.operator_cli import OPERATOR_COMMANDS, Request, UsageError
 from modelkeeper.domain.catalog import ReplicaStateUpdate
 from modelkeeper.domain.engine_keys import (
     derive_engine_key,
@@ -50,7 +51,6 @@ from modelkeeper.domain.nodes import (
 from modelkeeper.domain.status import ReplicaState
 from modelkeeper.domain.text import printable
 from modelkeeper.infra.processes import ManagedProcess, free_port
-from modelkeeper.launcher.operator_cli import OPERATOR_COMMANDS, Request, UsageError
 from tests.security.test_nodes_and_keys import (
     CLUSTER_SECRET,
     GIB,
@@ -262,7 +262,7 @@ async def test_a_taken_name_is_refused_naming_its_holder(
 
 
 def _parse(*argv: str) -> Any:
-    from modelkeeper.launcher.cli import build_parser
+    from cli.main import build_parser
 
     return build_parser().parse_args(list(argv))
 

@@ -40,6 +40,7 @@ from fastapi import FastAPI
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from activities.store import StoreActivities
+from agent.engine_process import NODE_ENV, REPLICA_ENV, engine_environment, read_log_tail
 from agent.engines.base import EngineAdapter
 from agent.engines.llamacpp import LlamaCppAdapter
 from agent.engines.sglang import ENTRY_SCRIPT, SglangAdapter
@@ -49,9 +50,11 @@ from agent.engines.sim import SimAdapter
 from agent.engines.sim_server import API_KEY_ENV as SIM_KEY_ENV
 from agent.engines.vllm import VllmAdapter
 from agent.identity import CREDENTIAL_FILE, load_credential, save_credential
-from agent.shards import NODE_ENV, REPLICA_ENV, ShardManager, _tail, engine_environment
+from agent.shards import ShardManager
 from api.agents import registration_warnings
 from api.app import create_app
+from cli.main import run as cli_run
+from cli.operator_cli import OPERATOR_COMMANDS, Request, UsageError
 from modelkeeper.domain.catalog import ReplicaStateUpdate
 from modelkeeper.domain.engine_keys import (
     derive_engine_key,
@@ -75,8 +78,6 @@ from modelkeeper.domain.shards import EngineKind, FetchProgress, ShardSpec
 from modelkeeper.domain.status import ReplicaState
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.infra.secrets import new_node_credential, read_join_token
-from modelkeeper.launcher.cli import run as cli_run
-from modelkeeper.launcher.operator_cli import OPERATOR_COMMANDS, Request, UsageError
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 from modelkeeper.store.routing import RoutingStore
@@ -522,7 +523,7 @@ def test_keys_are_scrubbed_from_log_tails(tmp_path: Path) -> None:
         f"Authorization: Bearer {engine_key}\n"
         f"node key {node_key} credential {credential}\n"
         "mk-short stays\n")
-    tail = _tail(log)
+    tail = read_log_tail(log)
     text = "\n".join(tail)
     for secret in (engine_key, node_key, credential):
         assert secret not in text
@@ -707,7 +708,7 @@ async def test_an_operator_removes_a_node(
 
 
 def _parse(*argv: str) -> Any:
-    from modelkeeper.launcher.cli import build_parser
+    from cli.main import build_parser
 
     return build_parser().parse_args(list(argv))
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cli import main as cli
+from cli.operator_cli import UsageError, operator_token, run_operator_command
+from cli.stack import LOCAL_ADMIN, ensure_operator_token, local_operator_name
 from modelkeeper.domain.operators import OperatorRole
-from modelkeeper.launcher import cli
-from modelkeeper.launcher.operator_cli import UsageError, operator_token, run_operator_command
-from modelkeeper.launcher.stack import LOCAL_ADMIN, ensure_operator_token, local_operator_name
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 from modelkeeper.store.tokens import TokensStore

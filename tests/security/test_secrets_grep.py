@@ -46,12 +46,12 @@ import psutil
 import pytest
 
 from agent.engines.sim_server import API_KEY_ENV
+from cli import temporal_server
+from cli.postgres import GATEWAY_ROLE, SUPERUSER, read_password
 from modelkeeper.domain import engine_keys
 from modelkeeper.domain.operators import OperatorRole
 from modelkeeper.infra import temporal
 from modelkeeper.infra.processes import ManagedProcess, free_port
-from modelkeeper.launcher import temporal_server
-from modelkeeper.launcher.postgres import GATEWAY_ROLE, SUPERUSER, read_password
 from modelkeeper.names import deployment_workflow_id
 from modelkeeper.store.routing import RoutingStore
 from modelkeeper.store.tokens import TokensStore

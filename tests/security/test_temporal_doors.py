@@ -26,9 +26,9 @@ import pytest
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from api import temporal_ui
+from cli import stack, temporal_server
 from modelkeeper.domain.operators import OperatorRole
 from modelkeeper.infra.processes import ManagedProcess, free_port, tcp_accepts
-from modelkeeper.launcher import stack, temporal_server
 from modelkeeper.settings import Settings
 from modelkeeper.store.tokens import TokensStore
 

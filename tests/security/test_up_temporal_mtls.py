@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
+from cli import stack
 from modelkeeper.infra import pki, temporal
 from modelkeeper.infra.processes import ManagedProcess, free_port, tcp_accepts
 from modelkeeper.infra.tls_front import TlsFront, server_context
-from modelkeeper.launcher import stack
 from modelkeeper.settings import Settings
 from tests.security.test_nodes_and_keys import (
     JOIN_TOKEN,

@@ -20,11 +20,11 @@ from agent.engines.sim_server import CRASH_EXIT_CODE
 from agent.fleet import Fleet, Mortal, node_names, port_ranges, run_fleet
 from agent.main import AgentConfigError
 from agent.shards import ShardManager
+from cli.main import build_parser, load_settings
 from modelkeeper.domain.engine_keys import derive_engine_key, derive_node_key
 from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
 from modelkeeper.domain.shards import EngineKind, ExitKind, FetchProgress, ShardSpec
 from modelkeeper.infra.processes import free_port
-from modelkeeper.launcher.cli import build_parser, load_settings
 from modelkeeper.settings import Settings
 
 pytestmark = pytest.mark.timeout(30)

@@ -18,7 +18,7 @@ from agent.fleet import (
     MAX_FLEET_SIZE,
     fleet_size_problem,
 )
-from modelkeeper.launcher import cli
+from cli import main as cli
 
 pytestmark = pytest.mark.timeout(30)
 

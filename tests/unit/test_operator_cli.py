@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from modelkeeper.launcher import cli
-from modelkeeper.launcher.cli import build_parser
-from modelkeeper.launcher.operator_cli import (
+from cli import main as cli
+from cli.main import build_parser
+from cli.operator_cli import (
     COMMANDS,
     OPERATOR_COMMANDS,
     ApiError,

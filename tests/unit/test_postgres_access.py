@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from modelkeeper.launcher import postgres
+from cli import postgres
 
 pytestmark = [
     pytest.mark.timeout(30),

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from api.agents import agent_temporal_address
-from modelkeeper.launcher import stack
-from modelkeeper.launcher.cli import build_parser, load_settings
-from modelkeeper.launcher.stack import (
+from cli import stack
+from cli.main import build_parser, load_settings
+from cli.stack import (
     Stopped,
     api_allowed_hosts,
     banner,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from modelkeeper.launcher.cli import build_parser, load_settings
+from cli.main import build_parser, load_settings
 from modelkeeper.settings import ROOT_DATA_DIR, Settings, config_table_markdown
 
 pytestmark = pytest.mark.timeout(10)
@@ -73,7 +73,7 @@ def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 
 
 def test_bad_port_names_field_value_and_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    from modelkeeper.launcher.cli import UsageError
+    from cli.main import UsageError
 
     args = build_parser().parse_args(["up", "--temporal-ui-port", "70000"])
     with pytest.raises(UsageError) as info:
@@ -84,7 +84,7 @@ def test_bad_port_names_field_value_and_limit(monkeypatch: pytest.MonkeyPatch) -
 
 def test_a_rule_across_fields_is_one_sentence_naming_both(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from modelkeeper.launcher.cli import UsageError
+    from cli.main import UsageError
 
     monkeypatch.setenv("MODELKEEPER_NODE_SILENT_AFTER_MAX_S", "1")
     with pytest.raises(UsageError) as info:

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from modelkeeper.infra.processes import ManagedProcess
-from modelkeeper.launcher.stack import (
+from cli.stack import (
     FIRST_RESTART_DELAY_S,
     GIVE_UP_AFTER_EXITS,
     GIVE_UP_WINDOW_S,
@@ -23,6 +22,7 @@ from modelkeeper.launcher.stack import (
     after_exit,
     describe_exit,
 )
+from modelkeeper.infra.processes import ManagedProcess
 from modelkeeper.settings import Settings
 
 

@@ -15,6 +15,8 @@ import pytest
 from temporalio.client import Client
 from temporalio.service import TLSConfig
 
+from cli.main import run
+from cli.stack import TEMPORAL_SECURITY_FIELDS, component_env
 from modelkeeper.infra import temporal
 from modelkeeper.infra.temporal import (
     PLAINTEXT,
@@ -22,8 +24,6 @@ from modelkeeper.infra.temporal import (
     TemporalSecurity,
     security_from_settings,
 )
-from modelkeeper.launcher.cli import run
-from modelkeeper.launcher.stack import TEMPORAL_SECURITY_FIELDS, component_env
 from modelkeeper.settings import Settings, env_var_names
 
 pytestmark = pytest.mark.timeout(10)

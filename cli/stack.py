@@ -45,23 +45,29 @@ from types import FrameType
 import httpx
 import psutil
 
-from agent.shards import NODE_ENV
-
-from ..domain.nodes import is_loopback
-from ..domain.operators import OperatorRole, name_problem
-from ..infra.files import make_private_dir, private_files
-from ..infra.network import WILDCARD_BINDS, machine_names
-from ..infra.pki import (
+from agent.engine_process import NODE_ENV
+from modelkeeper.domain.nodes import is_loopback
+from modelkeeper.domain.operators import OperatorRole, name_problem
+from modelkeeper.infra.files import make_private_dir, private_files
+from modelkeeper.infra.network import WILDCARD_BINDS, machine_names
+from modelkeeper.infra.pki import (
     AGENT_CERT_FILE,
     AGENT_FILES,
     AGENT_KEY_FILE,
     CA_FILE,
     ensure_mtls_files,
 )
-from ..infra.processes import ManagedProcess, free_port, port_is_free, signal_group, tcp_accepts
-from ..names import LOCAL_DATABASE_NAME, local_database_passfile
-from ..settings import Settings, env_var_names
-from ..store.tokens import TokensStore
+from modelkeeper.infra.processes import (
+    ManagedProcess,
+    free_port,
+    port_is_free,
+    signal_group,
+    tcp_accepts,
+)
+from modelkeeper.names import LOCAL_DATABASE_NAME, local_database_passfile
+from modelkeeper.settings import Settings, env_var_names
+from modelkeeper.store.tokens import TokensStore
+
 from . import postgres, temporal_server
 from .ports import PORTS, PortUse
 
@@ -581,7 +587,8 @@ def describe_exit(code: int) -> str:
 
 
 def _engine_groups(node_id: str) -> set[int]:
-    """Process groups of the running engines that carry ``node_id``'s marker (agent.shards)."""
+    """Process groups of the running engines that carry ``node_id``'s marker
+    (agent.engine_process.NODE_ENV)."""
     groups = set()
     for proc in psutil.process_iter():
         try:

@@ -34,11 +34,11 @@ from typing import Any
 
 import httpx
 
-from ..domain.operators import OperatorRole, name_problem
-from ..domain.shards import EngineKind
-from ..domain.units import format_gib, parse_bytes
-from ..settings import Settings
-from ..store.tokens import OperatorTokenRecord, TokensStore
+from modelkeeper.domain.operators import OperatorRole, name_problem
+from modelkeeper.domain.shards import EngineKind
+from modelkeeper.domain.units import format_gib, parse_bytes
+from modelkeeper.settings import Settings
+from modelkeeper.store.tokens import OperatorTokenRecord, TokensStore
 
 Out = Callable[[str], None]
 

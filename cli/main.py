@@ -15,9 +15,10 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from ..domain.operators import OperatorRole
-from ..infra.files import private_files
-from ..settings import Settings, config_table_markdown
+from modelkeeper.domain.operators import OperatorRole
+from modelkeeper.infra.files import private_files
+from modelkeeper.settings import Settings, config_table_markdown
+
 from .operator_cli import (
     OPERATOR_COMMANDS,
     ApiError,
@@ -205,7 +206,7 @@ def load_settings(args: argparse.Namespace) -> Settings:
 
 def describe_validation_error(exc: ValidationError) -> str:
     """One line per problem, naming the field, the value given and what is allowed."""
-    from ..settings import env_var_names
+    from modelkeeper.settings import env_var_names
 
     parts = []
     for err in exc.errors():
@@ -227,7 +228,7 @@ def _configure_logging(settings: Settings) -> None:
     (they end up raw in up's log files), an unreachable peer in one line, repeats thinned
     out. The worker, API and gateway outlive a restart of their peers under `up` as the
     agent outlives its control plane."""
-    from ..infra.logs import configure_logging
+    from modelkeeper.infra.logs import configure_logging
 
     configure_logging(settings.log_level)
 
@@ -253,7 +254,7 @@ def _cmd_up(settings: Settings, demo: bool = True) -> int:
 def _check_temporal_security(settings: Settings) -> None:
     """A Temporal TLS or API key file that cannot be used, as one line (exit code 2)
     before anything starts, rather than a traceback from inside a server's start-up."""
-    from ..infra.temporal import TemporalConfigError, security_from_settings
+    from modelkeeper.infra.temporal import TemporalConfigError, security_from_settings
 
     try:
         security_from_settings(settings)
@@ -353,8 +354,8 @@ def _cmd_temporal_ui(settings: Settings, upstream: str) -> int:
 def _cmd_temporal_front(settings: Settings, upstream: str) -> int:
     import ssl
 
-    from ..infra.pki import MtlsFiles
-    from ..infra.tls_front import TlsFront, server_context
+    from modelkeeper.infra.pki import MtlsFiles
+    from modelkeeper.infra.tls_front import TlsFront, server_context
 
     _configure_logging(settings)
     host, sep, port = upstream.rpartition(":")

@@ -7,8 +7,9 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..infra.processes import ManagedProcess, tcp_accepts
-from ..names import SEARCH_ATTRIBUTES
+from modelkeeper.infra.processes import ManagedProcess, tcp_accepts
+from modelkeeper.names import SEARCH_ATTRIBUTES
+
 from . import binaries
 
 #: The SQLite file's journal: a write-ahead log, synced at checkpoints rather than at every

@@ -31,15 +31,15 @@ from pathlib import Path
 
 import asyncpg
 
-from ..infra.processes import ManagedProcess, tcp_accepts
-from ..names import (
+from modelkeeper.infra.processes import ManagedProcess, tcp_accepts
+from modelkeeper.names import (
     LOCAL_DATABASE_NAME,
     LOCAL_DATABASE_OWNER,
     LOCAL_DATABASE_USER,
     local_database_passfile,
     local_database_url,
 )
-from ..settings import ROOT_DATA_DIR
+from modelkeeper.settings import ROOT_DATA_DIR
 
 log = logging.getLogger(__name__)
 
