@@ -1,9 +1,9 @@
 """Nodes and their liveness: registration, credentials, heartbeats, silences, operator
 settings, removal, and the node records the API shows.
 
-No statement here takes a placement lock (a registration takes its name's lock only), so
-a heartbeat or an operator's update never waits for a placement: how the row locks taken
-here meet placement's is documented once, at :mod:`.locks`.
+No statement here takes a placement lock (a registration takes only its name's, from
+:mod:`.locks`), so a heartbeat or an operator's update never waits for a placement. The
+lock protocol is documented once, at :meth:`.placement.PlacementStore.place_replica`.
 """
 
 from __future__ import annotations
