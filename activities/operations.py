@@ -35,7 +35,7 @@ from modelkeeper.names import (
     ACTIVITY_SET_CORDON,
     ERROR_OPERATION_CONFLICT,
 )
-from modelkeeper.store import OperationConflictError, OperationsStore, Store
+from modelkeeper.store import OperationConflictError, Store
 
 from .saga_stubs import OperationsActivityStubs
 
@@ -45,7 +45,7 @@ class OperationsActivities(OperationsActivityStubs):
 
     def __init__(self, store: Store, client: Client) -> None:
         self._store = store
-        self._operations = OperationsStore.of(store)
+        self._operations = store.operations
         self._client = client
 
     @activity.defn(name=ACTIVITY_BEGIN_OPERATION)
@@ -87,18 +87,18 @@ class OperationsActivities(OperationsActivityStubs):
         """
         update = NodeUpdate(cordoned=request.cordoned,
                             cordon_reason=request.reason if request.cordoned else None)
-        if await self._store.update_node(request.node_id, update) is None:
+        if await self._store.nodes.update_node(request.node_id, update) is None:
             return False
         if not request.cordoned:
-            await signal_unplaceable(self._client,
-                                     await self._store.deployment_ids_waiting_for_room())
+            await signal_unplaceable(
+                self._client, await self._store.deployments.deployment_ids_waiting_for_room())
         return True
 
     @activity.defn(name=ACTIVITY_NODE_DEPLOYMENTS)
     async def node_deployments(self, request: NodeDeploymentsInput) -> list[NodeReplica]:
         """The replicas holding a claim on the node, in any state, by deployment and then
         replica id (a read: nothing to repeat). Timeout: 10 s start-to-close."""
-        on_node = await self._store.replicas_on_node(request.node_id)
+        on_node = await self._store.nodes.replicas_on_node(request.node_id)
         return [NodeReplica(deployment_id=deployment_id, replica_id=replica_id)
                 for deployment_id, replicas in on_node.items() for replica_id in replicas]
 

@@ -67,7 +67,7 @@ class RoutingActivities:
         once. Heartbeats every :data:`HEARTBEAT_INTERVAL_S` while it waits.
         """
         replica_id = request.replica_id
-        marked = await self._store.mark_replica_draining(replica_id)
+        marked = await self._store.deployments.mark_replica_draining(replica_id)
         if marked is None:
             log.info("replica %s is gone: nothing to drain", replica_id)
             return DrainReplicaResult(waited_s=0.0, in_flight_left=0, timed_out=False)
@@ -80,7 +80,7 @@ class RoutingActivities:
         # Older rows are gateways gone (rule 2 of check_drain): not worth reading.
         since = marked_at - timedelta(seconds=stale_after_s(self._flush_interval_s))
         while True:
-            now, reports = await self._store.replica_usage_since(replica_id, since)
+            now, reports = await self._store.usage.replica_usage_since(replica_id, since)
             waited_s = (now - marked_at).total_seconds()
             match check_drain(reports, marked_at=marked_at, now=now, grace_s=request.grace_s,
                               flush_interval_s=self._flush_interval_s):

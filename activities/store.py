@@ -94,7 +94,7 @@ class StoreActivities:
                 await self._sampler
 
     async def _ready_nodes(self) -> int:
-        views = await self._store.list_node_views(
+        views = await self._store.placement.list_node_views(
             datetime.now(UTC), unreachable_after_s=self._settings.node_unreachable_after_s,
             lost_after_s=self._settings.node_lost_after_s)
         return sum(1 for v in views if v.state is NodeState.READY)
@@ -102,7 +102,7 @@ class StoreActivities:
     async def _append(self, event: NewEvent) -> Event:
         """Append ``event`` once per activity: a retry, whose first attempt may have
         committed it, appends nothing (see :func:`_attempts_key`)."""
-        return await self._store.record_event(event, idempotency_key=_attempts_key())
+        return await self._store.events.record_event(event, idempotency_key=_attempts_key())
 
     @activity.defn(name=ACTIVITY_RECORD_EVENT)
     async def record_event(self, event: NewEvent) -> Event:
@@ -133,7 +133,7 @@ class StoreActivities:
                     or SETTLING_RETRY_MIN_S))
         spec = request.spec
         model = await self._runs(request.spec, request.generation)
-        result = await self._store.place_replica(
+        result = await self._store.placement.place_replica(
             deployment_id=spec.deployment_id, replica_id=request.replica_id,
             request=_placement_request(spec, model, avoid_nodes=request.avoid_nodes),
             model=model, now=datetime.now(UTC),
@@ -148,7 +148,7 @@ class StoreActivities:
         result = [s.model_copy(update={"model_id": spec.model_id}) for s in result]
         # Read back, not taken from this attempt: a retry whose first attempt committed
         # placed nothing now, and must answer the note that attempt found.
-        note = await self._store.replica_placement_note(request.replica_id)
+        note = await self._store.placement.replica_placement_note(request.replica_id)
         nodes = [s.node_id for s in result]
         await self._append(NewEvent(
             kind="replica.placed", deployment_id=spec.deployment_id,
@@ -163,7 +163,7 @@ class StoreActivities:
     async def watch_for_room(self, request: WatchForRoomInput) -> RoomFound:
         """Wait until a replica of the deployment would fit, and say where.
 
-        A dry run of placement (:meth:`Store.dry_run_placement`: place_replica's own
+        A dry run of placement (:meth:`PlacementStore.dry_run_placement`: place_replica's own
         :func:`place` on the nodes as they stand; no lock, no claim) after each wait of
         the can't-place schedule (``request.wait_s``: 30 s doubling to 10 min, carried on
         from the deployment's count of placements that found no room). It returns at the
@@ -191,7 +191,7 @@ class StoreActivities:
                 activity.heartbeat(checks)
                 await asyncio.sleep(min(left, beat_s))
             model = await self._runs(spec, request.generation)
-            result = await self._store.dry_run_placement(
+            result = await self._store.placement.dry_run_placement(
                 deployment_id=spec.deployment_id,
                 request=_placement_request(spec, model, avoid_nodes=[]), now=datetime.now(UTC),
                 unreachable_after_s=self._settings.node_unreachable_after_s,
@@ -209,7 +209,7 @@ class StoreActivities:
         over the entry's and checked against its engine's allow-list, as the catalog checks
         an entry's own."""
         model_id = spec.model_id if generation is None else generation.model_id
-        model = await self._store.get_model(model_id)
+        model = await self._store.catalog.get_model(model_id)
         if model is None:
             raise ApplicationError(f"model {model_id!r} is not in the catalog",
                                    type=ERROR_UNKNOWN_MODEL, non_retryable=True)
@@ -232,7 +232,7 @@ class StoreActivities:
         (the store clears it, so no gateway routes there) and the refusal goes to the
         audit log, once however often this is retried.
         """
-        refused = await self._store.record_replica_state(update)
+        refused = await self._store.deployments.record_replica_state(update)
         if refused is not None:
             log.warning("replica %s: endpoint refused: %s", refused.replica_id, refused.reason)
             await self._append(NewEvent(
@@ -249,13 +249,13 @@ class StoreActivities:
         It signals whether or not this attempt found the row: a retry may follow a first
         attempt that deleted it and failed before signalling, and a repeated signal costs
         a waiting deployment one placement attempt at most."""
-        await self._store.release_replica(request.replica_id)
+        await self._store.deployments.release_replica(request.replica_id)
         await self._signal_waiting()
 
     @activity.defn(name=ACTIVITY_RECORD_DEPLOYMENT_STATUS)
     async def record_deployment_status(self, update: DeploymentStatusUpdate) -> None:
         """Write the keeper's status, and log it to the audit log."""
-        await self._store.record_deployment_status(update)
+        await self._store.deployments.record_deployment_status(update)
         reason = update.placement_error if update.status is DeploymentStatus.CANT_PLACE \
             else update.last_failure
         await self._append(NewEvent(
@@ -266,7 +266,7 @@ class StoreActivities:
     @activity.defn(name=ACTIVITY_DELETE_DEPLOYMENT)
     async def delete_deployment(self, request: DeleteDeploymentInput) -> None:
         """Remove the deployment's row once nothing of it runs."""
-        await self._store.delete_deployment_row(request.deployment_id)
+        await self._store.deployments.delete_deployment_row(request.deployment_id)
         await self._append(NewEvent(
             kind="deployment.deleted", deployment_id=request.deployment_id,
             message="deleted; every replica it placed is stopped"))
@@ -275,7 +275,7 @@ class StoreActivities:
         if self._client is None:
             return
         await signal_unplaceable(self._client,
-                                 await self._store.deployment_ids_waiting_for_room())
+                                 await self._store.deployments.deployment_ids_waiting_for_room())
 
     def all(self) -> list[Callable[..., Any]]:
         """Every activity this class defines, for the worker to register."""

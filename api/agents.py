@@ -248,7 +248,7 @@ async def authenticate_node(node_id: str, authorization: str | None, store: Stor
     returns.
     """
     presented = presented_credential(node_id, authorization)
-    auth = await store.node_auth(node_id)
+    auth = await store.nodes.node_auth(node_id)
     if auth is None:
         raise HTTPException(404, f"node {node_id!r} is not registered")
     if not credential_matches(presented, auth.credential_sha256):
@@ -295,7 +295,7 @@ async def register_node(reg: AgentRegistration, request: Request, store: StoreDe
                                  "(MODELKEEPER_ENGINE_KEY_SECRET): it cannot give the node "
                                  "its key")
     match admit_registration(
-            reg.node_id, known=await store.node_auth(reg.node_id),
+            reg.node_id, known=await store.nodes.node_auth(reg.node_id),
             credential=credential, token_presented=bearer(authorization),
             join_token=_join_token(settings), peer_loopback=is_loopback(peer)):
         case Refused(status=status, reason=reason):
@@ -312,7 +312,7 @@ async def register_node(reg: AgentRegistration, request: Request, store: StoreDe
     issued = new_node_credential() if verdict.issue_credential else None
     # A fresh epoch each time, used only if this inserts the node (a join): a node
     # re-registering keeps its own, which its running engines' keys derive from.
-    registered = await store.register_node(
+    registered = await store.nodes.register_node(
         reg, address=address,
         credential_sha256=None if issued is None else credential_digest(issued),
         key_epoch=new_key_epoch())
@@ -324,7 +324,7 @@ async def register_node(reg: AgentRegistration, request: Request, store: StoreDe
     # What it already runs is adopted by each owning deployment's probe, and stopped by
     # the agent itself if nobody watches it within its orphan grace; logged here so an
     # operator can see what came back with the node. No key or credential in it.
-    await store.record_event(NewEvent(
+    await store.events.record_event(NewEvent(
         kind="node.registered", node_id=reg.node_id,
         message=f"node {reg.name} registered from {address} ({verdict.admitted_by}), "
                 f"running {len(reg.shards)} shard(s)",
@@ -355,14 +355,14 @@ async def heartbeat_node(node_id: str, beat: AgentHeartbeat, store: StoreDep, *,
                          ) -> HeartbeatAnswer:
     """An agent's periodic report, with its node's credential; 404 tells it to register
     again, 403 that the credential is another node's (nothing is written). It also clears
-    a liveness silence that began before it arrived (see ``Store.authenticated_heartbeat``)."""
+    a liveness silence that began before it arrived (see ``NodeStore.authenticated_heartbeat``)."""
     received_at = datetime.now(UTC)
     presented = presented_credential(node_id, authorization)
 
     async def record() -> HeartbeatRecorded | None:
         # Authenticated, written, confirmed and answered in one statement, which writes
         # nothing unless the credential is the node's own (see the store).
-        return await store.authenticated_heartbeat(
+        return await store.nodes.authenticated_heartbeat(
             node_id, credential_digest(presented), beat.inventory,
             settings.node_unreachable_after_s, received_at=received_at)
 

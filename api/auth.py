@@ -38,7 +38,6 @@ from modelkeeper.infra.hosts import host_allowed
 from modelkeeper.infra.hosts import host_name as host_name
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
-from modelkeeper.store.tokens import TokensStore
 
 from .deps import SettingsDep, StoreDep
 
@@ -77,7 +76,7 @@ async def authenticate_operator(*, store: Store, settings: Settings, method: str
         raise HTTPException(401, f"{method} {path} needs an operator "
                                  f"token, and none was sent; {_NEEDS_TOKEN}",
                             headers={"WWW-Authenticate": "Bearer"})
-    record = await TokensStore.of(store).authenticate(token)
+    record = await store.tokens.authenticate(token)
     if record is None:
         raise HTTPException(401, "the bearer token sent is not an active operator token "
                                  "(unknown or revoked: `modelkeeper tokens ls` lists them); "

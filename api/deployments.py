@@ -39,11 +39,11 @@ from modelkeeper.names import (
     deployment_workflow_id,
 )
 from modelkeeper.settings import Settings
-from modelkeeper.store import Store
-from modelkeeper.store.control import (
+from modelkeeper.store import (
     DeploymentExistsError,
     ModelExistsError,
     ModelInUseError,
+    Store,
     UnknownModelError,
 )
 from workflows.deployment import (
@@ -169,25 +169,25 @@ async def create_model(spec: ModelSpec, store: StoreDep, operator: OperatorDep, 
     """Add a model to the catalog. Memory is estimated from the file when absent."""
     entry = catalog_entry(spec, source_policy(settings))
     try:
-        created = await store.create_model(entry)
+        created = await store.catalog.create_model(entry)
     except ModelExistsError:
         raise HTTPException(409, f"model {spec.model_id!r} is already in the catalog") \
             from None
-    await store.record_event(change(operator, "model.added", f"model {created.model_id} "
-                                    f"added ({created.engine.value}, {created.source})"))
+    await store.events.record_event(change(operator, "model.added", f"model {created.model_id} "
+                                           f"added ({created.engine.value}, {created.source})"))
     return created
 
 
 @router.get("/models", response_model=list[CatalogModel])
 async def list_models(store: StoreDep) -> list[CatalogModel]:
     """The catalog."""
-    return await store.list_models()
+    return await store.catalog.list_models()
 
 
 @router.get("/models/{model_id:path}", response_model=CatalogModel, responses=problems(404))
 async def get_model(model_id: str, store: StoreDep) -> CatalogModel:
     """One catalog entry; 404 when unknown."""
-    model = await store.get_model(model_id)
+    model = await store.catalog.get_model(model_id)
     if model is None:
         raise HTTPException(404, f"model {model_id!r} is not in the catalog")
     return model
@@ -197,12 +197,12 @@ async def get_model(model_id: str, store: StoreDep) -> CatalogModel:
 async def delete_model(model_id: str, store: StoreDep, operator: OperatorDep) -> None:
     """Remove a model; 409 while it is deployed."""
     try:
-        if not await store.delete_model(model_id):
+        if not await store.catalog.delete_model(model_id):
             raise HTTPException(404, f"model {model_id!r} is not in the catalog")
     except ModelInUseError:
         raise HTTPException(409, f"model {model_id!r} has a deployment; delete it first") \
             from None
-    await store.record_event(change(operator, "model.removed", f"model {model_id} removed"))
+    await store.events.record_event(change(operator, "model.removed", f"model {model_id} removed"))
 
 
 # -- deployments -----------------------------------------------------------------------
@@ -213,9 +213,9 @@ async def create_deployment(request: DeploymentRequest, store: StoreDep,
                             temporal: TemporalDep, *, settings: SettingsDep,
                             operator: OperatorDep) -> DeploymentView:
     """Keep a model served. 409 if it already has a deployment (also under a race)."""
-    model = await store.get_model(request.model_id)
+    model = await store.catalog.get_model(request.model_id)
     if model is None:
-        known = ", ".join(m.model_id for m in await store.list_models()) or "none"
+        known = ", ".join(m.model_id for m in await store.catalog.list_models()) or "none"
         raise field_error("model_id", request.model_id,
                           f"unknown model_id; known models: {known}")
     if request.node_ids:
@@ -226,7 +226,7 @@ async def create_deployment(request: DeploymentRequest, store: StoreDep,
     deployment_id = DeploymentId(f"d-{uuid.uuid4().hex[:10]}")
     workflow_id = deployment_workflow_id(deployment_id)
     try:
-        await store.create_deployment(deployment_id, request, workflow_id)
+        await store.deployments.create_deployment(deployment_id, request, workflow_id)
     except DeploymentExistsError:
         raise HTTPException(409, f"model {request.model_id!r} already has a deployment") \
             from None
@@ -249,12 +249,12 @@ async def create_deployment(request: DeploymentRequest, store: StoreDep,
                 SearchAttributePair(STATUS_KEY, DeploymentStatus.PLACING.value)]))
     except RPCError as exc:
         # Nothing keeps the row without its workflow: remove it, report the outage.
-        await store.delete_deployment_row(deployment_id)
+        await store.deployments.delete_deployment_row(deployment_id)
         raise HTTPException(503, f"could not start the deployment's workflow: {exc}") \
             from None
-    await store.record_event(change(operator, "deployment.created", _summary(request),
-                                    deployment_id=deployment_id))
-    view = await store.get_deployment(deployment_id)
+    await store.events.record_event(change(operator, "deployment.created", _summary(request),
+                                           deployment_id=deployment_id))
+    view = await store.deployments.get_deployment(deployment_id)
     assert view is not None
     return view
 
@@ -262,7 +262,7 @@ async def create_deployment(request: DeploymentRequest, store: StoreDep,
 @router.get("/deployments", response_model=list[DeploymentView])
 async def list_deployments(store: StoreDep) -> list[DeploymentView]:
     """Every deployment, with status, reasons and replicas."""
-    return await store.list_deployments()
+    return await store.deployments.list_deployments()
 
 
 @router.get("/deployments/{deployment_id}", response_model=DeploymentView,
@@ -301,18 +301,18 @@ async def delete_deployment(deployment_id: str, store: StoreDep, temporal: Tempo
                 503, f"deployment {deployment_id!r} was not deleted: its workflow "
                 f"{view.workflow_id!r} could not be signalled ({exc}); the deployment is "
                 "unchanged, and repeating the request is safe") from exc
-        await store.delete_deployment_row(deployment_id)
-        await store.record_event(change(operator, "deployment.delete_requested",
-                                        f"delete {deployment_id}: its workflow was gone, so "
-                                        "its row and claims were removed here",
-                                        deployment_id=view.deployment_id))
+        await store.deployments.delete_deployment_row(deployment_id)
+        await store.events.record_event(change(operator, "deployment.delete_requested",
+                                               f"delete {deployment_id}: its workflow was gone, so "
+                                               "its row and claims were removed here",
+                                               deployment_id=view.deployment_id))
         response.status_code = 200
         return Accepted(deployment_id=deployment_id, status=DELETED)
     # After the signal: the workflow may have removed the row already, which is fine.
-    await store.mark_deleting(deployment_id)
-    await store.record_event(change(operator, "deployment.delete_requested",
-                                    f"delete {deployment_id} ({view.model_id})",
-                                    deployment_id=view.deployment_id))
+    await store.deployments.mark_deleting(deployment_id)
+    await store.events.record_event(change(operator, "deployment.delete_requested",
+                                           f"delete {deployment_id} ({view.model_id})",
+                                           deployment_id=view.deployment_id))
     return Accepted(deployment_id=deployment_id, status=DeploymentStatus.DELETING.value)
 
 
@@ -329,9 +329,9 @@ async def retry_deployment(deployment_id: str, store: StoreDep,
             raise HTTPException(409, f"deployment {deployment_id} has no running workflow "
                                      "(it is being removed)") from None
         raise HTTPException(503, f"Temporal did not take the retry: {exc.message}") from None
-    await store.record_event(change(operator, "deployment.retry_requested",
-                                    f"retry {deployment_id} (it was {view.status.value})",
-                                    deployment_id=view.deployment_id))
+    await store.events.record_event(change(operator, "deployment.retry_requested",
+                                           f"retry {deployment_id} (it was {view.status.value})",
+                                           deployment_id=view.deployment_id))
     return Accepted(deployment_id=deployment_id, status=view.status.value)
 
 
@@ -367,11 +367,11 @@ async def scale_deployment(deployment_id: str, patch: operations.DeploymentPatch
         raise HTTPException(503, f"the deployment's workflow did not take the scale in "
                                  f"{UPDATE_ANSWER_TIMEOUT.total_seconds():.0f}s: is a "
                                  f"control worker running? ({exc.message})") from None
-    await store.set_desired_replicas(deployment_id, request.replicas)
-    await store.record_event(change(operator, "deployment.scaled",
-                                    f"scale {deployment_id} from {view.desired_replicas} to "
-                                    f"{request.replicas} replica(s)",
-                                    deployment_id=view.deployment_id))
+    await store.deployments.set_desired_replicas(deployment_id, request.replicas)
+    await store.events.record_event(change(operator, "deployment.scaled",
+                                           f"scale {deployment_id} from {view.desired_replicas} to "
+                                           f"{request.replicas} replica(s)",
+                                           deployment_id=view.deployment_id))
     return await _existing(store, deployment_id)
 
 
@@ -380,7 +380,7 @@ async def scale_deployment(deployment_id: str, patch: operations.DeploymentPatch
 @router.get("/replicas", response_model=list[ReplicaView])
 async def list_replicas(store: StoreDep) -> list[ReplicaView]:
     """Every replica: id, nodes, state, endpoint, started_at."""
-    return await store.list_replicas()
+    return await store.deployments.list_replicas()
 
 
 @router.get("/placement/explain", response_model=Explanation, responses=problems(404))
@@ -392,10 +392,10 @@ async def explain_placement(
     """Dry run: where one replica would go now, or every node and why it was rejected.
     When the model is deployed, its replicas' nodes count as placement counts them: a node
     without one is preferred, and the note says when the replica would have to share."""
-    model = await store.get_model(model_id)
+    model = await store.catalog.get_model(model_id)
     if model is None:
         raise HTTPException(404, f"model {model_id!r} is not in the catalog")
-    deployment = await store.get_deployment_by_model(model_id)
+    deployment = await store.deployments.get_deployment_by_model(model_id)
     request = PlacementRequest(
         model_id=model.model_id, memory_bytes=model.memory_bytes, cpu_cores=model.cpu_cores,
         gpus=model.gpus, min_nodes=max(min_nodes, model.min_nodes),
@@ -404,7 +404,7 @@ async def explain_placement(
         deployment_id=None if deployment is None else deployment.deployment_id,
         sibling_node_ids=[] if deployment is None else
         sorted({n for r in deployment.replicas for n in r.nodes}))
-    views = await store.list_node_views(
+    views = await store.placement.list_node_views(
         datetime.now(UTC), unreachable_after_s=settings.node_unreachable_after_s,
         lost_after_s=settings.node_lost_after_s)
     decisions = explain(request, views)
@@ -429,7 +429,7 @@ def _workflow_not_found(exc: RPCError) -> bool:
 
 
 async def _existing(store: Store, deployment_id: str) -> DeploymentView:
-    view = await store.get_deployment(deployment_id)
+    view = await store.deployments.get_deployment(deployment_id)
     if view is None:
         raise HTTPException(404, f"deployment {deployment_id!r} does not exist")
     return view

@@ -213,7 +213,7 @@ async def liveness_stream(node_id: NodeId, request: Request, store: StoreDep, *,
                             headers={**(refused.headers or {}), **_CLOSE}) from None
     # The node is who it says: its stream may outlive the server's body deadline.
     release_body_deadline(request.scope)
-    cleared = await store.mark_node_alive(node_id, at=datetime.now(UTC))
+    cleared = await store.nodes.mark_node_alive(node_id, at=datetime.now(UTC))
     if cleared is None:
         raise HTTPException(404, f"node {node_id!r} is not registered", headers=_CLOSE)
     if cleared:
@@ -309,7 +309,7 @@ async def carry_out(verdict: Verdict | None, node_id: NodeId, *, store: Store,
         case WentSilent(reason=reason):
             await on_silent(node_id, reason, store=store, temporal=temporal)
         case CameBack(silent_for_s=silent_for_s):
-            if await store.mark_node_alive(node_id, at=datetime.now(UTC)):
+            if await store.nodes.mark_node_alive(node_id, at=datetime.now(UTC)):
                 log.info("node %s is alive again after %.1fs silent", node_id, silent_for_s)
                 await signal_waiting_deployments(store, temporal)
         case None:
@@ -319,12 +319,12 @@ async def carry_out(verdict: Verdict | None, node_id: NodeId, *, store: Store,
 async def on_silent(node_id: NodeId, reason: str, *, store: Store, temporal: Client) -> int:
     """A node went silent: keep placement off it, and tell each deployment with a replica
     there which of its replicas. Returns how many deployments were told."""
-    if not await store.mark_node_silent(node_id, since=datetime.now(UTC)):
+    if not await store.nodes.mark_node_silent(node_id, since=datetime.now(UTC)):
         return 0  # unregistered meanwhile (a fresh database): nothing claims on it
-    affected = await store.replicas_on_node(node_id)
+    affected = await store.nodes.replicas_on_node(node_id)
     told = await signal_node_silent(temporal, node_id, affected)
     log.warning("node %s went silent (%s); told %d deployment(s)", node_id, reason, told)
-    await store.record_event(NewEvent(
+    await store.events.record_event(NewEvent(
         kind="node.silent", node_id=node_id,
         message=f"node {node_id} went silent: {reason}; told {told} deployment(s)",
         data={"reason": reason, "replicas": affected}))

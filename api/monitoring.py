@@ -60,7 +60,7 @@ async def healthz(response: Response, store: StoreDep, temporal: TemporalDep, *,
 @router.get("/metrics", include_in_schema=False)
 async def metrics(store: StoreDep) -> Response:
     """Prometheus gauges per deployment, read from the store at scrape time."""
-    return Response(deployment_metrics(await store.list_deployments()),
+    return Response(deployment_metrics(await store.deployments.list_deployments()),
                     media_type=CONTENT_TYPE_LATEST)
 
 
@@ -70,7 +70,7 @@ async def list_events(
     limit: int = Query(default=100, ge=1, le=MAX_EVENTS_LIMIT),
 ) -> list[Event]:
     """The audit log, newest ``limit`` entries (1 to 10,000), oldest first."""
-    return await store.list_events(deployment_id=deployment_id, limit=limit)
+    return await store.events.list_events(deployment_id=deployment_id, limit=limit)
 
 
 def deployment_metrics(deployments: list[DeploymentView]) -> bytes:

@@ -46,7 +46,7 @@ async def resolve_node_ids(store: Store, refs: Sequence[str], *,
     "node_ids")``) naming it and listing the known nodes by name and id; a name that two
     nodes share raises one naming both, since pinning to either would be a guess.
     """
-    nodes = await store.list_nodes()
+    nodes = await store.nodes.list_nodes()
     by_id = {n.node_id: n for n in nodes}
     by_name: dict[str, list[NodeRecord]] = {}
     for node in nodes:
@@ -127,13 +127,13 @@ def node_info(record: NodeRecord, settings: Settings) -> NodeInfo:
 @router.get("/nodes", response_model=list[NodeInfo])
 async def list_nodes(store: StoreDep, settings: SettingsDep) -> list[NodeInfo]:
     """Every node: state, memory total/claimed/free, CPUs, labels, last seen."""
-    return [node_info(n, settings) for n in await store.list_nodes()]
+    return [node_info(n, settings) for n in await store.nodes.list_nodes()]
 
 
 @router.get("/nodes/{node_id}", response_model=NodeInfo, responses=problems(404))
 async def get_node(node_id: str, store: StoreDep, settings: SettingsDep) -> NodeInfo:
     """One node; 404 when unknown."""
-    record = await store.get_node(node_id)
+    record = await store.nodes.get_node(node_id)
     if record is None:
         raise HTTPException(404, f"node {node_id!r} is not registered")
     return node_info(record, settings)
@@ -144,11 +144,11 @@ async def update_node(node_id: str, update: NodeUpdate, store: StoreDep, *,
                       temporal: TemporalDep, settings: SettingsDep,
                       operator: OperatorDep) -> NodeInfo:
     """Operator settings: labels and cordon. They outrank the agent's own."""
-    record = await store.update_node(node_id, update)
+    record = await store.nodes.update_node(node_id, update)
     if record is None:
         raise HTTPException(404, f"node {node_id!r} is not registered")
     changed = update.model_dump(exclude_none=True)
-    await store.record_event(change(
+    await store.events.record_event(change(
         operator, "node.updated", f"node {record.name} ({record.node_id}): "
         + (", ".join(f"{k}={v}" for k, v in changed.items()) or "nothing changed"),
         node_id=record.node_id, data=changed))
@@ -171,7 +171,7 @@ async def remove_node(node_id: str, store: StoreDep, *, temporal: TemporalDep,
     An agent still running on the node joins again with the join token at its next
     heartbeat, as a new node: stop the agent first to keep it out.
     """
-    removal = await store.delete_node(node_id, force=force)
+    removal = await store.nodes.delete_node(node_id, force=force)
     if removal is None:
         raise HTTPException(404, f"node {node_id!r} is not registered")
     held = sum(len(ids) for ids in removal.replicas.values())
@@ -182,7 +182,7 @@ async def remove_node(node_id: str, store: StoreDep, *, temporal: TemporalDep,
                                  f"drain {removal.name}`), or remove it anyway with "
                                  f"force=true (`modelkeeper nodes rm {removal.name} --force`)")
     told = await signal_node_silent(temporal, NodeId(node_id), removal.replicas)
-    await store.record_event(change(
+    await store.events.record_event(change(
         operator, "node.removed",
         f"node {removal.name} ({node_id}) removed"
         + (f", with {held} replica(s) on it; told {told} deployment(s)" if held else ""),

@@ -64,7 +64,7 @@ START_GRACE = timedelta(seconds=60)
 
 async def _operations(store: StoreDep) -> OperationsStore:
     # async: a plain def would run in FastAPI's thread pool (see api/deps.py).
-    return OperationsStore.of(store)
+    return store.operations
 
 
 OperationsDep = Annotated[OperationsStore, Depends(_operations)]
@@ -134,8 +134,8 @@ async def switch_deployment(deployment_id: str, request: SwitchRequest, store: S
                             temporal: TemporalDep, operator: OperatorDep) -> OperationStarted:
     """Serve another catalog model under the same name, with rollback (SwitchSaga)."""
     view = await _changeable(store, deployment_id)
-    if await store.get_model(request.model_id) is None:
-        known = ", ".join(m.model_id for m in await store.list_models()) or "none"
+    if await store.catalog.get_model(request.model_id) is None:
+        known = ", ".join(m.model_id for m in await store.catalog.list_models()) or "none"
         raise _field_error("model_id", request.model_id,
                            f"unknown model_id; known models: {known}")
     if request.model_id == _runs(view):
@@ -168,7 +168,7 @@ async def start_reconfigure(deployment_id: str, engine_args: dict[str, Any], *,
     if not engine_args:
         raise _field_error("engine_args", engine_args,
                            "give at least one engine argument to change")
-    model = await store.get_model(_runs(view))
+    model = await store.catalog.get_model(_runs(view))
     assert model is not None  # a model a deployment runs cannot leave the catalog
     try:
         check_engine_arg_names(model.engine, engine_args)
@@ -190,7 +190,7 @@ async def drain_node(node_id: str, store: StoreDep, temporal: TemporalDep, *,
                      operator: OperatorDep,
                      request: DrainRequest | None = None) -> OperationStarted:
     """Cordon the node and move each replica on it elsewhere (DrainSaga)."""
-    node = await store.get_node(node_id)
+    node = await store.nodes.get_node(node_id)
     if node is None:
         raise HTTPException(404, f"node {node_id!r} is not registered")
     request = request or DrainRequest()
@@ -201,7 +201,7 @@ async def drain_node(node_id: str, store: StoreDep, temporal: TemporalDep, *,
     except ValidationError as exc:
         raise RequestValidationError(
             [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-    on_node = await store.replicas_on_node(node_id)
+    on_node = await store.nodes.replicas_on_node(node_id)
     replicas = sum(len(r) for r in on_node.values())
     summary = (f"drain node {node.name} ({node_id}): move its {replicas} replica(s) of "
                f"{len(on_node)} deployment(s) elsewhere within {arg.grace_s:g}s")
@@ -217,7 +217,7 @@ async def _start(store: Store, temporal: Client, *, kind: OperationKind,
     """Insert the operation's row (409 while another runs on its subject), then start its
     workflow (a saga's ``run``, so mypy checks ``arg`` against it) under the row's id; a
     failed start ends the row as failed (503)."""
-    ops = OperationsStore.of(store)
+    ops = store.operations
     subject = node_id if kind is OperationKind.DRAIN else deployment_id
     assert subject is not None  # each route names the one its kind needs
     record = await _begin(ops, temporal, kind=kind, subject=subject, summary=summary,
@@ -235,10 +235,10 @@ async def _start(store: Store, temporal: Client, *, kind: OperationKind,
         raise HTTPException(503, f"{record.operation_id} was not started: its workflow "
                                  f"could not be started ({exc}); nothing changed, and "
                                  "repeating the request is safe") from exc
-    await store.record_event(change(operator, "operation.started",
-                                    f"{record.operation_id} started: {summary}",
-                                    deployment_id=deployment_id, node_id=node_id,
-                                    data={"operation_id": record.operation_id}))
+    await store.events.record_event(change(operator, "operation.started",
+                                           f"{record.operation_id} started: {summary}",
+                                           deployment_id=deployment_id, node_id=node_id,
+                                           data={"operation_id": record.operation_id}))
     return OperationStarted(**record.model_dump(), workflow_id=record.operation_id)
 
 
@@ -303,10 +303,10 @@ async def cancel_operation(operation_id: str, ops: OperationsDep, temporal: Temp
         ended = await _end_if_abandoned(ops, temporal, record) \
             or await _existing(ops, operation_id)
         raise HTTPException(409, _ended(ended)) from None
-    await store.record_event(change(operator, "operation.cancel_requested",
-                                    f"cancel {operation_id}: {record.summary}",
-                                    deployment_id=record.deployment_id, node_id=record.node_id,
-                                    data={"operation_id": operation_id}))
+    await store.events.record_event(change(
+        operator, "operation.cancel_requested", f"cancel {operation_id}: {record.summary}",
+        deployment_id=record.deployment_id, node_id=record.node_id,
+        data={"operation_id": operation_id}))
     return record
 
 
@@ -365,7 +365,7 @@ async def _end_if_abandoned(ops: OperationsStore, temporal: Client,
 
 async def _changeable(store: Store, deployment_id: str) -> DeploymentView:
     """The deployment a saga would change: 404 when unknown, 409 while it is deleting."""
-    view = await store.get_deployment(deployment_id)
+    view = await store.deployments.get_deployment(deployment_id)
     if view is None:
         raise HTTPException(404, f"deployment {deployment_id!r} does not exist")
     if view.status is DeploymentStatus.DELETING:

@@ -15,5 +15,5 @@ async def signal_waiting_deployments(store: Store, temporal: Client) -> int:
     Called whenever the room on the nodes may have grown, so a waiting deployment does not
     sit out its retry timer. Returns how many were signalled.
     """
-    waiting = await store.deployment_ids_waiting_for_room()
+    waiting = await store.deployments.deployment_ids_waiting_for_room()
     return await signal_unplaceable(temporal, waiting)

@@ -20,7 +20,7 @@ its rules, in order, each with its test in ``tests/integration/test_sweep.py``:
 4. Every other row is kept: its workflow runs (or continued as new, or shows a status
    this version does not know), and owns its rows.
 
-Acting is safe from several workers at once: :meth:`Store.sweep_deployment` removes a row
+Acting is safe from several workers at once: :meth:`DeploymentStore.sweep_deployment` removes a row
 and appends its ``deployment.swept`` event in one transaction, or finds the row gone and
 does nothing, so a row is swept, and its event recorded, once.
 """
@@ -141,19 +141,20 @@ async def sweep_once(store: Store, client: Client, *,
     when claims were removed."""
     now = await store.now()  # before the rows: a row written meanwhile counts as young
     events = []
-    for row in await store.list_deployments():
+    for row in await store.deployments.list_deployments():
         verdict = decide(row, await describe(client, row.workflow_id), now, grace_s=grace_s)
         if isinstance(verdict, Keep):
             log.debug("store sweep keeps %s: %s", row.deployment_id, verdict.reason)
             continue
-        event = await store.sweep_deployment(row.deployment_id, workflow_id=row.workflow_id,
-                                             event_for=partial(swept_event, row, verdict))
+        event = await store.deployments.sweep_deployment(
+            row.deployment_id, workflow_id=row.workflow_id,
+            event_for=partial(swept_event, row, verdict))
         if event is None:
             continue  # another worker swept it first, or its own workflow removed it
         log.warning("%s %s", row.deployment_id, event.message)
         events.append(event)
     if any(e.data["nodes"] for e in events):
-        await signal_unplaceable(client, await store.deployment_ids_waiting_for_room())
+        await signal_unplaceable(client, await store.deployments.deployment_ids_waiting_for_room())
     return events
 
 

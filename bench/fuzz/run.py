@@ -60,7 +60,6 @@ from modelkeeper.domain.operators import OperatorRole
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
-from modelkeeper.store.tokens import TokensStore
 from worker.main import run_worker
 
 #: Examples per operation and phase in one cycle; with --minutes the phases are cycled
@@ -165,7 +164,7 @@ async def fuzz_in_process(args: argparse.Namespace, command: str) -> Run:
             token = None
             if args.role != "none":
                 role = OperatorRole.ADMIN if args.role == "admin" else OperatorRole.VIEWER
-                _, token = await TokensStore.of(store).create_token(f"fuzz-{args.role}", role)
+                _, token = await store.tokens.create_token(f"fuzz-{args.role}", role)
             before = await snapshot(db) if args.role != "admin" else None
             report = await asyncio.to_thread(
                 fuzz, url, token, seed=args.seed, max_examples=MAX_EXAMPLES,

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import FrameType
 
 from cli.main import main
-from modelkeeper.store.control import PLACEMENT_TIMING_LOGGER
+from modelkeeper.store.placement import PLACEMENT_TIMING_LOGGER
 
 
 def _profiled(path: Path) -> None:

@@ -1,5 +1,5 @@
-"""One placement's transaction at N nodes, alone: ``Store.place_replica`` and
-``Store.dry_run_placement`` called one after another on an otherwise idle database.
+"""One placement's transaction at N nodes, alone: ``PlacementStore.place_replica`` and
+``PlacementStore.dry_run_placement`` called one after another on an otherwise idle database.
 
 Run it from the repository root::
 
@@ -8,17 +8,17 @@ Run it from the repository root::
 What it does, on an embedded PostgreSQL of its own (started and stopped here, as the tests'
 ``pg_server`` does, in a temporary folder removed at the end):
 
-1. registers N nodes through :meth:`Store.register_node`, with inventories of the shapes a
+1. registers N nodes through :meth:`NodeStore.register_node`, with inventories of the shapes a
    real fleet has: mostly CPU nodes of 64 to 512 GiB, a quarter GPU nodes (8 x H100 or
    4 x A100, one GPU in 16 reported unhealthy), a few that do not report memory (agents
    older than the field), some with labels; then marks 5 % silent
-   (:meth:`Store.mark_node_silent`) and cordons 2 % (:meth:`Store.update_node`), so that
+   (:meth:`NodeStore.mark_node_silent`) and cordons 2 % (:meth:`NodeStore.update_node`), so that
    placement meets every node state it meets in a fleet;
-2. adds M models and M one-replica deployments (:meth:`Store.create_model`,
-   :meth:`Store.create_deployment`): 2 to 16 GiB each, every fourth asking for one GPU;
-3. times M calls of :meth:`Store.place_replica`, one after another, one replica of each
+2. adds M models and M one-replica deployments (:meth:`CatalogStore.create_model`,
+   :meth:`DeploymentStore.create_deployment`): 2 to 16 GiB each, every fourth asking for one GPU;
+3. times M calls of :meth:`PlacementStore.place_replica`, one after another, one replica of each
    deployment (what the worker's place_replica activity calls);
-4. times M calls of :meth:`Store.dry_run_placement` for a second replica of each
+4. times M calls of :meth:`PlacementStore.dry_run_placement` for a second replica of each
    deployment (it fits), and M for a replica that fits nowhere (4 TiB and 16 GPUs, so
    the nodes that do not report memory are refused too): the room watch
    runs for deployments that could not be placed, so a CantPlace, which names the nodes,
@@ -121,24 +121,24 @@ async def _populate(store: Store, *, nodes: int, placements: int, seed: int
     for i in range(nodes):
         inv, labels = _inventory(rng, i)
         node_id = f"node-{i:05d}"
-        await store.register_node(AgentRegistration(node_id=NodeId(node_id), name=node_id,
-                                                     labels=labels, inventory=inv))
+        await store.nodes.register_node(AgentRegistration(node_id=NodeId(node_id), name=node_id,
+                                                           labels=labels, inventory=inv))
     ids = [f"node-{i:05d}" for i in range(nodes)]
     rng.shuffle(ids)
     silent = int(nodes * SILENT_SHARE)
     cordoned = int(nodes * CORDONED_SHARE)
     now = datetime.now(UTC)
     for node_id in ids[:silent]:
-        await store.mark_node_silent(node_id, since=now)
+        await store.nodes.mark_node_silent(node_id, since=now)
     for node_id in ids[silent:silent + cordoned]:
-        await store.update_node(node_id, NodeUpdate(cordoned=True,
-                                                    cordon_reason="bench: maintenance"))
+        await store.nodes.update_node(node_id, NodeUpdate(cordoned=True,
+                                                          cordon_reason="bench: maintenance"))
     models = [_model(i) for i in range(placements)]
     for i, model in enumerate(models):
-        await store.create_model(model)
-        await store.create_deployment(_deployment(i),
-                                      DeploymentRequest(model_id=model.model_id),
-                                      f"wf-{_deployment(i)}")
+        await store.catalog.create_model(model)
+        await store.deployments.create_deployment(_deployment(i),
+                                                  DeploymentRequest(model_id=model.model_id),
+                                                  f"wf-{_deployment(i)}")
     return models
 
 
@@ -183,13 +183,13 @@ async def measure(url: str, *, nodes: int, placements: int, seed: int) -> None:
 
         def dry(i: int, model: CatalogModel, *, nowhere: bool = False
                 ) -> Callable[[], Awaitable[Any]]:
-            return lambda: store.dry_run_placement(
+            return lambda: store.placement.dry_run_placement(
                 deployment_id=_deployment(i), request=_request(model, nowhere=nowhere),
                 now=datetime.now(UTC), unreachable_after_s=UNREACHABLE_AFTER_S,
                 lost_after_s=LOST_AFTER_S)
 
         def place(i: int, model: CatalogModel) -> Callable[[], Awaitable[Any]]:
-            return lambda: store.place_replica(
+            return lambda: store.placement.place_replica(
                 deployment_id=_deployment(i), replica_id=ReplicaId(f"{_deployment(i)}-r0"),
                 request=_request(model), model=model, now=datetime.now(UTC),
                 unreachable_after_s=UNREACHABLE_AFTER_S, lost_after_s=LOST_AFTER_S,

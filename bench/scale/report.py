@@ -68,7 +68,8 @@ ROWS: list[Row] = [
     ("POST → placed p99", _q("deploy", "post_to_placed_s", "p99"), "s"),
     ("POST → ready p99", _q("deploy", "post_to_ready_s", "p99"), "s"),
     ("placements per second", _q("deploy", "placements_per_s"), "/s"),
-    ("placement call p50 (Store.place_replica)", _q("deploy", "placement_ms", "p50"), "ms"),
+    ("placement call p50 (PlacementStore.place_replica)", _q("deploy", "placement_ms", "p50"),
+     "ms"),
     ("placement call p99", _q("deploy", "placement_ms", "p99"), "ms"),
     ("… waiting its turn behind the worker's other placements p99",
      _q("deploy", "turn_wait_ms", "p99"), "ms"),
@@ -238,7 +239,7 @@ def render(result: dict[str, Any]) -> str:
     out += ["## Every cost, per size", "", table(result),
             "Growth: the exponent k of cost ∝ N^k between the smallest and the largest size "
             "that completed (a size that broke down is a machine past saturation).",
-            "Placement in the store is `Store.place_replica` as the worker timed it (its "
+            "Placement in the store is `PlacementStore.place_replica` as the worker timed it (its "
             "DEBUG lines, `modelkeeper.store.placement`): every attempt of the claim "
             "transaction, with the time spent waiting on advisory locks and on a pooled "
             "connection shown apart. POST → placed and POST → ready are on the store's "

@@ -18,7 +18,7 @@ agent process that is N simulated nodes (``modelkeeper agent --fleet N``, each d
    serves, the POSTs' own latency, each deployment's POST → placed → ready (the store's
    clock: the deployment's ``created_at``, its replica's ``started_at`` and ``ready_at``),
    placements per second, and each placement's time in the store
-   (``Store.place_replica``: the DEBUG lines of ``modelkeeper.store.placement``), with the
+   (``PlacementStore.place_replica``: the DEBUG lines of ``modelkeeper.store.placement``), with the
    time it waited for locks and for a pooled connection shown apart;
 3. **heartbeats**: every heartbeat's round trip as the fleet's nodes saw it (agent side),
    while idle before the POSTs, while the placements run, and during the recovery;
@@ -294,7 +294,7 @@ async def deploy_times(db: asyncpg.Connection) -> list[DeployTimes]:
 
 
 def placement_timings(log_path: Path, *, since: str | None = None) -> list[dict[str, Any]]:
-    """The worker's placement timing lines (see Store.place_replica)."""
+    """The worker's placement timing lines (see PlacementStore.place_replica)."""
     found = []
     try:
         lines = log_path.read_text(errors="replace").splitlines()

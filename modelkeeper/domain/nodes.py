@@ -219,13 +219,13 @@ class NodeUpdate(Frozen):
 
 @dataclass(frozen=True, slots=True)
 class HeartbeatRecorded:
-    """A heartbeat the store authenticated and wrote (``Store.authenticated_heartbeat``).
+    """A heartbeat the store authenticated and wrote (``NodeStore.authenticated_heartbeat``).
 
     A dataclass, not a model: the store builds one per heartbeat of every node, from its
     own row, so there is nothing to validate.
     """
 
-    #: Something placement uses changed (see ``Store.authenticated_heartbeat``).
+    #: Something placement uses changed (see ``NodeStore.authenticated_heartbeat``).
     changed: bool
     #: The replicas holding a claim on the node, read after the heartbeat arrived.
     claimed_replica_ids: list[ReplicaId]

@@ -1,14 +1,24 @@
 """The PostgreSQL store, the only room that holds SQL:
 
 - :mod:`.schema`: the versioned migrations in ``migrations/`` and their runner;
-- :mod:`.control`: the control plane's queries (catalog, nodes, deployments, placement);
-- :mod:`.routing`: the gateway's reads, client keys and usage;
-- :mod:`.operations`: the sagas' records (restart, drain, switch, reconfigure).
+- :mod:`.control`: :class:`Store`, the control plane's pool and a store per aggregate on
+  it (:mod:`.nodes`, :mod:`.placement`, :mod:`.catalog`, :mod:`.deployments`,
+  :mod:`.usage`, :mod:`.events`, :mod:`.operations`, :mod:`.tokens`);
+- :mod:`.routing`: the gateway's reads, client keys and usage, on a pool of its own.
 """
 
+from .catalog import CatalogStore, ModelExistsError, ModelInUseError
 from .control import Store
+from .deployments import DeploymentExistsError, DeploymentStore, UnknownModelError
+from .events import EventStore
+from .nodes import NodeStore
 from .operations import OperationConflictError, OperationsStore
+from .placement import PlacementStore
 from .schema import MIGRATIONS_DIR, Migration, load_migrations
+from .tokens import TokensStore
+from .usage import UsageStore
 
-__all__ = ["MIGRATIONS_DIR", "Migration", "OperationConflictError", "OperationsStore", "Store",
-           "load_migrations"]
+__all__ = ["MIGRATIONS_DIR", "CatalogStore", "DeploymentExistsError", "DeploymentStore",
+           "EventStore", "Migration", "ModelExistsError", "ModelInUseError", "NodeStore",
+           "OperationConflictError", "OperationsStore", "PlacementStore", "Store",
+           "TokensStore", "UnknownModelError", "UsageStore", "load_migrations"]

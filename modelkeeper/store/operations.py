@@ -1,8 +1,7 @@
 """The sagas' records: one row per restart, drain, switch or reconfigure (migration 0008).
 
-Kept beside :mod:`.control` on the same pool (:meth:`OperationsStore.of`), as
-:mod:`.routing` is: the API and the control worker reach it from the ``Store`` they
-already hold, and all SQL stays in this package.
+One of the stores on the pool :class:`~.control.Store` owns: the API and the control
+worker reach it as ``store.operations``, and all SQL stays in this package.
 
 One saga at a time per deployment and per node is the database's rule, not a check
 before an insert: two partial unique indexes refuse a second running row, and
@@ -11,14 +10,13 @@ before an insert: two partial unique indexes refuse a second running row, and
 
 from __future__ import annotations
 
-from typing import Any, Self
+from typing import Any
 
 import asyncpg
 
 from ..domain.ids import DeploymentId, NodeId, OperationId
 from ..domain.ops import OperationKind, OperationRecord, OperationState
 from ..names import operation_workflow_id
-from .control import Store
 
 #: The partial unique indexes of migration 0008, by the subject they guard.
 _RUNNING_PER_DEPLOYMENT = "operations_one_running_per_deployment"
@@ -51,18 +49,10 @@ class OperationNumberingError(Exception):
 
 
 class OperationsStore:
-    """The ``operations`` table over a pool that someone else owns and closes."""
+    """The ``operations`` table, on the pool :class:`~.control.Store` owns (and closes)."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
-
-    @classmethod
-    def of(cls, store: Store) -> Self:
-        """The operations of ``store``'s database, on its pool (closed with it).
-
-        Reads the pool ``Store`` keeps to itself: both live in this package, the one room
-        that holds connections, and sharing it keeps one pool per process."""
-        return cls(store._pool)
 
     async def begin(self, record: OperationRecord) -> OperationRecord:
         """Insert ``record``; idempotent per ``operation_id``.

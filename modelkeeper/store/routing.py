@@ -21,7 +21,7 @@ import asyncpg
 
 from ..domain.status import ROUTABLE_STATES
 from ..names import API_KEYS_CHANNEL, DEPLOYMENTS_CHANNEL, REPLICAS_CHANNEL
-from .control import Store
+from .schema import apply_migrations
 
 log = logging.getLogger(__name__)
 
@@ -165,14 +165,14 @@ class RoutingStore:
     @classmethod
     async def connect(cls, dsn: str, *, max_size: int = 3, migrate: bool = True) -> Self:
         """Open a small pool of its own and, unless told not to, apply pending migrations
-        (every component does at start; see :meth:`Store.migrate`).
+        (every component does at start; see :func:`.schema.apply_migrations`).
 
         A gateway on a role of its own passes ``migrate=False``: that role has no DDL
         rights (migration 0013), so the migrating processes must have run first."""
         pool = await asyncpg.create_pool(dsn, min_size=1, max_size=max_size)
         try:
             if migrate:
-                await Store(pool).migrate()
+                await apply_migrations(pool)
         except BaseException:
             await pool.close()
             raise

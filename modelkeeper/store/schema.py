@@ -1,7 +1,7 @@
 """The schema: versioned migrations under ``migrations/`` and the runner that applies them.
 
 Each component applies pending migrations when it starts; the queries themselves live in
-:mod:`.control` (the control plane's) and :mod:`.routing` (the gateway's).
+the control plane's stores (:mod:`.control`) and :mod:`.routing` (the gateway's).
 """
 
 from __future__ import annotations

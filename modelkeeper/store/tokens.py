@@ -6,7 +6,7 @@ Stored as client API keys are (:mod:`.routing`): a SHA-256 of a 256-bit random t
 token is found by its hash, an index lookup: the secret itself is never compared, so how
 long a refusal takes says nothing about it.
 
-Kept beside :mod:`.control` on the same pool (:meth:`TokensStore.of`), as
+One of the stores on the pool :class:`~.control.Store` owns (``store.tokens``), as
 :mod:`.operations` is; the `tokens` command opens a pool of its own (:meth:`connect`).
 """
 
@@ -21,7 +21,7 @@ from typing import Self
 import asyncpg
 
 from ..domain.operators import OperatorRole
-from .control import Store
+from .pool import open_pool
 from .routing import hash_key
 
 #: Operator tokens look like ``mko-`` + 43 URL-safe characters (256 random bits); the
@@ -63,19 +63,10 @@ class TokensStore:
         self._owns_pool = owns_pool
 
     @classmethod
-    def of(cls, store: Store) -> Self:
-        """The tokens of ``store``'s database, on its pool (closed with it).
-
-        Reads the pool ``Store`` keeps to itself, as :meth:`.OperationsStore.of` does: one
-        pool per process."""
-        return cls(store._pool)
-
-    @classmethod
     async def connect(cls, dsn: str) -> Self:
         """A one-connection pool of its own, the schema brought up to date (the `tokens`
         command and `up` run before, or without, any API)."""
-        store = await Store.connect(dsn, max_size=1)
-        return cls(store._pool, owns_pool=True)
+        return cls(await open_pool(dsn, max_size=1), owns_pool=True)
 
     async def close(self) -> None:
         """Close the pool if :meth:`connect` opened it."""

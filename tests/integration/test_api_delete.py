@@ -87,8 +87,8 @@ async def test_a_deployment_whose_workflow_is_gone_is_removed(
     assert (await api.post("/models", json=SIM)).status_code == 201
     # A row whose workflow was never started (a create that died between the two) ...
     never = DeploymentId("d-never")
-    await store.create_deployment(never, DeploymentRequest(model_id=ModelId("sim-a")),
-                                  deployment_workflow_id(never))
+    await store.deployments.create_deployment(never, DeploymentRequest(model_id=ModelId("sim-a")),
+                                              deployment_workflow_id(never))
     gone = await api.delete(f"/deployments/{never}")
     assert (gone.status_code, gone.json()) == (200, {"deployment_id": never,
                                                      "status": "deleted"})

@@ -122,7 +122,7 @@ async def test_degraded_and_stopped_show_in_the_list_and_in_the_status_gauge(
         assert (await api.post("/models", json={**SIM, "model_id": model})).status_code == 201
         created = await api.post("/deployments", json={"model_id": model, "replicas": 1})
         ids[model] = created.json()["deployment_id"]
-        await store.record_deployment_status(DeploymentStatusUpdate(
+        await store.deployments.record_deployment_status(DeploymentStatusUpdate(
             deployment_id=ids[model], status=status, placement_error=None,
             consecutive_failures=0, last_failure=last_failure, desired_replicas=replicas))
 
@@ -153,7 +153,7 @@ GIB = 1 << 30
 
 
 async def _register(store: Store, node_id: str, name: str) -> None:
-    await store.register_node(AgentRegistration(
+    await store.nodes.register_node(AgentRegistration(
         node_id=NodeId(node_id), name=name,
         inventory=Inventory(memory_total_bytes=64 * GIB, memory_available_bytes=64 * GIB,
                             cpu_count=8)))

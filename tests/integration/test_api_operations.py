@@ -33,7 +33,7 @@ from modelkeeper.domain.ops import (
     SwitchInput,
 )
 from modelkeeper.names import CONTROL_TASK_QUEUE, UPDATE_SCALE
-from modelkeeper.store import OperationsStore, Store
+from modelkeeper.store import Store
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -141,7 +141,7 @@ async def test_switch_and_reconfigure_validate_then_start_the_switch_saga(
                     requested_by="api"))
 
     # Once it has ended, a reconfigure may start: PATCH with engine_args is one.
-    ops = OperationsStore.of(store)
+    ops = store.operations
     await ops.save(OperationRecord(operation_id=OperationId(f"switch/{dep}/1"),
                                    kind=OperationKind.SWITCH, deployment_id=DeploymentId(dep),
                                    state=OperationState.ROLLED_BACK))
@@ -183,8 +183,8 @@ async def test_patch_with_replicas_still_scales(
         store: Store) -> None:
     client = local_temporal_env.client
     await api.post("/models", json=SIM_A)
-    await store.create_deployment(DeploymentId("d-scale"),
-                                  DeploymentRequest(model_id=ModelId("sim-a")), "scale-only")
+    await store.deployments.create_deployment(
+        DeploymentId("d-scale"), DeploymentRequest(model_id=ModelId("sim-a")), "scale-only")
     async with Worker(client, task_queue="scale-only", workflows=[ScaleOnly]):
         await client.start_workflow(ScaleOnly.run, id="scale-only", task_queue="scale-only")
         resp = await api.patch("/deployments/d-scale", json={"replicas": 3})
@@ -199,7 +199,7 @@ async def test_drain_checks_the_node_and_grace_then_starts_the_drain_saga(
         store: Store) -> None:
     client = local_temporal_env.client
     assert (await api.post("/nodes/ghost/drain")).status_code == 404
-    await store.register_node(AgentRegistration(
+    await store.nodes.register_node(AgentRegistration(
         node_id=NodeId("n1"), name="box-1",
         inventory=Inventory(memory_total_bytes=64 * GIB, memory_available_bytes=64 * GIB,
                             cpu_count=8)))
@@ -222,7 +222,7 @@ async def test_drain_checks_the_node_and_grace_then_starts_the_drain_saga(
         409, "drain/n1/1 (drain) is running on n1; wait for it or cancel it: "
              "modelkeeper ops cancel drain/n1/1")
 
-    await OperationsStore.of(store).finish_if_running("drain/n1/1", OperationState.SUCCEEDED,
+    await store.operations.finish_if_running("drain/n1/1", OperationState.SUCCEEDED,
                                                       "")
     second = await api.post("/nodes/n1/drain",
                             json={"grace_s": 30, "uncordon_on_cancel": True})
@@ -236,7 +236,7 @@ async def test_list_show_and_cancel(api: httpx.AsyncClient,
                                     store: Store) -> None:
     client = local_temporal_env.client
     dep = await _deployment(api)
-    await store.register_node(AgentRegistration(
+    await store.nodes.register_node(AgentRegistration(
         node_id=NodeId("n1"), name="n1", inventory=Inventory(memory_total_bytes=GIB)))
     restart_id = (await api.post(f"/deployments/{dep}/restart")).json()["operation_id"]
     drain_id = (await api.post("/nodes/n1/drain")).json()["operation_id"]
@@ -263,7 +263,7 @@ async def test_list_show_and_cancel(api: httpx.AsyncClient,
     assert (await api.post("/operations/restart/nope/1/cancel")).status_code == 404
 
     # Ended as the saga recorded it: nothing to cancel.
-    await OperationsStore.of(store).finish_if_running(
+    await store.operations.finish_if_running(
         restart_id, OperationState.CANCELLED, "cancelled by the operator")
     ended = await api.post(f"/operations/{restart_id}/cancel")
     assert (ended.status_code, _detail(ended)) == (

@@ -217,17 +217,17 @@ async def test_mark_is_idempotent_and_never_undoes_a_stop(
     for replica_id, state in (("r-1", "ready"), ("r-2", "stopping"), ("r-3", "starting")):
         await add_replica(db, deployment, replica_id, "http://127.0.0.1:1", state)
 
-    first = await store.mark_replica_draining("r-1")
+    first = await store.deployments.mark_replica_draining("r-1")
     assert first is not None and first[0] is ReplicaState.DRAINING
-    again = await store.mark_replica_draining("r-1")
+    again = await store.deployments.mark_replica_draining("r-1")
     # Already out of routing: it counts from when it left (no later than the first mark).
     assert again is not None and again[0] is ReplicaState.DRAINING and again[1] <= first[1]
-    stopping = await store.mark_replica_draining("r-2")
+    stopping = await store.deployments.mark_replica_draining("r-2")
     assert stopping is not None and stopping[0] is ReplicaState.STOPPING
     assert await replica_state(db, "r-2") == "stopping", "a stop never goes back"
-    starting = await store.mark_replica_draining("r-3")
+    starting = await store.deployments.mark_replica_draining("r-3")
     assert starting is not None and starting[0] is ReplicaState.DRAINING
-    assert await store.mark_replica_draining("gone") is None
+    assert await store.deployments.mark_replica_draining("gone") is None
 
 
 async def test_usage_rows_a_drain_trusts_and_a_retry_that_keeps_its_first_mark(
@@ -240,11 +240,11 @@ async def test_usage_rows_a_drain_trusts_and_a_retry_that_keeps_its_first_mark(
         # A worker that has not heard of the mark yet still routes r-1: its row is not
         # written, since its count could still grow. One that dropped it is written.
         first_mark = await db.fetchval("SELECT clock_timestamp() - interval '10 seconds'")
-        marked = await store.mark_replica_draining("r-1")
+        marked = await store.deployments.mark_replica_draining("r-1")
         assert marked is not None
         await routes.write_usage("g-late", [ReplicaUsage("r-1", 0, None)], [])
         await routes.write_usage("g-left", [], [], leaving=[ReplicaUsage("r-1", 2, None)])
-        now, reports = await store.replica_usage_since("r-1", first_mark)
+        now, reports = await store.usage.replica_usage_since("r-1", first_mark)
         assert [(r.gateway_id, r.in_flight) for r in reports] == [("g-left", 2)]
         assert reports[0].updated_at > marked[1] and now >= reports[0].updated_at
 
@@ -281,7 +281,7 @@ async def test_a_replica_the_keeper_already_took_out_of_routing_drains_from_that
     it waited out the stale-row rule (5 flush intervals, 5 s by default) for nothing."""
     flush_s = 1.0
     async with two_replicas(tmp_path, database_url, db) as (server, _http):
-        await store.record_replica_state(ReplicaStateUpdate(
+        await store.deployments.record_replica_state(ReplicaStateUpdate(
             replica_id=ReplicaId("r-a"), state=ReplicaState.STOPPING))
         # The gateway writes r-a's 0 at once when it drops it (a nudge), and may have
         # done so by the first look: wait for both, not for a moment in between. Were the

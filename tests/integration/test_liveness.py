@@ -108,7 +108,7 @@ class Api:
         return proc
 
     async def silent_since(self, node_id: str) -> Any:
-        record = await self.store.get_node(node_id)
+        record = await self.store.nodes.get_node(node_id)
         assert record is not None
         return record.silent_since
 
@@ -283,7 +283,7 @@ async def test_an_agent_that_stalls_again_soon_is_told_once(api: Api) -> None:
     await until(lambda: liveness.state(node).last_ping_at > continued, timeout=5)
     assert liveness.state(node).silent_since is None
     assert await alive()
-    events = await api.store.list_events(limit=100)
+    events = await api.store.events.list_events(limit=100)
     assert len([e for e in events if e.kind == "node.silent"]) == 1
 
 
@@ -298,7 +298,7 @@ async def test_a_graceful_stop_is_never_silence(api: Api, sig: signal.Signals) -
     await until(lambda: api.app.state.liveness.state(node) is None, timeout=2)
     await asyncio.sleep(SILENT_AFTER_S + 0.5)
     assert await api.silent_since(node) is None
-    assert [e for e in await api.store.list_events() if e.kind == "node.silent"] == []
+    assert [e for e in await api.store.events.list_events() if e.kind == "node.silent"] == []
 
 
 async def test_the_api_stopping_ends_streams_at_once_and_marks_nobody_silent(
@@ -344,7 +344,7 @@ async def test_the_api_stopping_ends_streams_at_once_and_marks_nobody_silent(
         stopped_in = time.monotonic() - stopping_at
         print(f"\nAPI stopped {stopped_in:.2f} s after SIGTERM, with an agent streaming")
         assert stopped_in < 3.0, server.log_tail()
-        [node] = await store.list_nodes()
+        [node] = await store.nodes.list_nodes()
         assert node.silent_since is None
         assert agent.poll() is None  # the agent keeps trying to reconnect
 
@@ -357,7 +357,7 @@ async def test_the_api_stopping_ends_streams_at_once_and_marks_nobody_silent(
         os.killpg(agent.pid, signal.SIGKILL)
 
         async def silent() -> bool:
-            return (await store.list_nodes())[0].silent_since is not None
+            return (await store.nodes.list_nodes())[0].silent_since is not None
 
         await until(silent, timeout=5)
         assert time.monotonic() - killed_at < 0.5

@@ -61,7 +61,7 @@ def drain(n: int, node: str = "n1") -> OperationRecord:
 
 @pytest.fixture
 def ops(store: Store) -> OperationsStore:
-    return OperationsStore.of(store)
+    return store.operations
 
 
 async def test_begin_is_idempotent_per_operation_id(ops: OperationsStore) -> None:
@@ -188,7 +188,7 @@ GIB = 1 << 30
 
 
 async def _node(store: Store, node_id: str) -> None:
-    await store.register_node(AgentRegistration(
+    await store.nodes.register_node(AgentRegistration(
         node_id=NodeId(node_id), name=node_id,
         inventory=Inventory(memory_total_bytes=64 * GIB, memory_available_bytes=64 * GIB,
                             cpu_count=16)))
@@ -198,11 +198,11 @@ async def _deployment(store: Store, deployment_id: str, status: DeploymentStatus
                       ) -> DeploymentSpec:
     model = CatalogModel(model_id=ModelId(f"m-{deployment_id}"), engine=EngineKind.SIM,
                          source="sim", memory_bytes=GIB)
-    await store.create_model(model)
-    await store.create_deployment(DeploymentId(deployment_id),
-                                  DeploymentRequest(model_id=model.model_id),
-                                  deployment_workflow_id(DeploymentId(deployment_id)))
-    await store.record_deployment_status(DeploymentStatusUpdate(
+    await store.catalog.create_model(model)
+    await store.deployments.create_deployment(DeploymentId(deployment_id),
+                                              DeploymentRequest(model_id=model.model_id),
+                                              deployment_workflow_id(DeploymentId(deployment_id)))
+    await store.deployments.record_deployment_status(DeploymentStatusUpdate(
         deployment_id=DeploymentId(deployment_id), status=status, placement_error=None,
         consecutive_failures=0, last_failure=None, desired_replicas=1))
     return DeploymentSpec(deployment_id=DeploymentId(deployment_id), model_id=model.model_id,
@@ -234,7 +234,7 @@ async def test_begin_operation_is_idempotent_and_its_conflict_is_final(store: St
                    steps=[OperationStep(name="replace d1-r1", state=StepState.DONE)])
     for _ in range(2):  # retried: the same row
         await env.run(acts.record_operation, done)
-    stored = await OperationsStore.of(store).get("restart/d1/1")
+    stored = await store.operations.get("restart/d1/1")
     assert stored is not None and (stored.state, stored.steps) == (done.state, done.steps)
 
 
@@ -253,17 +253,17 @@ async def test_set_cordon_keeps_the_reason_and_uncordon_signals_the_waiting(
     cordon = SetCordonInput(node_id=NodeId("n1"), cordoned=True, reason="drain/n1/1")
     for _ in range(2):  # retried: the same outcome
         assert await env.run(acts.set_cordon, cordon) is True
-    node = await store.get_node("n1")
+    node = await store.nodes.get_node("n1")
     assert node is not None and (node.cordoned, node.cordon_reason) == (True, "drain/n1/1")
     # A cordon outranks the agent's re-registration.
     await _node(store, "n1")
-    node = await store.get_node("n1")
+    node = await store.nodes.get_node("n1")
     assert node is not None and node.cordoned
     assert await _signals(client, "d-cant") == 0
 
     assert await env.run(acts.set_cordon, SetCordonInput(node_id=NodeId("n1"),
                                                          cordoned=False)) is True
-    node = await store.get_node("n1")
+    node = await store.nodes.get_node("n1")
     assert node is not None and (node.cordoned, node.cordon_reason) == (False, None)
     assert [await _signals(client, d) for d in ("d-cant", "d-serving")] == [1, 0]
     assert await env.run(acts.set_cordon, SetCordonInput(node_id=NodeId("ghost"),

@@ -32,7 +32,7 @@ from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.names import ERROR_ENGINE_CONFIG, ERROR_UNKNOWN_MODEL, deployment_workflow_id
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store, load_migrations
-from modelkeeper.store.control import ModelInUseError
+from modelkeeper.store.catalog import ModelInUseError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,7 +52,7 @@ def _attempt(activity_id: str) -> ActivityEnvironment:
 
 
 async def _node(store: Store, node_id: str, memory_bytes: int) -> None:
-    await store.register_node(AgentRegistration(
+    await store.nodes.register_node(AgentRegistration(
         node_id=NodeId(node_id), name=node_id,
         inventory=Inventory(memory_total_bytes=memory_bytes,
                             memory_available_bytes=memory_bytes, cpu_count=16)))
@@ -60,14 +60,14 @@ async def _node(store: Store, node_id: str, memory_bytes: int) -> None:
 
 async def _deployment(store: Store) -> DeploymentSpec:
     """d1 serving CURRENT (1 GiB); NEXT (2 GiB) is in the catalog too."""
-    await store.create_model(CatalogModel(
+    await store.catalog.create_model(CatalogModel(
         model_id=CURRENT, engine=EngineKind.SIM, source="sim", memory_bytes=GIB,
         engine_args={"load_time_s": 0.5}))
-    await store.create_model(CatalogModel(
+    await store.catalog.create_model(CatalogModel(
         model_id=NEXT, engine=EngineKind.SIM, source="sim-next", memory_bytes=2 * GIB,
         engine_args={"load_time_s": 3, "tokens_per_second": 10}))
-    await store.create_deployment(DEPLOYMENT, DeploymentRequest(model_id=CURRENT),
-                                  deployment_workflow_id(DEPLOYMENT))
+    await store.deployments.create_deployment(DEPLOYMENT, DeploymentRequest(model_id=CURRENT),
+                                              deployment_workflow_id(DEPLOYMENT))
     return DeploymentSpec(deployment_id=DEPLOYMENT, model_id=CURRENT, replicas=1)
 
 
@@ -116,7 +116,7 @@ async def test_the_replica_runs_the_generation_and_avoids_the_drained_node(
     assert row is not None
     assert dict(row) == {"generation": 2, "runs_model_id": NEXT,
                          "engine_args": {"tokens_per_second": 50}}
-    [view] = await store.list_replicas()
+    [view] = await store.deployments.list_replicas()
     assert (view.generation, view.runs_model_id, view.outdated) == (2, NEXT, False)
     # A retry whose first attempt committed answers the same shards, merged arguments too.
     assert await _place(store, request) == result
@@ -148,7 +148,7 @@ async def test_avoiding_every_node_says_why_for_each(store: Store) -> None:
     assert result.shards == []
     assert result.cant_place == (
         "node n1: avoided (being drained); node n2: avoided (being drained)")
-    assert await store.list_replicas() == []
+    assert await store.deployments.list_replicas() == []
 
 
 async def test_an_engine_argument_the_engine_refuses_is_not_retried(store: Store) -> None:
@@ -160,7 +160,7 @@ async def test_an_engine_argument_the_engine_refuses_is_not_retried(store: Store
 
     assert refused.type == ERROR_ENGINE_CONFIG
     assert "engine_args.trust_remote_code=True: not an allowed sim argument" in str(refused)
-    assert await store.list_replicas() == []
+    assert await store.deployments.list_replicas() == []
 
 
 async def test_a_generation_of_a_model_not_in_the_catalog_is_not_retried(
@@ -197,7 +197,7 @@ async def test_replicas_spread_and_the_one_that_must_share_says_why(store: Store
     # A retry whose first attempt committed answers the note that attempt found, though
     # the nodes look different now (n1 holds r3's claim as well).
     assert (await _place(store, _input(spec, "r3"), "3")).note == note
-    placed = [e for e in await store.list_events(deployment_id=DEPLOYMENT)
+    placed = [e for e in await store.events.list_events(deployment_id=DEPLOYMENT)
               if e.kind == "replica.placed"]
     assert [e.message for e in placed] == [
         "placed on n1", "placed on n2", f"placed on n1; {note}"]
@@ -215,21 +215,21 @@ async def test_replicas_on_an_older_generation_show_as_outdated(store: Store) ->
     await _place(store, _input(spec, "r3", generation=Generation(number=3, model_id=NEXT)),
                  "3")
     # Before the deployment moves on, nothing is outdated.
-    assert [r.outdated for r in await store.list_replicas()] == [False, False, False]
+    assert [r.outdated for r in await store.deployments.list_replicas()] == [False, False, False]
 
-    await store.record_deployment_status(DeploymentStatusUpdate(
+    await store.deployments.record_deployment_status(DeploymentStatusUpdate(
         deployment_id=DEPLOYMENT, status=DeploymentStatus.DEGRADED, placement_error=None,
         consecutive_failures=0, last_failure=None, desired_replicas=3, generation=3,
         runs_model_id=NEXT, placement_note="shares node n1 with another replica of d1"))
 
-    view = await store.get_deployment(DEPLOYMENT)
+    view = await store.deployments.get_deployment(DEPLOYMENT)
     assert view is not None
     assert (view.model_id, view.generation, view.runs_model_id) == (CURRENT, 3, NEXT)
     assert view.placement_note == "shares node n1 with another replica of d1"
     assert [(r.replica_id, r.generation, r.runs_model_id, r.outdated)
             for r in view.replicas] == [
         ("r0", 0, None, True), ("r2", 2, CURRENT, True), ("r3", 3, NEXT, False)]
-    assert [r.outdated for r in await store.list_replicas()] == [True, True, False]
+    assert [r.outdated for r in await store.deployments.list_replicas()] == [True, True, False]
 
 
 async def test_a_model_a_replica_runs_cannot_leave_the_catalog(store: Store) -> None:
@@ -238,9 +238,9 @@ async def test_a_model_a_replica_runs_cannot_leave_the_catalog(store: Store) -> 
     await _place(store, _input(spec, "r1", generation=Generation(number=1, model_id=NEXT)))
 
     with pytest.raises(ModelInUseError):
-        await store.delete_model(NEXT)
-    assert await store.release_replica("r1")
-    assert await store.delete_model(NEXT)
+        await store.catalog.delete_model(NEXT)
+    assert await store.deployments.release_replica("r1")
+    assert await store.catalog.delete_model(NEXT)
 
 
 async def test_migration_0007_puts_existing_replicas_on_generation_0(
@@ -263,7 +263,7 @@ async def test_migration_0007_puts_existing_replicas_on_generation_0(
         assert await store.migrate(upto) == [7]
         await store.migrate()  # the rest, so today's reads find their columns
 
-        view = await store.get_deployment(DEPLOYMENT)
+        view = await store.deployments.get_deployment(DEPLOYMENT)
     assert view is not None
     assert (view.generation, view.runs_model_id, view.placement_note) == (0, None, None)
     [replica] = view.replicas

@@ -1,4 +1,4 @@
-"""Store.place_replica under concurrency, on a real PostgreSQL.
+"""PlacementStore.place_replica under concurrency, on a real PostgreSQL.
 
 What must hold while placements race each other and heartbeats:
 
@@ -39,7 +39,7 @@ from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.nodes import AgentRegistration, GpuInfo, Inventory
 from modelkeeper.domain.placement import CantPlace, PlacementRequest, RejectionReason
 from modelkeeper.domain.shards import EngineKind, ShardSpec
-from modelkeeper.store import Store, control
+from modelkeeper.store import Store, locks, placement
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -167,11 +167,11 @@ def _inventory(memory_bytes: int, gpus: int = 0, gpu_memory: int = 80 * GIB) -> 
 
 async def _setup(store: Store, *, nodes: dict[str, Inventory], model: CatalogModel) -> None:
     for node_id, inv in nodes.items():
-        await store.register_node(AgentRegistration(node_id=NodeId(node_id), name=node_id,
-                                                     inventory=inv))
-    await store.create_model(model)
-    await store.create_deployment(DEPLOYMENT, DeploymentRequest(model_id=model.model_id),
-                                  "wf-d1")
+        await store.nodes.register_node(AgentRegistration(node_id=NodeId(node_id), name=node_id,
+                                                           inventory=inv))
+    await store.catalog.create_model(model)
+    await store.deployments.create_deployment(
+        DEPLOYMENT, DeploymentRequest(model_id=model.model_id), "wf-d1")
 
 
 def _request(model: CatalogModel) -> PlacementRequest:
@@ -182,7 +182,7 @@ def _request(model: CatalogModel) -> PlacementRequest:
 
 async def _place(store: Store, model: CatalogModel, replica_id: str
                  ) -> list[ShardSpec] | CantPlace:
-    return await store.place_replica(
+    return await store.placement.place_replica(
         deployment_id=DEPLOYMENT, replica_id=ReplicaId(replica_id), request=_request(model),
         model=model, now=datetime.now(UTC), unreachable_after_s=UNREACHABLE_AFTER_S,
         lost_after_s=LOST_AFTER_S, start_timeout_s=300.0)
@@ -208,7 +208,7 @@ async def test_concurrent_placements_never_over_claim_memory(
         optimistic_attempts: int | None) -> None:
     # 5 nodes of 10 GiB, 4 GiB replicas: 2 fit per node, so 10 of 20 racing calls fit.
     if optimistic_attempts is not None:
-        monkeypatch.setattr(control, "_OPTIMISTIC_ATTEMPTS", optimistic_attempts)
+        monkeypatch.setattr(placement, "_OPTIMISTIC_ATTEMPTS", optimistic_attempts)
     model = _model(4)
     await _setup(wide_store, nodes={f"n{i}": _inventory(10 * GIB) for i in range(5)},
                  model=model)
@@ -260,7 +260,7 @@ async def test_heartbeat_of_an_unclaimed_node_does_not_wait_for_an_open_placemen
         await gate.wait_for_waiters(1)  # claims written on a, transaction open
 
         # Node b is not being claimed from: its heartbeat must not queue behind r1.
-        assert await heartbeat_store.heartbeat_node("b", inv, UNREACHABLE_AFTER_S) is False
+        assert await heartbeat_store.nodes.heartbeat_node("b", inv, UNREACHABLE_AFTER_S) is False
         assert not placing.done()
 
         await gate.open()
@@ -283,7 +283,7 @@ async def test_heartbeat_of_the_node_being_claimed_does_not_wait_either(
         placing = asyncio.create_task(_place(store, model, "r1"))
         await gate.wait_for_waiters(1)
 
-        assert await heartbeat_store.heartbeat_node("a", inv, UNREACHABLE_AFTER_S) is False
+        assert await heartbeat_store.nodes.heartbeat_node("a", inv, UNREACHABLE_AFTER_S) is False
         assert not placing.done()
 
         await gate.open()
@@ -301,7 +301,7 @@ async def test_placement_re_checks_claims_committed_while_it_waited(
     # snapshot shows a empty and picks it too. Room on a is for one replica: r2 must see
     # r1's claim once r1 commits and go to b instead of over-claiming a.
     if optimistic_attempts is not None:
-        monkeypatch.setattr(control, "_OPTIMISTIC_ATTEMPTS", optimistic_attempts)
+        monkeypatch.setattr(placement, "_OPTIMISTIC_ATTEMPTS", optimistic_attempts)
     model = _model(6)
     inv = _inventory(10 * GIB)
     await _setup(store, nodes={"a": inv, "b": inv}, model=model)
@@ -328,7 +328,7 @@ async def test_racing_replicas_of_one_deployment_still_spread(
     # committed) and picks it, the lower id of two equal nodes. Under a's lock it must see
     # r1 there and go to b, which spread prefers; memory alone would let it stay on a.
     if optimistic_attempts is not None:
-        monkeypatch.setattr(control, "_OPTIMISTIC_ATTEMPTS", optimistic_attempts)
+        monkeypatch.setattr(placement, "_OPTIMISTIC_ATTEMPTS", optimistic_attempts)
     model = _model(2)
     inv = _inventory(64 * GIB)
     await _setup(store, nodes={"a": inv, "b": inv}, model=model)
@@ -345,7 +345,7 @@ async def test_racing_replicas_of_one_deployment_still_spread(
     assert not isinstance(r1, CantPlace) and not isinstance(r2, CantPlace)
     assert [s.node_id for s in r1] == ["a"]
     assert [s.node_id for s in r2] == ["b"]
-    assert await store.replica_placement_note("r2") is None
+    assert await store.placement.replica_placement_note("r2") is None
 
 
 async def test_placements_ranking_nodes_in_opposite_orders_do_not_deadlock(
@@ -361,11 +361,11 @@ async def test_placements_ranking_nodes_in_opposite_orders_do_not_deadlock(
     try:
         for node_id in ("a", "b"):
             await holder.execute("SELECT pg_advisory_lock($1, $2)",
-                                 control._NODE_LOCK_SPACE, control._lock_key(node_id))
+                                 locks.NODE_LOCK_SPACE, locks.lock_key(node_id))
         gate = ClaimGate(holder)
         first = asyncio.create_task(_place(store, model, "r1"))
         await gate.wait_for_waiters(1)
-        await heartbeat_store.heartbeat_node("a", _inventory(50 * GIB), UNREACHABLE_AFTER_S)
+        await heartbeat_store.nodes.heartbeat_node("a", _inventory(50 * GIB), UNREACHABLE_AFTER_S)
         second = asyncio.create_task(_place(other_store, model, "r2"))
         await gate.wait_for_waiters(2)
         await holder.execute("SELECT pg_advisory_unlock_all()")
@@ -404,13 +404,13 @@ async def test_one_workers_placements_take_turns_and_none_loses_a_race(
     model = _model(4)
     await _setup(wide_store, nodes={f"n{i}": _inventory(10 * GIB) for i in range(5)},
                  model=model)
-    caplog.set_level(logging.DEBUG, logger=control.PLACEMENT_TIMING_LOGGER)
+    caplog.set_level(logging.DEBUG, logger=placement.PLACEMENT_TIMING_LOGGER)
 
     results = await asyncio.gather(*(_place(wide_store, model, f"r{i:02d}") for i in range(20)))
 
     assert sum(not isinstance(r, CantPlace) for r in results) == 10
     timings = [m.groups() for r in caplog.records
-               if r.name == control.PLACEMENT_TIMING_LOGGER
+               if r.name == placement.PLACEMENT_TIMING_LOGGER
                and (m := _TIMING.search(r.getMessage())) is not None]
     assert len(timings) == 20
     assert {attempts for _, attempts, _ in timings} == {"1"}, timings
@@ -452,7 +452,7 @@ async def test_a_sweep_waits_for_an_open_placement_and_removes_its_claims(
     try:
         placing = asyncio.create_task(_place(wide_store, model, "r1"))
         await gate.wait_for_waiters(1)  # r1's replica row and claim written, not committed
-        sweeping = asyncio.create_task(wide_store.sweep_deployment(
+        sweeping = asyncio.create_task(wide_store.deployments.sweep_deployment(
             DEPLOYMENT, workflow_id="wf-d1", event_for=_swept(seen)))
         # The sweep waits on the deployment's row, which r1's insert holds key-share.
         await gate.wait_for_row_waiters(1)
@@ -466,7 +466,7 @@ async def test_a_sweep_waits_for_an_open_placement_and_removes_its_claims(
     # The sweep saw the claim committed while it waited, and removed it with the row.
     assert event is not None and seen == [["r1"]]
     assert await _allocations(wide_store) == []
-    assert await wide_store.get_deployment(DEPLOYMENT) is None
+    assert await wide_store.deployments.get_deployment(DEPLOYMENT) is None
 
 
 async def test_a_placement_that_arrives_during_a_sweep_claims_nothing(
@@ -476,7 +476,7 @@ async def test_a_placement_that_arrives_during_a_sweep_claims_nothing(
     gate = await ClaimGate.install(database_url, table="events")
     seen: list[list[str]] = []
     try:
-        sweeping = asyncio.create_task(wide_store.sweep_deployment(
+        sweeping = asyncio.create_task(wide_store.deployments.sweep_deployment(
             DEPLOYMENT, workflow_id="wf-d1", event_for=_swept(seen)))
         await gate.wait_for_waiters(1)  # the row deleted, the sweep not committed
         placing = asyncio.create_task(_place(wide_store, model, "r1"))
@@ -491,4 +491,4 @@ async def test_a_placement_that_arrives_during_a_sweep_claims_nothing(
         await gate.close()
     assert seen == [[]]
     assert await _allocations(wide_store) == []
-    assert await wide_store.list_replicas() == []
+    assert await wide_store.deployments.list_replicas() == []

@@ -33,7 +33,7 @@ from modelkeeper.domain.nodes import (
 )
 from modelkeeper.domain.placement import CantPlace, GpuView, NodeView, PlacementRequest
 from modelkeeper.domain.shards import EngineKind
-from modelkeeper.store import Store, control
+from modelkeeper.store import Store, placement
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -63,19 +63,19 @@ def _gpus(indices: list[int], *, unhealthy: int | None = None) -> list[GpuInfo]:
 
 async def _register(store: Store, node_id: str, inv: Inventory,
                     labels: dict[str, str] | None = None) -> None:
-    await store.register_node(AgentRegistration(node_id=NodeId(node_id), name=node_id,
-                                                 labels=labels or {}, inventory=inv))
+    await store.nodes.register_node(AgentRegistration(node_id=NodeId(node_id), name=node_id,
+                                                       labels=labels or {}, inventory=inv))
 
 
 async def _place(store: Store, n: int, *, node: str, memory_gib: int, gpus: int | None = None,
                  cpu_cores: float | None = None) -> None:
     model = CatalogModel(model_id=ModelId(f"m{n}"), engine=EngineKind.SIM, source="org/m",
                          memory_bytes=memory_gib * GIB, gpus=gpus, cpu_cores=cpu_cores)
-    await store.create_model(model)
+    await store.catalog.create_model(model)
     deployment = DeploymentId(f"d{n}")
-    await store.create_deployment(deployment, DeploymentRequest(model_id=model.model_id),
-                                  f"wf-d{n}")
-    result = await store.place_replica(
+    await store.deployments.create_deployment(
+        deployment, DeploymentRequest(model_id=model.model_id), f"wf-d{n}")
+    result = await store.placement.place_replica(
         deployment_id=deployment, replica_id=ReplicaId(f"r{n}"),
         request=PlacementRequest(model_id=model.model_id, memory_bytes=model.memory_bytes,
                                  gpus=gpus, cpu_cores=cpu_cores, node_ids=[NodeId(node)]),
@@ -107,10 +107,10 @@ async def _fleet(store: Store) -> None:
     await _place(store, 3, node="cpu-a", memory_gib=8, cpu_cores=0.5)
     await _place(store, 4, node="old-agent", memory_gib=4)
     await _place(store, 5, node="draining", memory_gib=16, gpus=2)
-    await store.mark_replica_draining("r5")
-    await store.update_node("draining", NodeUpdate(cordoned=True, cordon_reason="drain"))
-    await store.update_node("gpu-a", NodeUpdate(labels={"zone": "c", "rack": "7"}))
-    await store.mark_node_silent("silent", since=datetime.now(UTC))
+    await store.deployments.mark_replica_draining("r5")
+    await store.nodes.update_node("draining", NodeUpdate(cordoned=True, cordon_reason="drain"))
+    await store.nodes.update_node("gpu-a", NodeUpdate(labels={"zone": "c", "rack": "7"}))
+    await store.nodes.mark_node_silent("silent", since=datetime.now(UTC))
 
 
 @pytest.mark.parametrize("later_s", [0.0, UNREACHABLE_AFTER_S + 1, LOST_AFTER_S + 1],
@@ -119,20 +119,20 @@ async def test_view_from_the_row_is_the_view_through_the_record(store: Store,
                                                                 later_s: float) -> None:
     await _fleet(store)
     now = datetime.now(UTC) + timedelta(seconds=later_s)
-    expected = [_through_record(r, now) for r in await store.list_nodes()]
+    expected = [_through_record(r, now) for r in await store.nodes.list_nodes()]
 
     def from_rows(rows: list[Any]) -> list[NodeView]:
         # A fresh cache: every view is built from its row here.
-        return control._NodeViews().of(rows, now, unreachable_after_s=UNREACHABLE_AFTER_S,
+        return placement._NodeViews().of(rows, now, unreachable_after_s=UNREACHABLE_AFTER_S,
                                        lost_after_s=LOST_AFTER_S, every_node=True)
 
     # Through the store's own method (by name), and placement's two reads.
-    assert await store.list_node_views(now, unreachable_after_s=UNREACHABLE_AFTER_S,
-                                       lost_after_s=LOST_AFTER_S) == expected
+    assert await store.placement.list_node_views(now, unreachable_after_s=UNREACHABLE_AFTER_S,
+                                                 lost_after_s=LOST_AFTER_S) == expected
     by_id = sorted(expected, key=lambda v: v.node_id)
     assert from_rows(await store._pool.fetch(
-        control._PLACEMENT_NODE_SELECT + " ORDER BY n.node_id")) == by_id
-    rows = await store._pool.fetch(control._PLACEMENT_NODES_BY_ID + " ORDER BY n.node_id",
+        placement._PLACEMENT_NODE_SELECT + " ORDER BY n.node_id")) == by_id
+    rows = await store._pool.fetch(placement._PLACEMENT_NODES_BY_ID + " ORDER BY n.node_id",
                                    ["gpu-a", "draining", "cpu-a", "gone"])
     assert from_rows(rows) == [v for v in by_id if v.node_id in {"gpu-a", "draining", "cpu-a"}]
     # The fleet has the shapes the docstring names, so the comparison above covers them.
@@ -155,11 +155,11 @@ async def test_a_view_is_reused_only_while_its_node_is_unchanged(store: Store) -
     from scratch, after a heartbeat that moves only what placement does not read; and a
     new one after each change it does read: a claim, labels, a state, a removal."""
     await _fleet(store)
-    views = control._NodeViews()
+    views = placement._NodeViews()
 
     async def read(at: datetime) -> dict[str, NodeView]:
-        rows = await store._pool.fetch(control._PLACEMENT_NODE_SELECT + " ORDER BY n.node_id")
-        fresh = control._NodeViews().of(rows, at, unreachable_after_s=UNREACHABLE_AFTER_S,
+        rows = await store._pool.fetch(placement._PLACEMENT_NODE_SELECT + " ORDER BY n.node_id")
+        fresh = placement._NodeViews().of(rows, at, unreachable_after_s=UNREACHABLE_AFTER_S,
                                         lost_after_s=LOST_AFTER_S, every_node=True)
         kept = views.of(rows, at, unreachable_after_s=UNREACHABLE_AFTER_S,
                         lost_after_s=LOST_AFTER_S, every_node=True)
@@ -169,15 +169,15 @@ async def test_a_view_is_reused_only_while_its_node_is_unchanged(store: Store) -
     now = datetime.now(UTC)
     first = await read(now)
     # A heartbeat: last_seen and the memory available move, nothing placement reads.
-    await store.heartbeat_node("cpu-a", Inventory(
+    await store.nodes.heartbeat_node("cpu-a", Inventory(
         memory_total_bytes=64 * GIB, memory_available_bytes=59 * GIB, cpu_count=16),
         UNREACHABLE_AFTER_S)
     second = await read(now)
     assert all(second[n] is first[n] for n in first)
     # A claim, labels, a state: each node that changed gets a new view, the others not.
     await _place(store, 6, node="cpu-a", memory_gib=1)
-    await store.update_node("gpu-b", NodeUpdate(labels={"zone": "d"}))
-    await store.update_node("silent", NodeUpdate(cordoned=True))
+    await store.nodes.update_node("gpu-b", NodeUpdate(labels={"zone": "d"}))
+    await store.nodes.update_node("silent", NodeUpdate(cordoned=True))
     third = await read(now)
     changed = {n for n in first if third[n] is not second[n]}
     assert changed == {"cpu-a", "gpu-b", "silent"}

@@ -72,12 +72,12 @@ def test_migration_files_are_consecutive(tmp_path) -> None:  # type: ignore[no-u
 
 
 async def test_events_are_append_only(store: Store) -> None:
-    event = await store.record_event(
+    event = await store.events.record_event(
         NewEvent(kind="deployment.created", message="created", deployment_id=DeploymentId("d1"),
                  data={"replicas": 2})
     )
-    await store.record_event(NewEvent(kind="other", message="other"))
-    events = await store.list_events(deployment_id="d1")
+    await store.events.record_event(NewEvent(kind="other", message="other"))
+    events = await store.events.list_events(deployment_id="d1")
     assert [e.event_id for e in events] == [event.event_id]
     assert events[0].data == {"replicas": 2}
     with pytest.raises(asyncpg.RaiseError, match="append-only"):
@@ -86,7 +86,7 @@ async def test_events_are_append_only(store: Store) -> None:
 
 async def test_each_test_gets_a_fresh_database(store: Store) -> None:
     # If databases leaked between tests, the event above would be visible here.
-    assert await store.list_events() == []
+    assert await store.events.list_events() == []
 
 
 # -- the authenticated heartbeat ----------------------------------------------------------
@@ -113,18 +113,18 @@ async def _two_nodes_one_with_claims(store: Store) -> list[ReplicaId]:
     """Node a (credential CREDENTIAL) holding two replicas' claims, node b (credential
     OTHER_CREDENTIAL) none, node c no credential at all; the replicas a holds."""
     for node_id, credential in (("a", CREDENTIAL), ("b", OTHER_CREDENTIAL), ("c", None)):
-        await store.register_node(
+        await store.nodes.register_node(
             AgentRegistration(node_id=NodeId(node_id), name=node_id,
                               inventory=_inventory(8 if node_id == "a" else 1)),
             credential_sha256=None if credential is None else credential_digest(credential))
     model = CatalogModel(model_id=ModelId("m"), engine=EngineKind.SIM, source="org/model",
                          memory_bytes=2 * GIB)
-    await store.create_model(model)
-    await store.create_deployment(DeploymentId("d1"), DeploymentRequest(model_id=model.model_id),
-                                  "wf-d1")
+    await store.catalog.create_model(model)
+    await store.deployments.create_deployment(
+        DeploymentId("d1"), DeploymentRequest(model_id=model.model_id), "wf-d1")
     placed = []
     for replica_id in ("d1-r2", "d1-r1"):  # only a has room for them
-        shards = await store.place_replica(
+        shards = await store.placement.place_replica(
             deployment_id=DeploymentId("d1"), replica_id=ReplicaId(replica_id),
             request=PlacementRequest(model_id=model.model_id, memory_bytes=2 * GIB),
             model=model, now=datetime.now(UTC), unreachable_after_s=UNREACHABLE_AFTER_S,
@@ -143,10 +143,10 @@ async def _two_nodes_one_with_claims(store: Store) -> list[ReplicaId]:
 async def test_an_authenticated_heartbeat_with_a_wrong_credential_writes_nothing(
         store: Store, node_id: str, credential: str) -> None:
     await _two_nodes_one_with_claims(store)
-    await store.mark_node_silent("a", since=datetime.now(UTC) - timedelta(seconds=5))
+    await store.nodes.mark_node_silent("a", since=datetime.now(UTC) - timedelta(seconds=5))
     before = {n: await _node_row(store, n) for n in ("a", "b", "c")}
     await asyncio.sleep(0.01)  # so that a write of last_seen = now() would show
-    assert await store.authenticated_heartbeat(
+    assert await store.nodes.authenticated_heartbeat(
         node_id, credential_digest(credential), _inventory(64), UNREACHABLE_AFTER_S) is None
     assert {n: await _node_row(store, n) for n in ("a", "b", "c")} == before
     assert before["a"]["credential_confirmed_at"] is None  # not confirmed either
@@ -156,10 +156,10 @@ async def test_an_authenticated_heartbeat_writes_confirms_and_answers_the_claims
         store: Store) -> None:
     claimed = await _two_nodes_one_with_claims(store)
     silent_at = datetime.now(UTC) - timedelta(seconds=5)
-    await store.mark_node_silent("a", since=silent_at)
+    await store.nodes.mark_node_silent("a", since=silent_at)
     before = await _node_row(store, "a")
 
-    recorded = await store.authenticated_heartbeat(
+    recorded = await store.nodes.authenticated_heartbeat(
         "a", credential_digest(CREDENTIAL), _inventory(16), UNREACHABLE_AFTER_S,
         received_at=datetime.now(UTC))
     assert isinstance(recorded, HeartbeatRecorded)
@@ -170,11 +170,11 @@ async def test_an_authenticated_heartbeat_writes_confirms_and_answers_the_claims
     assert after["last_seen"] > before["last_seen"]
     assert after["silent_since"] is None
     assert after["credential_confirmed_at"] is not None
-    auth = await store.node_auth("a")
+    auth = await store.nodes.node_auth("a")
     assert auth is not None and auth.credential_confirmed
 
     # The same report again: nothing placement uses changed; the confirmation keeps its time.
-    again = await store.authenticated_heartbeat(
+    again = await store.nodes.authenticated_heartbeat(
         "a", credential_digest(CREDENTIAL), _inventory(16), UNREACHABLE_AFTER_S)
     assert again is not None and not again.changed
     assert sorted(again.claimed_replica_ids) == sorted(claimed)
@@ -182,8 +182,8 @@ async def test_an_authenticated_heartbeat_writes_confirms_and_answers_the_claims
     assert confirmed_at == after["credential_confirmed_at"]
 
     # A node with no claims answers none; the answer is what replicas_on_node reads.
-    other = await store.authenticated_heartbeat(
+    other = await store.nodes.authenticated_heartbeat(
         "b", credential_digest(OTHER_CREDENTIAL), _inventory(1), UNREACHABLE_AFTER_S)
     assert other == HeartbeatRecorded(changed=False, claimed_replica_ids=[])
-    on_a = await store.replicas_on_node("a")
+    on_a = await store.nodes.replicas_on_node("a")
     assert sorted(r for rs in on_a.values() for r in rs) == sorted(recorded.claimed_replica_ids)

@@ -73,7 +73,7 @@ def _attempt(activity_id: str, *, run_id: str = "run-1") -> ActivityEnvironment:
 
 
 async def _node(store: Store, node_id: str, memory_gib: int = 64) -> None:
-    await store.register_node(AgentRegistration(
+    await store.nodes.register_node(AgentRegistration(
         node_id=NodeId(node_id), name=node_id,
         inventory=Inventory(memory_total_bytes=memory_gib * GIB,
                             memory_available_bytes=memory_gib * GIB, cpu_count=16)))
@@ -84,11 +84,11 @@ async def _deployment(store: Store, deployment_id: str,
     """A deployment of its own model (one deployment per model), showing ``status``."""
     model = CatalogModel(model_id=ModelId(f"m-{deployment_id}"), engine=EngineKind.SIM,
                          source="sim", memory_bytes=GIB)
-    await store.create_model(model)
-    await store.create_deployment(DeploymentId(deployment_id),
-                                  DeploymentRequest(model_id=model.model_id),
-                                  deployment_workflow_id(DeploymentId(deployment_id)))
-    await store.record_deployment_status(_status(deployment_id, status))
+    await store.catalog.create_model(model)
+    await store.deployments.create_deployment(DeploymentId(deployment_id),
+                                              DeploymentRequest(model_id=model.model_id),
+                                              deployment_workflow_id(DeploymentId(deployment_id)))
+    await store.deployments.record_deployment_status(_status(deployment_id, status))
     return DeploymentSpec(deployment_id=DeploymentId(deployment_id), model_id=model.model_id,
                           replicas=1)
 
@@ -143,7 +143,7 @@ async def test_a_retried_release_replica_still_signals_the_waiting_deployments(
 
     # The first attempt deleted the row and failed before it signalled (its worker died,
     # or the Temporal call failed): the retry finds no row to delete.
-    assert await store.release_replica("r1")
+    assert await store.deployments.release_replica("r1")
     await _attempt("2").run(acts.release_replica, ReleaseReplicaInput(replica_id=ReplicaId("r1")))
 
     assert [await _nodes_changed_signals(client, d) for d in (cant, degraded, serving)] == \
@@ -178,7 +178,7 @@ async def test_retried_activities_append_each_event_once(store: Store) -> None:
     for _ in range(2):
         await _attempt("4").run(acts.delete_deployment,
                                 DeleteDeploymentInput(deployment_id=spec.deployment_id))
-    kinds = [e.kind for e in await store.list_events(deployment_id="d1")]
+    kinds = [e.kind for e in await store.events.list_events(deployment_id="d1")]
     assert kinds == ["probe", "replica.placed", "deployment.starting", "deployment.deleted"]
     # A retry answers with the entry the first attempt appended.
     assert retried == first
@@ -188,7 +188,7 @@ async def test_retried_activities_append_each_event_once(store: Store) -> None:
     probe = NewEvent(kind="probe", message="again", deployment_id=spec.deployment_id)
     await _attempt("5").run(acts.record_event, probe)
     await _attempt("1", run_id="run-2").run(acts.record_event, probe)
-    assert [e.kind for e in await store.list_events(deployment_id="d1")].count("probe") == 3
+    assert [e.kind for e in await store.events.list_events(deployment_id="d1")].count("probe") == 3
 
 
 # -- place_replica: the settling gate -----------------------------------------------------
@@ -226,7 +226,7 @@ async def test_placement_waits_until_the_settling_window_ends(store: Store) -> N
     clock.now = 1009.95
     delay = (await _settling_refusal(acts, _place(spec, "r1"))).next_retry_delay
     assert delay is not None and delay.total_seconds() == pytest.approx(0.05)
-    assert await store.list_replicas() == []  # nothing was claimed while settling
+    assert await store.deployments.list_replicas() == []  # nothing was claimed while settling
 
     clock.now = 1010.0
     result = await _attempt("1").run(acts.place_replica, _place(spec, "r1"))
@@ -278,7 +278,7 @@ async def test_watch_for_room_claims_nothing_and_answers_once_the_replica_would_
     """A cordon lifted in the store, with no signal to anyone: the watch's next dry run
     finds the node, and none of its dry runs took a lock or claimed anything."""
     await _node(store, "n1")
-    await store.update_node("n1", NodeUpdate(cordoned=True, cordon_reason="maintenance"))
+    await store.nodes.update_node("n1", NodeUpdate(cordoned=True, cordon_reason="maintenance"))
     spec = await _deployment(store, "d1", DeploymentStatus.CANT_PLACE)
     acts = _activities(store)
     env = _attempt("watch")
@@ -292,11 +292,11 @@ async def test_watch_for_room_claims_nothing_and_answers_once_the_replica_would_
 
     await asyncio.wait_for(refused(2), 10)  # two dry runs found no room
     assert not watch.done()
-    await store.update_node("n1", NodeUpdate(cordoned=False))
+    await store.nodes.update_node("n1", NodeUpdate(cordoned=False))
     found = await asyncio.wait_for(watch, 10)
     assert found.nodes == ["n1"] and found.checks >= 3
-    assert await store.list_replicas() == []
-    [node] = await store.list_nodes()
+    assert await store.deployments.list_replicas() == []
+    [node] = await store.nodes.list_nodes()
     assert node.memory_claimed_bytes == 0
     # What it found is still there for place_replica to claim.
     assert (await _attempt("place").run(acts.place_replica, _place(spec, "d1-r1"))).shards
@@ -318,7 +318,7 @@ async def test_a_retried_watch_for_room_goes_on_with_its_schedule(store: Store) 
 
 async def test_a_cancelled_watch_for_room_ends_while_it_waits(store: Store) -> None:
     await _node(store, "n1")
-    await store.update_node("n1", NodeUpdate(cordoned=True))
+    await store.nodes.update_node("n1", NodeUpdate(cordoned=True))
     spec = await _deployment(store, "d1", DeploymentStatus.CANT_PLACE)
     env = _attempt("watch")
     beats: list[int] = []

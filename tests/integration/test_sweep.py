@@ -97,9 +97,9 @@ async def _deploy_with_a_claim(api: httpx.AsyncClient, store: Store, model_id: s
     created = await api.post("/deployments", json={"model_id": model_id})
     assert created.status_code == 201, created.text
     deployment_id = DeploymentId(created.json()["deployment_id"])
-    catalog = await store.get_model(model_id)
+    catalog = await store.catalog.get_model(model_id)
     assert catalog is not None
-    shards = await store.place_replica(
+    shards = await store.placement.place_replica(
         deployment_id=deployment_id, replica_id=ReplicaId(f"r-{model_id}"),
         request=PlacementRequest(model_id=catalog.model_id, memory_bytes=GIB),
         model=catalog, now=datetime.now(UTC), unreachable_after_s=600.0,
@@ -134,7 +134,7 @@ async def test_a_terminated_deployment_is_swept_and_others_are_kept(
         app: FastAPI, api: httpx.AsyncClient, database_url: str) -> None:
     store: Store = app.state.store
     client: Client = app.state.temporal
-    await store.register_node(AgentRegistration(
+    await store.nodes.register_node(AgentRegistration(
         node_id=NodeId("n1"), name="n1",
         inventory=Inventory(memory_total_bytes=8 * GIB, memory_available_bytes=8 * GIB,
                             cpu_count=8)))
@@ -145,8 +145,8 @@ async def test_a_terminated_deployment_is_swept_and_others_are_kept(
                                             "source": "sim", "memory_bytes": GIB})
             ).status_code == 201
     fresh = DeploymentId("d-fresh")
-    await store.create_deployment(fresh, DeploymentRequest(model_id=ModelId("sim-fresh")),
-                                  deployment_workflow_id(fresh))
+    await store.deployments.create_deployment(
+        fresh, DeploymentRequest(model_id=ModelId("sim-fresh")), deployment_workflow_id(fresh))
     await _terminate(client, terminated)
     await _backdate(database_url, terminated, running)
     before = (await api.get("/nodes/n1")).json()["memory_claimed_bytes"]
@@ -167,7 +167,7 @@ async def test_a_terminated_deployment_is_swept_and_others_are_kept(
     assert "is closed: terminated" in event.message and "claims on n1" in event.message
     assert (await api.get(f"/deployments/{terminated}")).status_code == 404
     assert await _claims(store, terminated) == []
-    assert [r.replica_id for r in await store.list_replicas()] == ["r-sim-running"]
+    assert [r.replica_id for r in await store.deployments.list_replicas()] == ["r-sim-running"]
     assert (await api.get("/nodes/n1")).json()["memory_claimed_bytes"] == GIB
     events = (await api.get("/events", params={"deployment_id": terminated})).json()
     # The system's entries: the operator's deploy is recorded too, with its actor.
@@ -187,7 +187,7 @@ async def test_a_terminated_deployment_is_swept_and_others_are_kept(
     [gone] = await sweep_once(store, client)
     assert (gone.deployment_id, gone.data["workflow"]) == (fresh, "not found")
     assert "no workflow" in gone.message and "holding no claims" in gone.message
-    assert [d.deployment_id for d in await store.list_deployments()] == [running]
+    assert [d.deployment_id for d in await store.deployments.list_deployments()] == [running]
 
 
 async def test_the_control_worker_sweeps_in_the_background(
@@ -195,7 +195,7 @@ async def test_the_control_worker_sweeps_in_the_background(
     """The wiring: the worker sweeps as it starts, not only after its first interval."""
     store: Store = app.state.store
     client: Client = app.state.temporal
-    await store.register_node(AgentRegistration(
+    await store.nodes.register_node(AgentRegistration(
         node_id=NodeId("n1"), name="n1",
         inventory=Inventory(memory_total_bytes=8 * GIB, memory_available_bytes=8 * GIB,
                             cpu_count=8)))
@@ -210,12 +210,12 @@ async def test_the_control_worker_sweeps_in_the_background(
                  temporal_namespace=client.namespace, sweep_interval_s=3600), stop))
     try:
         for _ in range(200):
-            if await store.get_deployment(terminated) is None:
+            if await store.deployments.get_deployment(terminated) is None:
                 break
             await asyncio.sleep(0.1)
-        assert await store.get_deployment(terminated) is None
+        assert await store.deployments.get_deployment(terminated) is None
         assert await _claims(store, terminated) == []
-        assert [e.kind for e in await store.list_events(deployment_id=terminated)
+        assert [e.kind for e in await store.events.list_events(deployment_id=terminated)
                 if e.actor is None] == ["deployment.swept"]
     finally:
         stop.set()

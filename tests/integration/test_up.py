@@ -167,8 +167,8 @@ def test_up_serves_persists_and_stops_cleanly(up: Up) -> None:
     async def write_then_read(write: bool) -> list[str]:
         async with await Store.connect(dsn) as store:
             if write:
-                await store.record_event(NewEvent(kind="probe", message="kept"))
-            return [e.message for e in await store.list_events() if e.kind == "probe"]
+                await store.events.record_event(NewEvent(kind="probe", message="kept"))
+            return [e.message for e in await store.events.list_events() if e.kind == "probe"]
 
     assert asyncio.run(write_then_read(True)) == ["kept"]
 

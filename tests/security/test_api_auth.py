@@ -99,7 +99,7 @@ async def secured(local_temporal_env: WorkflowEnvironment,
     async with app.router.lifespan_context(app), httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://localhost") as http:
         store: Store = app.state.store
-        tokens = TokensStore.of(store)
+        tokens = store.tokens
         admin_record, admin = await tokens.create_token("alice", OperatorRole.ADMIN)
         _, viewer = await tokens.create_token("victor", OperatorRole.VIEWER)
         yield Secured(app, http, store, tokens, admin, admin_record, viewer)
@@ -120,13 +120,13 @@ async def test_every_operator_route_refuses_a_request_without_a_valid_token(
     print(f"\nno valid token: {len(refused)} tried, {len(refused)} refused (401), "
           f"{len(calls)} operator routes")
     assert (await secured.http.get("/healthz")).status_code in (200, 503)
-    assert await secured.store.list_events() == []  # nothing got through to record
+    assert await secured.store.events.list_events() == []  # nothing got through to record
 
 
 async def test_a_viewer_reads_but_every_write_is_refused(secured: Secured) -> None:
     assert (await secured.http.post("/models", json=SIM, headers={
         "Authorization": f"Bearer {secured.admin}"})).status_code == 201
-    before = await secured.store.list_events()
+    before = await secured.store.events.list_events()
     reads = writes = 0
     for method, path in operator_calls(secured.app):
         resp = await send(secured.http, method, path, secured.viewer)
@@ -145,7 +145,7 @@ async def test_a_viewer_reads_but_every_write_is_refused(secured: Secured) -> No
     viewer = {"Authorization": f"Bearer {secured.viewer}"}
     assert [m["model_id"] for m in
             (await secured.http.get("/models", headers=viewer)).json()] == ["sim-a"]
-    assert await secured.store.list_events() == before
+    assert await secured.store.events.list_events() == before
 
 
 async def test_an_admin_passes_every_route(secured: Secured) -> None:
@@ -186,7 +186,7 @@ async def test_a_hostile_host_header_is_refused_on_every_router(
         assert resp.status_code == 400, (method, path, resp.text)
         assert repr(host) in resp.json()["detail"], resp.text
         assert "MODELKEEPER_API_ALLOWED_HOSTS" in resp.json()["detail"]
-    assert await secured.store.list_models() == []
+    assert await secured.store.catalog.list_models() == []
 
 
 @pytest.mark.parametrize("host", [
@@ -264,7 +264,7 @@ async def test_a_token_is_stored_hashed_and_found_by_its_hash(
 async def test_each_change_records_its_actor(secured: Secured) -> None:
     admin = {"Authorization": f"Bearer {secured.admin}"}
     http = secured.http
-    await secured.store.register_node(AgentRegistration(
+    await secured.store.nodes.register_node(AgentRegistration(
         node_id=NodeId("n1"), name="n1",
         inventory=Inventory(memory_total_bytes=8 * GIB, memory_available_bytes=8 * GIB,
                             cpu_count=8)))
@@ -295,7 +295,7 @@ async def test_each_change_records_its_actor(secured: Secured) -> None:
         ("operation.cancel_requested", deployment, None),
         ("deployment.delete_requested", deployment, None)]
     assert {e["actor"] for e in events} == {"alice"}
-    assert (await secured.store.list_events())[-1].actor == "alice"
+    assert (await secured.store.events.list_events())[-1].actor == "alice"
 
 
 def test_the_roles_decide_by_method_alone() -> None:

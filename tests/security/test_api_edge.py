@@ -35,7 +35,6 @@ from modelkeeper.infra.http_server import MAX_HEADER_BYTES
 from modelkeeper.infra.processes import free_port
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
-from modelkeeper.store.tokens import TokensStore
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -97,8 +96,8 @@ async def edge(local_temporal_env: WorkflowEnvironment,
     app = create_app(settings)
     async with served(app, settings) as url:
         store: Store = app.state.store
-        _, admin = await TokensStore.of(store).create_token("alice", OperatorRole.ADMIN)
-        _, viewer = await TokensStore.of(store).create_token("victor", OperatorRole.VIEWER)
+        _, admin = await store.tokens.create_token("alice", OperatorRole.ADMIN)
+        _, viewer = await store.tokens.create_token("victor", OperatorRole.VIEWER)
         async with httpx.AsyncClient(base_url=url) as http:
             resp = await http.post("/nodes/register", json=registration("n-edge"))
         assert resp.status_code == 200, resp.text
@@ -189,7 +188,7 @@ async def test_an_oversized_body_is_refused_before_it_is_sent(edge: Edge,
             assert str(MAX_BODY_BYTES) in answer.json()["detail"][0]["msg"], answer
     print("\n" + "\n".join(answered))
     # Nothing that was refused got through to be recorded.
-    assert [e.kind for e in await edge.store.list_events()] == ["node.registered"]
+    assert [e.kind for e in await edge.store.events.list_events()] == ["node.registered"]
 
 
 # -- finding 7: deadlines and the header cap ----------------------------------------------
@@ -308,7 +307,7 @@ async def test_nul_and_lone_surrogates_are_a_422_naming_where_they_are(edge: Edg
             assert error["loc"] == loc, (path, error)
             assert error["type"] == "string_unstorable", error
             assert ".".join(str(part) for part in loc[:2]) in error["msg"], error
-    assert [e.kind for e in await edge.store.list_events()] == ["node.registered"]
+    assert [e.kind for e in await edge.store.events.list_events()] == ["node.registered"]
 
 
 # -- forwarded headers ---------------------------------------------------------------------
@@ -319,5 +318,5 @@ async def test_x_forwarded_for_from_loopback_does_not_change_the_peer(edge: Edge
         resp = await http.post("/nodes/register", json=registration("n-fwd"),
                                headers={"X-Forwarded-For": "203.0.113.7"})
     assert resp.status_code == 200, resp.text
-    [event] = [e for e in await edge.store.list_events() if e.node_id == "n-fwd"]
+    [event] = [e for e in await edge.store.events.list_events() if e.node_id == "n-fwd"]
     assert event.data["peer"] == "127.0.0.1", event.data

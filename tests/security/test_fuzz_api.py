@@ -30,7 +30,6 @@ from modelkeeper.domain.operators import OperatorRole
 from modelkeeper.infra.processes import free_port
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
-from modelkeeper.store.tokens import TokensStore
 from worker.main import run_worker
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -60,7 +59,7 @@ async def served_api(local_temporal_env: WorkflowEnvironment,
         stack.push_async_callback(_stopped, worker, stop)
         url = await stack.enter_async_context(served(app, settings))
         store: Store = app.state.store
-        _, token = await TokensStore.of(store).create_token("fuzz", OperatorRole.ADMIN)
+        _, token = await store.tokens.create_token("fuzz", OperatorRole.ADMIN)
         yield url, token
 
 

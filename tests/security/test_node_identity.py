@@ -91,7 +91,7 @@ async def test_a_second_registration_cannot_take_over_a_node_before_its_first_ca
     async with node_api(local_temporal_env, database_url) as api:
         real = await api.join("n-victim")  # its first heartbeat is still on its way
         before = await node_row(db, "n-victim")
-        events = len(await api.store.list_events())
+        events = len(await api.store.events.list_events())
         # The fuzzer's attempt: the join token alone (every node has it), no credential.
         taken = await api.http.post("/nodes/register", json=registration("n-victim"),
                                     headers=bearer(JOIN_TOKEN))
@@ -100,7 +100,7 @@ async def test_a_second_registration_cannot_take_over_a_node_before_its_first_ca
         assert "none was presented" in detail
         assert "modelkeeper nodes rm n-victim" in detail  # what the operator does
         assert await node_row(db, "n-victim") == before  # nothing written
-        assert len(await api.store.list_events()) == events
+        assert len(await api.store.events.list_events()) == events
         # The real node is not locked out: its credential and key are still its own.
         ok = await api.http.post("/nodes/n-victim/heartbeat", json=beat(GIB),
                                  headers=bearer(real["node_credential"]))
@@ -193,7 +193,7 @@ async def test_the_gateway_routes_by_the_epoch_recorded_with_the_endpoint(
                              "VALUES ('r-gw', $1, 'starting')", deployment)
             await db.execute("INSERT INTO allocations (replica_id, node_id, rank, "
                              "memory_bytes) VALUES ('r-gw', 'n-gw', 0, 1)")
-            assert await api.store.record_replica_state(ReplicaStateUpdate(
+            assert await api.store.deployments.record_replica_state(ReplicaStateUpdate(
                 replica_id=ReplicaId("r-gw"), state=ReplicaState.READY,
                 endpoint=sim.url)) is None
             epoch = await db.fetchval("SELECT endpoint_node_epoch FROM replicas")

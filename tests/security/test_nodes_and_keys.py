@@ -205,7 +205,7 @@ async def test_a_node_cannot_speak_for_another(
         assert (await api.http.post("/nodes/n-b/heartbeat", json=beat(8 * GIB),
                                     headers=bearer(cred_b))).status_code == 200
         before = await node_row(db, "n-b")
-        events_before = len(await api.store.list_events())
+        events_before = len(await api.store.events.list_events())
 
         tally.refusal("heartbeat as B with A's credential", await api.http.post(
             "/nodes/n-b/heartbeat", json=beat(0), headers=bearer(cred_a)), 403)
@@ -232,7 +232,7 @@ async def test_a_node_cannot_speak_for_another(
             tally.lost.append(f"B's row changed: {before} -> {after}")
         if api.app.state.liveness.state(NodeId("n-b")) is not None:
             tally.lost.append("a liveness stream was opened for B")
-        if len(await api.store.list_events()) != events_before:
+        if len(await api.store.events.list_events()) != events_before:
             tally.lost.append("a refused attempt recorded an event")
         # B itself still gets through, and keeps its credential and its key.
         assert (await api.http.post("/nodes/n-b/heartbeat", json=beat(8 * GIB),
@@ -291,7 +291,7 @@ async def test_a_heartbeat_whose_node_authenticates_at_the_second_look_is_record
     # send it again (503), not that it is unknown.
     async with node_api(local_temporal_env, database_url) as api:
         credential = (await api.join("n-late"))["node_credential"]
-        real = api.store.authenticated_heartbeat
+        real = api.store.nodes.authenticated_heartbeat
         calls: list[tuple[Any, ...]] = []
 
         async def missed_once(*args: Any, **kwargs: Any) -> HeartbeatRecorded | None:
@@ -300,7 +300,7 @@ async def test_a_heartbeat_whose_node_authenticates_at_the_second_look_is_record
                 return None
             return await real(*args, **kwargs)
 
-        monkeypatch.setattr(api.store, "authenticated_heartbeat", missed_once)
+        monkeypatch.setattr(api.store.nodes, "authenticated_heartbeat", missed_once)
         resp = await api.http.post("/nodes/n-late/heartbeat", json=beat(16 * GIB),
                                    headers=bearer(credential))
         assert resp.status_code == 200, resp.text
@@ -313,7 +313,7 @@ async def test_a_heartbeat_whose_node_authenticates_at_the_second_look_is_record
         async def missed(*args: Any, **kwargs: Any) -> None:
             return None
 
-        monkeypatch.setattr(api.store, "authenticated_heartbeat", missed)
+        monkeypatch.setattr(api.store.nodes, "authenticated_heartbeat", missed)
         resp = await api.http.post("/nodes/n-late/heartbeat", json=beat(8 * GIB),
                                    headers=bearer(credential))
         assert resp.status_code == 503 and resp.headers["retry-after"] == "1", resp.text
@@ -437,7 +437,7 @@ async def _replica_on(db: asyncpg.Connection, node_id: str, replica_id: str) -> 
 async def test_an_endpoint_off_the_nodes_address_or_ports_is_refused_recorded_and_not_routed(
         store: Store, database_url: str, db: asyncpg.Connection) -> None:
     tally = Tally()
-    await store.register_node(AgentRegistration(**{
+    await store.nodes.register_node(AgentRegistration(**{
         **registration("n-ep"), "engine_ports": PORTS}), address="10.0.0.5")
     await _replica_on(db, "n-ep", "r-ep")
     acts = StoreActivities(store, Settings(database_url=database_url))
@@ -466,7 +466,8 @@ async def test_an_endpoint_off_the_nodes_address_or_ports_is_refused_recorded_an
                 tally.refused += 1
             else:
                 tally.lost.append(f"{hostile}: stored {endpoint} ({node}), routed {routed}")
-        refusals = [e for e in await store.list_events() if e.kind == "replica.endpoint_refused"]
+        refusals = [e for e in await store.events.list_events()
+                    if e.kind == "replica.endpoint_refused"]
         assert len(refusals) == tally.tried
         assert all(e.replica_id == "r-ep" and e.node_id == "n-ep" and e.deployment_id == "d-ep"
                    for e in refusals)
@@ -475,7 +476,7 @@ async def test_an_endpoint_off_the_nodes_address_or_ports_is_refused_recorded_an
         # A state change without an endpoint keeps what was accepted.
         assert await attempt("http://10.0.0.5:20004") == (
             "http://10.0.0.5:20004", "n-ep", ["http://10.0.0.5:20004"])
-        await store.record_replica_state(ReplicaStateUpdate(
+        await store.deployments.record_replica_state(ReplicaStateUpdate(
             replica_id=ReplicaId("r-ep"), state=ReplicaState.READY))
         row = await db.fetchrow("SELECT endpoint, endpoint_node_id FROM replicas")
         assert (row["endpoint"], row["endpoint_node_id"]) == ("http://10.0.0.5:20004", "n-ep")
@@ -698,7 +699,7 @@ async def test_an_operator_removes_a_node(
         assert forced.json()["replicas"] == {"d-ep": ["r-busy"]}
         assert await node_row(db, "n-busy") is None
         assert await db.fetchval("SELECT count(*) FROM allocations") == 0
-        kinds = [e.kind for e in await api.store.list_events()]
+        kinds = [e.kind for e in await api.store.events.list_events()]
         assert kinds.count("node.removed") == 2
         # Its credential died with it; its agent joins again as a new node.
         assert (await api.http.post("/nodes/n-busy/heartbeat", json=beat(GIB), headers=bearer(

@@ -16,7 +16,6 @@ from cli.stack import LOCAL_ADMIN, ensure_operator_token, local_operator_name
 from modelkeeper.domain.operators import OperatorRole
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
-from modelkeeper.store.tokens import TokensStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,7 +45,7 @@ async def test_tokens_are_created_listed_and_revoked_from_the_cli(
     token, note = out.splitlines()
     assert token.startswith("mko-") and len(token) == 4 + 43
     assert "shown this once" in note and "viewer" in note
-    record = await TokensStore.of(store).authenticate(token)
+    record = await store.tokens.authenticate(token)
     assert record is not None and (record.name, record.role) == ("ci-bot", OperatorRole.VIEWER)
 
     code, out, _ = await run_cli(capsys, "tokens", "ls")
@@ -56,7 +55,7 @@ async def test_tokens_are_created_listed_and_revoked_from_the_cli(
     code, out, _ = await run_cli(capsys, "tokens", "revoke", token[:12])
     assert code == 0 and out.strip() == (
         f"revoked {record.token_id} (ci-bot, viewer, {token[:12]}…)")
-    assert await TokensStore.of(store).authenticate(token) is None
+    assert await store.tokens.authenticate(token) is None
 
     code, out, err = await run_cli(capsys, "tokens", "revoke", token[:12])
     assert code == 2 and out == ""
@@ -74,7 +73,7 @@ async def test_a_bad_token_name_exits_2_with_one_sentence(
     code, _, err = await run_cli(capsys, *argv)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert all(w in err for w in words), err
-    assert await TokensStore.of(store).list_tokens() == []
+    assert await store.tokens.list_tokens() == []
 
 
 def test_a_role_must_be_given_and_known(capsys: pytest.CaptureFixture[str]) -> None:
@@ -139,17 +138,17 @@ async def test_up_makes_an_admin_token_once_and_again_when_revoked(
     path = tmp_path / "operator-token"
     first = await ensure_operator_token(database_url, path, "alice")
     assert path.read_text() == first + "\n" and path.stat().st_mode & 0o777 == 0o600
-    record = await TokensStore.of(store).authenticate(first)
+    record = await store.tokens.authenticate(first)
     assert record is not None and (record.name, record.role) == ("alice", OperatorRole.ADMIN)
     # A restart keeps it.
     assert await ensure_operator_token(database_url, path, "alice") == first
-    assert len(await TokensStore.of(store).list_tokens()) == 1
+    assert len(await store.tokens.list_tokens()) == 1
     # Revoked (or replaced by a viewer's): `up` needs an admin token, so it makes one.
-    await TokensStore.of(store).revoke_tokens(record.token_id)
+    await store.tokens.revoke_tokens(record.token_id)
     second = await ensure_operator_token(database_url, path, "alice")
     assert second != first and path.read_text() == second + "\n"
     assert path.stat().st_mode & 0o777 == 0o600
-    _, viewer = await TokensStore.of(store).create_token("v", OperatorRole.VIEWER)
+    _, viewer = await store.tokens.create_token("v", OperatorRole.VIEWER)
     path.write_text(viewer)
     assert await ensure_operator_token(database_url, path, "alice") not in (viewer, second)
 

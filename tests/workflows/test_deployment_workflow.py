@@ -1425,13 +1425,14 @@ async def test_memory_the_store_shows_without_a_node_change_gets_the_deployment_
     the node's memory is raised in the store by a heartbeat whose nodes_changed signal
     never went out (the API died after writing it). The watch's next dry run sees it, at
     most its cap (10 min, SCALE time) later, and the real place_replica claims it."""
-    await store.register_node(AgentRegistration(
+    await store.nodes.register_node(AgentRegistration(
         node_id=NODE, name="n1", inventory=Inventory(
             memory_total_bytes=8 * GIB, memory_available_bytes=8 * GIB, cpu_count=16)))
-    await store.create_model(CatalogModel(model_id=ModelId("m"), engine=EngineKind.SIM,
-                                          source="sim", memory_bytes=24 * GIB))
-    await store.create_deployment(DeploymentId("d1"), DeploymentRequest(model_id=ModelId("m")),
-                                  deployment_workflow_id(DeploymentId("d1")))
+    await store.catalog.create_model(CatalogModel(model_id=ModelId("m"), engine=EngineKind.SIM,
+                                                  source="sim", memory_bytes=24 * GIB))
+    await store.deployments.create_deployment(
+        DeploymentId("d1"), DeploymentRequest(model_id=ModelId("m")),
+        deployment_workflow_id(DeploymentId("d1")))
     settings = Settings(database_url="postgresql://unused", settling_window_s=0)
     # No Temporal client: release_replica signals nobody, as no API does here.
     acts = StoreActivities(store, settings)
@@ -1447,9 +1448,9 @@ async def test_memory_the_store_shows_without_a_node_change_gets_the_deployment_
                 await asyncio.sleep(0.1)
 
         await asyncio.wait_for(at_its_cap(), 20)
-        assert await store.list_replicas() == []  # the dry runs claimed nothing
+        assert await store.deployments.list_replicas() == []  # the dry runs claimed nothing
         appeared = await time_skipping_env.get_current_time()
-        changed = await store.heartbeat_node(
+        changed = await store.nodes.heartbeat_node(
             NODE, Inventory(memory_total_bytes=64 * GIB, memory_available_bytes=64 * GIB,
                             cpu_count=16), settings.node_unreachable_after_s)
         assert changed  # the API would have signalled nodes_changed; nobody does here
@@ -1457,7 +1458,7 @@ async def test_memory_the_store_shows_without_a_node_change_gets_the_deployment_
         history = await handle.fetch_history()
         [_, placed] = _activities_of(history, "place_replica")
         assert 0 < _scaled_s(appeared, placed) <= 600 + 60  # the cap, and a minute of lag
-        [replica] = await store.list_replicas()
+        [replica] = await store.deployments.list_replicas()
         assert replica.replica_id == "d1-r2" and replica.nodes == ["n1"]
         assert not any(e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
                        for e in history.events)
