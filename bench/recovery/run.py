@@ -4,7 +4,7 @@ Run it from the repository root::
 
     .venv/bin/python -m bench.recovery.run --crashes 20
 
-It starts the whole stack with default settings (:mod:`bench.recovery.fleet`: embedded
+It starts the whole stack with default settings (:mod:`bench.fleet.stack`: embedded
 PostgreSQL, the Temporal dev server, the control worker, the API, the gateway and three
 agents with declared memory), deploys one replica of the sim engine (16 MiB resident,
 ``load_time_s`` 1.0 so the load is visible and constant), and keeps a client sending it
@@ -58,11 +58,11 @@ from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client
 
 from bench.common import code_version, interrupt_on_sigterm, remove_unless_kept, stop_fleet
+from bench.fleet.stack import NAMESPACE, Fleet
 from modelkeeper.domain.units import parse_bytes
 from modelkeeper.names import ACTIVITY_WATCH_SHARD
 
 from .client import SteadyClient, tally
-from .fleet import NAMESPACE, Fleet
 from .report import render, settings_in_force
 
 MODEL = "recovery-sim"

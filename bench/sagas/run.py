@@ -3,7 +3,7 @@ and a kill -9 of the control worker mid-saga, each on a fresh real stack.
 
 Every component is the real one (PostgreSQL, the Temporal dev server, the control worker,
 the API, the gateway, three agents with the sim engine), started by
-:class:`bench.recovery.fleet.Fleet`. Four clients send chat completions through the gateway
+:class:`bench.fleet.stack.Fleet`. Four clients send chat completions through the gateway
 the whole time (open loop, one every ``--pace-ms`` each), and the saga is asked for through
 the API, as an operator would. The harness never places, stops or repairs anything: it
 starts the saga and reads what happened.
@@ -40,8 +40,8 @@ import httpx
 import psutil
 
 from bench.common import code_version
+from bench.fleet.stack import Fleet
 from bench.recovery.client import SteadyClient, tally
-from bench.recovery.fleet import Fleet
 from modelkeeper.infra.processes import signal_group
 
 ROOT = Path(__file__).resolve().parents[2]

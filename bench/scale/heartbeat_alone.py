@@ -49,7 +49,7 @@ from typing import Any
 
 import httpx
 
-from bench.recovery.fleet import (
+from bench.fleet.stack import (
     HOST,
     NAMESPACE,
     SECRET,

@@ -7,9 +7,9 @@ Run it from the repository root::
     .venv/bin/python -m bench.scale.run --sizes 100 --out /tmp/scale
     .venv/bin/python -m bench.scale.run --sizes 1000 --profile worker api --out /tmp/prof
 
-Per size, on a fresh stack (:mod:`bench.scale.fleet`: embedded PostgreSQL, the Temporal dev
+Per size, on a fresh stack (:mod:`bench.fleet.scale`: embedded PostgreSQL, the Temporal dev
 server, the control worker, the API, the gateway, every setting at its default) and one
-agent process that is N simulated nodes (``modelkeeper agent --fleet N``, each declaring
+process that is N simulated nodes (``python -m bench.fleet --fleet N``, each declaring
 ``--node-memory``; the real agent's code per node, sim engines served in-process):
 
 1. **register**: the fleet starts; the time until the API sees all N nodes ready;
@@ -73,11 +73,11 @@ from bench.common import (
     remove_unless_kept,
     stop_fleet,
 )
-from bench.recovery.fleet import HOST, NAMESPACE, FleetError
+from bench.fleet.scale import ScaleError, ScaleFleet
+from bench.fleet.stack import HOST, NAMESPACE, FleetError
 from bench.temporal_cost import metrics
 from bench.temporal_cost.run import per_op, summarise
 
-from .fleet import ScaleError, ScaleFleet
 from .report import draw, readme_table, render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,7 +120,7 @@ DESCRIBE_CONCURRENCY = 16
 KILL_SHARE = 0.10
 #: Affected models asked for one completion through the gateway after the recovery.
 GATEWAY_SAMPLE = 20
-#: Process names weighed and timed (bench/scale/fleet.py component_pids).
+#: Process names weighed and timed (bench/fleet/scale.py component_pids).
 WEIGHED = ("worker", "api", "gateway")
 TIMED = ("postgres", "temporal", "worker", "api", "gateway", "fleet")
 #: The goals (the issue).

@@ -5,7 +5,7 @@ Run it from the repository root::
 
     .venv/bin/python -m bench.temporal_cost.run
 
-For each scenario, on a fresh fleet (:mod:`bench.recovery.fleet`: embedded PostgreSQL, the
+For each scenario, on a fresh fleet (:mod:`bench.fleet.stack`: embedded PostgreSQL, the
 Temporal dev server, the control worker, the API, the gateway and three agents), it deploys
 ``--shards`` sim-engine models of one replica each (16 MiB resident), waits until every
 deployment serves and every replica's watch is running and has heartbeated, then reads the
@@ -59,7 +59,7 @@ from bench.common import (
     remove_unless_kept,
     stop_fleet,
 )
-from bench.recovery.fleet import HOST, NAMESPACE, Fleet
+from bench.fleet.stack import HOST, NAMESPACE, Fleet
 from modelkeeper.names import ACTIVITY_WATCH_SHARD
 from modelkeeper.settings import Settings, env_var_names
 
