@@ -46,6 +46,7 @@ import psutil
 import uvloop
 
 from agent.engines.sim_server import API_KEY_ENV
+from bench.stats import percentile
 from modelkeeper.domain.engine_keys import replica_engine_key
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.launcher.postgres import dsn, start_postgres
@@ -93,12 +94,6 @@ class Target:
                     continue
                 total += times.user + times.system
         return total
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (0-1) of ``values``, nearest rank."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def start(name: str, argv: list[str], env: dict[str, str], logs: Path) -> ManagedProcess:

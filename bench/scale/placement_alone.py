@@ -49,6 +49,7 @@ from typing import Any
 
 import asyncpg
 
+from bench.stats import percentile
 from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.nodes import AgentRegistration, GpuInfo, Inventory, NodeUpdate
@@ -167,10 +168,9 @@ async def _timed(calls: list[Callable[[], Awaitable[Any]]]) -> tuple[list[float]
 
 
 def _stats(times: list[float]) -> str:
-    ms = sorted(t * 1e3 for t in times)
-    p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
-    return (f"p50 {statistics.median(ms):7.1f} ms  p99 {p99:7.1f} ms  "
-            f"max {ms[-1]:7.1f} ms  mean {statistics.fmean(ms):7.1f} ms  (n={len(ms)})")
+    ms = [t * 1e3 for t in times]
+    return (f"p50 {percentile(ms, 0.50):7.1f} ms  p99 {percentile(ms, 0.99):7.1f} ms  "
+            f"max {max(ms):7.1f} ms  mean {statistics.fmean(ms):7.1f} ms  (n={len(ms)})")
 
 
 async def measure(url: str, *, nodes: int, placements: int, seed: int) -> None:

@@ -46,12 +46,10 @@ import argparse
 import asyncio
 import functools
 import json
-import math
 import os
 import platform
 import random
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -66,6 +64,7 @@ import psutil
 import uvloop
 from temporalio.client import Client
 
+from bench import stats
 from bench.common import (
     STEADY_WINDOW_S,
     code_version,
@@ -133,23 +132,6 @@ _TIMING = re.compile(r"^(\S+ \S+) DEBUG modelkeeper\.store\.placement: placement
                      r"replica=(\S+) total_ms=([\d.]+) turn_wait_ms=([\d.]+) "
                      r"pool_wait_ms=([\d.]+) lock_wait_ms=([\d.]+) attempts=(\d+) "
                      r"outcome=(\w+)")
-
-
-def pct(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (nearest rank); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
-
-
-def stats(values: Sequence[float], digits: int = 3) -> dict[str, Any]:
-    """Count, p50, p99 and max of ``values``."""
-    if not values:
-        return {"n": 0}
-    return {"n": len(values), "p50": round(pct(values, 50) or 0, digits),
-            "p99": round(pct(values, 99) or 0, digits), "max": round(max(values), digits),
-            "mean": round(statistics.fmean(values), digits)}
 
 
 async def bounded(calls: Sequence[Callable[[], Awaitable[T]]], limit: int) -> list[T]:
@@ -316,7 +298,7 @@ def placement_timings(log_path: Path, *, since: str | None = None) -> list[dict[
 
 def heartbeat_stats(samples: list[tuple[float, float]], start: float, end: float
                     ) -> dict[str, Any]:
-    return stats([lat for at, lat in samples if start <= at < end])
+    return stats.summary([lat for at, lat in samples if start <= at < end])
 
 
 async def histories(temporal: Client, workflow_ids: Sequence[str]
@@ -365,7 +347,7 @@ async def steady_window(fleet: ScaleFleet, db: asyncpg.Connection, *, size: int,
             "events_per_deployment_hour": round(sum(new_events) / hours, 2),
             "most_new_events": max(new_events, default=0),
             "continued_as_new": continued,
-            "history_length": stats([float(v[1]) for v in after.values()], 0)}
+            "history_length": stats.summary([float(v[1]) for v in after.values()], 0)}
 
 
 async def affected_by(db: asyncpg.Connection, node_ids: Sequence[str]) -> list[str]:
@@ -420,8 +402,8 @@ async def recovery(fleet: ScaleFleet, db: asyncpg.Connection, *, size: int,
             "killed_at": t0, "kill_signal_to_done_s": round(t0 - record["asked"], 3),
             "all_serving_again_s": None if recovered_at is None
             else round(recovered_at - t0, 2),
-            "seen_serving_again_s": stats([v - t0 for v in seen.values()], 2),
-            "replacement_ready_s": stats(by_ready, 2),
+            "seen_serving_again_s": stats.summary([v - t0 for v in seen.values()], 2),
+            "replacement_ready_s": stats.summary(by_ready, 2),
             "affected_ids": affected, "dead_node_ids": dead}
 
 
@@ -536,20 +518,20 @@ async def deploy_and_after(fleet: ScaleFleet, db: asyncpg.Connection,
     samples = fleet.heartbeats()
     result["deploy"] = {
         "post_all_s": round(last_post - first_post, 2),
-        "post_latency_s": stats(post_latencies),
+        "post_latency_s": stats.summary(post_latencies),
         "all_serving_s": all_serving_s, "statuses_at_end": statuses,
-        "post_to_placed_s": stats([t.placed - t.posted for t in times
+        "post_to_placed_s": stats.summary([t.placed - t.posted for t in times
                                    if t.placed is not None], 2),
-        "post_to_ready_s": stats([t.ready - t.posted for t in times
+        "post_to_ready_s": stats.summary([t.ready - t.posted for t in times
                                   if t.ready is not None], 2),
         "placements_per_s": round((len(placed) - 1) / (placed[-1] - placed[0]), 1)
         if len(placed) > 1 and placed[-1] > placed[0] else None,
-        "placement_ms": stats([t["total_ms"] for t in timings], 1),
-        "turn_wait_ms": stats([t["turn_wait_ms"] for t in timings], 1),
-        "transaction_ms": stats([t["total_ms"] - t["turn_wait_ms"] for t in timings], 1),
-        "lock_wait_ms": stats([t["lock_wait_ms"] for t in timings], 1),
-        "pool_wait_ms": stats([t["pool_wait_ms"] for t in timings], 1),
-        "work_ms": stats([t["total_ms"] - t["turn_wait_ms"] - t["lock_wait_ms"]
+        "placement_ms": stats.summary([t["total_ms"] for t in timings], 1),
+        "turn_wait_ms": stats.summary([t["turn_wait_ms"] for t in timings], 1),
+        "transaction_ms": stats.summary([t["total_ms"] - t["turn_wait_ms"] for t in timings], 1),
+        "lock_wait_ms": stats.summary([t["lock_wait_ms"] for t in timings], 1),
+        "pool_wait_ms": stats.summary([t["pool_wait_ms"] for t in timings], 1),
+        "work_ms": stats.summary([t["total_ms"] - t["turn_wait_ms"] - t["lock_wait_ms"]
                           - t["pool_wait_ms"] for t in timings], 1),
         "attempts": {str(k): sum(1 for t in timings if t["attempts"] == k)
                      for k in sorted({t["attempts"] for t in timings})},
@@ -587,10 +569,10 @@ async def deploy_and_after(fleet: ScaleFleet, db: asyncpg.Connection,
     cpu_recovery = cpu.lap()
     replacements = [t for t in placement_timings(log)[timed_before:]
                     if t["outcome"] == "placed"]
-    rec["placement_ms"] = stats([t["total_ms"] for t in replacements], 1)
-    rec["transaction_ms"] = stats([t["total_ms"] - t["turn_wait_ms"]
+    rec["placement_ms"] = stats.summary([t["total_ms"] for t in replacements], 1)
+    rec["transaction_ms"] = stats.summary([t["total_ms"] - t["turn_wait_ms"]
                                    for t in replacements], 1)
-    rec["lock_wait_ms"] = stats([t["lock_wait_ms"] for t in replacements], 1)
+    rec["lock_wait_ms"] = stats.summary([t["lock_wait_ms"] for t in replacements], 1)
     samples = fleet.heartbeats()
     rec_end = rec["killed_at"] + (rec["all_serving_again_s"] or RECOVERY_TIMEOUT_S)
     result["heartbeat"]["recovery"] = heartbeat_stats(samples, rec["killed_at"], rec_end)
@@ -609,8 +591,10 @@ def profile_summary(path: Path, top: int = 25) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     found = []
-    stats_ = pstats.Stats(str(path))
-    entries = stats_.stats  # type: ignore[attr-defined]
+    profile = pstats.Stats(str(path))
+    # Each function's (calls, primitive calls, own time, cumulative time, callers): set by
+    # Stats.load_stats and read by its own printers, but not declared in typeshed's stub.
+    entries = profile.stats  # type: ignore[attr-defined]
     total = sum(tt for (_, _, tt, _, _) in entries.values()) or 1.0
     for (file, line, func), (_, calls, tt, ct, _) in sorted(
             entries.items(), key=lambda kv: kv[1][2], reverse=True)[:top]:
