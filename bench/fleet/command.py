@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from typing import NoReturn
 import uvloop
 
 from agent.main import AgentConfigError
+from bench.common import exit_now
 from modelkeeper.infra.files import private_files
 from modelkeeper.infra.logs import configure_logging
 from modelkeeper.infra.temporal import TemporalConfigError, security_from_settings
@@ -109,9 +109,4 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Entry point of ``python -m bench.fleet``."""
-    code = run(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Exit without interpreter finalization, as `modelkeeper` does: temporalio's runtime
-    # can abort at teardown (sdk-python#300).
-    os._exit(code)
+    exit_now(run(argv))

@@ -23,10 +23,8 @@ import asyncio
 import contextlib
 import itertools
 import json
-import platform
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -37,11 +35,10 @@ from typing import Any
 
 import asyncpg
 import httpx
-import psutil
 
-from bench.common import code_version
 from bench.fleet.stack import Fleet
 from bench.recovery.client import SteadyClient, tally
+from bench.report import run_meta, write_results
 from modelkeeper.infra.processes import signal_group
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -503,16 +500,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         root = Path(tempfile.mkdtemp(prefix=f"mk-sagas-{name}-"))
         results.append(asyncio.run(run_one(name, root)))
         shutil.rmtree(root, ignore_errors=True)
-    meta = {"command": "python -m bench.sagas.run " + " ".join(
-                sys.argv[1:] if argv is None else argv),
-            "date": time.strftime("%Y-%m-%d"), "cores": psutil.cpu_count(),
-            "python": platform.python_version(), "code": code_version()}
+    meta = run_meta("bench.sagas.run", argv)
     markdown = render(results, meta)
     print(markdown)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(markdown)
-    args.out.with_suffix(".json").write_text(json.dumps(
-        {"meta": meta, "scenarios": [r.__dict__ for r in results]}, indent=1) + "\n")
+    write_results(args.out, {"meta": meta, "scenarios": [r.__dict__ for r in results]},
+                  markdown)
     return 0
 
 

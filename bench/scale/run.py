@@ -47,7 +47,6 @@ import asyncio
 import functools
 import json
 import os
-import platform
 import random
 import re
 import sys
@@ -67,13 +66,13 @@ from temporalio.client import Client
 from bench import stats
 from bench.common import (
     STEADY_WINDOW_S,
-    code_version,
     interrupt_on_sigterm,
     remove_unless_kept,
     stop_fleet,
 )
 from bench.fleet.scale import ScaleError, ScaleFleet
 from bench.fleet.stack import HOST, NAMESPACE, FleetError
+from bench.report import run_meta, write_results
 from bench.temporal_cost import metrics
 from bench.temporal_cost.run import per_op, summarise
 
@@ -631,8 +630,7 @@ def write(result: dict[str, Any], out: Path) -> None:
     png = out.with_suffix(".png")
     result["meta"]["png"] = png.name
     draw(result, png)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    out.with_suffix(".md").write_text(render(result))
+    write_results(out, result, render(result))
     if out.resolve() == DEFAULT_OUT.resolve():
         update_readme(readme_table(result))
 
@@ -700,11 +698,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     result = {
         "meta": {
-            "command": "python -m bench.scale.run " + " ".join(
-                sys.argv[1:] if argv is None else argv),
-            "date": time.strftime("%Y-%m-%d"), "cores": psutil.cpu_count(),
+            **run_meta("bench.scale.run", argv),
             "memory_gib": round(psutil.virtual_memory().total / GiB, 1),
-            "python": platform.python_version(), "code": code_version(),
             "node_memory": args.node_memory, "claim_bytes": CLAIM_BYTES,
             "engine_args": ENGINE_ARGS, "post_concurrency": args.post_concurrency,
             "window_s": args.window, "kill_share": KILL_SHARE, "seed": args.seed,
