@@ -167,9 +167,10 @@ def _check(target: Target, result: loadgen.Result) -> None:
                            f"{result.errors} connection errors, {len(result.samples)} samples")
 
 
-async def setup_store(url: str) -> str:
-    """Schema, one deployment with one ready replica, and a client key; returns the key."""
-    admin = await asyncpg.connect(url.rsplit("/", 1)[0] + "/postgres")
+async def setup_store(url: str, *, admin_url: str) -> str:
+    """Schema, one deployment with one ready replica, and a client key; returns the key.
+    ``admin_url`` reaches the server's ``postgres`` database, to create ``url``'s."""
+    admin = await asyncpg.connect(admin_url)
     try:
         await admin.execute("CREATE DATABASE bench")
     finally:
@@ -305,7 +306,10 @@ async def run(args: argparse.Namespace) -> str:
         started: list[ManagedProcess] = [pg]
         try:
             db_url = dsn(HOST, pg_port, "bench", data_dir=logs)
-            key = await setup_store(db_url)
+            # Its own DSN, not db_url cut at its last "/": the DSN ends in the password
+            # file's path, which has slashes of its own.
+            key = await setup_store(db_url,
+                                    admin_url=dsn(HOST, pg_port, "postgres", data_dir=logs))
             engine_key = replica_engine_key(SECRET.encode(), node_id=NODE, replica_id=REPLICA)
             sim_port = free_port()
             sim = start("sim", [sys.executable, "-m", "agent.engines.sim_server", "--host", HOST,
