@@ -46,6 +46,7 @@ import psutil
 import uvloop
 
 from agent.engines.sim_server import API_KEY_ENV
+from bench.common import ROOT
 from bench.stats import percentile
 from modelkeeper.domain.engine_keys import replica_engine_key
 from modelkeeper.infra.processes import ManagedProcess, free_port
@@ -60,8 +61,6 @@ REPLICA = "bench-r1"
 #: The node the bench's replica runs on, as far as the store is concerned.
 NODE = "bench-node"
 SECRET = "bench-secret"
-ROOT = Path(__file__).resolve().parents[2]
-
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}],
         "max_tokens": 8}
 STREAM = {**CHAT, "max_tokens": 64, "stream": True}

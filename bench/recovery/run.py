@@ -52,7 +52,7 @@ import httpx
 from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client
 
-from bench.common import exit_now, interrupt_on_sigterm, on_fresh_fleet
+from bench.common import ROOT, exit_now, interrupt_on_sigterm, on_fresh_fleet
 from bench.fleet.stack import NAMESPACE, Fleet
 from bench.report import run_meta, write_results
 from modelkeeper.domain.units import parse_bytes
@@ -63,7 +63,6 @@ from .report import render, settings_in_force
 
 MODEL = "recovery-sim"
 MiB, GiB = 1 << 20, 1 << 30
-ROOT = Path(__file__).resolve().parents[2]
 #: Nodes in the fleet: the crashed one and two that can take its replica.
 AGENTS = 3
 #: How often the control plane's view is read during a recovery: the resolution of the

@@ -31,17 +31,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 import httpx
 
+from bench.common import ROOT
 from bench.fleet.stack import Fleet
 from bench.recovery.client import SteadyClient, tally
 from bench.report import run_meta, write_results
 from modelkeeper.infra.processes import signal_group
 
-ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
 MiB = 1 << 20
 GiB = 1 << 30
 #: Nodes declare 2 GiB and each replica claims 1 GiB: a node holds two replicas, so a
@@ -174,12 +176,12 @@ class Bench:
                 return None
             record: dict[str, Any] = resp.json()
             return record if record["state"] != "running" else None
-        result: dict[str, Any] = await self.until(done, f"{operation_id} ended",
-                                                  timeout=SAGA_TIMEOUT_S)
-        return result
+        return await self.until(done, f"{operation_id} ended", timeout=SAGA_TIMEOUT_S)
 
-    async def until(self, check: Callable[[], Awaitable[Any]], what: str, *,
-                    timeout: float = SAGA_TIMEOUT_S) -> Any:
+    async def until(self, check: Callable[[], Awaitable[T | None]], what: str, *,
+                    timeout: float = SAGA_TIMEOUT_S) -> T:
+        """``check``'s first truthy answer, asked every POLL_S; a SagaBenchError naming
+        ``what`` after ``timeout``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

@@ -65,6 +65,7 @@ from temporalio.client import Client
 
 from bench import stats
 from bench.common import (
+    ROOT,
     STEADY_WINDOW_S,
     interrupt_on_sigterm,
     remove_unless_kept,
@@ -78,7 +79,6 @@ from bench.temporal_cost.run import per_op, summarise
 
 from .report import draw, readme_table, render
 
-ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = ROOT / "bench" / "results" / "scale"
 README = ROOT / "README.md"
 MiB, GiB = 1 << 20, 1 << 30

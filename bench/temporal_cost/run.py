@@ -48,6 +48,7 @@ from temporalio.client import Client
 from activities.node import MAX_HEARTBEAT_THROTTLE
 from agent.shards import POLL_INTERVAL_S as WATCH_POLL_S
 from bench.common import (
+    ROOT,
     STEADY_WINDOW_S,
     exit_now,
     interrupt_on_sigterm,
@@ -61,7 +62,6 @@ from modelkeeper.settings import Settings, env_var_names
 from . import metrics
 from .report import render
 
-ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 #: The project's target (the issue): Temporal RPCs per serving shard-hour.
 TARGET_PER_SHARD_HOUR = 120
