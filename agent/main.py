@@ -17,8 +17,8 @@ after growing gaps, each line one sentence naming how many it stands for
 (:class:`modelkeeper.infra.logs.LogBackoff`), and one line when the API answers again.
 
 What one node does is :func:`run_node` over a :class:`Node`; :func:`run_agent` runs one,
-and the fleet mode for scale tests (``--fleet N``, :mod:`agent.fleet`) runs many in one
-process through the same code.
+and the benchmarks' fleet (``python -m bench.fleet --fleet N``, :mod:`bench.fleet.nodes`)
+runs many in one process through the same code.
 
 On SIGINT or SIGTERM it stops polling, says ``bye``, and leaves its engines running for the
 next agent to adopt, saying so; with ``agent_stop_engines_on_exit``
@@ -325,14 +325,14 @@ async def _connect_temporal(welcome: AgentWelcome, settings: Settings, stop: asy
 
 
 #: Called after each heartbeat the API answered: when it was sent (seconds since the
-#: epoch) and how long the answer took (seconds). The fleet mode records them.
+#: epoch) and how long the answer took (seconds). The benchmarks' fleet records them.
 HeartbeatObserver = Callable[[float, float], None]
 
 
 @dataclass
 class Node:
     """One node this process speaks for: what it registers as, and its engines. An agent
-    holds one; the fleet mode (:mod:`agent.fleet`) holds many in one process."""
+    holds one; the benchmarks' fleet (:mod:`bench.fleet.nodes`) holds many in one process."""
 
     node_id: NodeId
     name: str
@@ -354,9 +354,9 @@ class Node:
 
 @dataclass
 class NodeRun:
-    """What a running node holds, filled in as :func:`run_node` gets there: where the fleet
-    mode reaches to make a node die as a killed agent would (its stream cut at once, its
-    worker polling no more)."""
+    """What a running node holds, filled in as :func:`run_node` gets there: where the
+    benchmarks' fleet reaches to make a node die as a killed agent would (its stream cut at
+    once, its worker polling no more)."""
 
     liveness: asyncio.Task[None] | None = None
     worker: Worker | None = None

@@ -1,16 +1,22 @@
 """What every benchmark's run module does alike: the commit it measured, what a SIGTERM
-means, and stopping a fleet whatever happens. Each bench's tunables (node memory, claims,
-timeouts) stay in its own run module, beside the reason for its values."""
+means, a fleet in a fresh folder stopped whatever happens, and how the process ends. Each
+bench's tunables (node memory, claims, timeouts) stay in its own run module, beside the
+reason for its values. What a run writes is :mod:`bench.report`'s."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from types import FrameType
-from typing import Protocol
+from typing import Any, NoReturn, Protocol, TypeVar
+
+import uvloop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,6 +28,10 @@ STEADY_WINDOW_S = 144.0
 
 class Stoppable(Protocol):
     def stop(self) -> None: ...
+
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Stoppable)
 
 
 def code_version() -> str:
@@ -60,3 +70,33 @@ def remove_unless_kept(root: Path, *, keep: bool) -> None:
         print(f"logs and data kept in {root}", file=sys.stderr)
     else:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def on_fresh_fleet(prefix: str, make: Callable[[Path], F],
+                   run: Callable[[F], Coroutine[Any, Any, T]], *, keep: bool) -> T | None:
+    """``run`` on the fleet ``make`` builds in a fresh folder (named from ``prefix``), on
+    uvloop; the fleet stopped whatever happens, its folder removed unless ``keep`` or the
+    run failed. None when interrupted (Ctrl-C, or SIGTERM after
+    :func:`interrupt_on_sigterm`)."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    fleet = make(root)
+    ok = False
+    try:
+        result = uvloop.run(run(fleet))
+        ok = True
+        return result
+    except KeyboardInterrupt:
+        print("interrupted: stopping every process started", file=sys.stderr)
+        return None
+    finally:
+        stop_fleet(fleet)
+        remove_unless_kept(root, keep=keep or not ok)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with ``code`` once stdout and stderr are flushed, without the
+    interpreter's finalization: the Temporal SDK's runtime can abort there (FACTS.md,
+    sdk-python#300)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

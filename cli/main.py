@@ -43,19 +43,6 @@ def _add_common(parser: argparse.ArgumentParser, ports: Sequence[str]) -> None:
                             help=f"overrides MODELKEEPER_{field.upper()}")
 
 
-def _fleet_size(text: str) -> int:
-    """``--fleet``'s value as a number; its bounds are the fleet's to check and name
-    (agent/fleet.py), with the port range and open files they depend on."""
-    try:
-        return int(text)
-    except ValueError:
-        from agent.fleet import MAX_FLEET_SIZE
-
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a number of nodes: a whole number from 1 to "
-            f"{MAX_FLEET_SIZE}") from None
-
-
 def _description() -> str:
     """What `modelkeeper --help` says first: every kind of command, the operator commands
     named from their table so that a new one is listed without an edit here."""
@@ -120,11 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop every engine of this node when the agent exits (SIGINT, "
                             "SIGTERM), to take the node out for good after `drain`; by "
                             "default engines keep serving and the next agent adopts them")
-    agent.add_argument("--fleet", dest="fleet_size", type=_fleet_size, metavar="N",
-                       help="for scale tests: be N simulated nodes in this one process "
-                            "(NAME-0001...), each with its own id, task queue and --memory, "
-                            "running only the sim engine, served in-process; SIGUSR1 kills "
-                            "the nodes listed in DATA_DIR/agent/fleet/kill (agent/fleet.py)")
 
     ui = sub.add_parser("temporal-ui", help="serve the Temporal web UI behind the API's Host "
                         "allowlist and an admin login (`up` runs it; docs/security.md)")
@@ -284,37 +266,16 @@ def _cmd_api(settings: Settings) -> int:
     return 0 if server.started else 1
 
 
-def _cmd_agent(settings: Settings, fleet_size: int | None = None, *,
-               llama_server: Path | None = None) -> int:
-    from agent.fleet import run_fleet
+def _cmd_agent(settings: Settings) -> int:
     from agent.main import AgentConfigError, run_agent
 
-    if fleet_size is not None and llama_server is not None:
-        # Only the flag: MODELKEEPER_LLAMA_SERVER_PATH may be set for the machine's agents.
-        raise UsageError(f"--fleet {fleet_size} --llama-server {llama_server}: a fleet "
-                         "serves only the sim engine, inside its own process, and starts "
-                         "no llama-server; leave out --llama-server")
     _check_temporal_security(settings)
     _configure_logging(settings)
-
-    def agent(stop: asyncio.Event) -> Any:
-        if fleet_size is None:
-            return run_agent(settings, stop)
-        return run_fleet(settings, stop, size=fleet_size)
-
     try:
         # What the agent writes (its credential, shard records, weights, engine logs) and
         # what its engines write are this user's alone (modelkeeper.infra.files).
         with private_files():
-            if fleet_size is None:
-                asyncio.run(_until_signalled(agent))
-            else:
-                import uvloop
-
-                # A thousand nodes' pings, heartbeats and workers share one event loop:
-                # uvloop's is the cheaper one (the fleet is a test harness; one agent
-                # keeps asyncio's).
-                uvloop.run(_until_signalled(agent))
+            asyncio.run(_until_signalled(lambda stop: run_agent(settings, stop)))
     except AgentConfigError as exc:
         raise UsageError(str(exc)) from None
     return 0
@@ -435,9 +396,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         commands: dict[str, Callable[[Settings], int]] = {
             "up": lambda s: _cmd_up(s, demo=not args.no_demo),
             "worker": _cmd_worker, "api": _cmd_api,
-            "agent": lambda s: _cmd_agent(s, getattr(args, "fleet_size", None),
-                                          llama_server=getattr(args, "llama_server_path",
-                                                               None)),
+            "agent": _cmd_agent,
             "gateway": _cmd_gateway, "leave": _cmd_leave,
             "temporal-ui": lambda s: _cmd_temporal_ui(s, args.upstream),
             "temporal-front": lambda s: _cmd_temporal_front(s, args.upstream),

@@ -348,7 +348,7 @@ class Settings(BaseSettings):
         "registration_per_s paces it (a 429 with Retry-After). An agent registers once per "
         "start and after its node is removed, so one machine needs a few; 64 leaves room "
         "for a rack of agents behind one address restarting together. A fleet harness "
-        "(`modelkeeper agent --fleet N`, bench/scale) registers N nodes from one address at "
+        "(`python -m bench.fleet --fleet N`, bench/scale) registers N nodes from one address at "
         "once: give the API at least N (bench/scale does).",
     )
     registration_per_s: float = Field(

@@ -1,5 +1,6 @@
 """Sim engines served inside the agent's own process: how one agent process runs the
-engines of a thousand simulated nodes (``modelkeeper agent --fleet N``, :mod:`agent.fleet`).
+engines of a thousand simulated nodes (``python -m bench.fleet --fleet N``,
+:mod:`bench.fleet.nodes`).
 
 A sim run as a child costs an interpreter (~20 MB and a start-up of a few hundred ms); a
 thousand of them would fill this machine before the control plane is measured. Here each

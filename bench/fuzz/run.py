@@ -54,8 +54,8 @@ import httpx
 from api.app import create_app
 from api.server import served
 from bench.common import ROOT, code_version, interrupt_on_sigterm
+from bench.fleet.stack import NAMESPACE, start_database_and_temporal
 from bench.fuzz.schema import Report, fuzz
-from bench.recovery.fleet import NAMESPACE, start_database_and_temporal
 from modelkeeper.domain.operators import OperatorRole
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.settings import Settings

@@ -17,6 +17,7 @@ from typing import Any
 import schemathesis
 from schemathesis.config import SchemathesisConfig
 from schemathesis.engine import Status, events
+from schemathesis.engine.recorder import ScenarioRecorder
 
 #: Checks that do not apply where the API answers by design otherwise than schemathesis
 #: assumes, each with its reason.
@@ -134,7 +135,7 @@ def fuzz(base_url: str, token: str | None, *, seed: int, max_examples: int,
     return report
 
 
-def _record(report: Report, recorder: Any) -> None:
+def _record(report: Report, recorder: ScenarioRecorder) -> None:
     report.scenarios += 1
     report.cases += len(recorder.cases)
     for interaction in recorder.interactions.values():

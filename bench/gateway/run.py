@@ -46,6 +46,8 @@ import psutil
 import uvloop
 
 from agent.engines.sim_server import API_KEY_ENV
+from bench.common import ROOT
+from bench.stats import percentile
 from cli.postgres import dsn, start_postgres
 from modelkeeper.domain.engine_keys import replica_engine_key
 from modelkeeper.infra.processes import ManagedProcess, free_port
@@ -59,8 +61,6 @@ REPLICA = "bench-r1"
 #: The node the bench's replica runs on, as far as the store is concerned.
 NODE = "bench-node"
 SECRET = "bench-secret"
-ROOT = Path(__file__).resolve().parents[2]
-
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}],
         "max_tokens": 8}
 STREAM = {**CHAT, "max_tokens": 64, "stream": True}
@@ -93,12 +93,6 @@ class Target:
                     continue
                 total += times.user + times.system
         return total
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (0-1) of ``values``, nearest rank."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def start(name: str, argv: list[str], env: dict[str, str], logs: Path) -> ManagedProcess:
@@ -172,9 +166,10 @@ def _check(target: Target, result: loadgen.Result) -> None:
                            f"{result.errors} connection errors, {len(result.samples)} samples")
 
 
-async def setup_store(url: str) -> str:
-    """Schema, one deployment with one ready replica, and a client key; returns the key."""
-    admin = await asyncpg.connect(url.rsplit("/", 1)[0] + "/postgres")
+async def setup_store(url: str, *, admin_url: str) -> str:
+    """Schema, one deployment with one ready replica, and a client key; returns the key.
+    ``admin_url`` reaches the server's ``postgres`` database, to create ``url``'s."""
+    admin = await asyncpg.connect(admin_url)
     try:
         await admin.execute("CREATE DATABASE bench")
     finally:
@@ -310,7 +305,10 @@ async def run(args: argparse.Namespace) -> str:
         started: list[ManagedProcess] = [pg]
         try:
             db_url = dsn(HOST, pg_port, "bench", data_dir=logs)
-            key = await setup_store(db_url)
+            # Its own DSN, not db_url cut at its last "/": the DSN ends in the password
+            # file's path, which has slashes of its own.
+            key = await setup_store(db_url,
+                                    admin_url=dsn(HOST, pg_port, "postgres", data_dir=logs))
             engine_key = replica_engine_key(SECRET.encode(), node_id=NODE, replica_id=REPLICA)
             sim_port = free_port()
             sim = start("sim", [sys.executable, "-m", "agent.engines.sim_server", "--host", HOST,

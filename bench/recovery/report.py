@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from collections.abc import Sequence
 from typing import Any
 
 from activities.node import MAX_HEARTBEAT_THROTTLE
 from agent.engine_process import POLL_INTERVAL_S as AGENT_WATCH_POLL_S
+from bench.stats import spread
 from modelkeeper.settings import Settings, env_var_names
 from workflows.deployment import WorkflowTimings
 
@@ -32,10 +32,6 @@ def settings_in_force() -> dict[str, Any]:
     found["WorkflowTimings.probe_timeout_s"] = timings.probe_timeout_s
     found["surge_on_unreachable, precise_status"] = "on (workflow.patched)"
     return found
-
-
-def _stats(values: Sequence[float]) -> tuple[float, float, float]:
-    return min(values), statistics.median(values), max(values)
 
 
 def _failed(counts: dict[str, int]) -> str:
@@ -74,7 +70,7 @@ def scenario_section(scenario: dict[str, Any], meta: dict[str, Any]) -> list[str
         "|---|---|---|---|---|",
     ]
     for name, what, values in rows:
-        lo, mid, hi = _stats(values)
+        lo, mid, hi = spread(values)
         lines.append(f"| {name} | {what} | {lo:.2f} s | {mid:.2f} s | {hi:.2f} s |")
 
     # The requests sent from the first crash on; the ones before it met the first deploy.

@@ -4,7 +4,7 @@ Run it from the repository root::
 
     .venv/bin/python -m bench.recovery.run --crashes 20
 
-It starts the whole stack with default settings (:mod:`bench.recovery.fleet`: embedded
+It starts the whole stack with default settings (:mod:`bench.fleet.stack`: embedded
 PostgreSQL, the Temporal dev server, the control worker, the API, the gateway and three
 agents with declared memory), deploys one replica of the sim engine (16 MiB resident,
 ``load_time_s`` 1.0 so the load is visible and constant), and keeps a client sending it
@@ -40,11 +40,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
-import os
-import platform
-import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from datetime import datetime
@@ -52,22 +49,20 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
-import uvloop
 from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client
 
-from bench.common import code_version, interrupt_on_sigterm, remove_unless_kept, stop_fleet
+from bench.common import ROOT, exit_now, interrupt_on_sigterm, on_fresh_fleet
+from bench.fleet.stack import NAMESPACE, Fleet
+from bench.report import run_meta, write_results
 from modelkeeper.domain.units import parse_bytes
 from modelkeeper.names import ACTIVITY_WATCH_SHARD
 
 from .client import SteadyClient, tally
-from .fleet import NAMESPACE, Fleet
 from .report import render, settings_in_force
 
 MODEL = "recovery-sim"
 MiB, GiB = 1 << 20, 1 << 30
-ROOT = Path(__file__).resolve().parents[2]
 #: Nodes in the fleet: the crashed one and two that can take its replica.
 AGENTS = 3
 #: How often the control plane's view is read during a recovery: the resolution of the
@@ -317,47 +312,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     interrupt_on_sigterm()
     scenarios = []
     for claim_gib in args.claim_gib:
-        scenario = _run_fleet(args, claim_gib)
+        scenario = on_fresh_fleet(
+            "mk-recovery-",
+            lambda root: Fleet(root, node_memory=args.node_memory, agent_count=AGENTS),
+            functools.partial(run_scenario, args, claim_gib=claim_gib), keep=args.keep)
         if scenario is None:
             return 130
         scenarios.append(scenario)
     meta = {
-        "command": "python -m bench.recovery.run " + " ".join(
-            sys.argv[1:] if argv is None else argv),
-        "date": time.strftime("%Y-%m-%d"), "cores": psutil.cpu_count(),
-        "python": platform.python_version(), "note": args.note, "pace_ms": args.pace_ms,
+        **run_meta("bench.recovery.run", argv),
+        "note": args.note, "pace_ms": args.pace_ms,
         "poll_ms": POLL_S * 1e3, "load_time_s": args.load_time, "agents": AGENTS,
         "node_memory": args.node_memory, "settings": settings_in_force(),
-        "code": code_version(),
     }
     markdown = render(scenarios, meta)
     print(markdown)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(markdown)
-    args.out.with_suffix(".json").write_text(json.dumps(
-        {"meta": meta, "scenarios": scenarios}, indent=1) + "\n")
+    write_results(args.out, {"meta": meta, "scenarios": scenarios}, markdown)
     return 0
 
 
-def _run_fleet(args: argparse.Namespace, claim_gib: int) -> dict[str, Any] | None:
-    """One scenario on a fresh fleet, stopped whatever happens; None when interrupted."""
-    root = Path(tempfile.mkdtemp(prefix="mk-recovery-"))
-    fleet = Fleet(root, node_memory=args.node_memory, agent_count=AGENTS)
-    ok = False
-    try:
-        scenario = uvloop.run(run_scenario(args, fleet, claim_gib))
-        ok = True
-        return scenario
-    except KeyboardInterrupt:
-        print("interrupted: stopping every process started", file=sys.stderr)
-        return None
-    finally:
-        stop_fleet(fleet)
-        remove_unless_kept(root, keep=args.keep or not ok)
-
-
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    # The Temporal SDK's runtime can abort at interpreter exit (FACTS.md, sdk-python#300).
-    os._exit(code)
+    exit_now(main())

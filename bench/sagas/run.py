@@ -3,7 +3,7 @@ and a kill -9 of the control worker mid-saga, each on a fresh real stack.
 
 Every component is the real one (PostgreSQL, the Temporal dev server, the control worker,
 the API, the gateway, three agents with the sim engine), started by
-:class:`bench.recovery.fleet.Fleet`. Four clients send chat completions through the gateway
+:class:`bench.fleet.stack.Fleet`. Four clients send chat completions through the gateway
 the whole time (open loop, one every ``--pace-ms`` each), and the saga is asked for through
 the API, as an operator would. The harness never places, stops or repairs anything: it
 starts the saga and reads what happened.
@@ -23,28 +23,27 @@ import asyncio
 import contextlib
 import itertools
 import json
-import platform
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 import httpx
-import psutil
 
-from bench.common import code_version
+from bench.common import ROOT
+from bench.fleet.stack import Fleet
 from bench.recovery.client import SteadyClient, tally
-from bench.recovery.fleet import Fleet
+from bench.report import run_meta, write_results
 from modelkeeper.infra.processes import signal_group
 
-ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
 MiB = 1 << 20
 GiB = 1 << 30
 #: Nodes declare 2 GiB and each replica claims 1 GiB: a node holds two replicas, so a
@@ -177,12 +176,12 @@ class Bench:
                 return None
             record: dict[str, Any] = resp.json()
             return record if record["state"] != "running" else None
-        result: dict[str, Any] = await self.until(done, f"{operation_id} ended",
-                                                  timeout=SAGA_TIMEOUT_S)
-        return result
+        return await self.until(done, f"{operation_id} ended", timeout=SAGA_TIMEOUT_S)
 
-    async def until(self, check: Callable[[], Awaitable[Any]], what: str, *,
-                    timeout: float = SAGA_TIMEOUT_S) -> Any:
+    async def until(self, check: Callable[[], Awaitable[T | None]], what: str, *,
+                    timeout: float = SAGA_TIMEOUT_S) -> T:
+        """``check``'s first truthy answer, asked every POLL_S; a SagaBenchError naming
+        ``what`` after ``timeout``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -503,16 +502,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         root = Path(tempfile.mkdtemp(prefix=f"mk-sagas-{name}-"))
         results.append(asyncio.run(run_one(name, root)))
         shutil.rmtree(root, ignore_errors=True)
-    meta = {"command": "python -m bench.sagas.run " + " ".join(
-                sys.argv[1:] if argv is None else argv),
-            "date": time.strftime("%Y-%m-%d"), "cores": psutil.cpu_count(),
-            "python": platform.python_version(), "code": code_version()}
+    meta = run_meta("bench.sagas.run", argv)
     markdown = render(results, meta)
     print(markdown)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(markdown)
-    args.out.with_suffix(".json").write_text(json.dumps(
-        {"meta": meta, "scenarios": [r.__dict__ for r in results]}, indent=1) + "\n")
+    write_results(args.out, {"meta": meta, "scenarios": [r.__dict__ for r in results]},
+                  markdown)
     return 0
 
 

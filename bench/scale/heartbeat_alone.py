@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import os
 import random
 import signal
@@ -49,7 +50,7 @@ from typing import Any
 
 import httpx
 
-from bench.recovery.fleet import (
+from bench.fleet.stack import (
     HOST,
     NAMESPACE,
     SECRET,
@@ -57,6 +58,7 @@ from bench.recovery.fleet import (
     start_database_and_temporal,
     wait_ready,
 )
+from bench.stats import percentile
 from modelkeeper.infra.processes import ManagedProcess, free_port
 
 #: A component on two shared cores takes a few seconds to import and connect.
@@ -141,13 +143,6 @@ def cpu_seconds(pid: int) -> float:
     after the command name, which may itself hold spaces)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 #: The API's registration burst here (registration_burst, at its upper bound): every node
@@ -336,8 +331,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "client_cores": round(own_s / wall_s, 3),
         "api_idle_cpu_ms_per_s": round(idle_s * 1000 / IDLE_WINDOW_S, 1),
         "api_cpu_ms_per_heartbeat": round(cpu_s * 1000 / ok, 3) if ok else None,
-        "round_trip_ms": {"p50": round(percentile(samples.round_trips, 0.50) * 1000, 2),
-                          "p99": round(percentile(samples.round_trips, 0.99) * 1000, 2),
+        "round_trip_ms": {"p50": round(percentile(samples.round_trips, 0.50) * 1000, 2)
+                          if ok else math.nan,
+                          "p99": round(percentile(samples.round_trips, 0.99) * 1000, 2)
+                          if ok else math.nan,
                           "mean": round(statistics.fmean(samples.round_trips) * 1000, 2)
                           if ok else None},
     }

@@ -45,10 +45,10 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import asyncpg
 
+from bench.stats import percentile
 from cli.postgres import dsn, start_postgres
 from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
@@ -152,7 +152,7 @@ async def _analyze(url: str) -> None:
         await conn.close()
 
 
-async def _timed(calls: list[Callable[[], Awaitable[Any]]]) -> tuple[list[float], int]:
+async def _timed(calls: list[Callable[[], Awaitable[object]]]) -> tuple[list[float], int]:
     """Each call's seconds, and how many answered CantPlace. The answers are not kept: 200
     CantPlaces of 1,000 rejections each are 200,000 live objects, and the garbage
     collector's full passes over them took up to 0.3 s, inside whichever call they fell
@@ -167,10 +167,9 @@ async def _timed(calls: list[Callable[[], Awaitable[Any]]]) -> tuple[list[float]
 
 
 def _stats(times: list[float]) -> str:
-    ms = sorted(t * 1e3 for t in times)
-    p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
-    return (f"p50 {statistics.median(ms):7.1f} ms  p99 {p99:7.1f} ms  "
-            f"max {ms[-1]:7.1f} ms  mean {statistics.fmean(ms):7.1f} ms  (n={len(ms)})")
+    ms = [t * 1e3 for t in times]
+    return (f"p50 {percentile(ms, 0.50):7.1f} ms  p99 {percentile(ms, 0.99):7.1f} ms  "
+            f"max {max(ms):7.1f} ms  mean {statistics.fmean(ms):7.1f} ms  (n={len(ms)})")
 
 
 async def measure(url: str, *, nodes: int, placements: int, seed: int) -> None:
@@ -182,13 +181,13 @@ async def measure(url: str, *, nodes: int, placements: int, seed: int) -> None:
               f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
         def dry(i: int, model: CatalogModel, *, nowhere: bool = False
-                ) -> Callable[[], Awaitable[Any]]:
+                ) -> Callable[[], Awaitable[object]]:
             return lambda: store.placement.dry_run_placement(
                 deployment_id=_deployment(i), request=_request(model, nowhere=nowhere),
                 now=datetime.now(UTC), unreachable_after_s=UNREACHABLE_AFTER_S,
                 lost_after_s=LOST_AFTER_S)
 
-        def place(i: int, model: CatalogModel) -> Callable[[], Awaitable[Any]]:
+        def place(i: int, model: CatalogModel) -> Callable[[], Awaitable[object]]:
             return lambda: store.placement.place_replica(
                 deployment_id=_deployment(i), replica_id=ReplicaId(f"{_deployment(i)}-r0"),
                 request=_request(model), model=model, now=datetime.now(UTC),

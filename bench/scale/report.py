@@ -213,9 +213,9 @@ def render(result: dict[str, Any]) -> str:
         f"{meta['memory_gib']} GiB shared by every process below, Python {meta['python']}, "
         f"code {meta['code']}. Whole run {meta['elapsed_s']:.0f} s.",
         "",
-        "Each size runs on a fresh stack (bench/scale/fleet.py: embedded PostgreSQL, the "
+        "Each size runs on a fresh stack (bench/fleet/scale.py: embedded PostgreSQL, the "
         "Temporal dev server, the control worker, the API, the gateway, every setting at its "
-        "default) and one agent process that is N simulated nodes (`modelkeeper agent "
+        "default) and one process that is N simulated nodes (`python -m bench.fleet "
         f"--fleet N --memory {meta['node_memory']}`: the real agent's code for each node, "
         "each with its own id, credential, task queue and Temporal worker, registration, "
         "heartbeats every 2 s and liveness stream; sim engines served in-process). N sim "

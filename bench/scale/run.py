@@ -7,9 +7,9 @@ Run it from the repository root::
     .venv/bin/python -m bench.scale.run --sizes 100 --out /tmp/scale
     .venv/bin/python -m bench.scale.run --sizes 1000 --profile worker api --out /tmp/prof
 
-Per size, on a fresh stack (:mod:`bench.scale.fleet`: embedded PostgreSQL, the Temporal dev
+Per size, on a fresh stack (:mod:`bench.fleet.scale`: embedded PostgreSQL, the Temporal dev
 server, the control worker, the API, the gateway, every setting at its default) and one
-agent process that is N simulated nodes (``modelkeeper agent --fleet N``, each declaring
+process that is N simulated nodes (``python -m bench.fleet --fleet N``, each declaring
 ``--node-memory``; the real agent's code per node, sim engines served in-process):
 
 1. **register**: the fleet starts; the time until the API sees all N nodes ready;
@@ -46,12 +46,9 @@ import argparse
 import asyncio
 import functools
 import json
-import math
 import os
-import platform
 import random
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -66,21 +63,22 @@ import psutil
 import uvloop
 from temporalio.client import Client
 
+from bench import stats
 from bench.common import (
+    ROOT,
     STEADY_WINDOW_S,
-    code_version,
     interrupt_on_sigterm,
     remove_unless_kept,
     stop_fleet,
 )
-from bench.recovery.fleet import HOST, NAMESPACE, FleetError
+from bench.fleet.scale import ScaleError, ScaleFleet
+from bench.fleet.stack import HOST, NAMESPACE, FleetError
+from bench.report import run_meta, write_results
 from bench.temporal_cost import metrics
 from bench.temporal_cost.run import per_op, summarise
 
-from .fleet import ScaleError, ScaleFleet
 from .report import draw, readme_table, render
 
-ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = ROOT / "bench" / "results" / "scale"
 README = ROOT / "README.md"
 MiB, GiB = 1 << 20, 1 << 30
@@ -120,7 +118,7 @@ DESCRIBE_CONCURRENCY = 16
 KILL_SHARE = 0.10
 #: Affected models asked for one completion through the gateway after the recovery.
 GATEWAY_SAMPLE = 20
-#: Process names weighed and timed (bench/scale/fleet.py component_pids).
+#: Process names weighed and timed (bench/fleet/scale.py component_pids).
 WEIGHED = ("worker", "api", "gateway")
 TIMED = ("postgres", "temporal", "worker", "api", "gateway", "fleet")
 #: The goals (the issue).
@@ -133,23 +131,6 @@ _TIMING = re.compile(r"^(\S+ \S+) DEBUG modelkeeper\.store\.placement: placement
                      r"replica=(\S+) total_ms=([\d.]+) turn_wait_ms=([\d.]+) "
                      r"pool_wait_ms=([\d.]+) lock_wait_ms=([\d.]+) attempts=(\d+) "
                      r"outcome=(\w+)")
-
-
-def pct(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (nearest rank); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
-
-
-def stats(values: Sequence[float], digits: int = 3) -> dict[str, Any]:
-    """Count, p50, p99 and max of ``values``."""
-    if not values:
-        return {"n": 0}
-    return {"n": len(values), "p50": round(pct(values, 50) or 0, digits),
-            "p99": round(pct(values, 99) or 0, digits), "max": round(max(values), digits),
-            "mean": round(statistics.fmean(values), digits)}
 
 
 async def bounded(calls: Sequence[Callable[[], Awaitable[T]]], limit: int) -> list[T]:
@@ -316,7 +297,7 @@ def placement_timings(log_path: Path, *, since: str | None = None) -> list[dict[
 
 def heartbeat_stats(samples: list[tuple[float, float]], start: float, end: float
                     ) -> dict[str, Any]:
-    return stats([lat for at, lat in samples if start <= at < end])
+    return stats.summary([lat for at, lat in samples if start <= at < end])
 
 
 async def histories(temporal: Client, workflow_ids: Sequence[str]
@@ -365,7 +346,7 @@ async def steady_window(fleet: ScaleFleet, db: asyncpg.Connection, *, size: int,
             "events_per_deployment_hour": round(sum(new_events) / hours, 2),
             "most_new_events": max(new_events, default=0),
             "continued_as_new": continued,
-            "history_length": stats([float(v[1]) for v in after.values()], 0)}
+            "history_length": stats.summary([float(v[1]) for v in after.values()], 0)}
 
 
 async def affected_by(db: asyncpg.Connection, node_ids: Sequence[str]) -> list[str]:
@@ -420,8 +401,8 @@ async def recovery(fleet: ScaleFleet, db: asyncpg.Connection, *, size: int,
             "killed_at": t0, "kill_signal_to_done_s": round(t0 - record["asked"], 3),
             "all_serving_again_s": None if recovered_at is None
             else round(recovered_at - t0, 2),
-            "seen_serving_again_s": stats([v - t0 for v in seen.values()], 2),
-            "replacement_ready_s": stats(by_ready, 2),
+            "seen_serving_again_s": stats.summary([v - t0 for v in seen.values()], 2),
+            "replacement_ready_s": stats.summary(by_ready, 2),
             "affected_ids": affected, "dead_node_ids": dead}
 
 
@@ -536,20 +517,20 @@ async def deploy_and_after(fleet: ScaleFleet, db: asyncpg.Connection,
     samples = fleet.heartbeats()
     result["deploy"] = {
         "post_all_s": round(last_post - first_post, 2),
-        "post_latency_s": stats(post_latencies),
+        "post_latency_s": stats.summary(post_latencies),
         "all_serving_s": all_serving_s, "statuses_at_end": statuses,
-        "post_to_placed_s": stats([t.placed - t.posted for t in times
+        "post_to_placed_s": stats.summary([t.placed - t.posted for t in times
                                    if t.placed is not None], 2),
-        "post_to_ready_s": stats([t.ready - t.posted for t in times
+        "post_to_ready_s": stats.summary([t.ready - t.posted for t in times
                                   if t.ready is not None], 2),
         "placements_per_s": round((len(placed) - 1) / (placed[-1] - placed[0]), 1)
         if len(placed) > 1 and placed[-1] > placed[0] else None,
-        "placement_ms": stats([t["total_ms"] for t in timings], 1),
-        "turn_wait_ms": stats([t["turn_wait_ms"] for t in timings], 1),
-        "transaction_ms": stats([t["total_ms"] - t["turn_wait_ms"] for t in timings], 1),
-        "lock_wait_ms": stats([t["lock_wait_ms"] for t in timings], 1),
-        "pool_wait_ms": stats([t["pool_wait_ms"] for t in timings], 1),
-        "work_ms": stats([t["total_ms"] - t["turn_wait_ms"] - t["lock_wait_ms"]
+        "placement_ms": stats.summary([t["total_ms"] for t in timings], 1),
+        "turn_wait_ms": stats.summary([t["turn_wait_ms"] for t in timings], 1),
+        "transaction_ms": stats.summary([t["total_ms"] - t["turn_wait_ms"] for t in timings], 1),
+        "lock_wait_ms": stats.summary([t["lock_wait_ms"] for t in timings], 1),
+        "pool_wait_ms": stats.summary([t["pool_wait_ms"] for t in timings], 1),
+        "work_ms": stats.summary([t["total_ms"] - t["turn_wait_ms"] - t["lock_wait_ms"]
                           - t["pool_wait_ms"] for t in timings], 1),
         "attempts": {str(k): sum(1 for t in timings if t["attempts"] == k)
                      for k in sorted({t["attempts"] for t in timings})},
@@ -587,10 +568,10 @@ async def deploy_and_after(fleet: ScaleFleet, db: asyncpg.Connection,
     cpu_recovery = cpu.lap()
     replacements = [t for t in placement_timings(log)[timed_before:]
                     if t["outcome"] == "placed"]
-    rec["placement_ms"] = stats([t["total_ms"] for t in replacements], 1)
-    rec["transaction_ms"] = stats([t["total_ms"] - t["turn_wait_ms"]
+    rec["placement_ms"] = stats.summary([t["total_ms"] for t in replacements], 1)
+    rec["transaction_ms"] = stats.summary([t["total_ms"] - t["turn_wait_ms"]
                                    for t in replacements], 1)
-    rec["lock_wait_ms"] = stats([t["lock_wait_ms"] for t in replacements], 1)
+    rec["lock_wait_ms"] = stats.summary([t["lock_wait_ms"] for t in replacements], 1)
     samples = fleet.heartbeats()
     rec_end = rec["killed_at"] + (rec["all_serving_again_s"] or RECOVERY_TIMEOUT_S)
     result["heartbeat"]["recovery"] = heartbeat_stats(samples, rec["killed_at"], rec_end)
@@ -609,8 +590,10 @@ def profile_summary(path: Path, top: int = 25) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     found = []
-    stats_ = pstats.Stats(str(path))
-    entries = stats_.stats  # type: ignore[attr-defined]
+    profile = pstats.Stats(str(path))
+    # Each function's (calls, primitive calls, own time, cumulative time, callers): set by
+    # Stats.load_stats and read by its own printers, but not declared in typeshed's stub.
+    entries = profile.stats  # type: ignore[attr-defined]
     total = sum(tt for (_, _, tt, _, _) in entries.values()) or 1.0
     for (file, line, func), (_, calls, tt, ct, _) in sorted(
             entries.items(), key=lambda kv: kv[1][2], reverse=True)[:top]:
@@ -647,8 +630,7 @@ def write(result: dict[str, Any], out: Path) -> None:
     png = out.with_suffix(".png")
     result["meta"]["png"] = png.name
     draw(result, png)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    out.with_suffix(".md").write_text(render(result))
+    write_results(out, result, render(result))
     if out.resolve() == DEFAULT_OUT.resolve():
         update_readme(readme_table(result))
 
@@ -716,11 +698,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     result = {
         "meta": {
-            "command": "python -m bench.scale.run " + " ".join(
-                sys.argv[1:] if argv is None else argv),
-            "date": time.strftime("%Y-%m-%d"), "cores": psutil.cpu_count(),
+            **run_meta("bench.scale.run", argv),
             "memory_gib": round(psutil.virtual_memory().total / GiB, 1),
-            "python": platform.python_version(), "code": code_version(),
             "node_memory": args.node_memory, "claim_bytes": CLAIM_BYTES,
             "engine_args": ENGINE_ARGS, "post_concurrency": args.post_concurrency,
             "window_s": args.window, "kill_share": KILL_SHARE, "seed": args.seed,

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from bench.recovery.fleet import Agent
+from bench.fleet.stack import Agent
 from modelkeeper.infra.processes import signal_group
 
 from .fleet import SoakFleet

@@ -1,4 +1,4 @@
-"""The soak's stack: :class:`bench.recovery.fleet.Fleet` with two control workers, an agent
+"""The soak's stack: :class:`bench.fleet.stack.Fleet` with two control workers, an agent
 per network namespace, and a way to restart every component.
 
 What it adds to the recovery fleet:
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import asyncpg
 
-from bench.recovery.fleet import (
+from bench.fleet.stack import (
     HOST,
     READY_TIMEOUT_S,
     STOP_GRACE_S,

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.stats import percentile, spread
 from modelkeeper.settings import Settings
 
 from .clients import Entry, Outcome
@@ -96,8 +97,7 @@ def recovery(t0: float, end: float, ticks: Sequence[Tick],
 def _stats(values: Sequence[float]) -> dict[str, float] | None:
     if not values:
         return None
-    return {"min": round(min(values), 1), "median": round(statistics.median(values), 1),
-            "max": round(max(values), 1)}
+    return {name: round(value, 1) for name, value in spread(values)._asdict().items()}
 
 
 def requests_summary(entries: Sequence[Entry]) -> dict[str, Any]:
@@ -211,10 +211,8 @@ def latency_summary(entries: Sequence[Entry]) -> dict[str, dict[str, float]]:
             by_model[e.model].append(e.ended - e.sent)
     out = {}
     for model, times in sorted(by_model.items()):
-        times.sort()
-        out[model] = {"p50": round(times[len(times) // 2], 3),
-                      "p99": round(times[min(len(times) - 1, int(len(times) * 0.99))], 3),
-                      "max": round(times[-1], 3)}
+        out[model] = {"p50": round(percentile(times, 0.50), 3),
+                      "p99": round(percentile(times, 0.99), 3), "max": round(max(times), 3)}
     return out
 
 

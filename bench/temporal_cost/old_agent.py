@@ -25,7 +25,9 @@ from cli.main import main
 
 if __name__ == "__main__":
     # run_agent looks Worker up in its module's globals when it builds the worker; these
-    # are the two arguments its Worker(...) call had before 3f64917.
+    # are the two arguments its Worker(...) call had before 3f64917. mypy objects twice, and
+    # both are the point: agent.main does not export Worker (attr-defined), and a partial
+    # stands where the class was (assignment); Worker(...) is all run_agent does with it.
     agent.main.Worker = functools.partial(  # type: ignore[attr-defined,assignment]
         Worker, max_heartbeat_throttle_interval=MAX_HEARTBEAT_THROTTLE,
         default_heartbeat_throttle_interval=MAX_HEARTBEAT_THROTTLE)

@@ -38,7 +38,7 @@ def render(scenarios: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['python']}, code {meta['code']}. Whole run {meta['total_s']:.0f} s."
         + (f" {meta['note']}" if meta["note"] else ""),
         "",
-        "Each scenario runs on a fresh fleet (`bench/recovery/fleet.py`: embedded "
+        "Each scenario runs on a fresh fleet (`bench/fleet/stack.py`: embedded "
         "PostgreSQL, the Temporal dev server, control worker, API, gateway, "
         f"{meta['agents']} agents declaring {meta['node_memory']}), one after another. It "
         f"deploys {first['shards']} sim-engine models of one replica each (engine_args "

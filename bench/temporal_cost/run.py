@@ -5,7 +5,7 @@ Run it from the repository root::
 
     .venv/bin/python -m bench.temporal_cost.run
 
-For each scenario, on a fresh fleet (:mod:`bench.recovery.fleet`: embedded PostgreSQL, the
+For each scenario, on a fresh fleet (:mod:`bench.fleet.stack`: embedded PostgreSQL, the
 Temporal dev server, the control worker, the API, the gateway and three agents), it deploys
 ``--shards`` sim-engine models of one replica each (16 MiB resident), waits until every
 deployment serves and every replica's watch is running and has heartbeated, then reads the
@@ -32,10 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -45,28 +42,26 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
-import uvloop
 from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client
 
 from activities.node import MAX_HEARTBEAT_THROTTLE
 from agent.engine_process import POLL_INTERVAL_S as WATCH_POLL_S
 from bench.common import (
+    ROOT,
     STEADY_WINDOW_S,
-    code_version,
+    exit_now,
     interrupt_on_sigterm,
-    remove_unless_kept,
-    stop_fleet,
+    on_fresh_fleet,
 )
-from bench.recovery.fleet import HOST, NAMESPACE, Fleet
+from bench.fleet.stack import HOST, NAMESPACE, Fleet
+from bench.report import run_meta, write_results
 from modelkeeper.names import ACTIVITY_WATCH_SHARD
 from modelkeeper.settings import Settings, env_var_names
 
 from . import metrics
 from .report import render
 
-ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 #: The project's target (the issue): Temporal RPCs per serving shard-hour.
 TARGET_PER_SHARD_HOUR = 120
@@ -339,21 +334,12 @@ async def run_scenario(fleet: Fleet, scenario: Scenario, *, shards: int,
 
 def _run_fleet(args: argparse.Namespace, scenario: Scenario) -> dict[str, Any] | None:
     """One scenario on a fresh fleet, stopped whatever happens; None when interrupted."""
-    root = Path(tempfile.mkdtemp(prefix=f"mk-temporal-cost-{scenario.name}-"))
-    fleet = Fleet(root, node_memory=NODE_MEMORY, agent_count=AGENTS,
-                  extra_env=dict(scenario.env), agent_command=scenario.agent_command)
-    ok = False
-    try:
-        result = uvloop.run(run_scenario(fleet, scenario, shards=args.shards,
-                                         window_s=args.window))
-        ok = True
-        return result
-    except KeyboardInterrupt:
-        print("interrupted: stopping every process started", file=sys.stderr)
-        return None
-    finally:
-        stop_fleet(fleet)
-        remove_unless_kept(root, keep=args.keep or not ok)
+    return on_fresh_fleet(
+        f"mk-temporal-cost-{scenario.name}-",
+        lambda root: Fleet(root, node_memory=NODE_MEMORY, agent_count=AGENTS,
+                           extra_env=dict(scenario.env), agent_command=scenario.agent_command),
+        lambda fleet: run_scenario(fleet, scenario, shards=args.shards, window_s=args.window),
+        keep=args.keep)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -390,11 +376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
         results.append(result)
     meta = {
-        "command": " ".join(["python -m bench.temporal_cost.run",
-                             *(sys.argv[1:] if argv is None else argv)]),
-        "date": time.strftime("%Y-%m-%d"), "cores": psutil.cpu_count(),
-        "python": platform.python_version(), "note": args.note,
-        "code": code_version(), "target_per_shard_hour": TARGET_PER_SHARD_HOUR,
+        **run_meta("bench.temporal_cost.run", argv),
+        "note": args.note, "target_per_shard_hour": TARGET_PER_SHARD_HOUR,
         "agents": AGENTS, "node_memory": NODE_MEMORY, "claim_bytes": CLAIM_BYTES,
         "engine_args": ENGINE_ARGS, "lead_in_s": LEAD_IN_S, "metrics_flush_s": METRICS_FLUSH_S,
         "window_s_requested": args.window, "total_s": round(time.monotonic() - started, 1),
@@ -402,18 +385,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "persistence_requests{namespace=\"default\"} from the dev server's "
                    "/metrics, end of window minus start",
     }
-    # Written before anything is printed: a closed stdout must not lose the run.
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(
-        {"meta": meta, "scenarios": results}, indent=1) + "\n")
     markdown = render(results, meta)
-    args.out.with_suffix(".md").write_text(markdown)
+    # Written before anything is printed: a closed stdout must not lose the run.
+    write_results(args.out, {"meta": meta, "scenarios": results}, markdown)
     print(markdown)
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    # The Temporal SDK's runtime can abort at interpreter exit (FACTS.md, sdk-python#300).
-    os._exit(code)
+    exit_now(main())

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.scale.fleet import ScaleFleet
+from bench.fleet.scale import ScaleFleet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -1,7 +1,7 @@
-"""The agent's fleet mode (agent/fleet.py) without a control plane: sim engines served
-in-process through the shard manager, each node's share of ports and its name, what a
-dead node's activities do, and the command's refusals. The whole fleet against a real
-stack is tests/integration/test_fleet_agent.py."""
+"""The benchmarks' fleet of simulated nodes (bench/fleet/nodes.py) without a control plane:
+sim engines served in-process through the shard manager, each node's share of ports and
+its name, what a dead node's activities do, and the command's refusals. The whole fleet
+against a real stack is tests/integration/test_fleet_agent.py."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ from agent.engines.base import EngineConfigError
 from agent.engines.sim import SimAdapter
 from agent.engines.sim_inprocess import InProcessSims
 from agent.engines.sim_server import CRASH_EXIT_CODE
-from agent.fleet import Fleet, Mortal, node_names, port_ranges, run_fleet
 from agent.main import AgentConfigError
 from agent.shards import ShardManager
-from cli.main import build_parser, load_settings
+from bench.fleet.command import parse
+from bench.fleet.nodes import Mortal, SimulatedFleet, node_names, port_ranges, run_fleet
+from cli.main import load_settings
 from modelkeeper.domain.engine_keys import derive_engine_key, derive_node_key
 from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
 from modelkeeper.domain.shards import EngineKind, ExitKind, FetchProgress, ShardSpec
@@ -117,8 +118,8 @@ def test_each_node_gets_its_own_ports_and_a_sortable_name() -> None:
 async def test_a_fleet_holds_nodes_with_their_own_identity(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path, node_memory="2GiB", node_name="box",
                         engine_port_range="21000-21011")
-    fleet = Fleet(settings, 3)
-    again = Fleet(settings, 3)
+    fleet = SimulatedFleet(settings, 3)
+    again = SimulatedFleet(settings, 3)
     await fleet.close()
     await again.close()
     ids = [n.node.node_id for n in fleet.nodes]
@@ -133,11 +134,11 @@ async def test_a_fleet_holds_nodes_with_their_own_identity(tmp_path: Path) -> No
 
 
 async def test_a_fleet_needs_declared_memory_and_says_so(tmp_path: Path) -> None:
-    args = build_parser().parse_args(["agent", "--fleet", "3", "--data-dir", str(tmp_path)])
-    assert args.fleet_size == 3
+    size, args = parse(["--fleet", "3", "--data-dir", str(tmp_path)])
+    assert size == 3
     # The command turns this error into one line and exit code 2, as for every agent error.
     with pytest.raises(AgentConfigError, match="--memory"):
-        await run_fleet(load_settings(args), asyncio.Event(), size=args.fleet_size)
+        await run_fleet(load_settings(args), asyncio.Event(), size=size)
 
 
 class _Runner:

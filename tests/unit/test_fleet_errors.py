@@ -1,4 +1,4 @@
-"""`modelkeeper agent --fleet N` given what it cannot run with: one sentence naming the flag,
+"""`python -m bench.fleet --fleet N` given what it cannot run with: one sentence naming the flag,
 the value and the limit, exit code 2, no traceback, and nothing written to the data dir.
 Every case is refused before a node is made, so none starts anything."""
 
@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-import agent.fleet
-from agent.fleet import (
+import bench.fleet.nodes
+from bench.fleet import command
+from bench.fleet.nodes import (
     FILES_PER_NODE,
     FILES_PER_PROCESS,
     MAX_FLEET_SIZE,
@@ -32,10 +33,19 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in [v for v in os.environ if v.startswith("MODELKEEPER_")]:
         monkeypatch.delenv(var)
     monkeypatch.setattr(cli, "_configure_logging", lambda settings: None)
+    monkeypatch.setattr(command, "configure_logging", lambda level: None)
 
 
 def _agent(data_dir: Path, *flags: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     code = cli.run(["agent", "--data-dir", str(data_dir), *flags])
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "Traceback" not in err
+    return code, err.strip()
+
+
+def _fleet(data_dir: Path, *flags: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = command.run(["--data-dir", str(data_dir), *flags])
     out, err = capsys.readouterr()
     assert out == ""
     assert "Traceback" not in err
@@ -72,9 +82,9 @@ def test_a_fleet_it_cannot_run_is_one_sentence_and_exit_code_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], sentence: str,
 ) -> None:
     data = tmp_path / "data"
-    code, err = _agent(data, *flags, capsys=capsys)
+    code, err = _fleet(data, *flags, capsys=capsys)
     assert code == 2
-    assert err.startswith("modelkeeper agent: ") and "\n" not in err
+    assert err.startswith("bench.fleet: ") and "\n" not in err
     assert sentence in err
     assert not data.exists()  # refused before anything was written
 
@@ -82,9 +92,9 @@ def test_a_fleet_it_cannot_run_is_one_sentence_and_exit_code_2(
 def test_more_nodes_than_open_files_allow_names_the_limit(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(agent.fleet, "open_files_limit", lambda: 1024)
+    monkeypatch.setattr(bench.fleet.nodes, "open_files_limit", lambda: 1024)
     most = (1024 - FILES_PER_PROCESS) // FILES_PER_NODE
-    code, err = _agent(tmp_path / "data", "--fleet", str(most + 1), "--memory", "2GiB",
+    code, err = _fleet(tmp_path / "data", "--fleet", str(most + 1), "--memory", "2GiB",
                        "--engine-port-range", "20000-29999", capsys=capsys)
     assert code == 2
     assert (f"--fleet {most + 1}: {most + 1} nodes hold about "
@@ -114,7 +124,7 @@ def test_a_data_dir_it_cannot_write_is_named(
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     data = blocker / "data"
-    code, err = _agent(data, "--fleet", "2", "--memory", "2GiB", capsys=capsys)
+    code, err = _fleet(data, "--fleet", "2", "--memory", "2GiB", capsys=capsys)
     assert code == 2
     assert (f"--data-dir / MODELKEEPER_DATA_DIR {data}: the agent keeps its files in "
             f"{data / 'agent' / 'fleet'} and cannot write there (Not a directory)") in err
@@ -136,7 +146,7 @@ def test_a_fleet_size_that_is_no_number_names_the_range(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str,
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        cli.run(["agent", "--data-dir", str(tmp_path), "--fleet", value])
+        command.run(["--data-dir", str(tmp_path), "--fleet", value])
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -147,10 +157,10 @@ def test_a_fleet_size_that_is_no_number_names_the_range(
 def test_the_command_itself_exits_2_without_a_traceback(tmp_path: Path) -> None:
     """The console script's path end to end (its own process, os._exit included)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELKEEPER_")}
-    done = subprocess.run([sys.executable, "-m", "modelkeeper", "agent", "--fleet", "0",
+    done = subprocess.run([sys.executable, "-m", "bench.fleet", "--fleet", "0",
                            "--data-dir", str(tmp_path / "data")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=25,
                           check=False)
     assert done.returncode == 2
-    assert done.stderr == "modelkeeper agent: --fleet 0: a fleet has at least 1 node\n"
+    assert done.stderr == "bench.fleet: --fleet 0: a fleet has at least 1 node\n"
     assert done.stdout == ""

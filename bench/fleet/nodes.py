@@ -1,5 +1,5 @@
-"""`modelkeeper agent --fleet N`: one agent process that is N simulated nodes, for scale
-benchmarks and tests (bench/scale).
+"""`python -m bench.fleet --fleet N`: one process that is N simulated nodes, for scale
+benchmarks and tests (bench/scale), each running the real agent's code.
 
 Each simulated node is a :class:`agent.main.Node` run by :func:`agent.main.run_node`, the
 code every agent runs: its own node id and credential (kept in a folder of its own under
@@ -55,22 +55,9 @@ from typing import NoReturn, TypeVar
 
 import httpx
 
-from modelkeeper.domain.ids import ReplicaId
-from modelkeeper.domain.nodes import MAX_PORT, Inventory, PortRange
-from modelkeeper.domain.shards import (
-    FetchProgress,
-    ShardEndpoint,
-    ShardExit,
-    ShardReport,
-    ShardSpec,
-)
-from modelkeeper.infra.model_files import source_policy
-from modelkeeper.infra.secrets import read_join_token
-from modelkeeper.settings import Settings
-
-from .engines.sim_inprocess import InProcessSims
-from .identity import load_or_create_node_id
-from .main import (
+from agent.engines.sim_inprocess import InProcessSims
+from agent.identity import load_or_create_node_id
+from agent.main import (
     STOP_ON_EXIT_GRACE_S,
     AgentConfigError,
     Node,
@@ -84,7 +71,19 @@ from .main import (
     run_node,
     writable_agent_dir,
 )
-from .shards import ShardManager
+from agent.shards import ShardManager
+from modelkeeper.domain.ids import ReplicaId
+from modelkeeper.domain.nodes import MAX_PORT, Inventory, PortRange
+from modelkeeper.domain.shards import (
+    FetchProgress,
+    ShardEndpoint,
+    ShardExit,
+    ShardReport,
+    ShardSpec,
+)
+from modelkeeper.infra.model_files import source_policy
+from modelkeeper.infra.secrets import read_join_token
+from modelkeeper.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +277,7 @@ def node_names(prefix: str, size: int) -> list[str]:
     return [f"{prefix}-{i:0{width}d}" for i in range(1, size + 1)]
 
 
-class Fleet:
+class SimulatedFleet:
     """N simulated nodes in this process (see the module docstring)."""
 
     def __init__(self, settings: Settings, size: int) -> None:
@@ -429,9 +428,9 @@ def _inventory(declared: int, cpus: int, sims: InProcessSims) -> Callable[[], In
 
 
 async def run_fleet(settings: Settings, stop: asyncio.Event, *, size: int) -> None:
-    """Run ``size`` simulated nodes until ``stop`` is set (``modelkeeper agent --fleet``)."""
+    """Run ``size`` simulated nodes until ``stop`` is set (``python -m bench.fleet``)."""
     logging.getLogger("agent.engines.sim_server").setLevel(SIM_LOG_LEVEL)
-    fleet = Fleet(settings, size)
+    fleet = SimulatedFleet(settings, size)
     log.info("fleet of %d simulated nodes (%s ... %s), %s each, in-process sim engines",
              size, fleet.nodes[0].node.name, fleet.nodes[-1].node.name, settings.node_memory)
     await fleet.run(stop)

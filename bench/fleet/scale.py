@@ -1,8 +1,8 @@
-"""The scale benchmark's stack: :class:`bench.recovery.fleet.Fleet` with no agents of its
-own, and one agent process that is N simulated nodes (``modelkeeper agent --fleet N``,
-:mod:`agent.fleet`) instead.
+"""The scale benchmark's stack: :class:`bench.fleet.stack.Fleet` with no agents of its
+own, and one process that is N simulated nodes (``python -m bench.fleet --fleet N``,
+:mod:`bench.fleet.nodes`) instead.
 
-What it adds to the recovery fleet:
+What it adds to the shared fleet:
 
 * **the fleet agent**: the real agent's code for every node (registration, heartbeats,
   liveness stream, a Temporal worker on each node's own task queue), with the sim engine
@@ -11,8 +11,8 @@ What it adds to the recovery fleet:
   worker``, which turns on the DEBUG lines of ``modelkeeper.store.placement`` (each
   placement's time, its lock wait apart) and, when asked, profiles the component;
 * **a kill of many nodes at once**: the node list goes to the fleet's kill file and the
-  fleet gets SIGUSR1 (see :mod:`agent.fleet`); :meth:`ScaleFleet.kill` returns when the
-  fleet says it has killed them.
+  fleet gets SIGUSR1 (see :mod:`bench.fleet.nodes`); :meth:`ScaleFleet.kill` returns when
+  the fleet says it has killed them.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 
 import httpx
 
-from agent.fleet import FLEET_DIR, HEARTBEATS_FILE, KILL_FILE, KILLED_FILE
-from bench.recovery.fleet import AGENT_WITHHELD_ENV, STOP_GRACE_S, Fleet, FleetError
+from bench.fleet.nodes import FLEET_DIR, HEARTBEATS_FILE, KILL_FILE, KILLED_FILE
+from bench.fleet.stack import AGENT_WITHHELD_ENV, STOP_GRACE_S, Fleet, FleetError
 from modelkeeper.infra.processes import ManagedProcess
 
 #: Engine ports start here, PORTS_PER_NODE apiece: below the kernel's ephemeral range
@@ -60,7 +60,7 @@ class ScaleError(RuntimeError):
 
 @dataclass
 class ScaleFleet(Fleet):
-    """The recovery fleet without agents, plus one fleet agent of ``size`` nodes."""
+    """The shared fleet without agents, plus one fleet agent of ``size`` nodes."""
 
     size: int = 100
     #: Components run under cProfile; each writes ROOT/profiles/NAME.prof at the end.
@@ -81,7 +81,7 @@ class ScaleFleet(Fleet):
 
     def _start(self, name: str, argv: list[str], env: dict[str, str]) -> ManagedProcess:
         """The worker and the API through :mod:`bench.scale.component` (placement timing,
-        and cProfile when asked); the rest as the recovery fleet starts them."""
+        and cProfile when asked); the rest as the shared fleet starts them."""
         if name in PROFILABLE:
             wrapper = [sys.executable, "-m", "bench.scale.component"]
             if name in self.profile:
@@ -94,11 +94,11 @@ class ScaleFleet(Fleet):
         seconds that took."""
         low = ENGINE_PORT_BASE
         high = low + self.size * PORTS_PER_NODE - 1
-        command = [sys.executable, "-m", "modelkeeper"]
+        command = [sys.executable, "-m", "bench.fleet"]
         if "fleet" in self.profile:
             command = [sys.executable, "-m", "bench.scale.component", "--profile",
-                       str(self.root / "profiles" / "fleet.prof")]
-        argv = [*command, "agent", "--fleet", str(self.size),
+                       str(self.root / "profiles" / "fleet.prof"), "fleet"]
+        argv = [*command, "--fleet", str(self.size),
                 "--data-dir", str(self.root / "fleet-agent"), "--name", "sim",
                 "--memory", self.node_memory, "--engine-port-range", f"{low}-{high}",
                 *self.extra_agent_args]
@@ -142,7 +142,7 @@ class ScaleFleet(Fleet):
         return pids
 
     async def kill(self, names: list[str]) -> dict[str, Any]:
-        """Kill the nodes ``names`` at once (see :mod:`agent.fleet`); the fleet's record of
+        """Kill the nodes ``names`` at once (see :mod:`bench.fleet.nodes`); the fleet's record of
         it: ``at`` (seconds since the epoch), ``nodes``, ``engines``."""
         assert self.fleet_proc is not None
         (self.fleet_dir / KILL_FILE).write_text("".join(f"{n}\n" for n in names))
@@ -177,7 +177,7 @@ class ScaleFleet(Fleet):
 
     def stop(self) -> None:
         """Profiles first (SIGUSR2 makes a profiled component write its own), then the
-        fleet, then what the recovery fleet stops."""
+        fleet, then what the shared fleet stops."""
         for proc in [*self.started, *([self.fleet_proc] if self.fleet_proc else [])]:
             if proc.name in self.profile and proc.popen is not None and proc.poll() is None:
                 os.kill(proc.pid, signal.SIGUSR2)
