@@ -206,72 +206,6 @@ DRAIN_RETRY = RetryPolicy(maximum_attempts=3)
 EVENT_LOG_LINES = 200
 
 
-# Behaviour changes, each behind workflow.patched so histories recorded before it replay
-# as they ran. Checked once at the start of each run: a new run records the marker there,
-# an old history has none and keeps the old decisions. docs/keeper.md says how a patch is
-# rolled out and later deprecated.
-
-#: Continue-as-new only with an empty inbox and every handler finished. Before it, an
-#: activity result (Started, Stopped, Placed) that landed while a store write was pending
-#: was dropped by continue-as-new, and the next run placed or started the same replica again.
-PATCH_CAN_WAITS_FOR_INBOX = "continue-as-new-waits-for-inbox"
-#: A replica that goes unreachable is replaced at once where there is room, and the
-#: deployment reads degraded (and stopped at 0 replicas): KeeperConfig.surge_on_unreachable
-#: and KeeperConfig.precise_status.
-PATCH_SURGE_ON_UNREACHABLE = "surge-on-unreachable"
-#: A cancel is handled as a delete (every replica stopped and released, the row deleted),
-#: then the workflow ends as cancelled. Before it, a cancel ended the workflow at once and
-#: left engines, claims and the row behind.
-PATCH_CANCEL_AS_DELETE = "cancel-as-delete"
-#: A placement that fails (ActivityError) releases its replica id before the keeper hears
-#: of it: an attempt may have committed claims before the failure reached the workflow,
-#: and the keeper forgets that replica id, so before it nothing released them.
-PATCH_RELEASE_CRASHED_PLACEMENT = "release-crashed-placement"
-#: DeploymentStatus, ReadyReplicas, DesiredReplicas and NodeIds are upserted (each only
-#: when it changes) before the store writes, so a database outage does not freeze them.
-#: Before it, only DeploymentStatus, and only after its store write succeeded.
-PATCH_SEARCH_ATTRIBUTES_FIRST = "search-attributes-before-store"
-#: The API's node_silent signal (a node's liveness stream broke or went quiet) makes the
-#: replicas it names unreachable at once, as a watch's heartbeat timeout would, and the
-#: probe that follows supersedes their watches (cancelled: a late Silent from one would
-#: mark a replica that has been vouched for unreachable again). Before it the signal had no
-#: handler, and only the watch heartbeat timeout (a 60 s backstop) noticed a dead node.
-#: Checked in the signal handler too: a signal can arrive in the first workflow task,
-#: whose handlers run before run does.
-PATCH_NODE_SILENT = "node-silent-signal"
-#: The blind retry of a deployment that cannot be placed backs off, 30 s doubling to
-#: 30 min, instead of every 30 s (KeeperConfig.cant_place_backoff); a node change still
-#: retries at once. About 1,300 history events an hour become 22. Before it, each
-#: retry's timer came every cant_place_retry_s.
-PATCH_CANT_PLACE_BACKOFF = "cant-place-backoff"
-#: While a deployment cannot be placed, a room watch (watch_for_room, a heartbeating
-#: activity on the control worker's room-watch queue) dry-runs placement on the backoff
-#: schedule, 30 s doubling to 10 min, and the workflow retries at once when it says the
-#: replica fits; the blind retry on the workflow's timer is only a backstop, every hour
-#: (KeeperConfig.room_watch). 22 history events an hour at a 30-minute cap become 11 at
-#: a 10-minute one. Before it, the blind retry's timer backed off to 30 min.
-PATCH_ROOM_WATCH = "cant-place-room-watch"
-#: Store writes (replica states, the deployment's status) go through one background
-#: writer that writes what is current each time it finishes a write, so a database
-#: outage delays them and nothing else: the loop goes on deciding and acting (a lost
-#: replica is replaced meanwhile). Before it, the loop awaited each write, and store
-#: activities retry for ever: an outage froze every decision.
-PATCH_BACKGROUND_STORE_WRITES = "store-writes-in-background"
-#: An engine's exit (from its watch) and a failed start append an audit event,
-#: replica.exited or replica.start_failed, with the engine's last EVENT_LOG_LINES log
-#: lines, through the background writer. Before it, those lines lived only in the
-#: activity's result or failure in Temporal's history. Checked only with
-#: PATCH_BACKGROUND_STORE_WRITES, which carries the events.
-PATCH_ENGINE_LOG_EVENTS = "engine-log-events"
-#: A ready replica retired by a scale-down, an op or a delete is drained first
-#: (drain_replica: out of routing, its in-flight requests finished within
-#: WorkflowTimings.drain_grace_s), then stopped: KeeperConfig.graceful_stop. Before it,
-#: its engine got SIGTERM while the gateway could still send it requests.
-PATCH_GRACEFUL_STOP = "graceful-stop"
-#: A deployment whose row is deleted sets DeploymentStatus to "deleted" as its last act,
-#: so a closed workflow never matches a live status in a search (`DeploymentStatus=
-#: 'cant_place'` listed deleted deployments). Before it, the last status stayed.
-PATCH_FINAL_STATUS = "final-status-deleted"
 #: The DeploymentStatus search attribute of a deployment that is gone (not a
 #: DeploymentStatus: nothing in the store or the API ever shows it).
 FINAL_STATUS = "deleted"
@@ -380,15 +314,7 @@ class DeploymentWorkflow:
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._busy: set[str] = set()  # replicas with a place/start/stop in flight
         self._settled = False  # set when busy work ends, to re-check finish/continue
-        # Patches, each set in run (_apply_patches):
-        self._can_waits_for_inbox = False  # PATCH_CAN_WAITS_FOR_INBOX
-        self._cancel_as_delete = False  # PATCH_CANCEL_AS_DELETE
-        self._release_crashed_placements = False  # PATCH_RELEASE_CRASHED_PLACEMENT
-        self._search_attributes_first = False  # PATCH_SEARCH_ATTRIBUTES_FIRST
-        self._probe_supersedes_watch = False  # PATCH_NODE_SILENT
-        self._background_writes = False  # PATCH_BACKGROUND_STORE_WRITES
-        self._engine_log_events = False  # PATCH_ENGINE_LOG_EVENTS
-        # The background writer (PATCH_BACKGROUND_STORE_WRITES), started in run. It needs
+        # The background store writer, started in run. It needs
         # no state of its own beyond these: what to write is the difference between the
         # keeper's state and what the state says was written (written_status,
         # written_replicas), and continue-as-new waits until it is idle.
@@ -396,9 +322,6 @@ class DeploymentWorkflow:
         self._writing = False  # a write is in flight
         self._events: list[NewEvent] = []  # audit events not yet appended, oldest first
         self._store_closed = False  # the deployment's row is being deleted: no more writes
-        self._graceful_stop = False  # PATCH_GRACEFUL_STOP
-        self._final_status = False  # PATCH_FINAL_STATUS
-        self._room_watch = False  # PATCH_ROOM_WATCH
         # The count of placements in a row that found no room the running room watch
         # started from (its schedule's start), to notice an operator's retry resetting it.
         self._room_watch_from = 0
@@ -421,8 +344,7 @@ class DeploymentWorkflow:
         """The API found a node silent; these replicas of this deployment hold a claim
         there. Each is observed Silent (unreachable, probed), as if its watch had timed
         out; the keeper ignores one that is not ready or not ours."""
-        if workflow.patched(PATCH_NODE_SILENT):
-            self._inbox.extend(Silent(replica_id=r) for r in request.replica_ids)
+        self._inbox.extend(Silent(replica_id=r) for r in request.replica_ids)
 
     @workflow.signal(name=SIGNAL_RETRY)
     def retry(self) -> None:
@@ -503,7 +425,7 @@ class DeploymentWorkflow:
     @workflow.query(name=QUERY_BRIEF)
     def brief(self) -> DeploymentBrief:
         """The deployment as a saga sees it: generation, desired count, replicas."""
-        return brief(self._state.keeper, config=self._state.config)
+        return brief(self._state.keeper)
 
     async def _decide_now(self, observation: Observation) -> None:
         """Queue ``observation`` and wait until the loop has decided it."""
@@ -530,7 +452,7 @@ class DeploymentWorkflow:
     @workflow.query(name=QUERY_STATUS)
     def status(self) -> WorkflowStatus:
         """The keeper's state and the status it implies."""
-        return WorkflowStatus(status=status(self._state.keeper, config=self._state.config),
+        return WorkflowStatus(status=status(self._state.keeper),
                               keeper=self._state.keeper)
 
     # -- the loop ------------------------------------------------------------------------
@@ -542,9 +464,8 @@ class DeploymentWorkflow:
         ``request`` is unused: ``__init__`` built the state from it (``@workflow.init``
         requires both to take the same input).
 
-        A cancel is handled as a delete (PATCH_CANCEL_AS_DELETE). The SDK delivers it as
-        one asyncio.CancelledError to this task alone, at whatever it awaits (the wait for
-        the next observation; a store write before PATCH_BACKGROUND_STORE_WRITES); the
+        A cancel is handled as a delete. The SDK delivers it as one asyncio.CancelledError
+        to this task alone, at whatever it awaits (the wait for the next observation); the
         activities the other tasks run, the background writer's included, are untouched.
         Once caught, the loop goes on uncancelled: it stops and releases every replica,
         deletes the row, and only then is the cancellation re-raised, so the workflow
@@ -552,21 +473,16 @@ class DeploymentWorkflow:
         delivered again (the server records one), so nothing interrupts that cleanup but
         a terminate (docs/keeper.md, "Cancel and terminate").
 
-        With PATCH_BACKGROUND_STORE_WRITES, "write what changed" is the background
-        writer's (:meth:`_write_in_background`): the loop only publishes the search
-        attributes and goes on.
+        "Write what changed" is the background writer's (:meth:`_write_in_background`):
+        the loop only publishes the search attributes and goes on.
         """
-        self._apply_patches()
-        if self._background_writes:
-            self._writer = asyncio.create_task(self._write_in_background())
+        self._writer = asyncio.create_task(self._write_in_background())
         for action in resume(self._state.keeper):
             self._launch(action)
         self._inbox.append(Tick())
         try:
             await self._loop()
         except asyncio.CancelledError:
-            if not self._cancel_as_delete:
-                raise
             self._inbox.append(Delete())
             await self._loop()
             raise
@@ -578,11 +494,8 @@ class DeploymentWorkflow:
             await self._drain_inbox()
             self._follow_room_watch()
             self._show_details()
-            if self._background_writes:
-                # The writer follows the state on its own; only these are set here.
-                self._publish_search_attributes()
-            else:
-                await self._write_changes()
+            # The writer follows the state on its own; only these are set here.
+            self._publish_search_attributes()
             state = self._state
             if state.keeper.finished and not self._busy and self._writer_idle():
                 return
@@ -593,9 +506,7 @@ class DeploymentWorkflow:
                     or info.get_current_history_length()
                     >= state.timings.continue_as_new_after_events):
                 self._continuing = True
-                if not self._can_waits_for_inbox:
-                    await self._continue_as_new()
-                elif not self._writer_idle():
+                if not self._writer_idle():
                     # A write in flight, or one due: the state carried over would say it
                     # is unwritten and the next run would write it again, and an audit
                     # event not yet appended would be lost. Wait for the writer.
@@ -623,32 +534,6 @@ class DeploymentWorkflow:
             # clearing before the wait would lose that wake-up.
             self._settled = False
 
-    def _apply_patches(self) -> None:
-        self._can_waits_for_inbox = workflow.patched(PATCH_CAN_WAITS_FOR_INBOX)
-        self._cancel_as_delete = workflow.patched(PATCH_CANCEL_AS_DELETE)
-        self._release_crashed_placements = workflow.patched(PATCH_RELEASE_CRASHED_PLACEMENT)
-        self._search_attributes_first = workflow.patched(PATCH_SEARCH_ATTRIBUTES_FIRST)
-        self._probe_supersedes_watch = workflow.patched(PATCH_NODE_SILENT)
-        self._background_writes = workflow.patched(PATCH_BACKGROUND_STORE_WRITES)
-        # Only with the writer, which carries the events: a history has both or neither.
-        self._engine_log_events = (self._background_writes
-                                   and workflow.patched(PATCH_ENGINE_LOG_EVENTS))
-        switches: dict[str, bool] = {}
-        if workflow.patched(PATCH_SURGE_ON_UNREACHABLE):
-            switches |= {"surge_on_unreachable": True, "precise_status": True}
-        if workflow.patched(PATCH_CANT_PLACE_BACKOFF):
-            switches |= {"cant_place_backoff": True}
-        self._graceful_stop = workflow.patched(PATCH_GRACEFUL_STOP)
-        self._final_status = workflow.patched(PATCH_FINAL_STATUS)
-        if self._graceful_stop:
-            switches |= {"graceful_stop": True}
-        self._room_watch = workflow.patched(PATCH_ROOM_WATCH)
-        if self._room_watch:
-            switches |= {"room_watch": True}
-        if switches:
-            config = self._state.config.model_copy(update=switches)
-            self._state = self._state.model_copy(update={"config": config})
-
     async def _drain_inbox(self) -> None:
         while self._inbox:
             observation = self._inbox.pop(0)
@@ -670,7 +555,7 @@ class DeploymentWorkflow:
 
     def _show_details(self) -> None:
         """The web UI's current details (no command: replay is unaffected)."""
-        text = details(self._state.keeper, config=self._state.config)
+        text = details(self._state.keeper)
         if text != workflow.get_current_details():
             workflow.set_current_details(text)
 
@@ -681,7 +566,7 @@ class DeploymentWorkflow:
         upsert and replays alike, so the state needs no copy of them. An empty NodeIds is
         unset rather than set to [], so "none" reads the same before and after a restart.
         """
-        view = overview(self._state.keeper, config=self._state.config)
+        view = overview(self._state.keeper)
         updates: list[SearchAttributeUpdate[Any]] = [
             STATUS_KEY.value_set(view.status.value), READY_KEY.value_set(view.ready),
             DESIRED_KEY.value_set(view.desired),
@@ -693,48 +578,16 @@ class DeploymentWorkflow:
 
     def _publish_search_attributes(self) -> None:
         """Upsert what changed, before (or without waiting for) the store writes: a
-        database outage holds those up, not these (PATCH_SEARCH_ATTRIBUTES_FIRST)."""
-        if (self._search_attributes_first and self._state.search_attributes
-                and not self._state.keeper.finished):
+        database outage holds those up, not these."""
+        if self._state.search_attributes and not self._state.keeper.finished:
             self._upsert_search_attributes()
-
-    async def _write_changes(self) -> None:
-        """Write what changed, in the loop (before PATCH_BACKGROUND_STORE_WRITES)."""
-        keeper = self._state.keeper
-        self._publish_search_attributes()
-        written = dict(self._state.written_replicas)
-        for replica in keeper.replicas:
-            stored = stored_state(replica.phase)
-            if stored is None or written.get(replica.replica_id) == stored.value:
-                continue
-            await workflow.execute_activity(
-                ACTIVITY_RECORD_REPLICA_STATE,
-                ReplicaStateUpdate(replica_id=replica.replica_id, state=stored,
-                                   endpoint=replica.endpoint),
-                task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=STORE_TIMEOUT,
-                retry_policy=STORE_RETRY)
-            written[replica.replica_id] = stored.value
-        live = {r.replica_id for r in keeper.replicas}
-        written = {k: v for k, v in written.items() if k in live}
-        current = self._current_status()
-        previous = self._state.written_status
-        if current != previous and not keeper.finished:
-            await workflow.execute_activity(
-                ACTIVITY_RECORD_DEPLOYMENT_STATUS, current, task_queue=CONTROL_TASK_QUEUE,
-                start_to_close_timeout=STORE_TIMEOUT, retry_policy=STORE_RETRY)
-            if not self._search_attributes_first and self._state.search_attributes and (
-                    previous is None or previous.status != current.status):
-                workflow.upsert_search_attributes([STATUS_KEY.value_set(current.status.value)])
-            previous = current
-        self._state = self._state.model_copy(update={"written_replicas": written,
-                                                     "written_status": previous})
 
     def _current_status(self) -> DeploymentStatusUpdate:
         keeper = self._state.keeper
         runs = current_generation(keeper)
         return DeploymentStatusUpdate(
             deployment_id=keeper.spec.deployment_id,
-            status=status(keeper, config=self._state.config),
+            status=status(keeper),
             placement_error=keeper.placement_error,
             consecutive_failures=keeper.consecutive_failures,
             last_failure=keeper.last_failure, desired_replicas=keeper.spec.replicas,
@@ -745,7 +598,7 @@ class DeploymentWorkflow:
             placement_note=placement_note(keeper))
 
     async def _write_in_background(self) -> None:
-        """The one store writer (PATCH_BACKGROUND_STORE_WRITES), a task of its own.
+        """The one store writer, a task of its own.
 
         It writes one thing at a time, always what is due now (:meth:`_next_write`), so a
         state that passed while a write was in flight is never written: after an outage it
@@ -775,15 +628,15 @@ class DeploymentWorkflow:
             self._settled = True
 
     def _writer_idle(self) -> bool:
-        """Nothing in flight and nothing due (true without the background writer)."""
+        """Nothing in flight and nothing due."""
         return not self._writing and self._next_write() is None
 
     def _next_write(self) -> NewEvent | ReplicaStateUpdate | DeploymentStatusUpdate | None:
         """What the store should be told next: an audit event (oldest first), then a
         replica whose stored state differs from its phase (in the keeper's order), then
-        the status if it differs from the one last written. None when it is up to date,
-        without the background writer, or once the finish has closed the store."""
-        if self._writer is None or self._store_closed:
+        the status if it differs from the one last written. None when it is up to date, or
+        once the finish has closed the store."""
+        if self._store_closed:
             return None
         if self._events:
             return self._events[0]
@@ -828,7 +681,7 @@ class DeploymentWorkflow:
     # -- the room watch: waiting for room outside the history ------------------------------
 
     def _follow_room_watch(self) -> None:
-        """Start or cancel the room watch as the keeper's state says (PATCH_ROOM_WATCH).
+        """Start or cancel the room watch as the keeper's state says.
 
         Cancelled once the deployment no longer waits for room (placed, scaled down,
         deleted, parked) or an operator's retry reset the count; continue-as-new cancels
@@ -836,8 +689,6 @@ class DeploymentWorkflow:
         A new one starts only while no placement is in flight (room_watch_start), so it
         starts from the count that placement's answer leaves.
         """
-        if not self._room_watch:
-            return
         keeper, config = self._state.keeper, self._state.config
         running = [t for t in self._tasks.get(ROOM_WATCH_TASK, []) if not t.done()]
         if running and not room_watch_goes_on(keeper, config, self._room_watch_from):
@@ -882,11 +733,10 @@ class DeploymentWorkflow:
             case WatchReplica():
                 self._spawn(action.replica_id, self._watch(action.replica_id))
             case ProbeReplica():
-                if self._probe_supersedes_watch:
-                    # Made unreachable by node_silent, its watch may still run: the probe
-                    # decides now, and a late Silent from that watch would undo it.
-                    for task in self._tasks.pop(action.replica_id, []):
-                        task.cancel()
+                # Made unreachable by node_silent, its watch may still run: the probe
+                # decides now, and a late Silent from that watch would undo it.
+                for task in self._tasks.pop(action.replica_id, []):
+                    task.cancel()
                 self._spawn(action.replica_id, self._probe(action.replica_id))
             case StopReplica():
                 # Whatever runs for this replica (a start, a watch) is superseded by the
@@ -936,8 +786,7 @@ class DeploymentWorkflow:
                     seconds=self._state.timings.place_schedule_to_close_s),
                 retry_policy=PLACE_RETRY)
         except ActivityError as exc:
-            if self._release_crashed_placements:
-                await self._release_crashed_placement(replica_id, exc)
+            await self._release_crashed_placement(replica_id, exc)
             self._inbox.append(PlacementCrashed(replica_id=replica_id, error=_describe(exc)))
             return
         if result.cant_place is not None:
@@ -985,10 +834,9 @@ class DeploymentWorkflow:
         except ActivityError as exc:
             _cancel_all(tasks)
             error = _describe(exc)
-            if self._engine_log_events:
-                self._events.append(_engine_log_event(
-                    "replica.start_failed", self._state.keeper.spec.deployment_id,
-                    replica_id, message=error, ended=_start_exit(exc)))
+            self._events.append(_engine_log_event(
+                "replica.start_failed", self._state.keeper.spec.deployment_id,
+                replica_id, message=error, ended=_start_exit(exc)))
             self._inbox.append(StartFailed(replica_id=replica_id, error=error))
             return
         except asyncio.CancelledError:
@@ -1023,10 +871,9 @@ class DeploymentWorkflow:
             self._inbox.append(Silent(replica_id=replica_id))
             return
         detail = f"{ended.kind.value}: {ended.detail}"
-        if self._engine_log_events:
-            self._events.append(_engine_log_event(
-                "replica.exited", self._state.keeper.spec.deployment_id, replica_id,
-                message=detail, ended=ended))
+        self._events.append(_engine_log_event(
+            "replica.exited", self._state.keeper.spec.deployment_id, replica_id,
+            message=detail, ended=ended))
         self._inbox.append(Exited(replica_id=replica_id, detail=detail))
 
     async def _probe(self, replica_id: ReplicaId) -> None:
@@ -1049,7 +896,7 @@ class DeploymentWorkflow:
 
     async def _stop(self, replica_id: ReplicaId, *, drain: bool = False) -> None:
         timings = self._state.timings
-        if drain and self._graceful_stop:
+        if drain:
             # Out of routing first, and its in-flight requests finish (bounded by the
             # grace period); a drain that fails for good does not hold up the stop.
             with contextlib.suppress(ActivityError):
@@ -1086,16 +933,15 @@ class DeploymentWorkflow:
             retry_policy=STORE_RETRY)
 
     async def _finish(self) -> None:
-        if self._writer is not None:
-            # The deleting status (and any audit event) first; nothing after the delete.
-            await workflow.wait_condition(self._writer_idle)
-            self._store_closed = True
+        # The deleting status (and any audit event) first; nothing after the delete.
+        await workflow.wait_condition(self._writer_idle)
+        self._store_closed = True
         await workflow.execute_activity(
             ACTIVITY_DELETE_DEPLOYMENT,
             DeleteDeploymentInput(deployment_id=self._state.keeper.spec.deployment_id),
             task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=STORE_TIMEOUT,
             retry_policy=STORE_RETRY)
-        if self._final_status and self._state.search_attributes:
+        if self._state.search_attributes:
             workflow.upsert_search_attributes([STATUS_KEY.value_set(FINAL_STATUS)])
 
 
