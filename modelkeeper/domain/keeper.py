@@ -103,6 +103,7 @@ from .ops import (
     ReplicaBrief,
 )
 from .status import DeploymentStatus, ReplicaState
+from .tunables import Tunables
 
 # -- state -------------------------------------------------------------------------------
 #
@@ -166,30 +167,42 @@ class DeploymentSpec(Tolerant):
     generation: Generation | None = None
 
 
-class KeeperConfig(Tolerant):
-    """Timings and limits; the defaults and their reasons live in the tunables model
-    (modelkeeper.domain.tunables). Continue-as-new carries the config, so a run keeps
-    what it started with."""
+#: The defaults of every tunable (modelkeeper.domain.tunables, where their reasons are).
+_DEFAULTS = Tunables()
 
-    lost_after_s: float = 15.0
-    probe_interval_s: float = 2.0
-    backoff_initial_s: float = 10.0
-    backoff_max_s: float = 60.0
-    #: Jitter spreads retries of many deployments failing together (a node crash takes
-    #: several down at once): each wait is scaled by a factor in [1 - j/2, 1 + j/2).
-    backoff_jitter: float = 0.2
-    park_after: int = 5
+
+class KeeperConfig(Tolerant):
+    """What ``decide`` needs of the tunables, under the keeper's own names (:meth:`of`).
+
+    Its defaults are the tunables' (one home). Continue-as-new carries it, so a run keeps
+    what it started with.
+    """
+
+    lost_after_s: float = _DEFAULTS.replica_lost_after_s
+    probe_interval_s: float = _DEFAULTS.probe_interval_s
+    backoff_initial_s: float = _DEFAULTS.start_backoff_initial_s
+    backoff_max_s: float = _DEFAULTS.start_backoff_max_s
+    backoff_jitter: float = _DEFAULTS.backoff_jitter
+    park_after: int = _DEFAULTS.park_after_failures
     #: The room watch's first wait, and a failed surge placement's retry.
-    cant_place_retry_s: float = 30.0
-    #: The room watch's longest wait between two dry runs: how late room that appears
-    #: without a node change (the API down as it does) is found.
-    room_watch_max_s: float = 600.0
-    #: The blind retry's wait after a placement that found no room: a backstop for a room
-    #: watch lost for good (its retries are Temporal's and cost no events). One an hour is
-    #: 11 history events an hour.
-    cant_place_backstop_s: float = 3600.0
-    #: Replicas an op may place beyond the desired number at once (surge, replace).
-    max_surge: int = Field(default=1, ge=1)
+    cant_place_retry_s: float = _DEFAULTS.cant_place_retry_s
+    room_watch_max_s: float = _DEFAULTS.room_watch_max_s
+    cant_place_backstop_s: float = _DEFAULTS.cant_place_backstop_s
+    max_surge: int = Field(default=_DEFAULTS.max_surge, ge=1)
+
+    @classmethod
+    def of(cls, tunables: Tunables) -> KeeperConfig:
+        """The keeper's config from a deployment's tunables."""
+        return cls(lost_after_s=tunables.replica_lost_after_s,
+                   probe_interval_s=tunables.probe_interval_s,
+                   backoff_initial_s=tunables.start_backoff_initial_s,
+                   backoff_max_s=tunables.start_backoff_max_s,
+                   backoff_jitter=tunables.backoff_jitter,
+                   park_after=tunables.park_after_failures,
+                   cant_place_retry_s=tunables.cant_place_retry_s,
+                   room_watch_max_s=tunables.room_watch_max_s,
+                   cant_place_backstop_s=tunables.cant_place_backstop_s,
+                   max_surge=tunables.max_surge)
 
 
 class Op(Tolerant):
