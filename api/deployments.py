@@ -25,7 +25,7 @@ from modelkeeper.domain.catalog import (
 )
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
 from modelkeeper.domain.ids import DeploymentId
-from modelkeeper.domain.keeper import DeploymentSpec, KeeperConfig
+from modelkeeper.domain.keeper import DeploymentSpec
 from modelkeeper.domain.placement import Placement, PlacementRequest, explain, place
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.sources import SourceKind, SourcePolicy, SourceRefused, check_source
@@ -38,7 +38,6 @@ from modelkeeper.names import (
     SIGNAL_RETRY,
     deployment_workflow_id,
 )
-from modelkeeper.settings import Settings
 from modelkeeper.store import (
     DeploymentExistsError,
     ModelExistsError,
@@ -51,8 +50,6 @@ from workflows.deployment import (
     STATUS_KEY,
     DeploymentInput,
     DeploymentWorkflow,
-    WorkflowTimings,
-    initial_state,
 )
 
 from . import operations
@@ -107,20 +104,6 @@ def field_error(field: str, value: Any, message: str) -> RequestValidationError:
     """A 422 in FastAPI's own shape, naming the field, the value and the rule."""
     return RequestValidationError([{"type": "value_error", "loc": ("body", field),
                                     "msg": message, "input": value}])
-
-
-def keeper_config(settings: Settings) -> KeeperConfig:
-    """The keeper's timings from settings, fixed into the workflow at start."""
-    return KeeperConfig(lost_after_s=settings.replica_lost_after_s,
-                        backoff_initial_s=settings.start_backoff_initial_s,
-                        backoff_max_s=settings.start_backoff_max_s,
-                        park_after=settings.park_after_failures,
-                        cant_place_retry_s=settings.cant_place_retry_s)
-
-
-def workflow_timings(settings: Settings) -> WorkflowTimings:
-    """Activity timeouts from settings, fixed into the workflow at start."""
-    return WorkflowTimings(watch_heartbeat_timeout_s=settings.watch_heartbeat_timeout_s)
 
 
 def catalog_entry(spec: ModelSpec, policy: SourcePolicy) -> CatalogModel:
@@ -236,10 +219,10 @@ async def create_deployment(request: DeploymentRequest, store: StoreDep,
                           replicas=request.replicas,
                           min_nodes=max(request.min_nodes, model.min_nodes),
                           node_ids=request.node_ids, labels=request.labels)
-    state = initial_state(spec, keeper_config(settings), workflow_timings(settings))
     try:
         await temporal.start_workflow(
-            DeploymentWorkflow.run, DeploymentInput(state=state), id=workflow_id,
+            DeploymentWorkflow.run, DeploymentInput(spec=spec, tunables=settings.tunables()),
+            id=workflow_id,
             task_queue=CONTROL_TASK_QUEUE,
             # The web UI's one-line summary of the run; the workflow keeps its current
             # details (status, replicas, nodes) up to date itself.

@@ -10,12 +10,20 @@ from __future__ import annotations
 import ipaddress
 import os
 from pathlib import Path
-from typing import Annotated, Literal, Self
+from typing import Annotated, Literal
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .domain.sources import DEFAULT_MAX_DOWNLOAD_BYTES, HUGGING_FACE_HOSTS
+from .domain.tunables import (
+    AgentTunables,
+    ControlTunables,
+    GatewayTunables,
+    KeeperTunables,
+    LivenessTunables,
+    Tunables,
+)
 
 Port = int
 #: The URL schemes the agent can download from (modelkeeper.domain.sources.KNOWN_SCHEMES).
@@ -36,8 +44,13 @@ def _default_data_dir() -> Path:
     return Path.home() / ".local" / "share" / "modelkeeper"
 
 
-class Settings(BaseSettings):
-    """Process settings, read from the environment (and flags, which override them)."""
+class Settings(BaseSettings, KeeperTunables, ControlTunables, LivenessTunables, AgentTunables,
+               GatewayTunables):
+    """Process settings, read from the environment (and flags, which override them).
+
+    The timings and limits are the tunables' fields (modelkeeper.domain.tunables),
+    inherited: their defaults and reasons live there once.
+    """
 
     model_config = SettingsConfigDict(env_prefix="MODELKEEPER_", extra="ignore", frozen=True)
 
@@ -170,33 +183,6 @@ class Settings(BaseSettings):
         "is loopback or a wildcard. `up` sets it to temporal_mtls_port when its mTLS front "
         "runs. Unset: TEMPORAL_ADDRESS's port.",
     )
-    node_unreachable_after_s: float = Field(
-        default=6.0, gt=0,
-        description="A node with no heartbeat for this long is unreachable (3 missed "
-        "heartbeats at the default 2 s).",
-    )
-    node_lost_after_s: float = Field(
-        default=60.0, gt=0,
-        description="A node with no heartbeat for this long is lost.",
-    )
-    node_silent_after_s: float = Field(
-        default=1.5, gt=0,
-        description="A node whose liveness stream carries no ping this long is silent: "
-        "its deployments are told at once and placement skips it (3 missed pings at the "
-        "default 0.5 s). A stream that breaks without a goodbye is silent at once.",
-    )
-    node_silent_after_max_s: float = Field(
-        default=6.0, gt=0,
-        description="The longest damping stretches node_silent_after_s: a node that comes "
-        "back within this long of a silence (a late ping, not a crash) gets twice the "
-        "deadline next time. 6 s is node_unreachable_after_s, which says the same from "
-        "heartbeats, so damping never makes liveness slower than them.",
-    )
-    node_silent_calm_after_s: float = Field(
-        default=60.0, gt=0,
-        description="Each this long without a silence halves a node's stretched liveness "
-        "deadline again, back down to node_silent_after_s.",
-    )
 
     # -- control API: operators ----------------------------------------------------------
     api_auth: bool = Field(
@@ -212,18 +198,6 @@ class Settings(BaseSettings):
         "reach it. Any other Host header gets a 400, which stops DNS rebinding (a web page "
         "whose own name points at the API). '*' answers every host (behind a proxy that "
         "checks it).",
-    )
-    api_header_timeout_s: float = Field(
-        default=10.0, gt=0,
-        description="Longest a client of the API may take to send a request's headers (and "
-        "a new connection its first request): a slow or stalled sender holds a connection "
-        "no longer (a 408). Headers are at most 64 KiB (a 431 beyond).",
-    )
-    api_body_timeout_s: float = Field(
-        default=30.0, gt=0,
-        description="Longest a client of the API may take to send a request's body once "
-        "its headers are in (a 408 beyond): bodies are at most 1 MiB. The agents' liveness "
-        "streams, long-lived by design, are exempt once their node's credential is checked.",
     )
     api_trusted_proxies: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -242,16 +216,6 @@ class Settings(BaseSettings):
         description="File holding the CLI's operator token. Unset: "
         "<data_dir>/operator-token, where `up` writes an admin token, when it exists.",
     )
-
-    @model_validator(mode="after")
-    def _damping_above_deadline(self) -> Self:
-        if self.node_silent_after_max_s < self.node_silent_after_s:
-            raise ValueError(
-                f"node_silent_after_max_s (MODELKEEPER_NODE_SILENT_AFTER_MAX_S) = "
-                f"{self.node_silent_after_max_s:g} is below node_silent_after_s = "
-                f"{self.node_silent_after_s:g}: damping only stretches the liveness "
-                "deadline, so its limit must be at least the deadline")
-        return self
 
     @field_validator("api_trusted_proxies", mode="before")
     @classmethod
@@ -289,42 +253,6 @@ class Settings(BaseSettings):
                                  "(e.g. api.example.com,10.0.0.5)")
         return [h.lower() if isinstance(h, str) else h for h in hosts]
 
-    # -- keeper (deployment workflows) -----------------------------------------------------
-    watch_heartbeat_timeout_s: float = Field(
-        default=60.0, gt=0,
-        description="A replica whose watch misses heartbeats this long is unreachable "
-        "(routed around). Only a backstop for when the API is down: node liveness notices "
-        "a dead node within node_silent_after_s. At 60 s the SDK sends one heartbeat per "
-        "48 s, about 75 Temporal RPCs per shard-hour.",
-    )
-    replica_lost_after_s: float = Field(
-        default=15.0, gt=0,
-        description="An unreachable replica whose agent has not vouched for it this long "
-        "is lost and placed again. Outlasts an agent restart and a short network blip.",
-    )
-    start_backoff_initial_s: float = Field(
-        default=10.0, gt=0, description="Wait after the first failed start (doubles).")
-    start_backoff_max_s: float = Field(
-        default=60.0, gt=0, description="Longest wait between failed starts.")
-    park_after_failures: int = Field(
-        default=5, ge=1, description="Failed starts in a row before a deployment is parked.")
-    cant_place_retry_s: float = Field(
-        default=30.0, gt=0,
-        description="First wait before an unplaceable deployment's room watch tries a dry "
-        "run of its placement (a node change retries it at once); each that still finds no "
-        "room doubles the wait, up to 10 min.")
-    settling_window_s: float = Field(
-        default=15.0, ge=0,
-        description="A fresh worker waits this long (or half of it with a steady node "
-        "count) before placing, so agents can reconnect and report what they run.",
-    )
-    sweep_interval_s: float = Field(
-        default=60.0, gt=0,
-        description="How often the control worker sweeps away deployments whose workflow "
-        "is gone (terminated, or never started): rows, replicas and claims. At 60 s a "
-        "terminated deployment's memory returns to placement within about 2 minutes, for "
-        "one Temporal describe per deployment per minute.",
-    )
 
     # -- agent -------------------------------------------------------------------------------
     api_url: str = Field(
@@ -341,21 +269,6 @@ class Settings(BaseSettings):
         default=None,
         description="A file holding the join token (`--join-token-file`): keeps it off "
         "the command line. MODELKEEPER_JOIN_TOKEN wins when both are set.",
-    )
-    registration_burst: int = Field(
-        default=64, ge=1, le=1_000_000,
-        description="Registrations the API accepts from one peer address at once, before "
-        "registration_per_s paces it (a 429 with Retry-After). An agent registers once per "
-        "start and after its node is removed, so one machine needs a few; 64 leaves room "
-        "for a rack of agents behind one address restarting together. A fleet harness "
-        "(`python -m bench.fleet --fleet N`, bench/scale) registers N nodes from one address at "
-        "once: give the API at least N (bench/scale does).",
-    )
-    registration_per_s: float = Field(
-        default=1.0, gt=0, le=1_000_000,
-        description="Registrations a second one peer address may make once its burst is "
-        "spent: a second apiece, so a looping or hostile agent adds at most 3,600 nodes "
-        "an hour, each costing a row and a signal to every waiting deployment.",
     )
     engine_key_secret: str | None = Field(
         default=None,
@@ -381,13 +294,6 @@ class Settings(BaseSettings):
         description="Memory the node declares (e.g. 16GiB); less than it has is allowed.",
     )
     node_cpus: int | None = Field(default=None, ge=1, description="CPUs the node declares.")
-    heartbeat_interval_s: float = Field(
-        default=2.0, gt=0, le=60, description="Seconds between an agent's heartbeats.")
-    liveness_interval_s: float = Field(
-        default=0.5, gt=0, le=60,
-        description="Seconds between the pings on an agent's liveness stream. Keep 3 of "
-        "them within the API's node_silent_after_s, so one late ping is not silence.",
-    )
     engine_host: str = Field(
         default="127.0.0.1",
         description="Address engines bind to and that endpoints advertise.",
@@ -405,19 +311,6 @@ class Settings(BaseSettings):
         description="Stop this agent's engines when it exits. Off in production (a "
         "restarted agent adopts them). `up` leaves it off too, so a restarted local agent "
         "adopts its engines, and stops the engines itself on Ctrl-C.",
-    )
-    orphan_grace_s: float = Field(
-        default=120.0, gt=0,
-        description="An agent stops a shard nobody has watched for this long (split-brain "
-        "guard: the control plane declared it lost and placed it elsewhere).",
-    )
-    max_concurrent_startups: int = Field(
-        default=1, ge=1,
-        description="Engines an agent lets load at once; later starts wait their turn "
-        "(first come, first served), shown as queued, and their fit is checked again "
-        "when it comes. An engine sizes itself from the memory it finds while loading "
-        "(vLLM asserts free memory did not change), so two loads on one node can break "
-        "each other. Stops are never delayed.",
     )
 
     # -- model sources (the API checks a catalog entry, the agent checks it again) ------------
@@ -467,57 +360,6 @@ class Settings(BaseSettings):
         description="Gateway processes sharing the port (SO_REUSEPORT); one per core lets "
         "a machine's cores all serve.",
     )
-    gateway_wait_for_replica_s: float = Field(
-        default=10.0, ge=0,
-        description="How long after it arrives a request for a known model may wait for a "
-        "replica: one that is ready, or one to retry on after a replica failed it before "
-        "answering (an engine crash). Then it is answered 503 (never sent) or 502 (failed).",
-    )
-    gateway_retry_after_s: int = Field(
-        default=5, ge=1,
-        description="Retry-After (seconds) of a 503 for a model that is still placing or "
-        "starting.",
-    )
-    gateway_retries: int = Field(
-        default=2, ge=0,
-        description="Times a request is sent again after a replica refuses or drops the "
-        "connection before answering, counting a send to a replacement after waiting.",
-    )
-    gateway_connect_timeout_s: float = Field(
-        default=3.0, gt=0, description="Longest wait to connect to an engine.")
-    gateway_read_timeout_s: float = Field(
-        default=300.0, gt=0,
-        description="Longest silence from an engine (before its answer, or between two "
-        "streamed chunks) before the request fails.",
-    )
-    gateway_breaker_failures: int = Field(
-        default=5, ge=1,
-        description="Failures in a row (refused, reset, 5xx, cut streams) that open a "
-        "replica's circuit breaker, taking it out of routing.",
-    )
-    gateway_breaker_open_s: float = Field(
-        default=5.0, gt=0,
-        description="How long an open breaker keeps a replica out before one trial request "
-        "(doubling, up to 60 s, while trials fail).",
-    )
-    usage_flush_interval_s: float = Field(
-        default=1.0, gt=0,
-        description="How often each gateway worker writes per-replica usage (in-flight, "
-        "waiting, last used) to the store, in one batch.",
-    )
-    gateway_key_max_staleness_s: float = Field(
-        default=15.0, gt=0, le=300,
-        description="Longest a gateway trusts the API keys it last read from the store. "
-        "It re-reads them every third of this (and at once on a change), so a revoked key "
-        "stops working within it; while the store is unreachable for longer, every keyed "
-        "request is refused with a 503 (fail closed) until a read succeeds again.",
-    )
-    gateway_max_tokens: int | None = Field(
-        default=None, ge=1,
-        description="Most tokens one request may ask for, for every key: a larger "
-        "max_tokens (or max_completion_tokens) is a 400 naming it, and a request naming "
-        "none is sent with max_tokens set to this. Unset: no bound.",
-    )
     gateway_allowed_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Host names the gateway answers besides localhost, 127.0.0.1, ::1 and "
@@ -532,34 +374,10 @@ class Settings(BaseSettings):
         "(Authorization: Bearer). While gateway_auth is on, /metrics needs it (and is "
         "refused when this is unset); with auth off, only when it is set.",
     )
-    gateway_max_choices: int = Field(
-        default=1, ge=1, le=128,
-        description="Most outputs one request may ask for: n, best_of (vLLM, SGLang) or "
-        "n_cmpl (llama.cpp), times the prompts of a /v1/completions batch. Each output "
-        "may run to the max_tokens bound, so more would multiply it; over it, a 400.",
-    )
-    gateway_key_rate_per_s: float | None = Field(
-        default=None, gt=0,
-        description="Requests per second each API key may make, per gateway worker (a "
-        "client's connection stays on one worker); beyond it, 429 with Retry-After. "
-        "Unset: no limit.",
-    )
-    gateway_key_burst: int = Field(
-        default=20, ge=1,
-        description="Requests a key may make at once before gateway_key_rate_per_s "
-        "applies (a token bucket's size).",
-    )
-    gateway_header_timeout_s: float = Field(
-        default=10.0, gt=0,
-        description="Longest a client may take to send a request's headers (and a new "
-        "connection its first request): a slow or stalled sender holds a connection no "
-        "longer.",
-    )
-    gateway_body_timeout_s: float = Field(
-        default=60.0, gt=0,
-        description="Longest a client may take to send a request's body once its headers "
-        "are in: the largest body (32 MiB) at 1 MB/s, with room.",
-    )
+
+    def tunables(self) -> Tunables:
+        """What a new deployment runs with: the keeper group from here, the rest fixed."""
+        return Tunables(**{name: getattr(self, name) for name in KeeperTunables.model_fields})
 
     @property
     def gateway_store_url(self) -> str | None:

@@ -9,8 +9,8 @@ from typing import Any
 from activities.node import MAX_HEARTBEAT_THROTTLE
 from agent.engine_process import POLL_INTERVAL_S as AGENT_WATCH_POLL_S
 from bench.stats import spread
+from modelkeeper.domain.tunables import Tunables
 from modelkeeper.settings import Settings, env_var_names
-from workflows.deployment import WorkflowTimings
 
 #: The project's target for steps 1 and 2 together (notice + place), at the median.
 TARGET_NOTICE_PLACE_S = 3.0
@@ -25,12 +25,12 @@ def settings_in_force() -> dict[str, Any]:
     """The defaults a run measures (its children get no MODELKEEPER_* variable)."""
     fields = Settings.model_fields
     found: dict[str, Any] = {env_var_names(n)[0]: fields[n].default for n in REPORTED_SETTINGS}
-    timings = WorkflowTimings()
+    timings = Tunables()
     found["watch heartbeats reach the server every (s; agent poll, SDK throttle)"] = \
         max(AGENT_WATCH_POLL_S, MAX_HEARTBEAT_THROTTLE.total_seconds())
-    found["WorkflowTimings.node_schedule_to_start_s"] = timings.node_schedule_to_start_s
-    found["WorkflowTimings.probe_timeout_s"] = timings.probe_timeout_s
-    found["surge_on_unreachable, precise_status"] = "on (workflow.patched)"
+    found["Tunables.node_schedule_to_start_s"] = timings.node_schedule_to_start_s
+    found["Tunables.probe_timeout_s"] = timings.probe_timeout_s
+    found["surge on unreachable, precise statuses"] = "always (0.2)"
     return found
 
 

@@ -17,24 +17,22 @@ The rules, each guarded by a test:
 * ``park_after`` failed starts in a row park the deployment until its spec changes or
   a retry is asked for.
 * Nothing fits: the reason is kept (status cant_place) and placement is retried at once
-  when the nodes change, else after ``cant_place_retry_s``. With ``cant_place_backoff``
-  that blind retry backs off: each placement in a row that finds no room doubles the wait,
-  up to ``cant_place_retry_max_s`` (30 s, 60 s, 120 s, ... 30 min). A node change retries
-  at once but keeps the count (it says nothing about whether room is likely); a placement
-  that finds room, or an operator's retry, resets it.
-* With ``room_watch`` the backed-off retry moves out of the workflow's history: while the
+  when the nodes change. Each placement in a row that finds no room is counted; a node
+  change retries at once but keeps the count (it says nothing about whether room is
+  likely); a placement that finds room, or an operator's retry, resets it.
+* The backed-off retry lives outside the workflow's history: while the
   deployment waits for room (:func:`waiting_for_room`) a room watch runs, an activity
   that dry-runs placement on the same schedule (:func:`room_watch_wait_s`, 30 s doubling
   up to ``room_watch_max_s``, 10 min) and returns when the replica would fit, which the
   workflow observes as ``NodesChanged``. A new watch starts only once no placement is in
   flight (:func:`room_watch_start`), from the count of placements in a row that found no
   room, so a dry run that says "fits" where the placement then says no backs off too.
-  The blind retry on the workflow's timer is then only a backstop for a lost watch, every
+  The blind retry on the workflow's timer is only a backstop for a lost watch, every
   ``cant_place_backstop_s`` (1 h).
 * Two-stage expiry: a replica whose watch goes silent is *unreachable* (routed around),
   and only *lost* after ``lost_after_s`` without its agent vouching for it. A blip must
   not tear down a replica that is still serving.
-* Surge on unreachable (``surge_on_unreachable``): an unreachable replica does not count
+* Surge on unreachable: an unreachable replica does not count
   toward the desired number, so a replacement is placed beside it at once; there are never
   more than desired + unreachable replicas. Of the two, one is kept:
 
@@ -50,10 +48,9 @@ The rules, each guarded by a test:
   failed start, no park, no cant_place. It is retried on a node change or after
   ``cant_place_retry_s``; meanwhile the original is lost after ``lost_after_s`` and then
   replaced as an ordinary lost replica, at once.
-* Status (``status()``), first match wins: deleting, parked, stopped (with
-  ``precise_status``: 0 replicas wanted), serving (every desired replica ready), degraded
-  (with ``precise_status``: a replica unreachable; ``last_failure`` says which and why),
-  starting, cant_place, placing.
+* Status (``status()``), first match wins: deleting, parked, stopped (0 replicas
+  wanted), serving (every desired replica ready), degraded (a replica unreachable;
+  ``last_failure`` says which and why), starting, cant_place, placing.
 * Ops (modelkeeper.domain.ops): a saga asks, the keeper acts; ``refuse_op`` is the
   update's validator (a replica not ours or not live, one leased to another op, more
   than ``max_surge`` surging at once, a deleting deployment).
@@ -76,7 +73,7 @@ The rules, each guarded by a test:
     once the old replica's retire has begun.
   - A replica runs a ``Generation`` (model and engine arguments); ``set_generation``
     changes what new replicas run, and older ones show as outdated until replaced.
-* Graceful stop (``graceful_stop``): a ready replica retired by scale-down, an op or a
+* Graceful stop: a ready replica retired by scale-down, an op or a
   delete is drained (out of routing, in-flight requests finished) before it stops; a
   lost or unreachable one is not (nothing reaches it).
 * The keeper only ever touches replicas it placed (they are the only ones in its state).
@@ -106,6 +103,7 @@ from .ops import (
     ReplicaBrief,
 )
 from .status import DeploymentStatus, ReplicaState
+from .tunables import Tunables
 
 # -- state -------------------------------------------------------------------------------
 #
@@ -169,61 +167,42 @@ class DeploymentSpec(Tolerant):
     generation: Generation | None = None
 
 
-class KeeperConfig(Tolerant):
-    """Timings and limits; the defaults and their reasons live in Settings.
+#: The defaults of every tunable (modelkeeper.domain.tunables, where their reasons are).
+_DEFAULTS = Tunables()
 
-    The switches change decisions, commands and the written status, so a workflow history
-    recorded without them does not replay with them: each defaults to the old behaviour,
-    and the workflow turns them on behind ``workflow.patched`` (continue-as-new carries
-    the config, so a run keeps what it started with).
+
+class KeeperConfig(Tolerant):
+    """What ``decide`` needs of the tunables, under the keeper's own names (:meth:`of`).
+
+    Its defaults are the tunables' (one home). Continue-as-new carries it, so a run keeps
+    what it started with.
     """
 
-    lost_after_s: float = 15.0
-    probe_interval_s: float = 2.0
-    backoff_initial_s: float = 10.0
-    backoff_max_s: float = 60.0
-    #: Jitter spreads retries of many deployments failing together (a node crash takes
-    #: several down at once): each wait is scaled by a factor in [1 - j/2, 1 + j/2).
-    backoff_jitter: float = 0.2
-    park_after: int = 5
-    cant_place_retry_s: float = 30.0
-    #: With cant_place_backoff and without room_watch (runs recorded before the room
-    #: watch), the longest wait between blind can't-place retries. Each costs 11 history
-    #: events (its timer, two workflow tasks, place_replica): at 30 min that is 2 an hour,
-    #: 22 events, within the 30 an hour a deployment that cannot be placed may cost (10 min
-    #: would be 66). With room_watch the 10-minute cap is the watch's (room_watch_max_s),
-    #: which costs no events, and the blind retry waits cant_place_backstop_s.
-    cant_place_retry_max_s: float = 1800.0
-    #: Back off the blind can't-place retry (cant_place_retry_s, doubling on each placement
-    #: in a row that finds no room, up to cant_place_retry_max_s) rather than retrying
-    #: every cant_place_retry_s: about 1,300 history events an hour become 22.
-    cant_place_backoff: bool = False
-    #: While the deployment cannot be placed, a room watch (an activity: heartbeats are no
-    #: history events) dry-runs placement on the backoff schedule, up to room_watch_max_s,
-    #: and the workflow retries at once when it says the replica fits; the blind retry on
-    #: the workflow's timer is only a backstop, every cant_place_backstop_s. 22 history
-    #: events an hour at a 30-minute cap become 11 at a 10-minute one.
-    room_watch: bool = False
-    #: The room watch's longest wait between two dry runs: how late room that appears
-    #: without a node change (the API down as it does) is found.
-    room_watch_max_s: float = 600.0
-    #: With room_watch, the blind retry's wait after a placement that found no room: a
-    #: backstop for a watch lost for good (its retries are Temporal's and cost no events).
-    #: One an hour is 11 history events an hour.
-    cant_place_backstop_s: float = 3600.0
-    #: Place a replacement as soon as a replica goes unreachable, instead of only once it
-    #: is lost (docs/keeper.md, "Surge on unreachable"). Re-serves a crashed node's
-    #: replica in seconds rather than after lost_after_s.
-    surge_on_unreachable: bool = False
-    #: status() says degraded (a replica unreachable) and stopped (0 replicas wanted)
-    #: rather than placing/cant_place and serving; decide notes why a replica went
-    #: unreachable in last_failure.
-    precise_status: bool = False
-    #: Replicas an op may place beyond the desired number at once (surge, replace).
-    max_surge: int = Field(default=1, ge=1)
-    #: A replica that serves is drained before it stops (StopReplica.drain): it leaves
-    #: routing and its in-flight requests finish, within the workflow's grace period.
-    graceful_stop: bool = False
+    lost_after_s: float = _DEFAULTS.replica_lost_after_s
+    probe_interval_s: float = _DEFAULTS.probe_interval_s
+    backoff_initial_s: float = _DEFAULTS.start_backoff_initial_s
+    backoff_max_s: float = _DEFAULTS.start_backoff_max_s
+    backoff_jitter: float = _DEFAULTS.backoff_jitter
+    park_after: int = _DEFAULTS.park_after_failures
+    #: The room watch's first wait, and a failed surge placement's retry.
+    cant_place_retry_s: float = _DEFAULTS.cant_place_retry_s
+    room_watch_max_s: float = _DEFAULTS.room_watch_max_s
+    cant_place_backstop_s: float = _DEFAULTS.cant_place_backstop_s
+    max_surge: int = Field(default=_DEFAULTS.max_surge, ge=1)
+
+    @classmethod
+    def of(cls, tunables: Tunables) -> KeeperConfig:
+        """The keeper's config from a deployment's tunables."""
+        return cls(lost_after_s=tunables.replica_lost_after_s,
+                   probe_interval_s=tunables.probe_interval_s,
+                   backoff_initial_s=tunables.start_backoff_initial_s,
+                   backoff_max_s=tunables.start_backoff_max_s,
+                   backoff_jitter=tunables.backoff_jitter,
+                   park_after=tunables.park_after_failures,
+                   cant_place_retry_s=tunables.cant_place_retry_s,
+                   room_watch_max_s=tunables.room_watch_max_s,
+                   cant_place_backstop_s=tunables.cant_place_backstop_s,
+                   max_surge=tunables.max_surge)
 
 
 class Op(Tolerant):
@@ -266,10 +245,8 @@ class KeeperState(Tolerant):
     #: nodes change.
     placement_retry_at: datetime | None = None
     placement_error: str | None = None
-    #: Placements in a row that found no room (counted with cant_place_backoff or
-    #: room_watch only): the next blind retry waits cant_place_retry_s doubled once per
-    #: placement after the first, up to cant_place_retry_max_s, and a room watch's schedule
-    #: starts from it. A node change keeps it; room found resets it.
+    #: Placements in a row that found no room: a room watch's schedule starts from it. A
+    #: node change keeps it; room found resets it.
     unplaceable_in_a_row: int = 0
     #: After a surge (a replacement for an unreachable replica) found no room or crashed:
     #: no surge before this, or sooner when the nodes change. Ordinary placements ignore it.
@@ -491,19 +468,13 @@ def _doubled(first_s: float, doublings: int, cap_s: float) -> float:
     return max(min(first_s * 2.0 ** min(max(doublings, 0), _MAX_DOUBLINGS), cap_s), first_s)
 
 
-def cant_place_wait_s(unplaceable: int, config: KeeperConfig) -> float:
-    """Wait before the blind retry after ``unplaceable`` placements in a row found no
-    room: with ``room_watch`` the backstop, ``cant_place_backstop_s`` (the watch does the
-    backing off); else with ``cant_place_backoff`` 30, 60, 120, ... up to
-    ``cant_place_retry_max_s``; without either always ``cant_place_retry_s``. No jitter:
+def cant_place_wait_s(config: KeeperConfig) -> float:
+    """Wait before the blind retry after a placement found no room: the backstop,
+    ``cant_place_backstop_s`` (the room watch does the backing off). No jitter:
     deployments that cannot be placed started waiting at different times, and a node
     change retries them all at once anyway.
     """
-    if config.room_watch:
-        return max(config.cant_place_backstop_s, config.cant_place_retry_s)
-    if not config.cant_place_backoff:
-        return config.cant_place_retry_s
-    return _doubled(config.cant_place_retry_s, unplaceable - 1, config.cant_place_retry_max_s)
+    return max(config.cant_place_backstop_s, config.cant_place_retry_s)
 
 
 def room_watch_wait_s(unplaceable: int, check: int, *, first_s: float, max_s: float) -> float:
@@ -539,17 +510,17 @@ def _stop(state: KeeperState, replica: Replica, reason: str,
         "retiring": False}))
 
 
-def _retire_one(state: KeeperState, replica: Replica, reason: str, config: KeeperConfig,
+def _retire_one(state: KeeperState, replica: Replica, reason: str,
                 actions: list[Action]) -> KeeperState:
     """Retire a replica we no longer want: one still placing is stopped when it lands
-    (see _on_placed); one that serves is drained first with ``graceful_stop``."""
+    (see _on_placed); one that serves is drained first."""
     if replica.phase is Phase.PLACING:
         return _replace(state, replica.model_copy(update={"retiring": True,
                                                           "stop_reason": reason}))
     if replica.phase is Phase.STOPPING:
         return state
     return _stop(state, replica, reason, actions,
-                 drain=config.graceful_stop and replica.phase is Phase.READY)
+                 drain=replica.phase is Phase.READY)
 
 
 def _lost_after_ready(state: KeeperState, replica: Replica, why: str,
@@ -676,15 +647,12 @@ def _on_unplaceable(state: KeeperState, obs: Unplaceable, *, now: datetime,
     state = _drop(state, replica.replica_id)
     if replica.op_id is not None:
         return _op_failed(state, replica.op_id, f"no room: {obs.reason}", now=now)
-    if config.surge_on_unreachable and (replica.retiring or _is_surge(state)):
+    if replica.retiring or _is_surge(state):
         return _surge_failed(state, replica, "no room for a replacement", obs.reason,
                              now=now, config=config)
-    # Counted only with a switch on, so the state is the old one without them.
-    counted = config.cant_place_backoff or config.room_watch
-    in_a_row = state.unplaceable_in_a_row + 1 if counted else 0
     return state.model_copy(update={
-        "placement_error": obs.reason, "unplaceable_in_a_row": in_a_row,
-        "placement_retry_at": now + timedelta(seconds=cant_place_wait_s(in_a_row, config))})
+        "placement_error": obs.reason, "unplaceable_in_a_row": state.unplaceable_in_a_row + 1,
+        "placement_retry_at": now + timedelta(seconds=cant_place_wait_s(config))})
 
 
 def _on_placement_crashed(state: KeeperState, obs: PlacementCrashed, *, now: datetime,
@@ -695,7 +663,7 @@ def _on_placement_crashed(state: KeeperState, obs: PlacementCrashed, *, now: dat
     state = _drop(state, replica.replica_id)
     if replica.op_id is not None:
         return _op_failed(state, replica.op_id, f"placement failed: {obs.error}", now=now)
-    if config.surge_on_unreachable and (replica.retiring or _is_surge(state)):
+    if replica.retiring or _is_surge(state):
         return _surge_failed(state, replica, "placing a replacement failed", obs.error,
                              now=now, config=config)
     return state.model_copy(update={
@@ -763,15 +731,13 @@ def _on_silent(state: KeeperState, obs: Silent, *, now: datetime, config: Keeper
     if replica is None:
         return state
     # Only unreachable, not lost: a blip must not tear down a replica still serving.
-    # (With surge_on_unreachable, _reconcile places its replacement meanwhile.)
+    # (_reconcile places its replacement meanwhile.)
     actions.append(ProbeReplica(replica_id=replica.replica_id))
     state = _replace(state, replica.model_copy(update={
         "phase": Phase.UNREACHABLE, "unreachable_since": now, "probe_in_flight": True}))
-    if config.precise_status:
-        # The reason a degraded status gives.
-        state = state.model_copy(update={"last_failure": (
-            f"{replica.replica_id} unreachable: no heartbeat from {', '.join(replica.nodes)}")})
-    return state
+    # The reason a degraded status gives.
+    return state.model_copy(update={"last_failure": (
+        f"{replica.replica_id} unreachable: no heartbeat from {', '.join(replica.nodes)}")})
 
 
 def _on_probe_result(state: KeeperState, obs: ProbeResult, *, now: datetime,
@@ -786,14 +752,13 @@ def _on_probe_result(state: KeeperState, obs: ProbeResult, *, now: datetime,
             "phase": Phase.READY, "unreachable_since": None, "probe_in_flight": False,
             "next_probe_at": None})
         state = _replace(state, back)
-        if config.surge_on_unreachable:
-            # It serves now; its replacement, not yet ready (a ready one would have retired
-            # it already), is one too many: keep the original, retire the replacement.
-            others = [r for r in _counted(state, config) if r.replica_id != back.replica_id]
-            surplus = len(others) + 1 - state.spec.replicas
-            if surplus > 0:
-                state = _retire(state, others, surplus, f"not needed: {back.replica_id} is back",
-                                config, actions)
+        # It serves now; its replacement, not yet ready (a ready one would have retired it
+        # already), is one too many: keep the original, retire the replacement.
+        others = [r for r in _counted(state) if r.replica_id != back.replica_id]
+        surplus = len(others) + 1 - state.spec.replicas
+        if surplus > 0:
+            state = _retire(state, others, surplus, f"not needed: {back.replica_id} is back",
+                            actions)
         return state
     if obs.running is False:
         return _lost_after_ready(state, replica, "its agent no longer runs it", actions)
@@ -824,7 +789,7 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
         for replica in state.replicas:
             if replica.phase in (Phase.STARTING, Phase.READY, Phase.UNREACHABLE):
                 state = _stop(state, replica, "deployment deleted", actions,
-                              drain=config.graceful_stop and replica.phase is Phase.READY)
+                              drain=replica.phase is Phase.READY)
             elif replica.phase is Phase.PLACING and not replica.retiring:
                 # Its placement is in flight: it is stopped when it lands (see
                 # _on_placed), and no longer counts as wanted meanwhile.
@@ -851,7 +816,7 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
     state = _advance_ops(state, now, config, actions)
 
     desired = state.spec.replicas
-    if config.surge_on_unreachable and _ready(state) >= desired:
+    if _ready(state) >= desired:
         # Enough replicas serve without the unreachable ones (a replacement became ready,
         # or the spec shrank): stop them rather than wait for them to be lost.
         for replica in state.replicas:
@@ -859,13 +824,13 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
                 state = _stop(state, replica, "scaled down" if desired == 0
                               else "replaced while unreachable", actions)
 
-    counted = _counted(state, config)
+    counted = _counted(state)
     # A stop-first replace holds the slot of the replica it retired until its new one is
     # ready: the keeper must not fill that slot with a replica of the old generation.
     held = len(counted) + _reserved(state)
     if held > desired:
         state = _retire(state, counted, min(held - desired, len(counted)), "scaled down",
-                        config, actions)
+                        actions)
     elif held < desired and not state.parked:
         retiring = [r for r in state.replicas if r.retiring and r.phase is Phase.PLACING]
         if retiring:
@@ -874,15 +839,14 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
             return _replace(state, retiring[0].model_copy(update={"retiring": False,
                                                                   "stop_reason": None}))
         placing = any(r.phase is Phase.PLACING for r in state.replicas)
-        if not placing and _placement_due(state, now, config):
+        if not placing and _placement_due(state, now):
             replica_id = ReplicaId(f"{state.spec.deployment_id}-r{state.next_replica_seq}")
             actions.append(PlaceReplica(replica_id=replica_id))
             # A surge for an unreachable replica goes elsewhere: if that node is only
             # slow (an agent restarting), its agent vouches for the original soon, and a
             # replacement beside it would retire a healthy engine for nothing.
             avoid = sorted({n for r in state.replicas if r.phase is Phase.UNREACHABLE
-                            for n in r.nodes}) if (
-                config.surge_on_unreachable and _is_surge(state)) else []
+                            for n in r.nodes}) if _is_surge(state) else []
             state = state.model_copy(update={
                 "replicas": [*state.replicas, Replica(
                     replica_id=replica_id, phase=Phase.PLACING,
@@ -894,7 +858,7 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
 
 
 def _retire(state: KeeperState, candidates: list[Replica], n: int, reason: str,
-            config: KeeperConfig, actions: list[Action]) -> KeeperState:
+            actions: list[Action]) -> KeeperState:
     """Retire the ``n`` least useful of ``candidates``: not yet placed, not yet serving,
     unreachable, then the newest ready one. A replica a running op means to retire goes
     first among equals: it is on its way out anyway."""
@@ -903,7 +867,7 @@ def _retire(state: KeeperState, candidates: list[Replica], n: int, reason: str,
     ranked = sorted(candidates, key=lambda r: (order[r.phase], r.replica_id not in targets,
                                                -_seq(r.replica_id)))
     for replica in ranked[:n]:
-        state = _retire_one(state, replica, reason, config, actions)
+        state = _retire_one(state, replica, reason, actions)
     return state
 
 
@@ -922,14 +886,10 @@ def _reserved(state: KeeperState) -> int:
                and op.retire_issued)
 
 
-def _counted(state: KeeperState, config: KeeperConfig) -> list[Replica]:
-    """Replicas that count toward the desired number. With ``surge_on_unreachable`` an
-    unreachable one does not: it serves nobody (routed around), so a replacement is placed
-    beside it."""
-    live = _live(state)
-    if config.surge_on_unreachable:
-        return [r for r in live if r.phase is not Phase.UNREACHABLE]
-    return live
+def _counted(state: KeeperState) -> list[Replica]:
+    """Replicas that count toward the desired number. An unreachable one does not: it
+    serves nobody (routed around), so a replacement is placed beside it."""
+    return [r for r in _live(state) if r.phase is not Phase.UNREACHABLE]
 
 
 def _ready(state: KeeperState) -> int:
@@ -938,23 +898,23 @@ def _ready(state: KeeperState) -> int:
 
 def _is_surge(state: KeeperState) -> bool:
     """Whether a placement now would be beyond the desired number: a replacement for an
-    unreachable replica, placed only with ``surge_on_unreachable``."""
+    unreachable replica."""
     return (any(r.phase is Phase.UNREACHABLE for r in state.replicas)
             and len(_live(state)) >= state.spec.replicas)
 
 
-def _next_attempt(state: KeeperState, config: KeeperConfig) -> datetime | None:
+def _next_attempt(state: KeeperState) -> datetime | None:
     """The earliest time a new placement may start (every timer must have passed; a
     failed surge's timer holds only further surges)."""
     timers = [state.next_attempt_at, state.placement_retry_at]
-    if config.surge_on_unreachable and _is_surge(state):
+    if _is_surge(state):
         timers.append(state.surge_retry_at)
     times = [t for t in timers if t is not None]
     return max(times) if times else None
 
 
-def _placement_due(state: KeeperState, now: datetime, config: KeeperConfig) -> bool:
-    due = _next_attempt(state, config)
+def _placement_due(state: KeeperState, now: datetime) -> bool:
+    due = _next_attempt(state)
     return due is None or now >= due
 
 
@@ -1049,7 +1009,7 @@ def _on_op_cancelled(state: KeeperState, obs: OpCancelled, *, now: datetime,
             "detail": _note(op, "cancel asked too late: the old replica is retiring", now)}))
     note = "cancelled"
     if surged is not None and surged.phase is not Phase.STOPPING:
-        state = _retire_one(state, surged, f"cancelled: {op.op_id}", config, actions)
+        state = _retire_one(state, surged, f"cancelled: {op.op_id}", actions)
         note = f"cancelled: {surged.replica_id} retired"
     return _end_op(state, op, OpState.CANCELLED, now=now, note=note)
 
@@ -1120,7 +1080,7 @@ def _retire_target(state: KeeperState, op: Op, target: Replica | None, *, now: d
     if op.reason:
         reason = f"{reason} ({op.reason})"
     if target is not None and target.phase is not Phase.STOPPING:
-        state = _retire_one(state, target, reason, config, actions)
+        state = _retire_one(state, target, reason, actions)
     if op.balances is not None:
         state = state.model_copy(update={"replicas": [
             r.model_copy(update={"op_id": None}) if r.op_id == op.balances else r
@@ -1215,11 +1175,11 @@ def op_outcome(state: KeeperState, op_id: OpId) -> OpOutcome | None:
                      ended_at=op.ended_at, detail=op.detail)
 
 
-def brief(state: KeeperState, *, config: KeeperConfig | None = None) -> DeploymentBrief:
+def brief(state: KeeperState) -> DeploymentBrief:
     """The deployment as a saga sees it (the ``brief`` query)."""
     return DeploymentBrief(
         deployment_id=state.spec.deployment_id, desired=state.spec.replicas,
-        status=status(state, config=config).value, deleting=state.deleting,
+        status=status(state).value, deleting=state.deleting,
         generation=current_generation(state),
         replicas=[ReplicaBrief(replica_id=r.replica_id, phase=r.phase.value, nodes=r.nodes,
                                generation=_generation_of(state, r),
@@ -1274,12 +1234,12 @@ def resume(state: KeeperState) -> list[Action]:
 def next_wake(state: KeeperState, config: KeeperConfig) -> datetime | None:
     """When the keeper must be stepped again with a Tick if nothing else happens."""
     times: list[datetime] = []
-    attempt = _next_attempt(state, config)
+    attempt = _next_attempt(state)
     placing = any(r.phase is Phase.PLACING for r in state.replicas)
     # While a placement is out, its answer (not a timer) is what wakes the keeper; a timer
     # already past would otherwise wake the workflow in a loop until it lands.
     if (attempt is not None and not placing
-            and len(_counted(state, config)) < state.spec.replicas
+            and len(_counted(state)) < state.spec.replicas
             and not state.parked and not state.deleting):
         times.append(attempt)
     for r in state.replicas:
@@ -1291,17 +1251,17 @@ def next_wake(state: KeeperState, config: KeeperConfig) -> datetime | None:
 
 
 def waiting_for_room(state: KeeperState, config: KeeperConfig) -> bool:
-    """Whether a room watch should be running (``room_watch``): a placement found no room
+    """Whether a room watch should be running: a placement found no room
     and nothing since has placed one, the deployment still wants more replicas than it
     has, and neither a delete nor parking stopped it from placing. A placement in flight
     (a node change's, the backstop's) does not end the wait: if it finds no room the watch
     goes on as it was, and a watch cancelled and started again costs history events.
     """
-    if not config.room_watch or state.placement_error is None:
+    if state.placement_error is None:
         return False
     if state.deleting or state.parked or state.finished:
         return False
-    settled = [r for r in _counted(state, config) if r.phase is not Phase.PLACING]
+    settled = [r for r in _counted(state) if r.phase is not Phase.PLACING]
     return len(settled) < state.spec.replicas
 
 
@@ -1325,26 +1285,20 @@ def room_watch_goes_on(state: KeeperState, config: KeeperConfig, started_from: i
     return waiting_for_room(state, config) and state.unplaceable_in_a_row >= started_from
 
 
-def status(state: KeeperState, *, config: KeeperConfig | None = None) -> DeploymentStatus:
+def status(state: KeeperState) -> DeploymentStatus:
     """The deployment's status for operators; the first that applies of deleting, parked,
     stopped, serving, degraded, starting, cant_place, placing.
-
-    Stopped and degraded only with ``config.precise_status``. The workflow writes the
-    status to the store and to a search attribute, so a different status is a different
-    command: without ``config`` (or with the switch off) it is the old status, and a
-    recorded history replays.
     """
-    precise = config is not None and config.precise_status
     if state.deleting:
         return DeploymentStatus.DELETING
     if state.parked:
         return DeploymentStatus.PARKED
-    if precise and state.spec.replicas == 0:
+    if state.spec.replicas == 0:
         # Nothing wanted; a replica still stopping shows as stopping in the replica list.
         return DeploymentStatus.STOPPED
     if _ready(state) >= state.spec.replicas:
         return DeploymentStatus.SERVING
-    if precise and any(r.phase is Phase.UNREACHABLE for r in state.replicas):
+    if any(r.phase is Phase.UNREACHABLE for r in state.replicas):
         # Routed around, and placing or starting a replacement, or waiting for it to be
         # vouched for or lost: the replicas that were serving are not all serving.
         return DeploymentStatus.DEGRADED
@@ -1381,9 +1335,9 @@ class Overview(Frozen):
     node_ids: list[NodeId]
 
 
-def overview(state: KeeperState, *, config: KeeperConfig | None = None) -> Overview:
-    """The deployment's published numbers; ``config`` as for :func:`status`."""
-    return Overview(status=status(state, config=config), ready=_ready(state),
+def overview(state: KeeperState) -> Overview:
+    """The deployment's published numbers."""
+    return Overview(status=status(state), ready=_ready(state),
                     desired=state.spec.replicas,
                     node_ids=sorted({n for r in state.replicas for n in r.nodes}))
 
@@ -1393,11 +1347,11 @@ def overview(state: KeeperState, *, config: KeeperConfig | None = None) -> Overv
 DETAILS_REASON_CHARS = 300
 
 
-def details(state: KeeperState, *, config: KeeperConfig | None = None) -> str:
+def details(state: KeeperState) -> str:
     """A short markdown summary of the deployment for the Temporal web UI's current
     details: status, ready/desired, each replica with its phase and nodes, and the last
     failure and placement error (each cut to ``DETAILS_REASON_CHARS``)."""
-    view = overview(state, config=config)
+    view = overview(state)
     runs = current_generation(state)
     lines = [f"**{view.status.value}**: {view.ready}/{view.desired} ready, "
              f"model `{state.spec.model_id}`"

@@ -26,8 +26,7 @@ between events, a keeper is ticked exactly when ``next_wake`` says, and the only
 randomness is the ``random.Random`` passed in.
 
 ``check_step`` (one decide's state and actions) and ``Sim.check_cluster`` (the whole
-cluster) are the invariants; the simulation runs them after every event. They hold with
-``KeeperConfig.surge_on_unreachable`` on or off; with it on, an unreachable replica does
+cluster) are the invariants; the simulation runs them after every event. An unreachable replica does
 not count toward the desired number, so there may be as many more replicas as there are
 unreachable ones, and never more.
 """
@@ -110,8 +109,7 @@ def count(state: KeeperState, *phases: Phase) -> int:
 
 def allowed(state: KeeperState, config: KeeperConfig | None) -> int:
     """How many live replicas the spec allows: desired, plus (surging) the unreachable."""
-    surge = config is not None and config.surge_on_unreachable
-    return state.spec.replicas + (count(state, Phase.UNREACHABLE) if surge else 0)
+    return state.spec.replicas + count(state, Phase.UNREACHABLE)
 
 
 # -- invariants of one state and one decide -----------------------------------------------
@@ -133,8 +131,7 @@ def check_state(state: KeeperState, where: str = "",
     if n_live > allowed(state, config):
         _fail(f"{where}: {n_live} live replicas, spec asks {desired} ({placing} placing, "
               f"{count(state, Phase.UNREACHABLE)} unreachable)")
-    surge = config is not None and config.surge_on_unreachable
-    if surge and count(state, Phase.UNREACHABLE) and count(state, Phase.READY) >= desired:
+    if count(state, Phase.UNREACHABLE) and count(state, Phase.READY) >= desired:
         _fail(f"{where}: an unreachable replica kept though {desired} are ready without it")
     if state.finished and state.replicas:
         _fail(f"{where}: finished with replicas {ids}")
@@ -159,7 +156,6 @@ def check_step(before: KeeperState, obs: Observation, after: KeeperState,
     """What must hold of one decide: the state's invariants, and every action matching
     the state it leaves (so the cluster and the keeper never disagree about a replica)."""
     check_state(after, where, config)
-    surge = config is not None and config.surge_on_unreachable
     if before.finished:
         if actions or after.replicas or not after.finished:
             _fail(f"{where}: a finished keeper acted: {actions}")
@@ -213,12 +209,12 @@ def check_step(before: KeeperState, obs: Observation, after: KeeperState,
                 # is no claim to release, and the claim made meanwhile would leak.
                 _fail(f"{where}: stop of {a.replica_id} before its placement answered")
             elif a.reason == "replaced while unreachable" and (
-                    not surge or was.phase is not Phase.UNREACHABLE
+                    was.phase is not Phase.UNREACHABLE
                     or count(after, Phase.READY) < after.spec.replicas):
                 _fail(f"{where}: {a.replica_id} ({was.phase}) retired as replaced, with "
                       f"{count(after, Phase.READY)} of {after.spec.replicas} ready")
             elif a.reason.startswith("not needed") and (
-                    not surge or was.phase is Phase.READY
+                    was.phase is Phase.READY
                     or not ((isinstance(obs, ProbeResult) and obs.running is True)
                             or (was.retiring and was.stop_reason == a.reason))):
                 # Keep one of two: the original vouched for is kept over a replacement
@@ -362,7 +358,7 @@ class Stats:
     adopted: int = 0  # unreachable replicas taken back when their agent vouched
     ignored: int = 0  # observations that changed nothing (late, stale or not ours)
     placed_while_deleting: int = 0
-    #: Replacements placed beside an unreachable replica (surge_on_unreachable).
+    #: Replacements placed beside an unreachable replica.
     surged: int = 0
     #: Keep one of two: the unreachable original retired for a ready replacement, or a
     #: replacement not yet ready retired because the original was vouched for.
@@ -753,7 +749,7 @@ class Sim:
         fits serves exactly its replicas, the rest say why, and nothing is left over."""
         for dep_id, dep in self.deps.items():
             state = dep.state
-            shown = keeper.status(state, config=self.config)
+            shown = keeper.status(state)
             where = f"settled {dep_id} ({shown}, {state.replicas})"
             if state.deleting:
                 _fail(f"{where}: deleted but not finished")
@@ -775,7 +771,7 @@ class Sim:
                 if held or count(state, Phase.STARTING, Phase.READY):
                     _fail(f"{where}: does not fit, yet holds {held}")
                 want = DeploymentStatus.CANT_PLACE
-            if self.config.precise_status and state.spec.replicas == 0:
+            if state.spec.replicas == 0:
                 want = DeploymentStatus.STOPPED
             if shown is not want:
                 _fail(f"{where}: status {shown}, expected {want}")

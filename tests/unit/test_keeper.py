@@ -38,7 +38,6 @@ from modelkeeper.domain.keeper import (
     Unplaceable,
     WatchReplica,
     backoff_s,
-    cant_place_wait_s,
     decide,
     details,
     next_wake,
@@ -56,10 +55,6 @@ pytestmark = pytest.mark.timeout(30)
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 CONFIG = KeeperConfig(backoff_jitter=0.0)
-#: The hardened keeper: surge on unreachable, and the precise statuses.
-SURGE = KeeperConfig(backoff_jitter=0.0, surge_on_unreachable=True, precise_status=True)
-#: The blind can't-place retry backs off (as the workflow runs it since cant-place-backoff).
-BACKOFF = KeeperConfig(backoff_jitter=0.0, cant_place_backoff=True)
 
 
 class Stepper:
@@ -88,7 +83,7 @@ class Stepper:
 
     @property
     def status(self) -> DeploymentStatus:
-        return status(self.state, config=self.config)
+        return status(self.state)
 
 
 def rid(n: int) -> ReplicaId:
@@ -179,12 +174,13 @@ def test_cant_place_records_reason_and_retries_on_node_change_or_timer() -> None
     k.step(Unplaceable(replica_id=rid(1), reason="node b: 8.0 GiB free, needs 24.0 GiB"))
     assert k.status is DeploymentStatus.CANT_PLACE
     assert k.state.placement_error == "node b: 8.0 GiB free, needs 24.0 GiB"
-    assert k.step(at=29) == []
-    assert k.step(at=30) == [PlaceReplica(replica_id=rid(2))]
+    # The timer is the hourly backstop (the room watch backs off outside the keeper).
+    assert k.step(at=3599) == []
+    assert k.step(at=3600) == [PlaceReplica(replica_id=rid(2))]
     k.step(Unplaceable(replica_id=rid(2), reason="node b: cordoned"))
     assert k.state.placement_error == "node b: cordoned"  # the reason follows the nodes
     # A node change retries at once (nodes join in pieces: memory arrives after the node).
-    assert k.step(NodesChanged(), at=31) == [PlaceReplica(replica_id=rid(3))]
+    assert k.step(NodesChanged(), at=3601) == [PlaceReplica(replica_id=rid(3))]
     k.step(Placed(replica_id=rid(3), nodes=[NodeId("c")]))
     assert k.state.placement_error is None
 
@@ -220,79 +216,26 @@ def unplaceable_until_due(k: Stepper, n: int, at: float) -> float:
     return wait
 
 
-def test_cant_place_backoff_doubles_each_blind_retry_up_to_30_minutes() -> None:
-    k = Stepper(config=BACKOFF)
-    k.step(at=0)
-    at, waits = 0.0, []
-    for n in range(1, 10):
-        waits.append(unplaceable_until_due(k, n, at))
-        at += waits[-1]
-    assert waits == [30, 60, 120, 240, 480, 960, 1800, 1800, 1800]
-    assert k.state.unplaceable_in_a_row == 9
-    # Months unplaceable stay at the cap (2.0 ** n would overflow a float).
-    assert cant_place_wait_s(10**6, BACKOFF) == 1800
-
-
-def test_without_the_switch_cant_place_retries_every_30_s_as_before() -> None:
+def test_a_crashed_placement_waits_30_s_and_keeps_the_cant_place_count() -> None:
     k = Stepper()
     k.step(at=0)
     at = 0.0
-    for n in range(1, 6):
-        assert unplaceable_until_due(k, n, at) == 30
-        at += 30
-    assert k.state.unplaceable_in_a_row == 0  # not even counted: the old state
-
-
-def test_a_node_change_retries_at_once_and_keeps_the_backoff() -> None:
-    k = Stepper(config=BACKOFF)
-    k.step(at=0)
-    at = 0.0
     for n in range(1, 4):
-        at += unplaceable_until_due(k, n, at)  # 30, 60, 120: d-r4 placed at 210
-    k.step(Unplaceable(replica_id=rid(4), reason="node b: full"), at=210)  # next at 450
-    # Memory freed somewhere: retried now, not at 450...
-    assert k.step(NodesChanged(), at=300) == [PlaceReplica(replica_id=rid(5))]
-    # ...and still no room: the count goes on (5 in a row), from this answer.
-    assert unplaceable_until_due(k, 5, 301) == 480
-    # A node change while the placement is out changes nothing more.
-    assert k.step(NodesChanged(), at=782) == []
-
-
-def test_room_found_or_an_operator_retry_resets_the_cant_place_backoff() -> None:
-    k = Stepper(config=BACKOFF)
-    k.step(at=0)
-    at = 0.0
-    for n in range(1, 5):
-        at += unplaceable_until_due(k, n, at)  # d-r5 placed at 450
-    k.serve("d-r5", at=450)
-    assert k.state.unplaceable_in_a_row == 0 and k.state.placement_error is None
-    # Lost after serving, and its replacement finds no room: 30 s again, not 480.
-    assert k.step(Exited(replica_id=rid(5), detail="SIGKILL"), at=1000) == [
-        StopReplica(replica_id=rid(5), reason="lost: SIGKILL"), PlaceReplica(replica_id=rid(6))]
-    assert unplaceable_until_due(k, 6, 1000) == 30
-    assert unplaceable_until_due(k, 7, 1030) == 60
-    k.step(Unplaceable(replica_id=rid(8), reason="node b: full"), at=1090)
-    assert k.step(Retry(), at=1100) == [PlaceReplica(replica_id=rid(9))]
-    assert unplaceable_until_due(k, 9, 1101) == 30
-
-
-def test_a_crashed_placement_waits_30_s_and_keeps_the_cant_place_count() -> None:
-    k = Stepper(config=BACKOFF)
-    k.step(at=0)
-    at = 0.0
-    for n in range(1, 4):
-        at += unplaceable_until_due(k, n, at)  # d-r4 placed at 210
-    k.step(PlacementCrashed(replica_id=rid(4), error="database down"), at=210)
-    assert next_wake(k.state, k.config) == T0 + timedelta(seconds=240)
-    assert k.step(at=240) == [PlaceReplica(replica_id=rid(5))]
-    assert unplaceable_until_due(k, 5, 240) == 240  # the 4th no-room in a row
+        at += unplaceable_until_due(k, n, at)  # d-r4 placed at 10,800 (hourly backstop)
+    k.step(PlacementCrashed(replica_id=rid(4), error="database down"), at=at)
+    assert next_wake(k.state, k.config) == T0 + timedelta(seconds=at + 30)
+    assert k.step(at=at + 30) == [PlaceReplica(replica_id=rid(5))]
+    k.step(Unplaceable(replica_id=rid(5), reason="node b: full"), at=at + 30)
+    assert k.state.unplaceable_in_a_row == 4  # the 4th no-room in a row
 
 
 def test_two_stage_expiry_agent_comes_back_in_time() -> None:
     k = Stepper()
     k.step()
     k.serve("d-r1")
-    assert k.step(Silent(replica_id=rid(1)), at=100) == [ProbeReplica(replica_id=rid(1))]
+    # Probed, and a replacement surged beside it (placed at once).
+    assert k.step(Silent(replica_id=rid(1)), at=100) == [ProbeReplica(replica_id=rid(1)),
+                                                         PlaceReplica(replica_id=rid(2))]
     assert k.state.replicas[0].phase is Phase.UNREACHABLE
     assert k.status is not DeploymentStatus.SERVING  # routed around meanwhile
     k.step(ProbeResult(replica_id=rid(1), running=None), at=101)
@@ -301,7 +244,7 @@ def test_two_stage_expiry_agent_comes_back_in_time() -> None:
     acts = k.step(ProbeResult(replica_id=rid(1), running=True), at=110)
     assert acts == [WatchReplica(replica_id=rid(1))]  # adopted, not rebuilt
     assert k.status is DeploymentStatus.SERVING
-    assert not any(isinstance(a, StopReplica | PlaceReplica) for a in k.actions[3:])
+    assert not any(isinstance(a, StopReplica) and a.replica_id == rid(1) for a in k.actions)
 
 
 def test_two_stage_expiry_agent_never_comes_back() -> None:
@@ -314,7 +257,7 @@ def test_two_stage_expiry_agent_never_comes_back() -> None:
     assert not any(isinstance(a, StopReplica) for a in k.step(at=114.9))
     acts = k.step(at=115)
     assert StopReplica(replica_id=rid(1), reason="lost: no word from its node for 15s") in acts
-    assert PlaceReplica(replica_id=rid(2)) in acts
+    assert PlaceReplica(replica_id=rid(2)) in k.actions  # surged when it went silent
 
 
 def test_agent_back_without_the_engine_is_lost_at_once() -> None:
@@ -325,7 +268,7 @@ def test_agent_back_without_the_engine_is_lost_at_once() -> None:
     acts = k.step(ProbeResult(replica_id=rid(1), running=False), at=101)
     assert acts[0] == StopReplica(replica_id=rid(1),
                                   reason="lost: its agent no longer runs it")
-    assert acts[1] == PlaceReplica(replica_id=rid(2))
+    assert PlaceReplica(replica_id=rid(2)) in k.actions  # surged when it went silent
 
 
 def test_delete_stops_everything_and_finishes_once() -> None:
@@ -334,7 +277,7 @@ def test_delete_stops_everything_and_finishes_once() -> None:
     k.serve("d-r1")  # places r2 meanwhile
     assert k.state.replicas[-1].phase is Phase.PLACING
     acts = k.step(Delete())
-    assert acts == [StopReplica(replica_id=rid(1), reason="deployment deleted")]
+    assert acts == [StopReplica(replica_id=rid(1), reason="deployment deleted", drain=True)]
     assert k.status is DeploymentStatus.DELETING
     # The placement on its way lands after the delete: it is stopped too.
     acts = k.step(Placed(replica_id=rid(2), nodes=[NodeId("b")]))
@@ -361,7 +304,7 @@ def test_scale_up_and_down_retires_least_useful_first() -> None:
     k.step(Placed(replica_id=rid(3), nodes=[NodeId("c")]))  # starting, not ready
     acts = k.step(Scale(replicas=1))
     assert acts == [StopReplica(replica_id=rid(3), reason="scaled down"),
-                    StopReplica(replica_id=rid(2), reason="scaled down")]
+                    StopReplica(replica_id=rid(2), reason="scaled down", drain=True)]
     assert [r.replica_id for r in k.state.replicas if r.phase is Phase.READY] == [rid(1)]
 
 
@@ -437,10 +380,10 @@ def test_delete_marks_an_in_flight_placement_as_on_its_way_out() -> None:
         StopReplica(replica_id=rid(1), reason="deployment deleted")]
 
 
-# -- surge on unreachable (KeeperConfig.surge_on_unreachable, precise_status) -------------
+# -- surge on unreachable, and the precise statuses -----------------------------------------
 
 
-def serving_one(config: KeeperConfig = SURGE) -> Stepper:
+def serving_one(config: KeeperConfig = CONFIG) -> Stepper:
     """One replica, d-r1 on node a, serving since t=0."""
     k = Stepper(config=config)
     k.step(at=0)
@@ -462,19 +405,6 @@ def test_silent_replica_gets_a_replacement_at_once_with_surge_on() -> None:
     assert k.step(Placed(replica_id=rid(2), nodes=[NodeId("b")]), at=101) == [
         StartReplica(replica_id=rid(2))]
     assert k.status is DeploymentStatus.DEGRADED  # degraded outranks starting
-
-
-def test_silent_replica_waits_for_lost_with_surge_off() -> None:
-    k = serving_one(CONFIG)
-    assert k.step(Silent(replica_id=rid(1)), at=100) == [ProbeReplica(replica_id=rid(1))]
-    assert k.status is DeploymentStatus.PLACING  # the old status, for replay
-    assert k.state.last_failure is None
-    assert not any(isinstance(a, PlaceReplica) for a in k.step(at=114.9))
-    assert PlaceReplica(replica_id=rid(2)) in k.step(at=115)
-    # precise_status alone changes the status, not the decisions.
-    k = serving_one(KeeperConfig(backoff_jitter=0.0, precise_status=True))
-    assert k.step(Silent(replica_id=rid(1)), at=100) == [ProbeReplica(replica_id=rid(1))]
-    assert k.status is DeploymentStatus.DEGRADED
 
 
 def test_vouched_while_the_replacement_starts_keeps_the_original() -> None:
@@ -527,7 +457,7 @@ def test_lost_while_the_replacement_starts_places_nothing_more() -> None:
 
 
 def test_unplaceable_surge_counts_no_failure_and_waits_for_lost() -> None:
-    config = SURGE.model_copy(update={"park_after": 1})
+    config = CONFIG.model_copy(update={"park_after": 1})
     k = serving_one(config)
     k.step(Silent(replica_id=rid(1)), at=100)
     assert k.step(Unplaceable(replica_id=rid(2), reason="node b: 2.0 GiB free, needs 8.0 GiB"),
@@ -561,7 +491,7 @@ def test_unplaceable_surge_is_retried_when_the_nodes_change() -> None:
 
 
 def test_surge_never_exceeds_desired_plus_unreachable() -> None:
-    k = Stepper(replicas=2, config=SURGE)
+    k = Stepper(replicas=2)
     k.step(at=0)
     k.serve("d-r1", at=0)
     k.serve("d-r2", at=0, node="b")
@@ -585,7 +515,7 @@ def test_surge_never_exceeds_desired_plus_unreachable() -> None:
 
 
 def test_scale_down_with_surge_on_retires_the_replacement_then_the_unreachable() -> None:
-    k = Stepper(replicas=2, config=SURGE)
+    k = Stepper(replicas=2)
     k.step(at=0)
     k.serve("d-r1", at=0)
     k.serve("d-r2", at=0, node="b")
@@ -598,20 +528,18 @@ def test_scale_down_with_surge_on_retires_the_replacement_then_the_unreachable()
 
 
 def test_status_precedence_and_stopped() -> None:
-    k = Stepper(replicas=2, config=SURGE)
+    k = Stepper(replicas=2)
     k.step(at=0)
     k.serve("d-r1", at=0)
     k.step(Unplaceable(replica_id=rid(2), reason="full"), at=1)
     assert k.status is DeploymentStatus.CANT_PLACE
     k.step(Silent(replica_id=rid(1)), at=2)  # no surge yet: r2's cant-place timer holds
     assert k.status is DeploymentStatus.DEGRADED  # degraded outranks cant_place
-    assert status(k.state) is DeploymentStatus.CANT_PLACE  # the old status, for replay
     k.step(Scale(replicas=0), at=3)
     assert k.status is DeploymentStatus.STOPPED
-    assert status(k.state) is DeploymentStatus.SERVING  # the old (wrong) status
     k.step(Delete(), at=4)
     assert k.status is DeploymentStatus.DELETING
-    fresh = Stepper(replicas=0, config=SURGE)
+    fresh = Stepper(replicas=0, config=CONFIG)
     assert fresh.step() == [] and fresh.status is DeploymentStatus.STOPPED
     k = serving_one()
     k.state = k.state.model_copy(update={"parked": True})
@@ -620,30 +548,30 @@ def test_status_precedence_and_stopped() -> None:
 
 
 def test_overview_publishes_status_counts_and_every_node_holding_a_claim() -> None:
-    k = Stepper(replicas=2, config=SURGE)
+    k = Stepper(replicas=2)
     k.step(at=0)
-    assert overview(k.state, config=SURGE).model_dump() == {
+    assert overview(k.state).model_dump() == {
         "status": DeploymentStatus.PLACING, "ready": 0, "desired": 2, "node_ids": []}
     k.serve("d-r1", at=0, node="b")
     k.serve("d-r2", at=0, node="a")
     k.step(Silent(replica_id=rid(1)), at=5)
-    view = overview(k.state, config=SURGE)
+    view = overview(k.state)
     assert (view.status, view.ready, view.desired) == (DeploymentStatus.DEGRADED, 1, 2)
     assert view.node_ids == ["a", "b"]  # the unreachable one still holds its claim
     k.step(Scale(replicas=1), at=6)  # r1 (unreachable) stops; it holds b until stopped
-    assert overview(k.state, config=SURGE).node_ids == ["a", "b"]
+    assert overview(k.state).node_ids == ["a", "b"]
     k.step(Stopped(replica_id=rid(1)), at=7)
-    assert overview(k.state, config=SURGE).node_ids == ["a"]
+    assert overview(k.state).node_ids == ["a"]
 
 
 def test_details_are_short_markdown_with_replicas_and_reasons() -> None:
     k = serving_one()
-    text = details(k.state, config=k.config)
+    text = details(k.state)
     assert text.splitlines()[0] == "**serving**: 1/1 ready, model `m`"
     assert "| d-r1 | ready | a |" in text
     k.step(Exited(replica_id=rid(1), detail="killed by SIGKILL"))
     k.step(Unplaceable(replica_id=rid(2), reason="x" * 4000))
-    text = details(k.state, config=k.config)
+    text = details(k.state)
     assert "| d-r1 | stopping | a |" in text
     assert "Last failure: killed by SIGKILL" in text
     assert "Can't place: " + "x" * 300 + "..." in text
@@ -670,12 +598,8 @@ def test_carried_state_ignores_unknown_keys_and_operator_input_does_not() -> Non
 
 # -- the room watch: the backed-off retry outside the workflow's history ---------------------
 
-#: As the workflow runs the keeper since cant-place-room-watch.
-WATCH = KeeperConfig(backoff_jitter=0.0, cant_place_backoff=True, room_watch=True)
-
-
 def test_the_room_watch_schedule_carries_on_the_backoff_up_to_10_minutes() -> None:
-    def waits(unplaceable: int, checks: int, config: KeeperConfig = WATCH) -> list[float]:
+    def waits(unplaceable: int, checks: int, config: KeeperConfig = CONFIG) -> list[float]:
         return [room_watch_wait_s(unplaceable, check, first_s=config.cant_place_retry_s,
                                   max_s=config.room_watch_max_s) for check in range(checks)]
 
@@ -684,8 +608,7 @@ def test_the_room_watch_schedule_carries_on_the_backoff_up_to_10_minutes() -> No
     # A watch started again (continue-as-new, a dry run the placement contradicted) goes
     # on from the count: after 3 in a row, as the blind retry would have waited.
     assert waits(3, 4) == [120, 240, 480, 600]
-    assert waits(3, 1) == [cant_place_wait_s(3, BACKOFF)]
-    # A count never counted (state from before the switches) starts at 30 s.
+    # A count of 0 (no placement refused yet) starts at 30 s.
     assert waits(0, 3) == [30, 30, 60]
     # Months of it stay at the cap; a cap below the first wait never spins.
     assert room_watch_wait_s(10**6, 10**6, first_s=30, max_s=600) == 600
@@ -697,7 +620,7 @@ def test_the_room_watch_schedule_carries_on_the_backoff_up_to_10_minutes() -> No
 
 
 def test_with_the_room_watch_the_blind_retry_is_an_hourly_backstop() -> None:
-    k = Stepper(config=WATCH)
+    k = Stepper()
     k.step(at=0)
     at = 0.0
     for n in range(1, 4):
@@ -705,13 +628,11 @@ def test_with_the_room_watch_the_blind_retry_is_an_hourly_backstop() -> None:
         assert wait == 3600
         at += wait
     assert k.state.unplaceable_in_a_row == 3  # counted, for the watch's schedule
-    # Without the watch, the same three waits back off on the timer, as before.
-    assert [cant_place_wait_s(n, BACKOFF) for n in range(1, 4)] == [30, 60, 120]
 
 
 def test_a_room_watch_runs_while_the_deployment_waits_for_room_and_starts_between_placements(
 ) -> None:
-    k = Stepper(replicas=2, config=WATCH)
+    k = Stepper(replicas=2)
     k.step(at=0)
     assert not waiting_for_room(k.state, k.config)  # placing, never refused yet
     k.step(Unplaceable(replica_id=rid(1), reason="node a: full"), at=1)
@@ -745,14 +666,14 @@ def test_a_room_watch_runs_while_the_deployment_waits_for_room_and_starts_betwee
     assert not room_watch_goes_on(k.state, k.config, 1)
 
 
-@pytest.mark.parametrize("end", ["scaled down", "deleted", "parked", "no switch"])
+@pytest.mark.parametrize("end", ["scaled down", "deleted", "parked"])
 def test_no_room_watch_once_nothing_waits_for_room(end: str) -> None:
-    k = Stepper(config=WATCH if end != "no switch" else BACKOFF)
+    k = Stepper()
     k.step(at=0)
     k.step(Unplaceable(replica_id=rid(1), reason="node a: full"), at=1)
-    # Waiting for room until the end comes (never, without the switch).
-    assert waiting_for_room(k.state, k.config) is (end != "no switch")
-    assert room_watch_start(k.state, k.config) == (None if end == "no switch" else 1)
+    # Waiting for room until the end comes.
+    assert waiting_for_room(k.state, k.config)
+    assert room_watch_start(k.state, k.config) == 1
     match end:
         case "scaled down":
             k.step(Scale(replicas=0), at=2)

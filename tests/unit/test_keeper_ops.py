@@ -38,8 +38,8 @@ from .test_keeper import Stepper
 
 pytestmark = pytest.mark.timeout(30)
 
-GRACEFUL = KeeperConfig(backoff_jitter=0.0, surge_on_unreachable=True, precise_status=True,
-                        cant_place_backoff=True, graceful_stop=True)
+#: The keeper as the workflow runs it (no backoff jitter, for exact times).
+GRACEFUL = KeeperConfig(backoff_jitter=0.0)
 B = Generation(number=1, model_id=ModelId("b"))
 
 
@@ -49,7 +49,7 @@ def serving(replicas: int = 2) -> Stepper:
     for i in range(1, replicas + 1):
         keeper.step()
         keeper.serve(f"d-r{i}", node="abcdefg"[i - 1])
-    assert status(keeper.state, config=GRACEFUL) is DeploymentStatus.SERVING
+    assert status(keeper.state) is DeploymentStatus.SERVING
     keeper.actions.clear()
     return keeper
 
@@ -117,7 +117,7 @@ def test_stop_first_retires_first_holds_the_slot_and_places_once_the_old_has_sto
     keeper.serve("d-r2")
     assert outcome_state(keeper, "s:1") is OpState.SUCCEEDED
     assert keeper.step() == []
-    assert status(keeper.state, config=GRACEFUL) is DeploymentStatus.SERVING
+    assert status(keeper.state) is DeploymentStatus.SERVING
 
 
 def test_a_failed_stop_first_frees_its_slot_and_the_old_generation_comes_back() -> None:
@@ -147,7 +147,7 @@ def test_a_surge_without_room_fails_the_op_and_not_the_deployment() -> None:
     outcome = op_outcome(keeper.state, OpId("s:1"))
     assert outcome is not None and outcome.state is OpState.FAILED
     assert outcome.error == "no room: a: full"
-    assert status(keeper.state, config=GRACEFUL) is DeploymentStatus.SERVING
+    assert status(keeper.state) is DeploymentStatus.SERVING
     assert keeper.state.placement_error is None
 
 
@@ -211,7 +211,7 @@ def test_generations_mark_older_replicas_outdated_and_new_ones_run_the_new() -> 
     keeper = serving(2)
     keeper.step(GenerationSet(op_id=OpId("s:9"), generation=B))
     assert outdated(keeper.state) == ["d-r1", "d-r2"]
-    view = brief(keeper.state, config=keeper.config)
+    view = brief(keeper.state)
     assert view.generation == B
     assert [r.generation for r in view.replicas] == [Generation(model_id=ModelId("m"))] * 2
     keeper.step(Scale(replicas=3))

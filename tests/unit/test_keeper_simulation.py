@@ -8,8 +8,8 @@
   created, scaled and deleted at random (some deleted while their first placement is on its
   way), with every result reaching the keeper 0-10 s late, out of order across replicas.
 
-Both run with the old keeper and with the hardened one (``surge_on_unreachable``,
-``precise_status`` and ``cant_place_backoff``, as the workflow runs it): the invariants
+Both run the keeper as the workflow runs it (surge on unreachable, the precise statuses
+and the room watch): the invariants
 (``keeper_sim.check_step`` and ``Sim.check_cluster``) run after every event, among them
 never more live replicas (or claims) than desired plus the unreachable ones, and never an
 unreachable replica kept once enough are ready without it; once faults stop and the
@@ -18,8 +18,8 @@ nothing is left over, and nothing deleted holds a claim (``Sim.check_settled``).
 
 Two node-crash scenarios measure what the surge is for: re-serving in seconds when there is
 room elsewhere, and waiting for lost (without a failure counted) when there is not. One
-counts the blind placements of a deployment that never fits, an hour at a time: 120 an hour
-without the can't-place backoff, 2 with it, 1 (the backstop) with the room watch.
+counts the blind placements of a deployment that never fits, an hour at a time: 1 (the
+backstop) with the room watch.
 
 Then a property test feeds decide random observations (garbage ids, late and duplicate
 results) and checks the same invariants, that next_wake announces everything that comes
@@ -54,6 +54,7 @@ from modelkeeper.domain.keeper import (
     Placed,
     PlacementCrashed,
     PlaceReplica,
+    ProbeReplica,
     ProbeResult,
     Replica,
     Retry,
@@ -87,11 +88,13 @@ pytestmark = pytest.mark.timeout(120)
 
 FIVE_NODES = {f"n{i}": 64.0 for i in range(1, 6)}
 SETTLE_S = 600.0
-OLD = KeeperConfig()
-#: Every switch on, as the workflow runs the keeper since its patches.
-HARDENED = KeeperConfig(surge_on_unreachable=True, precise_status=True,
-                        cant_place_backoff=True)
-BOTH = pytest.mark.parametrize("config", [OLD, HARDENED], ids=["old", "surge"])
+#: The keeper as the workflow runs it (its switches were retired in 0.2: one behaviour).
+HARDENED = KeeperConfig()
+#: The simulation runs no room watch (the workflow's activity that retries a deployment
+#: that cannot be placed once a dry run finds room): a blind retry every 30 s, the watch's
+#: first wait, stands in for it.
+SIMULATED = KeeperConfig(cant_place_backstop_s=30.0)
+BOTH = pytest.mark.parametrize("config", [SIMULATED], ids=["surge"])
 
 
 # -- fault drivers --------------------------------------------------------------------------
@@ -194,26 +197,22 @@ def test_four_hours_of_replica_and_node_loss(seed: int, config: KeeperConfig) ->
     assert s.faults["engine_killed"] > 50 and s.faults["node_crashed"] > 8
     assert s.faults["node_cut_off"] > 4 and s.lost > 100 and s.adopted > 3
     assert s.exited > 30 and s.silent > 20 and s.start_failed > 20 and s.cant_place > 300
-    if config.surge_on_unreachable:
-        assert s.surged > 10 and s.kept_replacement > 0 and s.kept_original > 0
-    else:
-        assert s.surged == s.kept_replacement == s.kept_original == 0
-    # The one that never fits kept trying: every cant_place_retry_s at least (with the
-    # backoff: every cant_place_retry_max_s), and never more often than cant_place_retry_s
+    assert s.surged > 10 and s.kept_replacement > 0 and s.kept_original > 0
+    # The one that never fits kept trying: every cant_place_backstop_s at least (the room
+    # watch backs off outside the keeper), and never more often than cant_place_retry_s
     # plus once per node change.
     g = sim.deps[giant]
     assert g.state.placement_error and "needs 2 nodes, 0 fit" in g.state.placement_error
     elapsed = sim.elapsed()
     retry_s = sim.config.cant_place_retry_s
-    longest_s = sim.config.cant_place_retry_max_s if config.cant_place_backoff else retry_s
+    longest_s = sim.config.cant_place_backstop_s
     assert g.places >= elapsed / (longest_s + 4)
     assert g.places <= elapsed / retry_s + g.node_changes + 2
 
 
 @pytest.mark.parametrize(("config", "per_hour"), [
-    (OLD, [120, 120, 120]), (HARDENED, [7, 2, 2]),
-    (HARDENED.model_copy(update={"room_watch": True}), [1, 1, 1])],
-    ids=["old", "backoff", "room-watch"])
+    (HARDENED, [1, 1, 1])],
+    ids=["room-watch"])
 def test_blind_retries_of_a_deployment_that_never_fits_an_hour_at_a_time(
         config: KeeperConfig, per_hour: list[int]) -> None:
     """Nothing else happens (no node changes): every placement is a blind retry, answered
@@ -320,7 +319,7 @@ def seconds_until_served(sim: Sim, dep_id: DeploymentId, limit_s: float = 120.0)
 
 
 @BOTH
-def test_a_node_crash_costs_seconds_with_surge_and_lost_after_without(
+def test_a_node_crash_costs_seconds_with_surge(
         config: KeeperConfig) -> None:
     sim = Sim(random.Random(7), {"n1": 64.0, "n2": 64.0, "n3": 64.0}, config=config,
               knobs=STEADY)
@@ -329,10 +328,7 @@ def test_a_node_crash_costs_seconds_with_surge_and_lost_after_without(
     sim.crash_node(serving_node(sim, dep_id))
     outage = seconds_until_served(sim, dep_id)
     # heartbeat 3 s + lag + place 0.5 s + lag + start 5 s + lag, with or without lost 15 s
-    if config.surge_on_unreachable:
-        assert 8.5 <= outage <= 9.0
-    else:
-        assert 8.5 + config.lost_after_s <= outage <= 9.0 + config.lost_after_s
+    assert 8.5 <= outage <= 9.0
     sim.run_for(SETTLE_S)  # the crashed node never returns; its claim is released anyway
     sim.check_settled(fits=lambda dep: True)
     assert sim.stats.start_failed == 0 and sim.deps[dep_id].state.consecutive_failures == 0
@@ -368,7 +364,7 @@ def test_a_node_crash_with_no_room_elsewhere_waits_for_lost_and_counts_no_failur
 def keeper_status(sim: Sim, dep_id: DeploymentId) -> DeploymentStatus:
     from modelkeeper.domain.keeper import status
 
-    return status(sim.deps[dep_id].state, config=sim.config)
+    return status(sim.deps[dep_id].state)
 
 
 # -- properties of decide over random observations ------------------------------------------
@@ -431,11 +427,9 @@ def spec(replicas: int) -> DeploymentSpec:
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(replicas=st.integers(0, 4), n_steps=st.integers(1, 60), surge=st.booleans(),
-       backoff=st.booleans(), watch=st.booleans(), data=st.data())
+@given(replicas=st.integers(0, 4), n_steps=st.integers(1, 60), data=st.data())
 def test_random_observations_keep_the_invariants(
-        replicas: int, n_steps: int, surge: bool, backoff: bool, watch: bool,
-        data: st.DataObject) -> None:
+        replicas: int, n_steps: int, data: st.DataObject) -> None:
     """Whatever arrives, in whatever order: decide never crashes, every state keeps the
     invariants (at most one placing, no duplicate ids, live <= spec with a placement
     scaled away in flight marked retiring, finished only when empty and deleted), every
@@ -443,12 +437,10 @@ def test_random_observations_keep_the_invariants(
     announces everything that comes due and never lies in the past.
 
     Most results are aimed at replicas the keeper has (so deep states are reached); the
-    rest at replicas it had (late results) or never had (garbage). Half the runs surge on
-    unreachable (live <= spec + unreachable instead); half, independently, back off the
-    can't-place retry, and half run the room watch: one is started only between
-    placements, and only while the deployment waits for room."""
-    config = CONFIG.model_copy(update={"surge_on_unreachable": surge, "precise_status": surge,
-                                       "cant_place_backoff": backoff, "room_watch": watch})
+    rest at replicas it had (late results) or never had (garbage). The keeper surges on
+    unreachable (live <= spec + unreachable) and runs the room watch: one is started only
+    between placements, and only while the deployment waits for room."""
+    config = CONFIG
     state = KeeperState(spec=spec(replicas))
     now = T0
     finishes = 0
@@ -480,10 +472,10 @@ def test_random_observations_keep_the_invariants(
         state = after
         start = room_watch_start(state, config)
         if start is not None:
-            assert watch and waiting_for_room(state, config), where
+            assert waiting_for_room(state, config), where
             assert not any(r.phase is Phase.PLACING for r in state.replicas), where
             assert start == state.unplaceable_in_a_row, where
-        if state.deleting or state.parked or not watch:
+        if state.deleting or state.parked:
             assert not waiting_for_room(state, config), where
         peek = data.draw(st.sampled_from([0.0, 1.0, 9.0, 14.9, 15.0, 29.0, 61.0]))
         check_no_spin(state, now, config, where)
@@ -526,7 +518,8 @@ def test_next_wake_announces_a_backoff_and_a_cant_place_retry() -> None:
                     (1, StartFailed(replica_id=r(1), error="x"))])
     assert next_wake(state, KeeperConfig(backoff_jitter=0.0)) == T0 + timedelta(seconds=11)
     state, _ = run([(0, Tick()), (2, Unplaceable(replica_id=r(1), reason="full"))])
-    assert next_wake(state, KeeperConfig()) == T0 + timedelta(seconds=32)
+    # The hourly backstop (the room watch backs off outside the keeper).
+    assert next_wake(state, KeeperConfig()) == T0 + timedelta(seconds=3602)
 
 
 def test_an_unreachable_replica_that_exits_is_replaced() -> None:
@@ -534,8 +527,9 @@ def test_an_unreachable_replica_that_exits_is_replaced() -> None:
                        (1, Started(replica_id=r(1), endpoint="http://e")),
                        (5, Silent(replica_id=r(1))),
                        (6, Exited(replica_id=r(1), detail="SIGKILL"))])
-    assert acts[-1] == [StopReplica(replica_id=r(1), reason="lost: SIGKILL"),
-                        PlaceReplica(replica_id=r(2))]
+    # Its replacement was surged when it went silent; the exit makes it lost.
+    assert acts[-2] == [ProbeReplica(replica_id=r(1)), PlaceReplica(replica_id=r(2))]
+    assert acts[-1] == [StopReplica(replica_id=r(1), reason="lost: SIGKILL")]
 
 
 def test_delete_stops_an_unreachable_replica() -> None:
@@ -588,7 +582,7 @@ def test_scale_down_retires_an_unreachable_replica_before_a_newer_ready_one() ->
                    (1, Placed(replica_id=r(2), nodes=[NodeId("b")])),
                    (2, Started(replica_id=r(2), endpoint="http://e")),
                    (3, Silent(replica_id=r(1))), (4, Scale(replicas=1))], replicas=2)
-    assert acts[-1] == [StopReplica(replica_id=r(1), reason="scaled down")]
+    assert acts[-1] == [StopReplica(replica_id=r(1), reason="replaced while unreachable")]
 
 
 def test_a_parked_deployment_with_a_late_cant_place_does_not_wake() -> None:
@@ -620,10 +614,10 @@ def test_results_that_do_not_fit_a_replica_phase_change_nothing() -> None:
 def test_a_placement_waits_for_both_the_backoff_and_the_cant_place_retry() -> None:
     """A failed start's backoff and a cant-place retry timer both hold: the later wins."""
     state, acts = run([(0, Tick()), (0, Placed(replica_id=r(1), nodes=[NodeId("a")])),
-                       (1, Unplaceable(replica_id=r(2), reason="full")),  # retry at 31
+                       (1, Unplaceable(replica_id=r(2), reason="full")),  # retry at 3601
                        (2, StartFailed(replica_id=r(1), error="exit 1")),  # backoff to 12
                        (3, Stopped(replica_id=r(1))),
-                       (12, Tick()), (31, Tick())], replicas=2)
+                       (12, Tick()), (3601, Tick())], replicas=2)
     assert acts[-2] == []
     assert acts[-1] == [PlaceReplica(replica_id=r(3))]
     assert state.consecutive_failures == 1

@@ -9,6 +9,15 @@ from pathlib import Path
 import pytest
 
 from cli.main import build_parser, load_settings
+from modelkeeper.domain.keeper import KeeperConfig
+from modelkeeper.domain.tunables import (
+    AgentTunables,
+    ControlTunables,
+    GatewayTunables,
+    KeeperTunables,
+    LivenessTunables,
+    Tunables,
+)
 from modelkeeper.settings import ROOT_DATA_DIR, Settings, config_table_markdown
 
 pytestmark = pytest.mark.timeout(10)
@@ -102,3 +111,20 @@ def test_readme_configuration_table_is_generated_from_settings() -> None:
     assert text[start:end] == config_table_markdown(), (
         "README's configuration table is stale: regenerate it with `modelkeeper config-doc`"
     )
+
+
+def test_each_tunable_default_lives_once() -> None:
+    """Settings inherits the tunables' fields (modelkeeper.domain.tunables): the same
+    defaults, limits and reasons, re-declared nowhere. A deployment started without the
+    API runs with exactly what the API would send (Settings.tunables), and the keeper's
+    own config defaults are the tunables'."""
+    groups = (KeeperTunables, ControlTunables, LivenessTunables, AgentTunables, GatewayTunables)
+    settings = Settings.model_construct()  # the defaults, whatever the environment says
+    for group in groups:
+        for name, field in group.model_fields.items():
+            mine = Settings.model_fields[name]
+            assert (mine.default, mine.description, mine.metadata) == (
+                field.default, field.description, field.metadata), name
+    assert settings.tunables() == Tunables()
+    assert Tunables().watch_heartbeat_timeout_s == 60.0  # 3 s once, in WorkflowTimings
+    assert KeeperConfig() == KeeperConfig.of(Tunables())

@@ -50,7 +50,12 @@ from modelkeeper.domain.control import (
 from modelkeeper.domain.draining import DrainReplicaInput, DrainReplicaResult
 from modelkeeper.domain.events import Event, NewEvent
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, OpId, ReplicaId
-from modelkeeper.domain.keeper import DeploymentSpec, KeeperConfig, room_watch_wait_s
+from modelkeeper.domain.keeper import (
+    DeploymentSpec,
+    KeeperConfig,
+    KeeperState,
+    room_watch_wait_s,
+)
 from modelkeeper.domain.nodes import AgentRegistration, Inventory, NodeSilentInput
 from modelkeeper.domain.ops import (
     AwaitOpRequest,
@@ -76,6 +81,7 @@ from modelkeeper.domain.shards import (
     WatchShardInput,
 )
 from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.domain.tunables import Tunables
 from modelkeeper.names import (
     CONTROL_TASK_QUEUE,
     ERROR_OP_REFUSED,
@@ -97,9 +103,8 @@ from workflows.deployment import (
     STATUS_KEY,
     DeploymentInput,
     DeploymentWorkflow,
+    DeploymentWorkflowState,
     WorkflowStatus,
-    WorkflowTimings,
-    initial_state,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -371,15 +376,18 @@ class Running:
         return await asyncio.wait_for(poll(), timeout)
 
 
-def _input(*, replicas: int = 1, config: KeeperConfig | None = None,
-           timings: WorkflowTimings | None = None,
+def _tunables(**fields: Any) -> Tunables:
+    """The tunables with ``fields`` set, and without backoff jitter unless they say."""
+    return Tunables(**{"backoff_jitter": 0.0, **fields})
+
+
+def _input(*, replicas: int = 1, tunables: Tunables | None = None,
            search_attributes: bool = False) -> DeploymentInput:
-    """A new deployment d1 of model m, without backoff jitter unless ``config`` says."""
+    """A new deployment d1 of model m, without backoff jitter unless ``tunables`` says."""
     spec = DeploymentSpec(deployment_id=DeploymentId("d1"), model_id=ModelId("m"),
                           replicas=replicas)
-    return DeploymentInput(state=initial_state(
-        spec, config or KeeperConfig(backoff_jitter=0.0), timings or WorkflowTimings(),
-        search_attributes=search_attributes))
+    return DeploymentInput(spec=spec, tunables=tunables or _tunables(),
+                           search_attributes=search_attributes)
 
 
 @contextlib.asynccontextmanager
@@ -412,12 +420,11 @@ async def _start(env: WorkflowEnvironment, cluster: FakeCluster,
 
 @contextlib.asynccontextmanager
 async def _run(env: WorkflowEnvironment, cluster: FakeCluster, replicas: int = 1,
-               config: KeeperConfig | None = None, timings: WorkflowTimings | None = None,
+               tunables: Tunables | None = None,
                *, search_attributes: bool = False) -> AsyncIterator[Running]:
     async with _workers(env, cluster):
         yield await _start(env, cluster, _input(
-            replicas=replicas, config=config, timings=timings,
-            search_attributes=search_attributes))
+            replicas=replicas, tunables=tunables, search_attributes=search_attributes))
 
 
 HISTORIES = Path(__file__).resolve().parents[1] / "histories"
@@ -549,8 +556,8 @@ async def _until_async(run: Running, check: object) -> None:
 async def test_continue_as_new_carries_the_whole_state(
     time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
 ) -> None:
-    timings = WorkflowTimings(continue_as_new_after_events=60)
-    async with _run(time_skipping_env, cluster, timings=timings) as run:
+    tunables = _tunables(continue_as_new_after_events=60)
+    async with _run(time_skipping_env, cluster, tunables=tunables) as run:
         handle = run.handle
         first_run = (await handle.describe()).run_id
         for n in range(1, 5):
@@ -597,9 +604,8 @@ async def test_continue_as_new_waits_for_a_pending_store_write_and_carries_what_
     cluster.start_failures = 1
     cluster.store_gate = asyncio.Event()  # every store write waits from the start
     # A short backoff: the write held in flight holds the test server's clock to the wall.
-    config = KeeperConfig(backoff_jitter=0.0, backoff_initial_s=0.1)
-    timings = WorkflowTimings(continue_as_new_after_events=20)
-    async with _run(time_skipping_env, cluster, config=config, timings=timings) as run:
+    tunables = _tunables(start_backoff_initial_s=0.1, continue_as_new_after_events=20)
+    async with _run(time_skipping_env, cluster, tunables=tunables) as run:
         first = run.handle
         latest = time_skipping_env.client.get_workflow_handle(first.id)
         # d1-r1 failed to start (its event queued behind the first write, still in
@@ -640,7 +646,7 @@ def test_state_is_whole_from_construction() -> None:
     workflow object no workflow task has run yet (no worker, no run, no event loop)."""
     request = _input()
     view = DeploymentWorkflow(request).status()
-    assert view.keeper == request.state.keeper
+    assert view.keeper == KeeperState(spec=request.spec)
     assert view.keeper.replicas == []
 
 
@@ -744,8 +750,8 @@ async def test_a_timed_out_placement_is_released_once_its_last_attempt_has_ended
     """A placement that times out may still be inside its transaction: the release waits
     out an attempt's start-to-close first, so it does not run before that commit."""
     cluster.place_errors = ["timeout"]
-    timings = WorkflowTimings(place_schedule_to_close_s=1.0)
-    async with _run(time_skipping_env, cluster, timings=timings) as run:
+    tunables = _tunables(place_schedule_to_close_s=1.0)
+    async with _run(time_skipping_env, cluster, tunables=tunables) as run:
         before = await time_skipping_env.get_current_time()
         await asyncio.wait_for(_until(lambda: cluster.claimed == ["d1-r1"]), 20)
         await run.until(DeploymentStatus.SERVING, timeout=30, skip_s=5)
@@ -789,8 +795,11 @@ async def test_carried_state_with_fields_this_worker_does_not_know_decodes(
     status = DeploymentStatusUpdate(
         deployment_id=DeploymentId("d1"), status=DeploymentStatus.SERVING,
         placement_error=None, consecutive_failures=0, last_failure=None, desired_replicas=1)
-    raw = _input().model_dump(mode="json")
-    state = raw["state"]
+    request = _input()
+    raw = request.model_dump(mode="json")
+    state = raw["carried"] = DeploymentWorkflowState(
+        keeper=KeeperState(spec=request.spec), config=KeeperConfig.of(request.tunables),
+        tunables=request.tunables, search_attributes=False).model_dump(mode="json")
     state["keeper"]["replicas"] = [{"replica_id": "d1-r1", "phase": "ready",
                                     "nodes": [NODE], "endpoint": "http://engine/d1-r1",
                                     **extra}]
@@ -798,7 +807,7 @@ async def test_carried_state_with_fields_this_worker_does_not_know_decodes(
     state["shards"] = {"d1-r1": [{**shard.model_dump(mode="json"), **extra}]}
     state["written_status"] = {**status.model_dump(mode="json"), **extra}
     for part in (raw, state, state["keeper"], state["keeper"]["spec"], state["config"],
-                 state["timings"]):
+                 state["tunables"]):
         part.update(extra)
     cluster.crash["d1-r1"] = asyncio.Event()  # the engine the newer worker started
     async with _workers(time_skipping_env, cluster):
@@ -826,8 +835,8 @@ async def test_an_unreachable_replica_its_agent_vouches_for_is_adopted(
     cluster.agent_extra = {"added_in_a_later_version": True}
     cluster.start_gates["d1-r2"] = asyncio.Event()  # the replacement is still loading
     cluster.probe_after_status = DeploymentStatus.DEGRADED
-    timings = WorkflowTimings(watch_heartbeat_timeout_s=2.0)
-    async with _run(time_skipping_env, cluster, timings=timings) as run:
+    tunables = _tunables(watch_heartbeat_timeout_s=2.0)
+    async with _run(time_skipping_env, cluster, tunables=tunables) as run:
         await asyncio.wait_for(_until(lambda: cluster.released == ["d1-r2"]), 20)
         await _until_async(run, lambda v: [(r.replica_id, r.phase) for r in v.keeper.replicas]
                            == [("d1-r1", "ready")])
@@ -850,9 +859,8 @@ async def test_degraded_while_the_surge_replacement_loads_then_the_original_is_s
     cluster.silence = {"d1-r1"}
     cluster.agent_runs = None
     gate = cluster.start_gates["d1-r2"] = asyncio.Event()
-    timings = WorkflowTimings(watch_heartbeat_timeout_s=2.0)
-    config = KeeperConfig(backoff_jitter=0.0, lost_after_s=300.0)
-    async with _run(time_skipping_env, cluster, config=config, timings=timings) as run:
+    tunables = _tunables(watch_heartbeat_timeout_s=2.0, replica_lost_after_s=300.0)
+    async with _run(time_skipping_env, cluster, tunables=tunables) as run:
         view = await run.until(DeploymentStatus.DEGRADED)
         assert view.keeper.last_failure == "d1-r1 unreachable: no heartbeat from n1"
         await _until_async(run, lambda v: [(r.replica_id, r.phase) for r in v.keeper.replicas]
@@ -1019,7 +1027,10 @@ async def test_node_silent_makes_replicas_unreachable_and_the_probe_supersedes_t
     cluster.agent_runs = {"d1-r1"}
     cluster.start_gates["d1-r2"] = asyncio.Event()  # the replacement is still loading
     cluster.probe_after_status = DeploymentStatus.DEGRADED
-    async with _run(time_skipping_env, cluster) as run:
+    # Heartbeats every 2.4 s (0.8 x 3 s), which bring the watch its cancel: with the
+    # default 60 s (Settings') the SDK would send one every 48 s.
+    tunables = _tunables(watch_heartbeat_timeout_s=3.0)
+    async with _run(time_skipping_env, cluster, tunables=tunables) as run:
         await run.until(DeploymentStatus.SERVING)
         await run.handle.signal(DeploymentWorkflow.node_silent, NodeSilentInput(
             node_id=NODE, replica_ids=[ReplicaId("d1-r1"), ReplicaId("not-ours")]))
@@ -1096,10 +1107,10 @@ BLIND_RETRY = [EventType.EVENT_TYPE_TIMER_FIRED, *[EventType.EVENT_TYPE_WORKFLOW
 #: the scaling keeps, not seconds.
 SCALE = 360.0
 HOUR = timedelta(hours=1) / SCALE
-SCALED = KeeperConfig(backoff_jitter=0.0, cant_place_retry_s=30 / SCALE,
+SCALED = _tunables(cant_place_retry_s=30 / SCALE,
                       room_watch_max_s=600 / SCALE, cant_place_backstop_s=3600 / SCALE)
 #: The real room watch's heartbeats, sent every 0.8 x this, report its dry runs.
-WATCH_TIMINGS = WorkflowTimings(room_watch_heartbeat_timeout_s=5.0)
+WATCH_TIMINGS = SCALED.model_copy(update={"room_watch_heartbeat_timeout_s": 5.0})
 
 
 def _scaled_s(since: datetime, event: HistoryEvent) -> float:
@@ -1126,7 +1137,7 @@ async def test_a_deployment_that_cannot_be_placed_costs_at_most_30_history_event
     still retries at once, and leaves the watch running; a placement that finds room
     cancels it."""
     cluster.cant_place = "node a: 8.0 GiB free, needs 24.0 GiB"
-    async with _run(time_skipping_env, cluster, config=SCALED) as run:
+    async with _run(time_skipping_env, cluster, tunables=SCALED) as run:
         await run.until(DeploymentStatus.CANT_PLACE)
         # From when the first answer's timer (the backstop) and watch are started and the
         # status write is in.
@@ -1194,7 +1205,7 @@ async def test_room_that_appears_without_a_node_change_is_found_by_the_room_watc
     dry run finds the room, at most its cap (10 min, SCALE time) after it appeared, and
     the workflow places at once; the backstop (1 h) plays no part."""
     cluster.cant_place = "node a: 8.0 GiB free, needs 24.0 GiB"
-    async with _run(time_skipping_env, cluster, config=SCALED) as run:
+    async with _run(time_skipping_env, cluster, tunables=SCALED) as run:
         await run.until(DeploymentStatus.CANT_PLACE)
         # Until the watch waits its longest: 30 + 60 + 120 + 240 + 480 s of dry runs.
         await asyncio.wait_for(_until(lambda: bool(cluster.room_checks)
@@ -1225,7 +1236,7 @@ async def test_a_dry_run_that_says_fits_where_placement_says_no_backs_off_and_ne
     is 6 placements an hour; each costs what the first below costs."""
     cluster.cant_place = "node a: 8.0 GiB free, needs 24.0 GiB"
     cluster.dry_run_fits = True
-    async with _run(time_skipping_env, cluster, config=SCALED) as run:
+    async with _run(time_skipping_env, cluster, tunables=SCALED) as run:
         await asyncio.wait_for(_until(lambda: len(cluster.placements) == 9), 30)
         view = await _until_view(run, lambda v: v.keeper.unplaceable_in_a_row == 9)
         assert view.status is DeploymentStatus.CANT_PLACE
@@ -1285,8 +1296,8 @@ async def test_a_serving_deployment_adds_no_history_events_while_its_watch_heart
     hour is shown in its two parts: no timer is open, so only an activity's result, a
     signal or an update can add an event, none of which time brings; and over seconds in
     which heartbeats reach the server, no event is added."""
-    timings = WorkflowTimings(watch_heartbeat_timeout_s=2.0)  # one heartbeat sent per 1.6 s
-    async with _run(time_skipping_env, cluster, timings=timings) as run:
+    tunables = _tunables(watch_heartbeat_timeout_s=2.0)  # one heartbeat sent per 1.6 s
+    async with _run(time_skipping_env, cluster, tunables=tunables) as run:
         await run.until(DeploymentStatus.SERVING)
         await asyncio.wait_for(_until(lambda: bool(cluster.statuses) and
                                       cluster.statuses[-1].status is DeploymentStatus.SERVING),
@@ -1438,7 +1449,7 @@ async def test_memory_the_store_shows_without_a_node_change_gets_the_deployment_
     acts = StoreActivities(store, settings)
     async with _workers(time_skipping_env, cluster, store=acts):
         run = await _start(time_skipping_env, cluster,
-                           _input(config=SCALED, timings=WATCH_TIMINGS))
+                           _input(tunables=WATCH_TIMINGS))
         handle = run.handle
         view = await run.until(DeploymentStatus.CANT_PLACE)
         assert "n1" in (view.keeper.placement_error or "")

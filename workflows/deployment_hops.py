@@ -1,0 +1,380 @@
+"""The deployment workflow's hops: each activity it calls, typed (activities.stubs), with
+its timeouts and retry policy named once beside the reason for its value.
+
+Called from :class:`workflows.deployment.DeploymentWorkflow` only, inside its workflow
+code: everything here is deterministic (commands, timers, no I/O). The order of the
+commands each function issues is part of replay: change it only behind
+``workflow.patched`` (docs/keeper.md, "Patches and replay").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import timedelta
+from typing import Any, assert_never
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
+
+with workflow.unsafe.imports_passed_through():
+    from pydantic import ValidationError
+
+    from activities import stubs
+    from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdate
+    from modelkeeper.domain.control import (
+        DeleteDeploymentInput,
+        PlaceReplicaInput,
+        PlaceReplicaResult,
+        ReleaseReplicaInput,
+        RoomFound,
+        WatchForRoomInput,
+    )
+    from modelkeeper.domain.draining import DrainReplicaInput
+    from modelkeeper.domain.events import NewEvent
+    from modelkeeper.domain.ids import DeploymentId, ReplicaId
+    from modelkeeper.domain.keeper import (
+        DeploymentSpec,
+        Exited,
+        KeeperConfig,
+        Replica,
+        Silent,
+        Started,
+        StartFailed,
+    )
+    from modelkeeper.domain.shards import (
+        ShardEndpoint,
+        ShardExit,
+        ShardSpec,
+        StartShardInput,
+        StopShardInput,
+        WatchShardInput,
+    )
+    from modelkeeper.domain.tunables import Tunables
+    from modelkeeper.names import (
+        CONTROL_TASK_QUEUE,
+        ERROR_UNKNOWN_MODEL,
+        ROOM_WATCH_TASK_QUEUE,
+        node_task_queue,
+    )
+
+# Timeouts and retry policies, each named once beside the reason for its value. Those a
+# deployment may set (from settings, or a test) are the fields of Tunables
+# (modelkeeper.domain.tunables).
+
+#: Store activities (place_replica included) are one short transaction each: 30 s covers a
+#: slow database without hiding a dead one, which STORE_RETRY (or PLACE_RETRY) waits out.
+STORE_TIMEOUT = timedelta(seconds=30)
+#: Store activities retry quickly and for a long time: a database restart must delay the
+#: keeper, not fail it.
+STORE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
+                          maximum_interval=timedelta(seconds=10))
+#: place_replica retries every second, flat, for tunables.place_schedule_to_close_s: a
+#: settling control plane names its own next retry (ERROR_SETTLING) and a database blip is
+#: short. A model missing from the catalog stays missing, so that error is not retried.
+PLACE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=1.0,
+                          non_retryable_error_types=[ERROR_UNKNOWN_MODEL])
+#: Node activities are not retried by Temporal: the keeper decides what a failure means.
+ONCE = RetryPolicy(maximum_attempts=1)
+#: ... except stop_shard, tried twice: a stop is harmless to repeat (the agent answers for
+#: a shard it no longer runs) and one more try rides out a lost answer. Past that, the
+#: agent's orphan reaper stops an engine nobody watches (see _stop).
+STOP_RETRY = RetryPolicy(maximum_attempts=2)
+#: start_shard heartbeats through fetch, launch and load (every 0.25 s while it waits for
+#: the engine to answer); 10 s of silence means the node or its agent is gone.
+START_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
+#: start_shard and stop_shard each end by a deadline their agent keeps (the spec's start
+#: timeout; the stop's grace period, then SIGKILL). Temporal's start-to-close is that
+#: deadline plus this slack, so the agent's own answer (a start timeout with the engine's
+#: log, an exit after the kill) arrives before a bare Temporal timeout would.
+AGENT_DEADLINE_SLACK = timedelta(seconds=30)
+#: ... and a start may first wait at its node's start-up gate (agent/startup_gate.py) for
+#: up to half its start timeout, which does not count against that timeout: the deadline
+#: is the start timeout times this, plus the slack. (Timeouts are not part of replay: a
+#: history recorded with the old deadline replays.)
+START_QUEUE_ALLOWANCE = 1.5
+#: A watch lasts as long as its engine runs, for months: its heartbeat timeout, not its
+#: start-to-close, notices a dead node. Ten years stands for "unbounded".
+WATCH_LIFETIME = timedelta(days=3650)
+#: watch_for_room runs as long as the deployment cannot be placed, for months maybe: its
+#: heartbeat timeout notices a dead worker, and the workflow cancels it when the wait ends.
+ROOM_WATCH_LIFETIME = WATCH_LIFETIME
+#: ... retried for ever, like a store write: a database outage or a lost worker must not
+#: end the watch (a retry goes on with its schedule; retries add no history events). A
+#: model gone from the catalog is not retried (as place_replica): the workflow then
+#: places at once, and the placement's failure says why.
+ROOM_WATCH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
+                               maximum_interval=timedelta(seconds=60),
+                               non_retryable_error_types=[ERROR_UNKNOWN_MODEL])
+#: drain_replica waits up to the grace period for in-flight requests; it heartbeats each
+#: second, so 10 s of silence means the control worker died (another picks it up, and the
+#: retry goes on with the same wait). Its start-to-close is the grace plus this slack.
+DRAIN_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
+DRAIN_SLACK = timedelta(seconds=30)
+#: A drain is a courtesy to in-flight requests: tried three times, then the stop goes on
+#: (a database outage must not keep a retired replica running).
+DRAIN_RETRY = RetryPolicy(maximum_attempts=3)
+#: An engine's exit or failed start keeps this many of its last log lines in its audit
+#: event (GET /events?deployment_id=...): what an agent sends (ShardExit.log_tail), and
+#: a bound should one ever send more, since the event is an activity input in history.
+EVENT_LOG_LINES = 200
+
+
+
+#: What the background writer hands the store, one at a time.
+StoreWrite = NewEvent | ReplicaStateUpdate | DeploymentStatusUpdate
+
+
+# -- the control queue: placement, the store, routing ------------------------------------------
+
+
+async def place(spec: DeploymentSpec, replica_id: ReplicaId, replica: Replica | None,
+                tunables: Tunables) -> PlaceReplicaResult:
+    """Place ``replica_id`` (claims and its row); raises ActivityError when it failed."""
+    return await workflow.execute_activity(
+        stubs.place_replica,
+        PlaceReplicaInput(spec=spec, replica_id=replica_id,
+                          start_timeout_s=tunables.start_timeout_s,
+                          avoid_nodes=replica.avoid_nodes if replica else [],
+                          generation=replica.generation if replica else None),
+        task_queue=CONTROL_TASK_QUEUE,
+        start_to_close_timeout=STORE_TIMEOUT,
+        schedule_to_close_timeout=timedelta(seconds=tunables.place_schedule_to_close_s),
+        retry_policy=PLACE_RETRY)
+
+
+async def release_crashed_placement(replica_id: ReplicaId, exc: ActivityError) -> None:
+    """Release whatever a failed placement may have claimed for ``replica_id``.
+
+    An attempt can commit its claims and still fail as far as the workflow knows (its
+    answer lost, or the schedule-to-close timeout firing while it ran); the keeper
+    forgets the replica id on PlacementCrashed, so nothing else would release them.
+    release_replica is idempotent: it deletes the row and claims if there are any.
+    After a timeout the last attempt may still be inside its transaction, for up to
+    its start-to-close (STORE_TIMEOUT): the release waits that long first, so it comes
+    after that commit, not before. Meanwhile the replica still counts as placing, so
+    no other placement of this deployment starts.
+    """
+    if isinstance(exc.cause, TimeoutError):
+        await workflow.sleep(STORE_TIMEOUT)
+    await release(replica_id)
+
+
+async def release(replica_id: ReplicaId) -> None:
+    """Delete the replica's row and claims, if any (idempotent)."""
+    await workflow.execute_activity(
+        stubs.release_replica, ReleaseReplicaInput(replica_id=replica_id),
+        task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=STORE_TIMEOUT,
+        retry_policy=STORE_RETRY)
+
+
+async def delete_deployment(deployment_id: DeploymentId) -> None:
+    """Delete the deployment's row (its replicas are released already)."""
+    await workflow.execute_activity(
+        stubs.delete_deployment, DeleteDeploymentInput(deployment_id=deployment_id),
+        task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=STORE_TIMEOUT,
+        retry_policy=STORE_RETRY)
+
+
+async def write(item: StoreWrite) -> None:
+    """Carry out one of the background writer's writes."""
+    match item:
+        case NewEvent():
+            await workflow.execute_activity(
+                stubs.record_event, item, task_queue=CONTROL_TASK_QUEUE,
+                start_to_close_timeout=STORE_TIMEOUT, retry_policy=STORE_RETRY)
+        case ReplicaStateUpdate():
+            await workflow.execute_activity(
+                stubs.record_replica_state, item, task_queue=CONTROL_TASK_QUEUE,
+                start_to_close_timeout=STORE_TIMEOUT, retry_policy=STORE_RETRY)
+        case DeploymentStatusUpdate():
+            await workflow.execute_activity(
+                stubs.record_deployment_status, item, task_queue=CONTROL_TASK_QUEUE,
+                start_to_close_timeout=STORE_TIMEOUT, retry_policy=STORE_RETRY)
+        case _:
+            assert_never(item)
+
+
+async def watch_for_room(spec: DeploymentSpec, unplaceable: int, *, config: KeeperConfig,
+                         tunables: Tunables) -> RoomFound:
+    """Until a dry run of the placement finds room (raises ActivityError if it fails for
+    good: the model left the catalog)."""
+    return await workflow.execute_activity(
+        stubs.watch_for_room,
+        WatchForRoomInput(spec=spec, generation=spec.generation, unplaceable=unplaceable,
+                          first_wait_s=config.cant_place_retry_s,
+                          max_wait_s=config.room_watch_max_s),
+        task_queue=ROOM_WATCH_TASK_QUEUE,
+        start_to_close_timeout=ROOM_WATCH_LIFETIME,
+        heartbeat_timeout=timedelta(seconds=tunables.room_watch_heartbeat_timeout_s),
+        retry_policy=ROOM_WATCH_RETRY)
+
+
+async def drain(replica_id: ReplicaId, tunables: Tunables) -> None:
+    """Out of routing, and its in-flight requests finish (bounded by the grace period); a
+    drain that fails for good does not hold up the stop that follows."""
+    with contextlib.suppress(ActivityError):
+        await workflow.execute_activity(
+            stubs.drain_replica,
+            DrainReplicaInput(replica_id=replica_id, grace_s=tunables.drain_grace_s),
+            task_queue=CONTROL_TASK_QUEUE,
+            start_to_close_timeout=timedelta(seconds=tunables.drain_grace_s) + DRAIN_SLACK,
+            heartbeat_timeout=DRAIN_HEARTBEAT_TIMEOUT, retry_policy=DRAIN_RETRY)
+
+
+# -- each node's queue: the agent ---------------------------------------------------------------
+
+
+def start_shards(specs: list[ShardSpec],
+                 tunables: Tunables) -> list[asyncio.Task[ShardEndpoint]]:
+    """Start every shard of a replica at once (rank 0 is the endpoint). Workers before
+    rank 0 would matter for engines whose ranks rendezvous."""
+    return [asyncio.create_task(workflow.execute_activity(
+        stubs.start_shard, StartShardInput(spec=spec), task_queue=node_task_queue(spec.node_id),
+        schedule_to_start_timeout=timedelta(seconds=tunables.node_schedule_to_start_s),
+        start_to_close_timeout=timedelta(
+            seconds=spec.start_timeout_s * START_QUEUE_ALLOWANCE) + AGENT_DEADLINE_SLACK,
+        heartbeat_timeout=START_HEARTBEAT_TIMEOUT, retry_policy=ONCE)) for spec in specs]
+
+
+def watch_shards(replica_id: ReplicaId, specs: list[ShardSpec],
+                 tunables: Tunables) -> list[asyncio.Task[ShardExit]]:
+    """Watch every shard of a replica, each on its node, until its engine exits."""
+    return [asyncio.create_task(workflow.execute_activity(
+        stubs.watch_shard, WatchShardInput(replica_id=replica_id),
+        task_queue=node_task_queue(spec.node_id),
+        schedule_to_start_timeout=timedelta(seconds=tunables.node_schedule_to_start_s),
+        start_to_close_timeout=WATCH_LIFETIME,
+        heartbeat_timeout=timedelta(seconds=tunables.watch_heartbeat_timeout_s),
+        retry_policy=ONCE)) for spec in specs]
+
+
+async def runs(replica_id: ReplicaId, specs: list[ShardSpec], tunables: Tunables) -> bool | None:
+    """Whether every node of the replica still runs its shard (a probe): None when one
+    does not answer."""
+    timeout = timedelta(seconds=tunables.probe_timeout_s)
+    for spec in specs:
+        try:
+            reports = await workflow.execute_activity(
+                stubs.list_shards, task_queue=node_task_queue(spec.node_id),
+                schedule_to_start_timeout=timeout, start_to_close_timeout=timeout,
+                retry_policy=ONCE)
+        except ActivityError:
+            return None
+        if not any(r.replica_id == replica_id for r in reports):
+            return False
+    return True
+
+
+async def stop_shards(replica_id: ReplicaId, specs: list[ShardSpec], tunables: Tunables) -> None:
+    """Stop every shard of a replica. A node that is gone or silent cannot answer: its
+    agent's orphan reaper stops the engine once nobody watches it."""
+    stops = [asyncio.create_task(workflow.execute_activity(
+        stubs.stop_shard,
+        StopShardInput(replica_id=replica_id, grace_s=tunables.stop_grace_s),
+        task_queue=node_task_queue(spec.node_id),
+        schedule_to_start_timeout=timedelta(seconds=tunables.node_schedule_to_start_s),
+        start_to_close_timeout=timedelta(seconds=tunables.stop_grace_s) + AGENT_DEADLINE_SLACK,
+        retry_policy=STOP_RETRY))
+        for spec in specs]
+    for task in stops:
+        with contextlib.suppress(ActivityError):
+            await task
+
+
+async def start(replica_id: ReplicaId, deployment_id: DeploymentId, specs: list[ShardSpec],
+                tunables: Tunables) -> tuple[Started | StartFailed, NewEvent | None]:
+    """Start the replica's shards: Started with rank 0's endpoint, or StartFailed with the
+    audit event that keeps the engine's last log lines."""
+    tasks = start_shards(specs, tunables)
+    try:
+        endpoints: list[ShardEndpoint] = []
+        for task in tasks:
+            endpoints.append(await task)
+    except ActivityError as exc:
+        cancel_all(tasks)
+        error = describe(exc)
+        return StartFailed(replica_id=replica_id, error=error), engine_log_event(
+            "replica.start_failed", deployment_id, replica_id, message=error,
+            ended=start_exit(exc))
+    except asyncio.CancelledError:
+        cancel_all(tasks)
+        raise
+    rank0 = next(e for e in endpoints if e.rank == 0)
+    return Started(replica_id=replica_id, endpoint=rank0.url or ""), None
+
+
+async def watch(replica_id: ReplicaId, deployment_id: DeploymentId, specs: list[ShardSpec],
+                tunables: Tunables) -> tuple[Exited | Silent, NewEvent | None] | None:
+    """Watch the replica's shards until the first ends: Exited (with its audit event), or
+    Silent when its watch failed; None for a replica with no shards."""
+    tasks = watch_shards(replica_id, specs, tunables)
+    if not tasks:
+        return None
+    try:
+        done, pending = await workflow.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        cancel_all(tasks)
+        raise
+    cancel_all(list(pending))
+    try:
+        ended = next(iter(done)).result()
+    except ActivityError:
+        # A missed heartbeat, a queue nobody polls, an agent shutting down: the node went
+        # quiet. Not lost yet: the keeper probes before giving up on it.
+        return Silent(replica_id=replica_id), None
+    detail = f"{ended.kind.value}: {ended.detail}"
+    return Exited(replica_id=replica_id, detail=detail), engine_log_event(
+        "replica.exited", deployment_id, replica_id, message=detail, ended=ended)
+
+
+# -- failures ----------------------------------------------------------------------------------
+
+
+def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel activity tasks whose outcome no longer matters, consuming their errors so
+    a cancelled activity is not reported as an exception nobody retrieved."""
+    for task in tasks:
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+def describe(exc: ActivityError) -> str:
+    """The innermost message of an activity failure, for last_failure and events."""
+    cause = exc.cause
+    if isinstance(cause, TimeoutError):
+        kind = {TimeoutType.SCHEDULE_TO_START: "no agent picked it up in time",
+                TimeoutType.HEARTBEAT: "its node went silent",
+                TimeoutType.START_TO_CLOSE: "it took too long",
+                TimeoutType.SCHEDULE_TO_CLOSE: "it took too long"}.get(
+                    cause.type or TimeoutType.START_TO_CLOSE, "timeout")
+        return f"{exc.activity_type} timed out: {kind}"
+    if isinstance(cause, ApplicationError):
+        return cause.message
+    return str(cause or exc)
+
+
+def start_exit(exc: ActivityError) -> ShardExit | None:
+    """How the engine of a failed start ended, with its log: the agent's ShardExit, the
+    first detail of its ApplicationError (activities/node.py). None for a failure without
+    one (a timeout, a bad engine config), or one this worker cannot read."""
+    cause = exc.cause
+    if not isinstance(cause, ApplicationError) or not cause.details:
+        return None
+    try:
+        return ShardExit.model_validate(cause.details[0])
+    except ValidationError:
+        return None
+
+
+def engine_log_event(kind: str, deployment_id: DeploymentId, replica_id: ReplicaId, *,
+                     message: str, ended: ShardExit | None) -> NewEvent:
+    """The audit event for an engine that exited or failed to start, with its last
+    EVENT_LOG_LINES log lines (none when the failure came without them)."""
+    data: dict[str, Any] = {"log": []}
+    if ended is not None:
+        data = {"exit_kind": ended.kind.value, "exit_code": ended.exit_code,
+                "signal": ended.signal, "log": ended.log_tail[-EVENT_LOG_LINES:]}
+    return NewEvent(kind=kind, deployment_id=deployment_id, replica_id=replica_id,
+                    message=message, data=data)

@@ -1,0 +1,145 @@
+"""The deployment workflow's state, input and published numbers: plain values, and pure
+functions of them (what the store should be told next, which search attributes to set).
+
+The workflow (workflows/deployment.py) carries :class:`DeploymentWorkflowState` whole
+through continue-as-new; its shape is part of what running workflows must decode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import SearchAttributeKey, SearchAttributeUpdate
+
+with workflow.unsafe.imports_passed_through():
+    from pydantic import Field, field_validator
+
+    from modelkeeper.domain.base import Tolerant
+    from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdate
+    from modelkeeper.domain.keeper import (
+        DeploymentSpec,
+        KeeperConfig,
+        KeeperState,
+        current_generation,
+        overview,
+        placement_note,
+        status,
+        stored_state,
+    )
+    from modelkeeper.domain.shards import ShardSpec
+    from modelkeeper.domain.status import DeploymentStatus
+    from modelkeeper.domain.tunables import Tunables
+
+# Search attributes (registered on the server: modelkeeper.names.SEARCH_ATTRIBUTES).
+MODEL_ID_KEY = SearchAttributeKey.for_keyword("ModelId")
+STATUS_KEY = SearchAttributeKey.for_keyword("DeploymentStatus")
+READY_KEY = SearchAttributeKey.for_int("ReadyReplicas")
+DESIRED_KEY = SearchAttributeKey.for_int("DesiredReplicas")
+NODES_KEY = SearchAttributeKey.for_keyword_list("NodeIds")
+
+#: The DeploymentStatus search attribute of a deployment that is gone (not a
+#: DeploymentStatus: nothing in the store or the API ever shows it).
+FINAL_STATUS = "deleted"
+
+
+class DeploymentWorkflowState(Tolerant):
+    """Everything the workflow knows; continue-as-new passes exactly this.
+
+    Tolerant of unknown keys, as is everything in it (modelkeeper.domain.base.Tolerant):
+    a worker rolled back past a new field must still decode the state a newer one carried
+    over, or the workflow task fails for ever.
+    """
+
+    keeper: KeeperState
+    config: KeeperConfig = Field(default_factory=KeeperConfig)
+    tunables: Tunables = Field(default_factory=Tunables)
+    #: Shard specs of each placed replica (from place_replica), by replica id.
+    shards: dict[str, list[ShardSpec]] = Field(default_factory=dict)
+    #: What was last written to the store, so only changes are written.
+    written_status: DeploymentStatusUpdate | None = None
+    written_replicas: dict[str, str] = Field(default_factory=dict)
+    #: When false, no search attributes are upserted (the time-skipping test server
+    #: has none registered).
+    search_attributes: bool = True
+
+    @field_validator("written_status", mode="before")
+    @classmethod
+    def _drop_unknown_status_keys(cls, value: Any) -> Any:
+        # DeploymentStatusUpdate is also the store activity's input, which stays strict;
+        # as carried state it must tolerate a field a newer worker added.
+        if isinstance(value, dict):
+            known = DeploymentStatusUpdate.model_fields
+            return {k: v for k, v in value.items() if k in known}
+        return value
+
+
+class DeploymentInput(Tolerant):
+    """The workflow's input: a new deployment's spec and tunables, from which the workflow
+    builds its state; or, after continue-as-new, the state the run before carried."""
+
+    spec: DeploymentSpec
+    tunables: Tunables = Field(default_factory=Tunables)
+    #: When false, no search attributes are upserted (the time-skipping test server
+    #: has none registered).
+    search_attributes: bool = True
+    #: Continue-as-new's: the whole state of the run before (its spec and tunables are
+    #: the ones above).
+    carried: DeploymentWorkflowState | None = None
+
+
+class WorkflowStatus(Tolerant):
+    """What the `status` query answers (to an API that may run another version)."""
+
+    status: DeploymentStatus
+    keeper: KeeperState
+
+
+class NodesChangedInput(Tolerant):
+    """Signal payload of `nodes_changed` (none needed yet; a model keeps it extensible,
+    and a sender one version ahead may add a field)."""
+
+    reason: str = ""
+
+
+def status_update(keeper: KeeperState) -> DeploymentStatusUpdate:
+    """The deployment's row as the keeper's state has it."""
+    runs = current_generation(keeper)
+    return DeploymentStatusUpdate(
+        deployment_id=keeper.spec.deployment_id,
+        status=status(keeper),
+        placement_error=keeper.placement_error,
+        consecutive_failures=keeper.consecutive_failures,
+        last_failure=keeper.last_failure, desired_replicas=keeper.spec.replicas,
+        # Defaults (0, None) until a generation is set or a replica shares a node.
+        generation=runs.number,
+        runs_model_id=runs.model_id if keeper.spec.generation is not None else None,
+        placement_note=placement_note(keeper))
+
+
+def unwritten(state: DeploymentWorkflowState) -> ReplicaStateUpdate | DeploymentStatusUpdate | None:
+    """What the store has not been told yet: a replica whose stored state differs from
+    its phase (in the keeper's order), then the status if it differs from the one last
+    written; None when the store is up to date."""
+    written = state.written_replicas
+    for replica in state.keeper.replicas:
+        stored = stored_state(replica.phase)
+        if stored is not None and written.get(replica.replica_id) != stored.value:
+            return ReplicaStateUpdate(replica_id=replica.replica_id, state=stored,
+                                      endpoint=replica.endpoint)
+    current = status_update(state.keeper)
+    return current if current != state.written_status else None
+
+
+def search_attributes(keeper: KeeperState) -> list[SearchAttributeUpdate[Any]]:
+    """The published numbers as search attribute updates. An empty NodeIds is unset
+    rather than set to [], so "none" reads the same before and after a restart."""
+    view = overview(keeper)
+    return [STATUS_KEY.value_set(view.status.value), READY_KEY.value_set(view.ready),
+            DESIRED_KEY.value_set(view.desired),
+            NODES_KEY.value_set(view.node_ids) if view.node_ids else NODES_KEY.value_unset()]
+
+
+def normalised(value: Any) -> Any:
+    """A search attribute's value for comparison: a keyword list as a plain list."""
+    return list(value) if isinstance(value, list | tuple) else value
