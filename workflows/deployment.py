@@ -21,7 +21,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdate, ScaleRequest
+    from modelkeeper.domain.catalog import ScaleRequest
     from modelkeeper.domain.events import NewEvent
     from modelkeeper.domain.ids import OpId, ReplicaId
     from modelkeeper.domain.keeper import (
@@ -51,7 +51,6 @@ with workflow.unsafe.imports_passed_through():
         WatchReplica,
         brief,
         decide,
-        details,
         next_wake,
         op_outcome,
         refuse_op,
@@ -99,10 +98,8 @@ from .deployment_state import (
     DeploymentWorkflowState,
     NodesChangedInput,
     WorkflowStatus,
-    normalised,
-    search_attributes,
-    unwritten,
 )
+from .deployment_writer import StoreWriter, publish_search_attributes, show_details
 
 #: The key of the room watch's task among the workflow's tasks (never a replica id).
 ROOM_WATCH_TASK = "__room_watch__"
@@ -117,21 +114,15 @@ class DeploymentWorkflow:
         # signal and update handlers (validators included) of the first workflow task
         # before run's first line, so in run they would see half-built state. No commands
         # here: activities and timers start in run.
-        self._state: DeploymentWorkflowState = request.carried or DeploymentWorkflowState(
+        self.state: DeploymentWorkflowState = request.carried or DeploymentWorkflowState(
             keeper=KeeperState(spec=request.spec), config=KeeperConfig.of(request.tunables),
             tunables=request.tunables, search_attributes=request.search_attributes)
         self._inbox: list[Observation] = []
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._busy: set[str] = set()  # replicas with a place/start/stop in flight
         self._settled = False  # set when busy work ends, to re-check finish/continue
-        # The background store writer, started in run. It needs
-        # no state of its own beyond these: what to write is the difference between the
-        # keeper's state and what the state says was written (written_status,
-        # written_replicas), and continue-as-new waits until it is idle.
-        self._writer: asyncio.Task[None] | None = None
-        self._writing = False  # a write is in flight
-        self._events: list[NewEvent] = []  # audit events not yet appended, oldest first
-        self._store_closed = False  # the deployment's row is being deleted: no more writes
+        # The one store writer (deployment_writer), started in run.
+        self._writer = StoreWriter(self)
         # The count of placements in a row that found no room the running room watch
         # started from (its schedule's start), to notice an operator's retry resetting it.
         self._room_watch_from = 0
@@ -174,7 +165,7 @@ class DeploymentWorkflow:
 
     @scale.validator
     def _validate_scale(self, request: ScaleRequest) -> None:
-        if self._state.keeper.deleting:
+        if self.state.keeper.deleting:
             raise ApplicationError("deployment is being deleted; it cannot be scaled",
                                    type=ERROR_DELETING)
 
@@ -184,13 +175,13 @@ class DeploymentWorkflow:
     async def op(self, request: OpRequest) -> OpOutcome:
         """Surge, replace or retire; answers the op as it stands once it is registered (a
         retried request is answered again and changes nothing)."""
-        if op_outcome(self._state.keeper, request.op_id) is None:
+        if op_outcome(self.state.keeper, request.op_id) is None:
             await self._decide_now(OpAsked(request=request))
         return self._outcome(request.op_id)
 
     @op.validator
     def _validate_op(self, request: OpRequest) -> None:
-        reason = refuse_op(self._state.keeper, request, self._state.config)
+        reason = refuse_op(self.state.keeper, request, self.state.config)
         if reason is not None:
             raise ApplicationError(reason, type=ERROR_OP_REFUSED, non_retryable=True)
 
@@ -199,7 +190,7 @@ class DeploymentWorkflow:
         """A long poll: the op once it has ended, or as it stands after ``wait_s`` (or
         sooner, when the run is about to continue as new)."""
         def ended() -> bool:
-            outcome = op_outcome(self._state.keeper, request.op_id)
+            outcome = op_outcome(self.state.keeper, request.op_id)
             return outcome is None or outcome.state in OP_ENDED or self._continuing
         with contextlib.suppress(builtins.TimeoutError):
             await workflow.wait_condition(ended, timeout=request.wait_s)
@@ -227,15 +218,15 @@ class DeploymentWorkflow:
 
     @set_generation.validator
     def _validate_set_generation(self, request: SetGenerationRequest) -> None:
-        if self._state.keeper.deleting:
+        if self.state.keeper.deleting:
             raise ApplicationError(
-                f"deployment {self._state.keeper.spec.deployment_id} is being deleted",
+                f"deployment {self.state.keeper.spec.deployment_id} is being deleted",
                 type=ERROR_DELETING, non_retryable=True)
 
     @workflow.query(name=QUERY_BRIEF)
     def brief(self) -> DeploymentBrief:
         """The deployment as a saga sees it: generation, desired count, replicas."""
-        return brief(self._state.keeper)
+        return brief(self.state.keeper)
 
     async def _decide_now(self, observation: Observation) -> None:
         """Queue ``observation`` and wait until the loop has decided it."""
@@ -244,26 +235,30 @@ class DeploymentWorkflow:
         await workflow.wait_condition(lambda: self._decided >= target)
 
     def _outcome(self, op_id: OpId) -> OpOutcome:
-        outcome = op_outcome(self._state.keeper, op_id)
+        outcome = op_outcome(self.state.keeper, op_id)
         if outcome is None:
             # Registered ops leave the registry only long after they end (OPS_KEPT).
             raise ApplicationError(f"op_id: {op_id} is not an op of "
-                                   f"{self._state.keeper.spec.deployment_id} (any more)",
+                                   f"{self.state.keeper.spec.deployment_id} (any more)",
                                    type=ERROR_OP_REFUSED, non_retryable=True)
         return outcome
 
     def _known_op(self, op_id: OpId) -> None:
-        if op_outcome(self._state.keeper, op_id) is None:
-            known = ", ".join(op.op_id for op in self._state.keeper.ops) or "none"
+        if op_outcome(self.state.keeper, op_id) is None:
+            known = ", ".join(op.op_id for op in self.state.keeper.ops) or "none"
             raise ApplicationError(
-                f"op_id: {op_id} is not an op of {self._state.keeper.spec.deployment_id} "
+                f"op_id: {op_id} is not an op of {self.state.keeper.spec.deployment_id} "
                 f"(known: {known})", type=ERROR_OP_REFUSED, non_retryable=True)
 
     @workflow.query(name=QUERY_STATUS)
     def status(self) -> WorkflowStatus:
         """The keeper's state and the status it implies."""
-        return WorkflowStatus(status=status(self._state.keeper),
-                              keeper=self._state.keeper)
+        return WorkflowStatus(status=status(self.state.keeper),
+                              keeper=self.state.keeper)
+
+    def settle(self) -> None:
+        """Wake the loop to re-check (the writer calls it when it ends)."""
+        self._settled = True
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -283,11 +278,11 @@ class DeploymentWorkflow:
         delivered again (the server records one), so nothing interrupts that cleanup but
         a terminate (docs/keeper.md, "Cancel and terminate").
 
-        "Write what changed" is the background writer's (:meth:`_write_in_background`):
+        "Write what changed" is the background writer's (:class:`StoreWriter`):
         the loop only publishes the search attributes and goes on.
         """
-        self._writer = asyncio.create_task(self._write_in_background())
-        for action in resume(self._state.keeper):
+        self._writer.start()
+        for action in resume(self.state.keeper):
             self._launch(action)
         self._inbox.append(Tick())
         try:
@@ -303,11 +298,11 @@ class DeploymentWorkflow:
         while True:
             await self._drain_inbox()
             self._follow_room_watch()
-            self._show_details()
+            show_details(self.state)
             # The writer follows the state on its own; only these are set here.
-            self._publish_search_attributes()
-            state = self._state
-            if state.keeper.finished and not self._busy and self._writer_idle():
+            publish_search_attributes(self.state)
+            state = self.state
+            if state.keeper.finished and not self._busy and self._writer.idle():
                 return
             info = workflow.info()
             waiting_for_writer = False
@@ -316,7 +311,7 @@ class DeploymentWorkflow:
                     or info.get_current_history_length()
                     >= state.tunables.continue_as_new_after_events):
                 self._continuing = True
-                if not self._writer_idle():
+                if not self._writer.idle():
                     # A write in flight, or one due: the state carried over would say it
                     # is unwritten and the next run would write it again, and an audit
                     # event not yet appended would be lost. Wait for the writer.
@@ -332,14 +327,13 @@ class DeploymentWorkflow:
 
             def woken(for_writer: bool = waiting_for_writer) -> bool:
                 return bool(self._inbox) or self._settled or (
-                    for_writer and self._writer_idle())
+                    for_writer and self._writer.idle())
 
             try:
                 await workflow.wait_condition(woken, timeout=timeout)
             except builtins.TimeoutError:
                 self._inbox.append(Tick())
-            if self._writer is not None and self._writer.done():
-                self._writer.result()  # a write that failed for good fails the run, as before
+            self._writer.raise_failure()
             # Cleared only after waking: a task may end while we write to the store, and
             # clearing before the wait would lose that wake-up.
             self._settled = False
@@ -347,9 +341,9 @@ class DeploymentWorkflow:
     async def _drain_inbox(self) -> None:
         while self._inbox:
             observation = self._inbox.pop(0)
-            keeper, actions = decide(self._state.keeper, observation, workflow.now(),
-                                     self._state.config, workflow.random().random())
-            self._state = self._state.model_copy(update={"keeper": keeper})
+            keeper, actions = decide(self.state.keeper, observation, workflow.now(),
+                                     self.state.config, workflow.random().random())
+            self.state = self.state.model_copy(update={"keeper": keeper})
             self._decided += 1
             for action in actions:
                 self._launch(action)
@@ -359,95 +353,10 @@ class DeploymentWorkflow:
         for tasks in self._tasks.values():
             for task in tasks:
                 task.cancel()
-        state = self._state
+        state = self.state
         workflow.continue_as_new(DeploymentInput(
             spec=state.keeper.spec, tunables=state.tunables,
             search_attributes=state.search_attributes, carried=state))
-
-    # -- what the deployment shows: web UI details, search attributes, the store ---------
-
-    def _show_details(self) -> None:
-        """The web UI's current details (no command: replay is unaffected)."""
-        text = details(self._state.keeper)
-        if text != workflow.get_current_details():
-            workflow.set_current_details(text)
-
-    def _publish_search_attributes(self) -> None:
-        """Upsert the published numbers that changed, before (or without waiting for) the
-        store writes: a database outage holds those up, not these. Compared with the
-        workflow's own search attributes, which the SDK updates on each upsert and replays
-        alike, so the state needs no copy of them."""
-        if not self._state.search_attributes or self._state.keeper.finished:
-            return
-        current = workflow.info().typed_search_attributes
-        changed = [u for u in search_attributes(self._state.keeper)
-                   if normalised(current.get(u.key)) != normalised(u.value)]
-        if changed:
-            workflow.upsert_search_attributes(changed)
-
-    async def _write_in_background(self) -> None:
-        """The one store writer, a task of its own.
-
-        It writes one thing at a time, always what is due now (:meth:`_next_write`), so a
-        state that passed while a write was in flight is never written: after an outage it
-        writes the latest replica states and status, not each one in between. No decision
-        waits for it: store activities retry for ever (STORE_RETRY), and an outage holds
-        up only this task (and the finish and continue-as-new, below).
-
-        The order that matters still holds. A replica's state is written only once it is
-        placed (place_replica created its row), and an UPDATE of a row release_replica has
-        deleted changes nothing. The finish waits for the writer to be idle and closes the
-        store to it before it deletes the deployment's row (:meth:`_finish`), so no status
-        comes after the delete. Continue-as-new waits for it too (:meth:`_loop`), so the
-        state carried over says what was written and no audit event is left behind.
-
-        The wait's condition runs on each workflow task: it reads only the state, so it is
-        deterministic, and it is cheap (a few replicas, one status).
-        """
-        try:
-            while True:
-                await workflow.wait_condition(lambda: self._next_write() is not None)
-                self._writing = True
-                while (write := self._next_write()) is not None:
-                    await self._write(write)
-                self._writing = False
-        finally:
-            # It ended: a write failed for good. Wake the loop, which raises the error.
-            self._settled = True
-
-    def _writer_idle(self) -> bool:
-        """Nothing in flight and nothing due."""
-        return not self._writing and self._next_write() is None
-
-    def _next_write(self) -> hops.StoreWrite | None:
-        """What the store should be told next: an audit event (oldest first), then a
-        replica whose stored state differs from its phase (in the keeper's order), then
-        the status if it differs from the one last written. None when it is up to date, or
-        once the finish has closed the store."""
-        if self._store_closed:
-            return None
-        if self._events:
-            return self._events[0]
-        # The status is written after the finish too (the deleting status), until _finish
-        # closes the store: it waits for this write first.
-        return unwritten(self._state)
-
-    async def _write(self, write: hops.StoreWrite) -> None:
-        """Carry out one write and note it as written in the state."""
-        await hops.write(write)
-        match write:
-            case NewEvent():
-                self._events.remove(write)
-            case ReplicaStateUpdate():
-                written = {**self._state.written_replicas,
-                           write.replica_id: write.state.value}
-                self._state = self._state.model_copy(update={"written_replicas": written})
-            case DeploymentStatusUpdate():
-                self._state = self._state.model_copy(update={"written_status": write})
-        # Replicas the keeper has dropped meanwhile are forgotten: their rows are gone.
-        live = {r.replica_id for r in self._state.keeper.replicas}
-        written = {k: v for k, v in self._state.written_replicas.items() if k in live}
-        self._state = self._state.model_copy(update={"written_replicas": written})
 
     # -- the room watch: waiting for room outside the history ------------------------------
 
@@ -460,7 +369,7 @@ class DeploymentWorkflow:
         A new one starts only while no placement is in flight (room_watch_start), so it
         starts from the count that placement's answer leaves.
         """
-        keeper, config = self._state.keeper, self._state.config
+        keeper, config = self.state.keeper, self.state.config
         running = [t for t in self._tasks.get(ROOM_WATCH_TASK, []) if not t.done()]
         if running and not room_watch_goes_on(keeper, config, self._room_watch_from):
             for task in running:
@@ -478,9 +387,9 @@ class DeploymentWorkflow:
         its first wait, at least cant_place_retry_s.
         """
         with contextlib.suppress(ActivityError):
-            found = await hops.watch_for_room(self._state.keeper.spec, unplaceable,
-                                              config=self._state.config,
-                                              tunables=self._state.tunables)
+            found = await hops.watch_for_room(self.state.keeper.spec, unplaceable,
+                                              config=self.state.config,
+                                              tunables=self.state.tunables)
             workflow.logger.info("room for a replica on %s", ", ".join(found.nodes))
         self._inbox.append(NodesChanged())
 
@@ -530,14 +439,14 @@ class DeploymentWorkflow:
         task.add_done_callback(done)
 
     def _replica_nodes(self, replica_id: str) -> list[ShardSpec]:
-        return self._state.shards.get(replica_id, [])
+        return self.state.shards.get(replica_id, [])
 
     async def _place(self, replica_id: ReplicaId) -> None:
-        replica = next((r for r in self._state.keeper.replicas if r.replica_id == replica_id),
+        replica = next((r for r in self.state.keeper.replicas if r.replica_id == replica_id),
                        None)
         try:
-            result = await hops.place(self._state.keeper.spec, replica_id, replica,
-                                      self._state.tunables)
+            result = await hops.place(self.state.keeper.spec, replica_id, replica,
+                                      self.state.tunables)
         except ActivityError as exc:
             await hops.release_crashed_placement(replica_id, exc)
             self._inbox.append(PlacementCrashed(replica_id=replica_id, error=hops.describe(exc)))
@@ -545,49 +454,48 @@ class DeploymentWorkflow:
         if result.cant_place is not None:
             self._inbox.append(Unplaceable(replica_id=replica_id, reason=result.cant_place))
             return
-        shards = dict(self._state.shards)
+        shards = dict(self.state.shards)
         shards[replica_id] = result.shards
-        self._state = self._state.model_copy(update={"shards": shards})
+        self.state = self.state.model_copy(update={"shards": shards})
         self._inbox.append(Placed(replica_id=replica_id,
                                   nodes=[s.node_id for s in result.shards], note=result.note))
 
     async def _start(self, replica_id: ReplicaId) -> None:
-        self._observe(*await hops.start(replica_id, self._state.keeper.spec.deployment_id,
-                                        self._replica_nodes(replica_id), self._state.tunables))
+        self._observe(*await hops.start(replica_id, self.state.keeper.spec.deployment_id,
+                                        self._replica_nodes(replica_id), self.state.tunables))
 
     async def _watch(self, replica_id: ReplicaId) -> None:
-        watched = await hops.watch(replica_id, self._state.keeper.spec.deployment_id,
-                                   self._replica_nodes(replica_id), self._state.tunables)
+        watched = await hops.watch(replica_id, self.state.keeper.spec.deployment_id,
+                                   self._replica_nodes(replica_id), self.state.tunables)
         if watched is not None:
             self._observe(*watched)
 
     def _observe(self, observation: Observation, event: NewEvent | None) -> None:
         """Queue what an engine's start or watch came to, and its audit event if any."""
         if event is not None:
-            self._events.append(event)
+            self._writer.record(event)
         self._inbox.append(observation)
 
     async def _probe(self, replica_id: ReplicaId) -> None:
         running = await hops.runs(replica_id, self._replica_nodes(replica_id),
-                                  self._state.tunables)
+                                  self.state.tunables)
         self._inbox.append(ProbeResult(replica_id=replica_id, running=running))
 
     async def _stop(self, replica_id: ReplicaId, *, drain: bool = False) -> None:
         if drain:
-            await hops.drain(replica_id, self._state.tunables)
+            await hops.drain(replica_id, self.state.tunables)
         # The claim is released whether or not the nodes answered.
-        await hops.stop_shards(replica_id, self._replica_nodes(replica_id), self._state.tunables)
+        await hops.stop_shards(replica_id, self._replica_nodes(replica_id), self.state.tunables)
         await hops.release(replica_id)
-        shards = {k: v for k, v in self._state.shards.items() if k != replica_id}
-        self._state = self._state.model_copy(update={"shards": shards})
+        shards = {k: v for k, v in self.state.shards.items() if k != replica_id}
+        self.state = self.state.model_copy(update={"shards": shards})
         self._inbox.append(Stopped(replica_id=replica_id))
 
     async def _finish(self) -> None:
         # The deleting status (and any audit event) first; nothing after the delete.
-        await workflow.wait_condition(self._writer_idle)
-        self._store_closed = True
-        await hops.delete_deployment(self._state.keeper.spec.deployment_id)
-        if self._state.search_attributes:
+        await self._writer.close()
+        await hops.delete_deployment(self.state.keeper.spec.deployment_id)
+        if self.state.search_attributes:
             workflow.upsert_search_attributes([STATUS_KEY.value_set(FINAL_STATUS)])
 
 
