@@ -14,7 +14,12 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
-from modelkeeper.domain.catalog import CatalogModel, DeploymentStatusUpdate, ReplicaStateUpdate
+from modelkeeper.domain.catalog import (
+    CatalogModel,
+    DeploymentStatusUpdate,
+    Generation,
+    ReplicaStateUpdate,
+)
 from modelkeeper.domain.control import (
     DeleteDeploymentInput,
     PlaceReplicaInput,
@@ -28,7 +33,6 @@ from modelkeeper.domain.events import Event, NewEvent
 from modelkeeper.domain.ids import NodeId
 from modelkeeper.domain.keeper import DeploymentSpec
 from modelkeeper.domain.nodes import NodeState
-from modelkeeper.domain.ops import Generation
 from modelkeeper.domain.placement import CantPlace, Placement, PlacementRequest
 from modelkeeper.domain.settling import SettlingWindow
 from modelkeeper.domain.status import DeploymentStatus

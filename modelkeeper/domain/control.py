@@ -10,9 +10,9 @@ from __future__ import annotations
 from pydantic import Field
 
 from .base import Tolerant
+from .catalog import Generation
 from .ids import DeploymentId, NodeId, ReplicaId
 from .keeper import DeploymentSpec, room_watch_wait_s
-from .ops import Generation
 from .shards import ShardSpec
 
 

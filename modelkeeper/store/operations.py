@@ -15,7 +15,7 @@ from typing import Any
 import asyncpg
 
 from ..domain.ids import DeploymentId, NodeId, OperationId
-from ..domain.ops import OperationKind, OperationRecord, OperationState
+from ..domain.operations import OperationKind, OperationRecord, OperationState
 from ..names import operation_workflow_id
 
 #: The partial unique indexes of migration 0008, by the subject they guard.
@@ -41,7 +41,7 @@ class OperationConflictError(Exception):
         self.subject = subject
         super().__init__(
             f"{running.operation_id} ({running.kind.value}) is running on {subject}; wait "
-            f"for it or cancel it: modelkeeper ops cancel {running.operation_id}")
+            f"for it or cancel it: modelkeeper operations cancel {running.operation_id}")
 
 
 class OperationNumberingError(Exception):

@@ -17,10 +17,9 @@ from typing import Any
 
 import asyncpg
 
-from ..domain.catalog import CatalogModel
+from ..domain.catalog import CatalogModel, Generation
 from ..domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from ..domain.nodes import GpuInfo, NodeState, effective_labels, state_at
-from ..domain.ops import Generation
 from ..domain.placement import (
     CantPlace,
     NodeView,
