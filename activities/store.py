@@ -20,14 +20,6 @@ from modelkeeper.domain.catalog import (
     Generation,
     ReplicaStateUpdate,
 )
-from modelkeeper.domain.control import (
-    DeleteDeploymentInput,
-    PlaceReplicaInput,
-    PlaceReplicaResult,
-    ReleaseReplicaInput,
-    RoomFound,
-    WatchForRoomInput,
-)
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
 from modelkeeper.domain.events import Event, NewEvent
 from modelkeeper.domain.ids import NodeId
@@ -36,6 +28,14 @@ from modelkeeper.domain.nodes import NodeState
 from modelkeeper.domain.placement import CantPlace, Placement, PlacementRequest
 from modelkeeper.domain.settling import SettlingWindow
 from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.domain.store_activities import (
+    DeleteDeploymentInput,
+    PlaceReplicaInput,
+    PlaceReplicaResult,
+    ReleaseReplicaInput,
+    RoomFound,
+    WatchForRoomInput,
+)
 from modelkeeper.infra.temporal import signal_unplaceable
 from modelkeeper.names import (
     ACTIVITY_DELETE_DEPLOYMENT,

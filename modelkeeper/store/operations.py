@@ -1,6 +1,6 @@
 """The sagas' records: one row per restart, drain, switch or reconfigure (migration 0008).
 
-One of the stores on the pool :class:`~.control.Store` owns: the API and the control
+One of the stores on the pool :class:`~.stores.Store` owns: the API and the control
 worker reach it as ``store.operations``, and all SQL stays in this package.
 
 One saga at a time per deployment and per node is the database's rule, not a check
@@ -49,7 +49,7 @@ class OperationNumberingError(Exception):
 
 
 class OperationsStore:
-    """The ``operations`` table, on the pool :class:`~.control.Store` owns (and closes)."""
+    """The ``operations`` table, on the pool :class:`~.stores.Store` owns (and closes)."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool

@@ -51,7 +51,7 @@ _OPTIMISTIC_ATTEMPTS = 3
 
 
 class PlacementStore:
-    """Placement's reads and claims on the pool :class:`~.control.Store` owns."""
+    """Placement's reads and claims on the pool :class:`~.stores.Store` owns."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool

@@ -19,7 +19,6 @@ from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 from activities.operations import OperationsActivities
 from activities.store import StoreActivities
 from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest, DeploymentStatusUpdate
-from modelkeeper.domain.control import PlaceReplicaInput
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, OperationId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec
 from modelkeeper.domain.nodes import AgentRegistration, Inventory
@@ -35,6 +34,7 @@ from modelkeeper.domain.operations import (
 )
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.domain.store_activities import PlaceReplicaInput
 from modelkeeper.names import (
     ERROR_OPERATION_CONFLICT,
     SIGNAL_NODES_CHANGED,

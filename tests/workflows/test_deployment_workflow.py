@@ -40,14 +40,6 @@ from modelkeeper.domain.catalog import (
     ReplicaStateUpdate,
     ScaleRequest,
 )
-from modelkeeper.domain.control import (
-    DeleteDeploymentInput,
-    PlaceReplicaInput,
-    PlaceReplicaResult,
-    ReleaseReplicaInput,
-    RoomFound,
-    WatchForRoomInput,
-)
 from modelkeeper.domain.draining import DrainReplicaInput, DrainReplicaResult
 from modelkeeper.domain.events import Event, NewEvent
 from modelkeeper.domain.ids import DeploymentId, ModelId, MoveId, NodeId, ReplicaId
@@ -81,6 +73,14 @@ from modelkeeper.domain.shards import (
     WatchShardInput,
 )
 from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.domain.store_activities import (
+    DeleteDeploymentInput,
+    PlaceReplicaInput,
+    PlaceReplicaResult,
+    ReleaseReplicaInput,
+    RoomFound,
+    WatchForRoomInput,
+)
 from modelkeeper.domain.tunables import Tunables
 from modelkeeper.names import (
     CONTROL_TASK_QUEUE,
