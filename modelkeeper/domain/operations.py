@@ -4,7 +4,7 @@ kept as one row of the ``operations`` table (:mod:`modelkeeper.store.operations`
 
 Here: the record the store keeps and ``GET /operations`` shows, each saga's input, and the
 inputs and results of the sagas' store activities (activities/operations.py). What a saga
-asks of a deployment's workflow, the moves, is :mod:`modelkeeper.domain.ops`.
+asks of a deployment's workflow, the moves, is :mod:`modelkeeper.domain.moves`.
 
 Pure: no temporalio, httpx or asyncpg.
 """
@@ -46,7 +46,7 @@ class StepState(StrEnum):
 
 
 class OperationStep(Tolerant):
-    """One visible step of a saga (an op, a cordon, a compensation)."""
+    """One visible step of a saga (a move, a cordon, a compensation)."""
 
     name: str
     state: StepState

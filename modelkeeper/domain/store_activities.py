@@ -1,4 +1,5 @@
-"""Inputs and results of the control worker's store activities.
+"""Inputs and results of the store activities the deployment workflow calls
+(:mod:`activities.store`, run by the control worker).
 
 They are the contract between a deployment workflow and the activities it calls, so they
 live in the domain: the workflow names the activities (``modelkeeper.names``) and imports
