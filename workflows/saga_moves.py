@@ -1,8 +1,8 @@
-"""What the sagas that move replicas onto a new generation share (restart.py, switch.py):
-which replica to move next, whether one still lives, and how a generation and an outage
-read to an operator.
+"""How restart.py and switch.py plan their moves, one replace per replica onto a new
+generation: which replica to replace next, whether one still lives, and how a generation
+and a replace's outage read to an operator.
 
-The step machinery every saga shares (the record, moves, how a cancel lands) is
+The step machinery every saga shares (the record, asking for moves, how a cancel lands) is
 :mod:`workflows.saga`. Pure: no commands, so nothing here changes a saga's replay.
 """
 

@@ -1023,7 +1023,7 @@ def _on_generation_set(state: KeeperState, obs: GenerationSet) -> KeeperState:
 
 def _advance_moves(state: KeeperState, now: datetime, config: KeeperConfig,
                  actions: list[Action]) -> KeeperState:
-    """Move each running move one step on, oldest first."""
+    """Advance each running move one step, oldest first."""
     for move in state.moves:
         if move.state is MoveState.RUNNING:
             current = _find_move(state, move.move_id)
