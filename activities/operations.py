@@ -21,7 +21,7 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
 from modelkeeper.domain.nodes import NodeUpdate
-from modelkeeper.domain.ops import (
+from modelkeeper.domain.operations import (
     NodeDeploymentsInput,
     NodeReplica,
     OperationRecord,

@@ -1,12 +1,12 @@
 """The sagas' activities as the sagas call them: each one's name, input and result, with
 no body.
 
-A saga calls ``workflow.execute_activity_method(OpsActivityStubs.request_op, call, ...)``,
+A saga calls ``workflow.execute_activity_method(MoveActivityStubs.request_move, call, ...)``,
 so mypy checks the input and the result of every hop. The classes that run them subclass
-these (``activities.ops.OpsActivities``, ``activities.operations.OperationsActivities``),
+these (``activities.moves.MoveActivities``, ``activities.operations.OperationsActivities``),
 so mypy checks each implementation against its stub too. They cannot be the sagas' own
 references: ``activities.operations`` holds the store (workflows must not import it, even
-through another module), and ``activities.ops`` imports the deployment workflow to call its
+through another module), and ``activities.moves`` imports the deployment workflow to call its
 updates by method, which would make ``workflows`` import itself.
 
 The names are recorded in every saga's history: a rename breaks the replay of a saga in
@@ -18,48 +18,50 @@ from __future__ import annotations
 
 from temporalio import activity
 
-from modelkeeper.domain.ops import (
-    AwaitOpCall,
-    CancelOpCall,
+from modelkeeper.domain.moves import (
+    AwaitMoveCall,
+    CancelMoveCall,
     DeploymentBrief,
     DescribeDeploymentInput,
-    NodeDeploymentsInput,
-    NodeReplica,
-    OpCall,
-    OperationRecord,
-    OpOutcome,
-    SetCordonInput,
+    MoveCall,
+    MoveOutcome,
     SetGenerationCall,
 )
+from modelkeeper.domain.operations import (
+    NodeDeploymentsInput,
+    NodeReplica,
+    OperationRecord,
+    SetCordonInput,
+)
 from modelkeeper.names import (
-    ACTIVITY_AWAIT_OP,
+    ACTIVITY_AWAIT_MOVE,
     ACTIVITY_BEGIN_OPERATION,
-    ACTIVITY_CANCEL_OP,
+    ACTIVITY_CANCEL_MOVE,
     ACTIVITY_DESCRIBE_DEPLOYMENT,
     ACTIVITY_NODE_DEPLOYMENTS,
     ACTIVITY_RECORD_OPERATION,
-    ACTIVITY_REQUEST_OP,
+    ACTIVITY_REQUEST_MOVE,
     ACTIVITY_SET_CORDON,
     ACTIVITY_SET_GENERATION,
 )
 
 
-class OpsActivityStubs:
-    """What a saga asks of a deployment's workflow; ``activities.ops`` says how each fails."""
+class MoveActivityStubs:
+    """What a saga asks of a deployment's workflow; ``activities.moves`` says how each fails."""
 
-    @activity.defn(name=ACTIVITY_REQUEST_OP)
-    async def request_op(self, call: OpCall) -> OpOutcome:
-        """Ask for a surge, replace or retire; answers the op as it stands."""
+    @activity.defn(name=ACTIVITY_REQUEST_MOVE)
+    async def request_move(self, call: MoveCall) -> MoveOutcome:
+        """Ask for a surge, replace or retire; answers the move as it stands."""
         raise NotImplementedError
 
-    @activity.defn(name=ACTIVITY_AWAIT_OP)
-    async def await_op(self, call: AwaitOpCall) -> OpOutcome:
-        """Long-poll the op until it has ended, heartbeating."""
+    @activity.defn(name=ACTIVITY_AWAIT_MOVE)
+    async def await_move(self, call: AwaitMoveCall) -> MoveOutcome:
+        """Long-poll the move until it has ended, heartbeating."""
         raise NotImplementedError
 
-    @activity.defn(name=ACTIVITY_CANCEL_OP)
-    async def cancel_op(self, call: CancelOpCall) -> OpOutcome:
-        """The compensation of an op; answers the op as it stands after the cancel."""
+    @activity.defn(name=ACTIVITY_CANCEL_MOVE)
+    async def cancel_move(self, call: CancelMoveCall) -> MoveOutcome:
+        """The compensation of a move; answers the move as it stands after the cancel."""
         raise NotImplementedError
 
     @activity.defn(name=ACTIVITY_SET_GENERATION)

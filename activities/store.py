@@ -14,8 +14,21 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
-from modelkeeper.domain.catalog import CatalogModel, DeploymentStatusUpdate, ReplicaStateUpdate
-from modelkeeper.domain.control import (
+from modelkeeper.domain.catalog import (
+    CatalogModel,
+    DeploymentStatusUpdate,
+    Generation,
+    ReplicaStateUpdate,
+)
+from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
+from modelkeeper.domain.events import Event, NewEvent
+from modelkeeper.domain.ids import NodeId
+from modelkeeper.domain.keeper import DeploymentSpec
+from modelkeeper.domain.nodes import NodeState
+from modelkeeper.domain.placement import CantPlace, Placement, PlacementRequest
+from modelkeeper.domain.settling import SettlingWindow
+from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.domain.store_activities import (
     DeleteDeploymentInput,
     PlaceReplicaInput,
     PlaceReplicaResult,
@@ -23,15 +36,6 @@ from modelkeeper.domain.control import (
     RoomFound,
     WatchForRoomInput,
 )
-from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
-from modelkeeper.domain.events import Event, NewEvent
-from modelkeeper.domain.ids import NodeId
-from modelkeeper.domain.keeper import DeploymentSpec
-from modelkeeper.domain.nodes import NodeState
-from modelkeeper.domain.ops import Generation
-from modelkeeper.domain.placement import CantPlace, Placement, PlacementRequest
-from modelkeeper.domain.settling import SettlingWindow
-from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.infra.temporal import signal_unplaceable
 from modelkeeper.names import (
     ACTIVITY_DELETE_DEPLOYMENT,

@@ -18,14 +18,6 @@ from typing import NoReturn
 from temporalio import activity
 
 from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdate
-from modelkeeper.domain.control import (
-    DeleteDeploymentInput,
-    PlaceReplicaInput,
-    PlaceReplicaResult,
-    ReleaseReplicaInput,
-    RoomFound,
-    WatchForRoomInput,
-)
 from modelkeeper.domain.draining import DrainReplicaInput, DrainReplicaResult
 from modelkeeper.domain.events import Event, NewEvent
 from modelkeeper.domain.shards import (
@@ -35,6 +27,14 @@ from modelkeeper.domain.shards import (
     StartShardInput,
     StopShardInput,
     WatchShardInput,
+)
+from modelkeeper.domain.store_activities import (
+    DeleteDeploymentInput,
+    PlaceReplicaInput,
+    PlaceReplicaResult,
+    ReleaseReplicaInput,
+    RoomFound,
+    WatchForRoomInput,
 )
 from modelkeeper.names import (
     ACTIVITY_DELETE_DEPLOYMENT,

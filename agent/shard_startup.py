@@ -60,7 +60,7 @@ from .startup_gate import (
 
 log = logging.getLogger(__name__)
 
-#: The engines' log folder: the agent's user and its group (the operators) may list it,
+#: The engines' log folder: the agent's user and its Unix group may list it,
 #: nobody else. Each log in it is :data:`~modelkeeper.infra.processes.LOG_MODE`.
 LOG_FOLDER_MODE = 0o750
 #: A start that failed or was cancelled stops what it launched with this grace.

@@ -29,8 +29,7 @@ from modelkeeper.domain.base import Frozen
 from modelkeeper.domain.catalog import MAX_REPLICAS, DeploymentView, JsonInt
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId
-from modelkeeper.domain.operators import Operator
-from modelkeeper.domain.ops import (
+from modelkeeper.domain.operations import (
     MAX_DRAIN_GRACE_S,
     DrainInput,
     OperationKind,
@@ -39,6 +38,7 @@ from modelkeeper.domain.ops import (
     RestartInput,
     SwitchInput,
 )
+from modelkeeper.domain.operators import Operator
 from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.names import CONTROL_TASK_QUEUE
 from modelkeeper.store import OperationConflictError, OperationsStore, Store
@@ -217,10 +217,10 @@ async def _start(store: Store, temporal: Client, *, kind: OperationKind,
     """Insert the operation's row (409 while another runs on its subject), then start its
     workflow (a saga's ``run``, so mypy checks ``arg`` against it) under the row's id; a
     failed start ends the row as failed (503)."""
-    ops = store.operations
+    operations = store.operations
     subject = node_id if kind is OperationKind.DRAIN else deployment_id
     assert subject is not None  # each route names the one its kind needs
-    record = await _begin(ops, temporal, kind=kind, subject=subject, summary=summary,
+    record = await _begin(operations, temporal, kind=kind, subject=subject, summary=summary,
                           deployment_id=deployment_id, node_id=node_id,
                           requested_by=operator.name)
     try:
@@ -230,7 +230,7 @@ async def _start(store: Store, temporal: Client, *, kind: OperationKind,
                                       # model or node; the saga keeps its details current.
                                       static_summary=summary)
     except (RPCError, WorkflowAlreadyStartedError) as exc:
-        await ops.finish_if_running(record.operation_id, OperationState.FAILED,
+        await operations.finish_if_running(record.operation_id, OperationState.FAILED,
                                     f"its workflow could not be started: {exc}")
         raise HTTPException(503, f"{record.operation_id} was not started: its workflow "
                                  f"could not be started ({exc}); nothing changed, and "
@@ -242,18 +242,18 @@ async def _start(store: Store, temporal: Client, *, kind: OperationKind,
     return OperationStarted(**record.model_dump(), workflow_id=record.operation_id)
 
 
-async def _begin(ops: OperationsStore, temporal: Client, *, kind: OperationKind,
+async def _begin(operations: OperationsStore, temporal: Client, *, kind: OperationKind,
                  subject: str, summary: str, deployment_id: DeploymentId | None,
                  node_id: NodeId | None, requested_by: str) -> OperationRecord:
     """The new operation's row; 409 naming the one that runs on ``subject``. A running
     one whose workflow has ended without recording it is ended first, once."""
     for attempt in range(2):
         try:
-            return await ops.begin_next(kind, subject, deployment_id=deployment_id,
+            return await operations.begin_next(kind, subject, deployment_id=deployment_id,
                                         node_id=node_id, summary=summary,
                                         requested_by=requested_by)
         except OperationConflictError as exc:
-            if attempt == 1 or await _end_if_abandoned(ops, temporal, exc.running) is None:
+            if attempt == 1 or await _end_if_abandoned(operations, temporal, exc.running) is None:
                 raise HTTPException(409, str(exc)) from None
         except OperationNumberingError as exc:
             raise HTTPException(409, f"{kind.value} of {subject} was not started: {exc}; "
@@ -265,31 +265,31 @@ async def _begin(ops: OperationsStore, temporal: Client, *, kind: OperationKind,
 
 @router.get("/operations", response_model=list[OperationRecord])
 async def list_operations(
-    ops: OperationsDep, *, deployment: str | None = None, node: str | None = None,
+    operations: OperationsDep, *, deployment: str | None = None, node: str | None = None,
     state: OperationState | None = None,
     limit: int = Query(default=50, ge=1, le=MAX_LIST_LIMIT),
 ) -> list[OperationRecord]:
     """The newest operations first, optionally of one deployment, node or state."""
-    return await ops.list_operations(deployment_id=deployment, node_id=node, state=state,
+    return await operations.list_operations(deployment_id=deployment, node_id=node, state=state,
                                      limit=limit)
 
 
 @router.get("/operations/{operation_id:path}", response_model=OperationRecord,
             responses=problems(404))
-async def get_operation(operation_id: str, ops: OperationsDep) -> OperationRecord:
+async def get_operation(operation_id: str, operations: OperationsDep) -> OperationRecord:
     """One operation with its steps and outcome; 404 when unknown."""
-    return await _existing(ops, operation_id)
+    return await _existing(operations, operation_id)
 
 
 @router.post("/operations/{operation_id:path}/cancel", status_code=202,
              response_model=OperationRecord, responses=problems(404, 409, 503))
-async def cancel_operation(operation_id: str, ops: OperationsDep, temporal: TemporalDep, *,
+async def cancel_operation(operation_id: str, operations: OperationsDep, temporal: TemporalDep, *,
                            store: StoreDep, operator: OperatorDep) -> OperationRecord:
     """Ask the saga to stop and undo what it started (a Temporal cancellation: the saga
     runs its compensations and records ``cancelled``). 409 once it has ended."""
-    record = await _existing(ops, operation_id)
+    record = await _existing(operations, operation_id)
     if record.state is OperationState.RUNNING:
-        record = await _end_if_abandoned(ops, temporal, record) or record
+        record = await _end_if_abandoned(operations, temporal, record) or record
     if record.state is not OperationState.RUNNING:
         raise HTTPException(409, _ended(record))
     try:
@@ -300,8 +300,8 @@ async def cancel_operation(operation_id: str, ops: OperationsDep, temporal: Temp
                                      f"could not be reached ({exc}); repeating the request "
                                      "is safe") from exc
         # It ended between the look and the cancel: say how, as the saga recorded it.
-        ended = await _end_if_abandoned(ops, temporal, record) \
-            or await _existing(ops, operation_id)
+        ended = await _end_if_abandoned(operations, temporal, record) \
+            or await _existing(operations, operation_id)
         raise HTTPException(409, _ended(ended)) from None
     await store.events.record_event(change(
         operator, "operation.cancel_requested", f"cancel {operation_id}: {record.summary}",
@@ -345,7 +345,7 @@ def abandoned(record: OperationRecord, status: WorkflowExecutionStatus | None, *
                 f"its workflow ended {status.name.lower()} without recording its outcome")
 
 
-async def _end_if_abandoned(ops: OperationsStore, temporal: Client,
+async def _end_if_abandoned(operations: OperationsStore, temporal: Client,
                             record: OperationRecord) -> OperationRecord | None:
     """End ``record`` if :func:`abandoned` says so: its row as it stands after (another
     writer's outcome wins). None when its workflow may still record one."""
@@ -358,7 +358,7 @@ async def _end_if_abandoned(ops: OperationsStore, temporal: Client,
     ending = abandoned(record, status, now=datetime.now(UTC))
     if ending is None:
         return None
-    return await ops.finish_if_running(record.operation_id, *ending)
+    return await operations.finish_if_running(record.operation_id, *ending)
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -379,8 +379,8 @@ def _runs(view: DeploymentView) -> ModelId:
     return view.runs_model_id or view.model_id
 
 
-async def _existing(ops: OperationsStore, operation_id: str) -> OperationRecord:
-    record = await ops.get(operation_id)
+async def _existing(operations: OperationsStore, operation_id: str) -> OperationRecord:
+    record = await operations.get(operation_id)
     if record is None:
         raise HTTPException(404, f"operation {operation_id!r} does not exist")
     return record

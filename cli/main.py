@@ -389,9 +389,9 @@ def run(argv: Sequence[str] | None = None) -> int:
             print(config_table_markdown(), end="")
             return 0
         if args.command in OPERATOR_COMMANDS:
-            operator = load_settings(args)
-            return run_operator_command(args, operator.api_url, out=print,
-                                        token=operator_token(operator))
+            client = load_settings(args)
+            return run_operator_command(args, client.api_url, out=print,
+                                        token=operator_token(client))
         settings = load_settings(args)
         commands: dict[str, Callable[[Settings], int]] = {
             "up": lambda s: _cmd_up(s, demo=not args.no_demo),

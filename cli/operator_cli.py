@@ -1,8 +1,8 @@
 """`modelkeeper deploy / ls / rm / nodes / explain / models`, the changes (`scale`, `retry`,
-`restart`, `switch`, `reconfigure`, `cordon`, `uncordon`, `drain`) and `ops`, which lists,
-shows and cancels the sagas: thin wrappers over the API, sending the operator token
-(:func:`operator_token`). `tokens` makes, lists and revokes those tokens straight in the
-database, so the first admin token needs no API.
+`restart`, `switch`, `reconfigure`, `cordon`, `uncordon`, `drain`) and `operations` (alias
+`ops`), which lists, shows and cancels the sagas: thin wrappers over the API, sending the
+operator token (:func:`operator_token`). `tokens` makes, lists and revokes those tokens
+straight in the database, so the first admin token needs no API.
 
 One table, ``COMMANDS``, holds every operator command: its flags, the request it sends
 (method, path and body, built from the parsed arguments alone) and how it shows the
@@ -239,15 +239,15 @@ def _drain_request(args: argparse.Namespace) -> Request:
     return _on_node(args, lambda n: Request("POST", f"/nodes/{n}/drain", body=body))
 
 
-def _ops_request(args: argparse.Namespace) -> Request:
+def _operations_request(args: argparse.Namespace) -> Request:
     if args.action == "ls":
         params = {k: str(v) for k, v in (("deployment", args.deployment), ("node", args.node),
                                          ("state", args.state), ("limit", args.limit))
                   if v is not None}
         return Request("GET", "/operations", params=params or None)
     if not args.operation_id:
-        raise UsageError(f"ops {args.action} needs an operation id such as restart/d1/1, "
-                         "and none was given (modelkeeper ops lists them)")
+        raise UsageError(f"operations {args.action} needs an operation id such as restart/d1/1, "
+                         "and none was given (modelkeeper operations lists them)")
     if args.action == "show":
         return Request("GET", f"/operations/{args.operation_id}")
     return Request("POST", f"/operations/{args.operation_id}/cancel")
@@ -453,9 +453,10 @@ def _retry_text(args: argparse.Namespace, result: Any) -> str:
 
 def _started_text(args: argparse.Namespace, result: Any) -> str:
     """A saga the API started: what it does, and how to watch and cancel it."""
-    op = result["operation_id"]
-    return (f"{op} started: {result['summary']}\n"
-            f"watch: modelkeeper ops show {op}; cancel: modelkeeper ops cancel {op}")
+    operation = result["operation_id"]
+    return (f"{operation} started: {result['summary']}\n"
+            f"watch: modelkeeper operations show {operation}; "
+            f"cancel: modelkeeper operations cancel {operation}")
 
 
 def _cordon_text(args: argparse.Namespace, result: Any) -> str:
@@ -465,7 +466,7 @@ def _cordon_text(args: argparse.Namespace, result: Any) -> str:
     return f"node {result['name']} ({result['node_id']}): cordoned{reason}"
 
 
-def _ops_text(args: argparse.Namespace, result: Any) -> str:
+def _operations_text(args: argparse.Namespace, result: Any) -> str:
     match args.action:
         case "ls":
             return table([[o["operation_id"], o["state"], o["updated_at"] or "",
@@ -474,20 +475,21 @@ def _ops_text(args: argparse.Namespace, result: Any) -> str:
         case "show":
             return _operation_text(result)
         case _:
-            op = result["operation_id"]
-            return (f"{op}: cancel requested; the saga undoes what it started and ends "
-                    f"cancelled (watch: modelkeeper ops show {op})")
+            operation = result["operation_id"]
+            return (f"{operation}: cancel requested; the saga undoes what it started and ends "
+                    f"cancelled (watch: modelkeeper operations show {operation})")
 
 
-def _operation_text(op: dict[str, Any]) -> str:
+def _operation_text(operation: dict[str, Any]) -> str:
     """One operation: its outcome, what it is, and each step in order."""
-    on = op["deployment_id"] or op["node_id"]
-    lines = [f"{op['operation_id']}: {op['state']} ({op['kind']} of {on}, requested by "
-             f"{op['requested_by'] or '-'}, updated {op['updated_at']})", op["summary"]]
-    if op["error"]:
-        lines.append(f"error: {op['error']}")
-    if op["steps"]:
-        lines.append(table([[s["name"], s["state"], s["detail"]] for s in op["steps"]],
+    on = operation["deployment_id"] or operation["node_id"]
+    lines = [f"{operation['operation_id']}: {operation['state']} ({operation['kind']} of {on}, "
+             f"requested by {operation['requested_by'] or '-'}, updated "
+             f"{operation['updated_at']})", operation["summary"]]
+    if operation["error"]:
+        lines.append(f"error: {operation['error']}")
+    if operation["steps"]:
+        lines.append(table([[s["name"], s["state"], s["detail"]] for s in operation["steps"]],
                            ["step", "state", "detail"]))
     return "\n".join(line for line in lines if line)
 
@@ -563,7 +565,7 @@ def _drain_flags(parser: argparse.ArgumentParser) -> None:
                         help="cancelling the drain uncordons the node too")
 
 
-def _ops_flags(parser: argparse.ArgumentParser) -> None:
+def _operations_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", nargs="?", choices=["ls", "show", "cancel"], default="ls")
     parser.add_argument("operation_id", nargs="?", metavar="ID")
     parser.add_argument("--deployment", help="ls: only this deployment's")
@@ -599,6 +601,8 @@ class Command:
     flags: Callable[[argparse.ArgumentParser], None]
     request: Callable[[argparse.Namespace], Request]
     text: Callable[[argparse.Namespace, Any], str]
+    #: Other names it answers to: a rename keeps the old name working for scripts.
+    aliases: tuple[str, ...] = ()
 
 
 COMMANDS: tuple[Command, ...] = (
@@ -628,8 +632,9 @@ COMMANDS: tuple[Command, ...] = (
             _cordon_text),
     Command("drain", "cordon a node and move its replicas elsewhere", _drain_flags,
             _drain_request, _started_text),
-    Command("ops", "list operations (restarts, drains, switches), or show or cancel one",
-            _ops_flags, _ops_request, _ops_text),
+    Command("operations", "list operations (restarts, drains, switches), or show or cancel "
+            "one (alias: ops)", _operations_flags, _operations_request, _operations_text,
+            aliases=("ops",)),
 )
 
 OPERATOR_COMMANDS: Mapping[str, Command] = {c.name: c for c in COMMANDS}
@@ -638,7 +643,10 @@ OPERATOR_COMMANDS: Mapping[str, Command] = {c.name: c for c in COMMANDS}
 def add_operator_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
     """Register the operator subcommands on the main parser's subparsers."""
     for command in COMMANDS:
-        parser: argparse.ArgumentParser = sub.add_parser(command.name, help=command.help)
+        parser: argparse.ArgumentParser = sub.add_parser(command.name, help=command.help,
+                                                         aliases=command.aliases)
+        # argparse records the name as typed; an alias reads as its command.
+        parser.set_defaults(command=command.name)
         parser.add_argument("--api-url", help="overrides MODELKEEPER_API_URL")
         parser.add_argument("--json", action="store_true", help="machine-readable output")
         common(parser)

@@ -3,7 +3,7 @@
 This package is the ground floor of the rooms, each importing only what lies below it
 (the import-linter contract in pyproject.toml checks this):
 
-- ``store``: PostgreSQL (migrations, control and routing queries), and ``infra``: shared
+- ``store``: PostgreSQL (migrations, a store per aggregate, routing queries), and ``infra``: shared
   I/O such as connecting to Temporal and managed processes;
 - ``settings`` and ``names``: the one home of every setting and shared name;
 - ``domain``: pure models and decisions (the keeper, placement), no I/O.

@@ -93,14 +93,14 @@ SIGNAL_DELETE = "delete"
 #: agent's liveness stream broke or stopped): those replicas are unreachable now.
 SIGNAL_NODE_SILENT = "node_silent"
 UPDATE_SCALE = "scale"
-#: The change primitive the sagas use (modelkeeper.domain.ops): surge, replace, retire,
-#: the long poll on an op's outcome, its compensation, and the generation to run.
-UPDATE_OP = "op"
-UPDATE_AWAIT_OP = "await_op"
-UPDATE_CANCEL_OP = "cancel_op"
+#: The change primitive the sagas use (modelkeeper.domain.moves): surge, replace, retire,
+#: the long poll on a move's outcome, its compensation, and the generation to run.
+UPDATE_MOVE = "move"
+UPDATE_AWAIT_MOVE = "await_move"
+UPDATE_CANCEL_MOVE = "cancel_move"
 UPDATE_SET_GENERATION = "set_generation"
 QUERY_STATUS = "status"
-#: A deployment as a saga sees it (modelkeeper.domain.ops.DeploymentBrief).
+#: A deployment as a saga sees it (modelkeeper.domain.moves.DeploymentBrief).
 QUERY_BRIEF = "brief"
 
 #: Activities, by name, for the workflows that call them without importing their modules
@@ -117,10 +117,10 @@ ACTIVITY_WATCH_FOR_ROOM = "watch_for_room"
 #: Routing: mark a replica draining and wait (bounded) for its in-flight requests.
 ACTIVITY_DRAIN_REPLICA = "drain_replica"
 #: The sagas' activities (control queue), as their stubs (activities.saga_stubs) and the
-#: classes that run them register them: ask a deployment workflow (activities.ops) ...
-ACTIVITY_REQUEST_OP = "request_op"
-ACTIVITY_AWAIT_OP = "await_op"
-ACTIVITY_CANCEL_OP = "cancel_op"
+#: classes that run them register them: ask a deployment workflow (activities.moves) ...
+ACTIVITY_REQUEST_MOVE = "request_move"
+ACTIVITY_AWAIT_MOVE = "await_move"
+ACTIVITY_CANCEL_MOVE = "cancel_move"
 ACTIVITY_SET_GENERATION = "set_generation"
 ACTIVITY_DESCRIBE_DEPLOYMENT = "describe_deployment"
 #: ... and keep their record and the cordon in the store (activities.operations).
@@ -144,9 +144,9 @@ ERROR_ENGINE_CONFIG = "EngineConfigError"
 ERROR_NO_FREE_PORT = "NoFreePort"
 #: ... and DeploymentWorkflow's scale validator, refusing an update while it deletes.
 ERROR_DELETING = "Deleting"
-#: ... refusing an op (unknown replica, leased to another op, surge limit), and
+#: ... refusing a move (unknown replica, leased to another move, surge limit), and
 #: begin_operation refusing a second saga on one deployment or node.
-ERROR_OP_REFUSED = "OpRefused"
+ERROR_MOVE_REFUSED = "MoveRefused"
 ERROR_OPERATION_CONFLICT = "OperationConflict"
 #: ... a deployment workflow a saga asks that is not running (deleted, never started).
 ERROR_NO_DEPLOYMENT = "NoDeployment"

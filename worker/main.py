@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from temporalio.worker import Worker
 
+from activities.moves import MoveActivities
 from activities.operations import OperationsActivities
-from activities.ops import OpsActivities
 from activities.routing import RoutingActivities
 from activities.store import StoreActivities
 from modelkeeper.infra import temporal as temporal_client
@@ -51,7 +51,7 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
                 workflows=ALL_WORKFLOWS,
                 activities=[*store_activities.all(), *routing_activities.all(),
                             *OperationsActivities(store, client).all(),
-                            *OpsActivities(client).all()],
+                            *MoveActivities(client).all()],
                 activity_executor=executor,
             )
             room_watcher = Worker(

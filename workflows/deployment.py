@@ -23,7 +23,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from modelkeeper.domain.catalog import ScaleRequest
     from modelkeeper.domain.events import NewEvent
-    from modelkeeper.domain.ids import OpId, ReplicaId
+    from modelkeeper.domain.ids import MoveId, ReplicaId
     from modelkeeper.domain.keeper import (
         Action,
         Delete,
@@ -31,10 +31,10 @@ with workflow.unsafe.imports_passed_through():
         GenerationSet,
         KeeperConfig,
         KeeperState,
+        MoveAsked,
+        MoveCancelled,
         NodesChanged,
         Observation,
-        OpAsked,
-        OpCancelled,
         Placed,
         PlacementCrashed,
         PlaceReplica,
@@ -51,37 +51,37 @@ with workflow.unsafe.imports_passed_through():
         WatchReplica,
         brief,
         decide,
+        move_outcome,
         next_wake,
-        op_outcome,
-        refuse_op,
+        refuse_move,
         resume,
         room_watch_goes_on,
         room_watch_start,
         status,
     )
-    from modelkeeper.domain.nodes import NodeSilentInput
-    from modelkeeper.domain.ops import (
-        OP_ENDED,
-        AwaitOpRequest,
-        CancelOpRequest,
+    from modelkeeper.domain.moves import (
+        MOVE_ENDED,
+        AwaitMoveRequest,
+        CancelMoveRequest,
         DeploymentBrief,
-        OpOutcome,
-        OpRequest,
+        MoveOutcome,
+        MoveRequest,
         SetGenerationRequest,
     )
+    from modelkeeper.domain.nodes import NodeSilentInput
     from modelkeeper.domain.shards import ShardSpec
     from modelkeeper.names import (
         ERROR_DELETING,
-        ERROR_OP_REFUSED,
+        ERROR_MOVE_REFUSED,
         QUERY_BRIEF,
         QUERY_STATUS,
         SIGNAL_DELETE,
         SIGNAL_NODE_SILENT,
         SIGNAL_NODES_CHANGED,
         SIGNAL_RETRY,
-        UPDATE_AWAIT_OP,
-        UPDATE_CANCEL_OP,
-        UPDATE_OP,
+        UPDATE_AWAIT_MOVE,
+        UPDATE_CANCEL_MOVE,
+        UPDATE_MOVE,
         UPDATE_SCALE,
         UPDATE_SET_GENERATION,
     )
@@ -129,7 +129,7 @@ class DeploymentWorkflow:
         # Observations decided so far: a handler that queued one waits until it is past
         # this count, so it answers from the state that includes it.
         self._decided = 0
-        # Continue-as-new is due: long polls (await_op) answer now, so that every handler
+        # Continue-as-new is due: long polls (await_move) answer now, so that every handler
         # can finish and the run can continue.
         self._continuing = False
 
@@ -169,51 +169,51 @@ class DeploymentWorkflow:
             raise ApplicationError("deployment is being deleted; it cannot be scaled",
                                    type=ERROR_DELETING)
 
-    # -- ops: what sagas ask for (modelkeeper.domain.ops) ---------------------------------
+    # -- moves: what sagas ask for (modelkeeper.domain.moves) ---------------------------------
 
-    @workflow.update(name=UPDATE_OP)
-    async def op(self, request: OpRequest) -> OpOutcome:
-        """Surge, replace or retire; answers the op as it stands once it is registered (a
+    @workflow.update(name=UPDATE_MOVE)
+    async def move(self, request: MoveRequest) -> MoveOutcome:
+        """Surge, replace or retire; answers the move as it stands once it is registered (a
         retried request is answered again and changes nothing)."""
-        if op_outcome(self.state.keeper, request.op_id) is None:
-            await self._decide_now(OpAsked(request=request))
-        return self._outcome(request.op_id)
+        if move_outcome(self.state.keeper, request.move_id) is None:
+            await self._decide_now(MoveAsked(request=request))
+        return self._outcome(request.move_id)
 
-    @op.validator
-    def _validate_op(self, request: OpRequest) -> None:
-        reason = refuse_op(self.state.keeper, request, self.state.config)
+    @move.validator
+    def _validate_move(self, request: MoveRequest) -> None:
+        reason = refuse_move(self.state.keeper, request, self.state.config)
         if reason is not None:
-            raise ApplicationError(reason, type=ERROR_OP_REFUSED, non_retryable=True)
+            raise ApplicationError(reason, type=ERROR_MOVE_REFUSED, non_retryable=True)
 
-    @workflow.update(name=UPDATE_AWAIT_OP)
-    async def await_op(self, request: AwaitOpRequest) -> OpOutcome:
-        """A long poll: the op once it has ended, or as it stands after ``wait_s`` (or
+    @workflow.update(name=UPDATE_AWAIT_MOVE)
+    async def await_move(self, request: AwaitMoveRequest) -> MoveOutcome:
+        """A long poll: the move once it has ended, or as it stands after ``wait_s`` (or
         sooner, when the run is about to continue as new)."""
         def ended() -> bool:
-            outcome = op_outcome(self.state.keeper, request.op_id)
-            return outcome is None or outcome.state in OP_ENDED or self._continuing
+            outcome = move_outcome(self.state.keeper, request.move_id)
+            return outcome is None or outcome.state in MOVE_ENDED or self._continuing
         with contextlib.suppress(builtins.TimeoutError):
             await workflow.wait_condition(ended, timeout=request.wait_s)
-        return self._outcome(request.op_id)
+        return self._outcome(request.move_id)
 
-    @await_op.validator
-    def _validate_await_op(self, request: AwaitOpRequest) -> None:
-        self._known_op(request.op_id)
+    @await_move.validator
+    def _validate_await_move(self, request: AwaitMoveRequest) -> None:
+        self._known_move(request.move_id)
 
-    @workflow.update(name=UPDATE_CANCEL_OP)
-    async def cancel_op(self, request: CancelOpRequest) -> OpOutcome:
-        """The compensation: retire what the op surged, keep what it would have retired."""
-        await self._decide_now(OpCancelled(op_id=request.op_id))
-        return self._outcome(request.op_id)
+    @workflow.update(name=UPDATE_CANCEL_MOVE)
+    async def cancel_move(self, request: CancelMoveRequest) -> MoveOutcome:
+        """The compensation: retire what the move surged, keep what it would have retired."""
+        await self._decide_now(MoveCancelled(move_id=request.move_id))
+        return self._outcome(request.move_id)
 
-    @cancel_op.validator
-    def _validate_cancel_op(self, request: CancelOpRequest) -> None:
-        self._known_op(request.op_id)
+    @cancel_move.validator
+    def _validate_cancel_move(self, request: CancelMoveRequest) -> None:
+        self._known_move(request.move_id)
 
     @workflow.update(name=UPDATE_SET_GENERATION)
     async def set_generation(self, request: SetGenerationRequest) -> None:
         """New replicas run ``request.generation`` from now on."""
-        await self._decide_now(GenerationSet(op_id=request.op_id,
+        await self._decide_now(GenerationSet(move_id=request.move_id,
                                              generation=request.generation))
 
     @set_generation.validator
@@ -234,21 +234,21 @@ class DeploymentWorkflow:
         target = self._decided + len(self._inbox)
         await workflow.wait_condition(lambda: self._decided >= target)
 
-    def _outcome(self, op_id: OpId) -> OpOutcome:
-        outcome = op_outcome(self.state.keeper, op_id)
+    def _outcome(self, move_id: MoveId) -> MoveOutcome:
+        outcome = move_outcome(self.state.keeper, move_id)
         if outcome is None:
-            # Registered ops leave the registry only long after they end (OPS_KEPT).
-            raise ApplicationError(f"op_id: {op_id} is not an op of "
+            # Registered moves leave the registry only long after they end (MOVES_KEPT).
+            raise ApplicationError(f"move_id: {move_id} is not a move of "
                                    f"{self.state.keeper.spec.deployment_id} (any more)",
-                                   type=ERROR_OP_REFUSED, non_retryable=True)
+                                   type=ERROR_MOVE_REFUSED, non_retryable=True)
         return outcome
 
-    def _known_op(self, op_id: OpId) -> None:
-        if op_outcome(self.state.keeper, op_id) is None:
-            known = ", ".join(op.op_id for op in self.state.keeper.ops) or "none"
+    def _known_move(self, move_id: MoveId) -> None:
+        if move_outcome(self.state.keeper, move_id) is None:
+            known = ", ".join(move.move_id for move in self.state.keeper.moves) or "none"
             raise ApplicationError(
-                f"op_id: {op_id} is not an op of {self.state.keeper.spec.deployment_id} "
-                f"(known: {known})", type=ERROR_OP_REFUSED, non_retryable=True)
+                f"move_id: {move_id} is not a move of {self.state.keeper.spec.deployment_id} "
+                f"(known: {known})", type=ERROR_MOVE_REFUSED, non_retryable=True)
 
     @workflow.query(name=QUERY_STATUS)
     def status(self) -> WorkflowStatus:

@@ -23,14 +23,6 @@ with workflow.unsafe.imports_passed_through():
 
     from activities import stubs
     from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdate
-    from modelkeeper.domain.control import (
-        DeleteDeploymentInput,
-        PlaceReplicaInput,
-        PlaceReplicaResult,
-        ReleaseReplicaInput,
-        RoomFound,
-        WatchForRoomInput,
-    )
     from modelkeeper.domain.draining import DrainReplicaInput
     from modelkeeper.domain.events import NewEvent
     from modelkeeper.domain.ids import DeploymentId, ReplicaId
@@ -50,6 +42,14 @@ with workflow.unsafe.imports_passed_through():
         StartShardInput,
         StopShardInput,
         WatchShardInput,
+    )
+    from modelkeeper.domain.store_activities import (
+        DeleteDeploymentInput,
+        PlaceReplicaInput,
+        PlaceReplicaResult,
+        ReleaseReplicaInput,
+        RoomFound,
+        WatchForRoomInput,
     )
     from modelkeeper.domain.tunables import Tunables
     from modelkeeper.names import (

@@ -10,7 +10,7 @@ Steps, each visible in the OperationRecord (workflows/saga.py says how they are 
 4. For each replica, in turn: a ``replace`` that avoids the node (the new copy elsewhere,
    the old retired once the new one serves).
 5. A replica whose replacement found no room elsewhere (or failed to start, its new copy
-   then cancelled, or was refused, say while another saga's op ran on its deployment) is
+   then cancelled, or was refused, say while another saga's move ran on its deployment) is
    tried again once the deadline comes (a durable timer), once. Still no room (or failing):
    it is retired, with the reason ``drain of <node>: no room elsewhere: <why>``. So an
    outage for want of room is bounded by the grace period, and stated. Refused again: it
@@ -20,8 +20,8 @@ Steps, each visible in the OperationRecord (workflows/saga.py says how they are 
 A replacement that is still loading when the deadline passes is awaited: its old replica
 serves meanwhile, and stopping that one would be the outage a drain exists to avoid.
 
-Cancelling the drain (``temporal workflow cancel``) cancels every op not yet ended
-(``cancel_op``: a replacement not yet ready is retired, its old replica kept), uncordons
+Cancelling the drain (``temporal workflow cancel``) cancels every move not yet ended
+(``cancel_move``: a replacement not yet ready is retired, its old replica kept), uncordons
 the node only if the input asked for it, and ends the saga cancelled.
 
 Workflow ids come from the starter: ``drain/<node>/<n>``. A brand-new workflow type:
@@ -40,15 +40,14 @@ from temporalio.exceptions import ActivityError
 with workflow.unsafe.imports_passed_through():
     from activities.saga_stubs import OperationsActivityStubs
     from modelkeeper.domain.ids import ReplicaId
-    from modelkeeper.domain.ops import (
+    from modelkeeper.domain.moves import MoveKind, MoveRequest
+    from modelkeeper.domain.operations import (
         DrainInput,
         NodeDeploymentsInput,
         NodeReplica,
         OperationKind,
         OperationRecord,
         OperationState,
-        OpKind,
-        OpRequest,
         SetCordonInput,
         StepState,
     )
@@ -56,7 +55,7 @@ with workflow.unsafe.imports_passed_through():
 
 # Not passed through: the sandbox re-imports it with each workflow, and checks it.
 from .saga import (
-    Op,
+    AskedMove,
     Saga,
     UndoFailed,
     describe_failure,
@@ -155,8 +154,8 @@ class DrainSaga:
         saga.update(summary=self._summary("running"))
         later: list[NodeReplica] = []
         for replica in replicas:
-            op = await self._replace(replica, at_deadline=False)
-            if op is not None:
+            move = await self._replace(replica, at_deadline=False)
+            if move is not None:
                 later.append(replica)
         if not later:
             return None
@@ -167,15 +166,15 @@ class DrainSaga:
             await workflow.sleep(wait)
             saga.end_step(step, StepState.DONE)
         for replica in later:
-            op = await self._replace(replica, at_deadline=True)
-            if op is not None:
-                await self._retire(replica, op)
+            move = await self._replace(replica, at_deadline=True)
+            if move is not None:
+                await self._retire(replica, move)
         return None
 
-    async def _replace(self, replica: NodeReplica, *, at_deadline: bool) -> Op | None:
-        """Replace ``replica`` off the node. Returns the op to try again (or, at the
+    async def _replace(self, replica: NodeReplica, *, at_deadline: bool) -> AskedMove | None:
+        """Replace ``replica`` off the node. Returns the move to try again (or, at the
         deadline, to retire) for: it found no room, or its new copy failed and was
-        cancelled, or (before the deadline) it was refused, say while another saga's op
+        cancelled, or (before the deadline) it was refused, say while another saga's move
         on the deployment ran. Else None: moved, gone with its deployment, or left."""
         saga = self._saga
         node = self._input.node_id
@@ -184,44 +183,44 @@ class DrainSaga:
         if at_deadline:
             name += " at the deadline"
         suffix = ":retry" if at_deadline else ""
-        op = await saga.op(replica.deployment_id, OpRequest(
-            op_id=saga.op_id(f"replace-{rid}{suffix}"), kind=OpKind.REPLACE, replica_id=rid,
+        move = await saga.move(replica.deployment_id, MoveRequest(
+            move_id=saga.move_id(f"replace-{rid}{suffix}"), kind=MoveKind.REPLACE, replica_id=rid,
             avoid_nodes=[node], reason=saga.record.operation_id), name=name)
-        if op.succeeded:
+        if move.succeeded:
             self._moved.append(rid)
             saga.update(summary=self._summary("running"))
             return None
-        if op.refused_type == ERROR_NO_DEPLOYMENT:
+        if move.refused_type == ERROR_NO_DEPLOYMENT:
             # Deleted meanwhile: its replicas stop with it, nothing to move.
             self._gone.append(rid)
-            saga.end_step(op.step, StepState.DONE, f"nothing to move: {op.refused}")
+            saga.end_step(move.step, StepState.DONE, f"nothing to move: {move.refused}")
             return None
-        if op.refused is not None:
+        if move.refused is not None:
             if at_deadline:
-                self._left[rid] = op.refused
+                self._left[rid] = move.refused
                 return None
-            return op
-        if not op.no_room:
+            return move
+        if not move.no_room:
             # Its new copy failed: retire it (the compensation), keep the old one serving
             # until the deadline.
-            await saga.uninterrupted(saga.cancel(op))
-        return op
+            await saga.uninterrupted(saga.cancel(move))
+        return move
 
-    async def _retire(self, replica: NodeReplica, replacement: Op) -> None:
+    async def _retire(self, replica: NodeReplica, replacement: AskedMove) -> None:
         """Stop a replica that has nowhere else to go, saying why."""
         saga = self._saga
         node = self._input.node_id
         rid = replica.replica_id
         why = "no room elsewhere" if replacement.no_room else "its replacement failed"
         reason = f"drain of {node}: {why}: {replacement.error}"
-        op = await saga.op(replica.deployment_id, OpRequest(
-            op_id=saga.op_id(f"retire-{rid}"), kind=OpKind.RETIRE, replica_id=rid,
+        move = await saga.move(replica.deployment_id, MoveRequest(
+            move_id=saga.move_id(f"retire-{rid}"), kind=MoveKind.RETIRE, replica_id=rid,
             reason=reason), name=f"retire {rid} ({replica.deployment_id})")
-        if op.succeeded:
+        if move.succeeded:
             self._retired[rid] = reason
-            saga.end_step(op.step, StepState.DONE, reason)
+            saga.end_step(move.step, StepState.DONE, reason)
         else:
-            self._left[rid] = f"could not retire: {op.error}"
+            self._left[rid] = f"could not retire: {move.error}"
         saga.update(summary=self._summary("running"))
 
     async def _undo(self) -> list[str]:
@@ -229,10 +228,10 @@ class DrainSaga:
         Returns what could not be undone."""
         saga = self._saga
         failed = []
-        for op in saga.open_ops():
-            undone = await saga.cancel(op)
+        for move in saga.open_moves():
+            undone = await saga.cancel(move)
             if isinstance(undone, UndoFailed):
-                failed.append(f"{op.request.op_id}: {undone.reason}")
+                failed.append(f"{move.request.move_id}: {undone.reason}")
         if self._input.uncordon_on_cancel and self._cordon_step is not None:
             node = self._input.node_id
             step = saga.step(f"undo: uncordon {node}")

@@ -11,9 +11,9 @@ Steps, each visible in the OperationRecord (workflows/saga.py says how they are 
    the step and the summary.
 4. ``set_generation``: the deployment runs the next generation from now on.
 
-A replace that fails for any other reason is compensated by ``cancel_op`` (the new copy is
+A replace that fails for any other reason is compensated by ``cancel_move`` (the new copy is
 retired, the old one keeps serving), and the restart ends failed with the reason. Replicas
-already restarted stay as they are: the same model and arguments. A cancel cancels the op
+already restarted stay as they are: the same model and arguments. A cancel cancels the move
 in flight the same way and ends the saga cancelled.
 
 Workflow ids come from the starter: ``restart/<deployment>/<n>``
@@ -30,14 +30,13 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
+    from modelkeeper.domain.catalog import Generation
     from modelkeeper.domain.ids import ReplicaId
-    from modelkeeper.domain.ops import (
-        Generation,
+    from modelkeeper.domain.moves import MoveKind, MoveRequest
+    from modelkeeper.domain.operations import (
         OperationKind,
         OperationRecord,
         OperationState,
-        OpKind,
-        OpRequest,
         RestartInput,
         StepState,
     )
@@ -88,13 +87,13 @@ class RestartSaga:
                 # Too late to cancel: every replica is restarted and the generation set.
                 return await saga.finish(OperationState.SUCCEEDED,
                                          summary=self._summary("done"))
-            failed = [f"{r.reason}" for r in await saga.uninterrupted(self._cancel_open_ops())]
+            failed = [f"{r.reason}" for r in await saga.uninterrupted(self._cancel_open_moves())]
             await saga.finish(
                 OperationState.CANCELLED, summary=self._summary("cancelled"),
                 error=f"could not undo: {'; '.join(failed)}" if failed else None)
             raise
         except ActivityError as err:
-            # An activity that is not an op failed for good (the deployment is gone).
+            # An activity that is not a move failed for good (the deployment is gone).
             error = describe_failure(err)
         if error is not None:
             await saga.finish(OperationState.FAILED, error=error,
@@ -132,33 +131,33 @@ class RestartSaga:
         saga = self._saga
         deployment_id = self._input.deployment_id
         reason = saga.record.operation_id
-        op = await saga.op(deployment_id, OpRequest(
-            op_id=saga.op_id(f"replace-{replica_id}"), kind=OpKind.REPLACE,
+        move = await saga.move(deployment_id, MoveRequest(
+            move_id=saga.move_id(f"replace-{replica_id}"), kind=MoveKind.REPLACE,
             replica_id=replica_id, generation=new, reason=reason),
             name=f"replace {replica_id}")
-        if op.no_room:
-            op = await saga.op(deployment_id, OpRequest(
-                op_id=saga.op_id(f"replace-{replica_id}:stop-first"), kind=OpKind.REPLACE,
+        if move.no_room:
+            move = await saga.move(deployment_id, MoveRequest(
+                move_id=saga.move_id(f"replace-{replica_id}:stop-first"), kind=MoveKind.REPLACE,
                 replica_id=replica_id, generation=new, stop_first=True, reason=reason),
                 name=f"replace {replica_id} in place (no room for a second copy)")
-            if op.succeeded:
-                window = outage(op.outcome)
+            if move.succeeded:
+                window = outage(move.outcome)
                 self._outages.append(f"{replica_id} restarted in place, {window}")
-                saga.end_step(op.step, StepState.DONE, f"{describe_outcome(op)}; {window}")
-        if op.succeeded:
+                saga.end_step(move.step, StepState.DONE, f"{describe_outcome(move)}; {window}")
+        if move.succeeded:
             return None
-        error = f"replacing {replica_id} failed: {op.error}"
-        if op.refused is None:
+        error = f"replacing {replica_id} failed: {move.error}"
+        if move.refused is None:
             # The compensation: the new copy is retired, the old one keeps serving.
-            undone = await saga.uninterrupted(saga.cancel(op))
+            undone = await saga.uninterrupted(saga.cancel(move))
             if isinstance(undone, UndoFailed):
                 error += f"; could not undo: {undone.reason}"
         return error
 
-    async def _cancel_open_ops(self) -> list[UndoFailed]:
+    async def _cancel_open_moves(self) -> list[UndoFailed]:
         failed = []
-        for op in self._saga.open_ops():
-            undone = await self._saga.cancel(op)
+        for move in self._saga.open_moves():
+            undone = await self._saga.cancel(move)
             if isinstance(undone, UndoFailed):
                 failed.append(undone)
         return failed

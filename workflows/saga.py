@@ -1,9 +1,9 @@
-"""What the saga workflows share: the step record, the op helpers, and how a cancel lands.
+"""What the saga workflows share: the step record, the move helpers, and how a cancel lands.
 (What only the sagas that move replicas onto a new generation share, restart and switch,
 is in saga_moves.py.)
 
 A saga (restart.py, drain.py, switch.py) never touches a replica. It asks the deployment's
-workflow for ops (:mod:`modelkeeper.domain.ops`) through activities called by method, through
+workflow for moves (:mod:`modelkeeper.domain.moves`) through activities called by method, through
 their stubs (:mod:`activities.saga_stubs`: the modules that run them hold the store and the
 deployment workflow), so mypy checks every input and result; and it shows every step, each
 compensation included, in its :class:`OperationRecord`.
@@ -19,13 +19,13 @@ write ends. So writes never overtake each other, a slow database never delays th
 **Cancels.** Temporal delivers a workflow cancel once, to the main task, at whatever it
 awaits. Two kinds of await must not be cut short:
 
-* asking for something (an op, a cordon, the commit): cut short, the request may land or
+* asking for something (a move, a cordon, the commit): cut short, the request may land or
   not, and the compensation could not know what to undo. These run :meth:`Saga.atomic`: to
   their end, and the cancel takes effect right after;
 * the compensation itself: a rollback left half-way is worse than either end. It runs
   :meth:`Saga.uninterrupted`, and a cancel during it changes nothing.
 
-Waiting (await_op's long poll, a timer, a describe) is cut short at once: it only reads.
+Waiting (await_move's long poll, a timer, a describe) is cut short at once: it only reads.
 A cancelled activity surfaces in the workflow as an ``ActivityError`` whose cause is a
 cancel; :meth:`Saga.call` turns it into ``asyncio.CancelledError``, which each saga catches
 in ``run``.
@@ -53,33 +53,35 @@ from temporalio.exceptions import (
 )
 
 with workflow.unsafe.imports_passed_through():
-    from activities.saga_stubs import OperationsActivityStubs, OpsActivityStubs
-    from modelkeeper.domain.ids import DeploymentId, NodeId, OperationId, OpId
-    from modelkeeper.domain.ops import (
-        OP_ENDED,
-        AwaitOpCall,
-        AwaitOpRequest,
-        CancelOpCall,
-        CancelOpRequest,
+    from activities.saga_stubs import MoveActivityStubs, OperationsActivityStubs
+    from modelkeeper.domain.catalog import Generation
+    from modelkeeper.domain.ids import DeploymentId, MoveId, NodeId, OperationId
+    from modelkeeper.domain.moves import (
+        MOVE_ENDED,
+        AwaitMoveCall,
+        AwaitMoveRequest,
+        CancelMoveCall,
+        CancelMoveRequest,
         DeploymentBrief,
         DescribeDeploymentInput,
-        Generation,
-        OpCall,
+        MoveCall,
+        MoveOutcome,
+        MoveRequest,
+        MoveState,
+        SetGenerationCall,
+        SetGenerationRequest,
+    )
+    from modelkeeper.domain.operations import (
         OperationKind,
         OperationRecord,
         OperationState,
         OperationStep,
-        OpOutcome,
-        OpRequest,
-        OpState,
-        SetGenerationCall,
-        SetGenerationRequest,
         StepState,
     )
     from modelkeeper.names import (
         CONTROL_TASK_QUEUE,
+        ERROR_MOVE_REFUSED,
         ERROR_NO_DEPLOYMENT,
-        ERROR_OP_REFUSED,
         ERROR_OPERATION_CONFLICT,
         ERROR_OPERATION_FAILED,
     )
@@ -101,31 +103,31 @@ STORE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coeffic
 OPERATION_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
                           maximum_interval=timedelta(seconds=10),
                           non_retryable_error_types=[ERROR_OPERATION_CONFLICT])
-#: request_op, cancel_op, set_generation and describe_deployment are one update or query
+#: request_move, cancel_move, set_generation and describe_deployment are one update or query
 #: each, answered as soon as the deployment's worker runs a workflow task (milliseconds);
 #: 30 s also covers a worker's backlog after a restart.
 UPDATE_TIMEOUT = timedelta(seconds=30)
-#: ... retried like the store: op ids make every update idempotent, so asking again after
+#: ... retried like the store: move ids make every update idempotent, so asking again after
 #: a lost answer is safe. A refusal or a deployment that is gone is the deployment's
 #: answer, not a fault: those are not retried.
 UPDATE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
                            maximum_interval=timedelta(seconds=10),
-                           non_retryable_error_types=[ERROR_OP_REFUSED, ERROR_NO_DEPLOYMENT])
-#: One await_op poll: the activity asks the deployment to answer within this (its
-#: AwaitOpRequest.wait_s); long enough that polling costs the deployment's history little.
+                           non_retryable_error_types=[ERROR_MOVE_REFUSED, ERROR_NO_DEPLOYMENT])
+#: One await_move poll: the activity asks the deployment to answer within this (its
+#: AwaitMoveRequest.wait_s); long enough that polling costs the deployment's history little.
 AWAIT_POLL = timedelta(seconds=20)
-#: The activity heartbeats every 2 s, during polls too (activities/ops.py): 10 s without
+#: The activity heartbeats every 2 s, during polls too (activities/moves.py): 10 s without
 #: one means its worker is gone, and another worker retries the poll. Measured with a
 #: kill -9 of the control worker mid-restart (bench/sagas): a 60 s timeout here held the
 #: restart up for a minute after the worker came back.
 AWAIT_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
-#: An op ends by the deployment's own deadlines (placement's schedule-to-close, the start
+#: A move ends by the deployment's own deadlines (placement's schedule-to-close, the start
 #: timeout, the stop grace), and a start queued at a node's start-up gate waits its turn
 #: on top: minutes, not hours. A day is only a backstop; the heartbeat notices a dead
 #: worker, and an operator can cancel the saga at any time.
 AWAIT_LIFETIME = timedelta(days=1)
 
-#: An op that failed for want of room says so first (OpOutcome.error): the sagas then try
+#: A move that failed for want of room says so first (MoveOutcome.error): the sagas then try
 #: a stop-first replace, or wait for room.
 NO_ROOM = "no room"
 #: The web UI's current details list at most this many steps (the newest): a drain of a
@@ -138,37 +140,37 @@ _STEP_MARKS = {StepState.RUNNING: "running", StepState.DONE: "done",
 
 
 @dataclass
-class Op:
-    """An op a saga asked for, and what it last heard of it."""
+class AskedMove:
+    """A move a saga asked for, and what it last heard of it."""
 
     deployment_id: DeploymentId
-    request: OpRequest
+    request: MoveRequest
     #: Its step in the record.
     step: int
-    #: As last heard (the request's answer, then await_op's).
-    outcome: OpOutcome | None = None
+    #: As last heard (the request's answer, then await_move's).
+    outcome: MoveOutcome | None = None
     #: The request was refused (or the deployment is gone): nothing started, nothing to
     #: undo.
     refused: str | None = None
-    #: ... and the refusal's error type (ERROR_OP_REFUSED, ERROR_NO_DEPLOYMENT, ...).
+    #: ... and the refusal's error type (ERROR_MOVE_REFUSED, ERROR_NO_DEPLOYMENT, ...).
     refused_type: str | None = None
-    #: How await_op failed, if it did: the op's end is unknown.
+    #: How await_move failed, if it did: the move's end is unknown.
     lost: str | None = None
 
     @property
     def ended(self) -> bool:
         return (self.refused is not None or self.lost is not None or (
-            self.outcome is not None and self.outcome.state in OP_ENDED))
+            self.outcome is not None and self.outcome.state in MOVE_ENDED))
 
     @property
     def succeeded(self) -> bool:
-        return self.outcome is not None and self.outcome.state is OpState.SUCCEEDED \
+        return self.outcome is not None and self.outcome.state is MoveState.SUCCEEDED \
             and self.lost is None
 
     @property
     def no_room(self) -> bool:
         """It failed because the new replica found no room (a stop-first may fit)."""
-        return (self.outcome is not None and self.outcome.state is OpState.FAILED
+        return (self.outcome is not None and self.outcome.state is MoveState.FAILED
                 and (self.outcome.error or "").lower().startswith(NO_ROOM))
 
     @property
@@ -180,7 +182,7 @@ class Op:
             return self.lost
         if self.outcome is None:
             return "no answer"
-        return self.outcome.error or f"op {self.outcome.state.value}"
+        return self.outcome.error or f"move {self.outcome.state.value}"
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,7 @@ class UndoFailed:
 
 
 class Saga:
-    """One saga's record, its ops and how a cancel lands (the module docstring says why).
+    """One saga's record, its moves and how a cancel lands (the module docstring says why).
 
     Built in the workflow's ``@workflow.init``, so handlers (the ``operation`` query) never
     see it half-built; its writer starts with :meth:`begin`.
@@ -201,7 +203,7 @@ class Saga:
         self.record = record
         #: The first line of the web UI's current details (markdown).
         self.title = title
-        self.ops: list[Op] = []
+        self.moves: list[AskedMove] = []
         self._version = 0  # changes made to the record
         self._written = 0  # changes the store has
         self._writer: asyncio.Task[None] | None = None
@@ -268,7 +270,7 @@ class Saga:
     def check_writer(self) -> None:
         """Raise what the writer failed with, if it did: only a conflict can (another saga
         took the subject after the API judged this one's start failed), and then this saga
-        must ask for nothing more. Checked before every op and at the end."""
+        must ask for nothing more. Checked before every move and at the end."""
         writer = self._writer
         if writer is None or not writer.done():
             return
@@ -346,7 +348,7 @@ class Saga:
         await _wait_out(task)
         return task.result()
 
-    # -- activities and ops ----------------------------------------------------------------
+    # -- activities and moves ----------------------------------------------------------------
 
     async def call(self, activity: Callable[[Any, _A], Awaitable[_T]], arg: _A, *,
                    start_to_close: timedelta = STORE_TIMEOUT,
@@ -365,109 +367,109 @@ class Saga:
                 raise asyncio.CancelledError() from err
             raise
 
-    def op_id(self, step: str) -> OpId:
-        """The op id of one of this saga's steps: its workflow id and the step."""
-        return OpId(f"{self.record.operation_id}:{step}")
+    def move_id(self, step: str) -> MoveId:
+        """The move id of one of this saga's steps: its workflow id and the step."""
+        return MoveId(f"{self.record.operation_id}:{step}")
 
     async def describe(self, deployment_id: DeploymentId) -> DeploymentBrief:
         """The deployment as it stands (describe_deployment)."""
         return await self.call(
-            OpsActivityStubs.describe_deployment,
+            MoveActivityStubs.describe_deployment,
             DescribeDeploymentInput(deployment_id=deployment_id),
             start_to_close=UPDATE_TIMEOUT, retry_policy=UPDATE_RETRY)
 
-    async def op(self, deployment_id: DeploymentId, request: OpRequest, *,
-                 name: str) -> Op:
-        """Ask for an op as a step called ``name`` and wait until it has ended.
+    async def move(self, deployment_id: DeploymentId, request: MoveRequest, *,
+                 name: str) -> AskedMove:
+        """Ask for a move as a step called ``name`` and wait until it has ended.
 
-        The request is atomic; the wait is not: a cancel during it leaves the op running
-        (not ended), for the compensation to cancel. The step ends done when the op
+        The request is atomic; the wait is not: a cancel during it leaves the move running
+        (not ended), for the compensation to cancel. The step ends done when the move
         succeeded, else failed with its error."""
         self.check_writer()
         step = self.step(name)
-        op = Op(deployment_id=deployment_id, request=request, step=step)
-        self.ops.append(op)
-        await self.atomic(self._request(op))
-        if op.refused is not None:
-            self.end_step(step, StepState.FAILED, f"refused: {op.refused}")
-            return op
-        if not op.ended:
-            op.outcome = await self._await(op)
-        self.end_step(step, StepState.DONE if op.succeeded else StepState.FAILED,
-                      describe_outcome(op))
-        return op
+        move = AskedMove(deployment_id=deployment_id, request=request, step=step)
+        self.moves.append(move)
+        await self.atomic(self._request(move))
+        if move.refused is not None:
+            self.end_step(step, StepState.FAILED, f"refused: {move.refused}")
+            return move
+        if not move.ended:
+            move.outcome = await self._await(move)
+        self.end_step(step, StepState.DONE if move.succeeded else StepState.FAILED,
+                      describe_outcome(move))
+        return move
 
-    async def _request(self, op: Op) -> None:
+    async def _request(self, move: AskedMove) -> None:
         try:
-            op.outcome = await self.call(
-                OpsActivityStubs.request_op, OpCall(deployment_id=op.deployment_id,
-                                                    request=op.request),
+            move.outcome = await self.call(
+                MoveActivityStubs.request_move, MoveCall(deployment_id=move.deployment_id,
+                                                    request=move.request),
                 start_to_close=UPDATE_TIMEOUT, retry_policy=UPDATE_RETRY)
         except ActivityError as err:
-            op.refused = describe_failure(err)
+            move.refused = describe_failure(err)
             if isinstance(err.cause, ApplicationError):
-                op.refused_type = err.cause.type
+                move.refused_type = err.cause.type
 
-    async def _await(self, op: Op) -> OpOutcome | None:
-        """Until the op ends (await_op long-polls and heartbeats). Failing that (the
-        deployment gone meanwhile), the op is marked lost: its end is unknown."""
+    async def _await(self, move: AskedMove) -> MoveOutcome | None:
+        """Until the move ends (await_move long-polls and heartbeats). Failing that (the
+        deployment gone meanwhile), the move is marked lost: its end is unknown."""
         try:
             outcome = await self.call(
-                OpsActivityStubs.await_op, AwaitOpCall(
-                    deployment_id=op.deployment_id,
-                    request=AwaitOpRequest(op_id=op.request.op_id,
+                MoveActivityStubs.await_move, AwaitMoveCall(
+                    deployment_id=move.deployment_id,
+                    request=AwaitMoveRequest(move_id=move.request.move_id,
                                            wait_s=AWAIT_POLL.total_seconds())),
                 start_to_close=AWAIT_LIFETIME, retry_policy=UPDATE_RETRY,
                 heartbeat_timeout=AWAIT_HEARTBEAT_TIMEOUT)
         except ActivityError as err:
-            op.lost = f"its outcome is unknown: {describe_failure(err)}"
-            return op.outcome
+            move.lost = f"its outcome is unknown: {describe_failure(err)}"
+            return move.outcome
         return outcome
 
-    def open_ops(self) -> list[Op]:
-        """Ops asked for and not known to have ended, oldest first."""
-        return [op for op in self.ops if not op.ended]
+    def open_moves(self) -> list[AskedMove]:
+        """Moves asked for and not known to have ended, oldest first."""
+        return [move for move in self.moves if not move.ended]
 
-    async def cancel(self, op: Op) -> OpOutcome | UndoFailed:
-        """The compensation of ``op`` (cancel_op) as a step ``undo: cancel <its step>``,
-        waiting until the cancel has ended. The op's own step becomes undone (or
+    async def cancel(self, move: AskedMove) -> MoveOutcome | UndoFailed:
+        """The compensation of ``move`` (cancel_move) as a step ``undo: cancel <its step>``,
+        waiting until the cancel has ended. The move's own step becomes undone (or
         undo_failed).
 
-        Answers the op as it stands after the cancel: ``succeeded`` when it had already
+        Answers the move as it stands after the cancel: ``succeeded`` when it had already
         succeeded (nothing to undo by a cancel; a switch then replaces it back)."""
-        step = self.step(f"undo: cancel {self.record.steps[op.step].name}")
+        step = self.step(f"undo: cancel {self.record.steps[move.step].name}")
         try:
             outcome = await self.call(
-                OpsActivityStubs.cancel_op,
-                CancelOpCall(deployment_id=op.deployment_id,
-                             request=CancelOpRequest(op_id=op.request.op_id)),
+                MoveActivityStubs.cancel_move,
+                CancelMoveCall(deployment_id=move.deployment_id,
+                             request=CancelMoveRequest(move_id=move.request.move_id)),
                 start_to_close=UPDATE_TIMEOUT, retry_policy=UPDATE_RETRY)
         except ActivityError as err:
             reason = describe_failure(err)
             self.end_step(step, StepState.FAILED, reason)
-            self.end_step(op.step, StepState.UNDO_FAILED)
+            self.end_step(move.step, StepState.UNDO_FAILED)
             return UndoFailed(reason=reason)
-        if outcome.state not in OP_ENDED:
-            cancelled = Op(deployment_id=op.deployment_id, request=op.request, step=step,
+        if outcome.state not in MOVE_ENDED:
+            cancelled = AskedMove(deployment_id=move.deployment_id, request=move.request, step=step,
                            outcome=outcome)
             awaited = await self._await(cancelled)
             if cancelled.lost is not None or awaited is None:
                 reason = cancelled.lost or "no answer"
                 self.end_step(step, StepState.FAILED, reason)
-                self.end_step(op.step, StepState.UNDO_FAILED)
+                self.end_step(move.step, StepState.UNDO_FAILED)
                 return UndoFailed(reason=reason)
             outcome = awaited
-        op.outcome = outcome
-        op.lost = None
-        if outcome.state is OpState.SUCCEEDED:
+        move.outcome = outcome
+        move.lost = None
+        if outcome.state is MoveState.SUCCEEDED:
             self.end_step(step, StepState.DONE,
                           f"too late to cancel: it had succeeded; {outcome.detail}".rstrip("; "))
             return outcome
         self.end_step(step, StepState.DONE, outcome.detail or (
             "cancelled: what it placed is retired, what it would have retired is kept"
-            if outcome.state is OpState.CANCELLED
+            if outcome.state is MoveState.CANCELLED
             else f"it had {outcome.state.value}: what it placed is retired"))
-        self.end_step(op.step, StepState.UNDONE)
+        self.end_step(move.step, StepState.UNDONE)
         return outcome
 
     async def set_generation(self, deployment_id: DeploymentId, generation: Generation, *,
@@ -477,12 +479,12 @@ class Saga:
         Returns why it failed, or None."""
         self.check_writer()
         call = SetGenerationCall(deployment_id=deployment_id, request=SetGenerationRequest(
-            op_id=self.op_id(f"generation-{generation.number}"), generation=generation))
+            move_id=self.move_id(f"generation-{generation.number}"), generation=generation))
         return await self.atomic(self._set_generation(call, step))
 
     async def _set_generation(self, call: SetGenerationCall, step: int) -> str | None:
         try:
-            await self.call(OpsActivityStubs.set_generation, call,
+            await self.call(MoveActivityStubs.set_generation, call,
                             start_to_close=UPDATE_TIMEOUT, retry_policy=UPDATE_RETRY)
         except ActivityError as err:
             error = describe_failure(err)
@@ -523,20 +525,20 @@ def details(record: OperationRecord, *, title: str) -> str:
     return "\n".join(lines)
 
 
-def describe_outcome(op: Op) -> str:
-    """A step's detail for an op: what happened, in the deployment's words."""
-    outcome = op.outcome
-    if op.lost is not None:
-        return op.lost
+def describe_outcome(move: AskedMove) -> str:
+    """A step's detail for a move: what happened, in the deployment's words."""
+    outcome = move.outcome
+    if move.lost is not None:
+        return move.lost
     if outcome is None:
-        return op.error
+        return move.error
     parts = []
-    if outcome.surged and outcome.state is OpState.SUCCEEDED:
+    if outcome.surged and outcome.state is MoveState.SUCCEEDED:
         parts.append(f"{outcome.surged} ready")
-    if outcome.retired and outcome.state is OpState.SUCCEEDED:
+    if outcome.retired and outcome.state is MoveState.SUCCEEDED:
         parts.append(f"{outcome.retired} retired")
-    if outcome.state is not OpState.SUCCEEDED:
-        parts.append(f"{outcome.state.value}: {op.error}")
+    if outcome.state is not MoveState.SUCCEEDED:
+        parts.append(f"{outcome.state.value}: {move.error}")
     if outcome.detail:
         parts.append(outcome.detail)
     return "; ".join(parts)

@@ -1,8 +1,8 @@
-"""What the sagas that move replicas onto a new generation share (restart.py, switch.py):
-which replica to move next, whether one still lives, and how a generation and an outage
-read to an operator.
+"""How restart.py and switch.py plan their moves, one replace per replica onto a new
+generation: which replica to replace next, whether one still lives, and how a generation
+and a replace's outage read to an operator.
 
-The step machinery every saga shares (the record, ops, how a cancel lands) is
+The step machinery every saga shares (the record, asking for moves, how a cancel lands) is
 :mod:`workflows.saga`. Pure: no commands, so nothing here changes a saga's replay.
 """
 
@@ -13,8 +13,9 @@ from datetime import datetime
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
+    from modelkeeper.domain.catalog import Generation
     from modelkeeper.domain.ids import ReplicaId
-    from modelkeeper.domain.ops import DeploymentBrief, Generation, OpOutcome, ReplicaBrief
+    from modelkeeper.domain.moves import DeploymentBrief, MoveOutcome, ReplicaBrief
 
 #: A replica's phase once its stop is under way (modelkeeper.domain.keeper.Phase.STOPPING;
 #: ReplicaBrief carries it as text): such a replica is not restarted, switched or restored.
@@ -26,13 +27,13 @@ READY = "ready"
 def next_replica(brief: DeploymentBrief, generation: Generation, *,
                  tried: set[ReplicaId]) -> ReplicaBrief | None:
     """The next replica to move onto ``generation``: one not on it yet, not on its way out,
-    not leased to an op in flight (the deployment would refuse it) and not tried already;
+    not leased to a move in flight (the deployment would refuse it) and not tried already;
     ready ones first, then in the deployment's order.
 
     Asked of a fresh brief before each replica, so one the keeper placed meanwhile (on the
     deployment's generation, the old one) is moved too."""
     candidates = [r for r in brief.replicas
-                  if r.phase != STOPPING and r.replica_id not in tried and r.op_id is None
+                  if r.phase != STOPPING and r.replica_id not in tried and r.move_id is None
                   and (r.generation is None or r.generation.number < generation.number)]
     candidates.sort(key=lambda r: r.phase != READY)  # stable: keeps the order otherwise
     return candidates[0] if candidates else None
@@ -43,9 +44,9 @@ def lives(brief: DeploymentBrief, replica_id: ReplicaId) -> bool:
     return any(r.replica_id == replica_id and r.phase != STOPPING for r in brief.replicas)
 
 
-def outage(outcome: OpOutcome | None) -> str:
+def outage(outcome: MoveOutcome | None) -> str:
     """A stop-first replace's outage window, from the retire to the new replica's
-    readiness (OpOutcome.started_at to ended_at), as a sentence."""
+    readiness (MoveOutcome.started_at to ended_at), as a sentence."""
     if outcome is None or outcome.started_at is None or outcome.ended_at is None:
         return "outage window unknown"
     seconds = (outcome.ended_at - outcome.started_at).total_seconds()

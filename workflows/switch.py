@@ -12,12 +12,12 @@ Steps, each visible in the OperationRecord (workflows/saga.py says how they are 
 4. The commit, once every replica runs B: ``set_generation(B)``. After it, a cancel is too
    late: the switch has happened.
 
-**Rollback.** An op that fails for any reason but room (B crashes at start, say), an op
+**Rollback.** A move that fails for any reason but room (B crashes at start, say), a move
 refused, or a cancel before the commit, undoes every step in reverse order, each a visible
 step:
 
-* ``cancel_op`` of the op that failed (or was in flight): B is retired, A kept;
-* if that op had already retired its A (a stop-first), A comes back: the deployment
+* ``cancel_move`` of the move that failed (or was in flight): B is retired, A kept;
+* if that move had already retired its A (a stop-first), A comes back: the deployment
   places one on its current generation (A) itself when the held slot is freed, and the
   step says so; should it be short of its desired count, one replica on A is surged;
 * each replace already completed is replaced back: its B by a replica on A.
@@ -41,22 +41,20 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
+    from modelkeeper.domain.catalog import Generation
     from modelkeeper.domain.ids import ReplicaId
-    from modelkeeper.domain.ops import (
-        Generation,
+    from modelkeeper.domain.moves import MoveKind, MoveRequest, MoveState
+    from modelkeeper.domain.operations import (
         OperationKind,
         OperationRecord,
         OperationState,
-        OpKind,
-        OpRequest,
-        OpState,
         StepState,
         SwitchInput,
     )
     from modelkeeper.names import QUERY_OPERATION, WORKFLOW_SWITCH
 
 # Not passed through: the sandbox re-imports it with each workflow, and checks it.
-from .saga import Op, Saga, UndoFailed, describe_failure, describe_outcome, new_record
+from .saga import AskedMove, Saga, UndoFailed, describe_failure, describe_outcome, new_record
 from .saga_moves import STOPPING, generation_label, lives, next_replica, outage
 
 
@@ -88,12 +86,12 @@ class SwitchSaga:
             new_record(kind, deployment_id=request.deployment_id,
                        summary=static_summary(request), requested_by=request.requested_by),
             title=f"**{kind.value.capitalize()}** of deployment `{request.deployment_id}`")
-        #: A and B: known once the deployment has been described, before the first op.
+        #: A and B: known once the deployment has been described, before the first move.
         #: Until then there is nothing to roll back, and no label but the input's.
         self._old: Generation | None = None
         self._new: Generation | None = None
         #: Replaces that completed (their B serves), in order: the rollback undoes them.
-        self._done: list[Op] = []
+        self._done: list[AskedMove] = []
         self._outages: list[str] = []
         #: The commit's step, once asked for: done means the switch has happened.
         self._commit: int | None = None
@@ -125,13 +123,13 @@ class SwitchSaga:
             raise
         if failed is None:
             return await saga.finish(OperationState.SUCCEEDED, summary=self._summary("done"))
-        op, why = failed
-        if not self._done and op is None:
+        move, why = failed
+        if not self._done and move is None:
             # Nothing was changed: nothing to roll back.
             await saga.finish(OperationState.FAILED, error=why,
                               summary=self._summary("failed"))
             raise saga.failure()
-        lost = await saga.uninterrupted(self._roll_back(op))
+        lost = await saga.uninterrupted(self._roll_back(move))
         error = f"{self._label()} failed: {why}"
         if lost:
             await saga.finish(OperationState.ROLLBACK_INCOMPLETE,
@@ -142,8 +140,8 @@ class SwitchSaga:
                               summary=self._summary("rolled back"))
         raise saga.failure()
 
-    async def _switch(self) -> tuple[Op | None, str] | None:
-        """The forward steps. Returns the op that failed (None when nothing of it needs
+    async def _switch(self) -> tuple[AskedMove | None, str] | None:
+        """The forward steps. Returns the move that failed (None when nothing of it needs
         undoing) and why, or None once committed."""
         try:
             return await self._forward()
@@ -151,7 +149,7 @@ class SwitchSaga:
             # Describing the deployment failed for good: it is gone.
             return None, describe_failure(err)
 
-    async def _forward(self) -> tuple[Op | None, str] | None:
+    async def _forward(self) -> tuple[AskedMove | None, str] | None:
         saga = self._saga
         deployment_id = self._input.deployment_id
         brief = await saga.describe(deployment_id)
@@ -170,10 +168,10 @@ class SwitchSaga:
         tried: set[ReplicaId] = set()
         while (replica := next_replica(brief, new, tried=tried)) is not None:
             tried.add(replica.replica_id)
-            op = await self._replace(replica.replica_id, new, undo=False)
-            if not op.succeeded:
-                return (None if op.refused else op), op.error
-            self._done.append(op)
+            move = await self._replace(replica.replica_id, new, undo=False)
+            if not move.succeeded:
+                return (None if move.refused else move), move.error
+            self._done.append(move)
             saga.update(summary=self._summary("running"))
             brief = await saga.describe(deployment_id)
         self._commit = saga.step(f"commit: generation {new.number} ({generation_label(new)})")
@@ -183,62 +181,62 @@ class SwitchSaga:
         return None
 
     async def _replace(self, replica_id: ReplicaId, generation: Generation, *,
-                       undo: bool) -> Op:
+                       undo: bool) -> AskedMove:
         """Replace one replica by one on ``generation``, beside it, or stop-first when
         there is no room for both (its outage stated in the step)."""
         saga = self._saga
         deployment_id = self._input.deployment_id
         label = generation_label(generation)
         prefix, name = ("undo-", "undo: ") if undo else ("", "")
-        op = await saga.op(deployment_id, OpRequest(
-            op_id=saga.op_id(f"{prefix}replace-{replica_id}"), kind=OpKind.REPLACE,
+        move = await saga.move(deployment_id, MoveRequest(
+            move_id=saga.move_id(f"{prefix}replace-{replica_id}"), kind=MoveKind.REPLACE,
             replica_id=replica_id, generation=generation,
             reason=saga.record.operation_id), name=f"{name}replace {replica_id} with {label}")
-        if not op.no_room:
-            return op
-        op = await saga.op(deployment_id, OpRequest(
-            op_id=saga.op_id(f"{prefix}replace-{replica_id}:stop-first"), kind=OpKind.REPLACE,
+        if not move.no_room:
+            return move
+        move = await saga.move(deployment_id, MoveRequest(
+            move_id=saga.move_id(f"{prefix}replace-{replica_id}:stop-first"), kind=MoveKind.REPLACE,
             replica_id=replica_id, generation=generation, stop_first=True,
             reason=saga.record.operation_id),
             name=f"{name}replace {replica_id} with {label}, stopping it first (no room for both)")
-        if op.succeeded:
-            window = outage(op.outcome)
+        if move.succeeded:
+            window = outage(move.outcome)
             self._outages.append(f"{replica_id}: {window}")
-            saga.end_step(op.step, StepState.DONE, f"{describe_outcome(op)}; {window}")
-        return op
+            saga.end_step(move.step, StepState.DONE, f"{describe_outcome(move)}; {window}")
+        return move
 
-    async def _roll_back(self, failed: Op | None) -> list[str]:
-        """Undo in reverse order: the failed (or, after a cancel, every open) op, then each
+    async def _roll_back(self, failed: AskedMove | None) -> list[str]:
+        """Undo in reverse order: the failed (or, after a cancel, every open) move, then each
         completed replace. Returns each part that could not be restored."""
         old = self._old
         if old is None:
             return []  # cancelled before anything was asked for
         lost: list[str] = []
-        undo = [failed] if failed is not None else self._saga.open_ops()
-        for op in reversed(undo):
-            lost += await self._undo_failed(op, old)
-        for op in reversed(self._done):
-            lost += await self._undo_done(op, old)
+        undo = [failed] if failed is not None else self._saga.open_moves()
+        for move in reversed(undo):
+            lost += await self._undo_failed(move, old)
+        for move in reversed(self._done):
+            lost += await self._undo_done(move, old)
         return lost
 
-    async def _undo_failed(self, op: Op, old: Generation) -> list[str]:
-        """cancel_op (B retired, A kept); if A was already retired, surge one on A."""
+    async def _undo_failed(self, move: AskedMove, old: Generation) -> list[str]:
+        """cancel_move (B retired, A kept); if A was already retired, surge one on A."""
         saga = self._saga
-        replica_id = op.request.replica_id
-        undone = await saga.cancel(op)
+        replica_id = move.request.replica_id
+        undone = await saga.cancel(move)
         if isinstance(undone, UndoFailed):
-            return [f"{op.request.op_id} not cancelled: {undone.reason}"]
-        if undone.state is OpState.SUCCEEDED:
+            return [f"{move.request.move_id} not cancelled: {undone.reason}"]
+        if undone.state is MoveState.SUCCEEDED:
             # It completed before the cancel took effect: undone like any completed one.
-            self._done.append(op)
+            self._done.append(move)
             return []
-        if replica_id is None or not op.request.stop_first:
+        if replica_id is None or not move.request.stop_first:
             return []
         try:
-            brief = await saga.describe(op.deployment_id)
+            brief = await saga.describe(move.deployment_id)
         except ActivityError as err:
-            saga.end_step(op.step, StepState.UNDO_FAILED)
-            return [f"{replica_id} (stopped for {op.request.op_id}) not restored: "
+            saga.end_step(move.step, StepState.UNDO_FAILED)
+            return [f"{replica_id} (stopped for {move.request.move_id}) not restored: "
                     f"{describe_failure(err)}"]
         if lives(brief, replica_id):
             return []  # cancelled before it retired A
@@ -252,27 +250,27 @@ class SwitchSaga:
                           f"the deployment placed one on {generation_label(old)} itself: "
                           f"{len(live)}/{brief.desired} replicas ({', '.join(live)})")
             return []
-        surge = await saga.op(op.deployment_id, OpRequest(
-            op_id=saga.op_id(f"undo-surge-{replica_id}"), kind=OpKind.SURGE, generation=old,
+        surge = await saga.move(move.deployment_id, MoveRequest(
+            move_id=saga.move_id(f"undo-surge-{replica_id}"), kind=MoveKind.SURGE, generation=old,
             reason=saga.record.operation_id),
             name=f"undo: surge {generation_label(old)} for {replica_id}")
         if surge.succeeded:
             return []
-        saga.end_step(op.step, StepState.UNDO_FAILED)
-        return [f"{replica_id} (stopped for {op.request.op_id}) not restored: {surge.error}"]
+        saga.end_step(move.step, StepState.UNDO_FAILED)
+        return [f"{replica_id} (stopped for {move.request.move_id}) not restored: {surge.error}"]
 
-    async def _undo_done(self, op: Op, old: Generation) -> list[str]:
+    async def _undo_done(self, move: AskedMove, old: Generation) -> list[str]:
         """Replace the B a completed replace started by a replica on A."""
         saga = self._saga
-        surged = op.outcome.surged if op.outcome is not None else None
+        surged = move.outcome.surged if move.outcome is not None else None
         if surged is None:
-            saga.end_step(op.step, StepState.UNDO_FAILED)
-            return [f"{op.request.replica_id}: the replica that replaced it is unknown"]
+            saga.end_step(move.step, StepState.UNDO_FAILED)
+            return [f"{move.request.replica_id}: the replica that replaced it is unknown"]
         back = await self._replace(surged, old, undo=True)
         if back.succeeded:
-            saga.end_step(op.step, StepState.UNDONE)
+            saga.end_step(move.step, StepState.UNDONE)
             return []
-        saga.end_step(op.step, StepState.UNDO_FAILED)
+        saga.end_step(move.step, StepState.UNDO_FAILED)
         return [f"{surged} ({self._label()}) not replaced by {generation_label(old)}: "
                 f"{back.error}"]
 

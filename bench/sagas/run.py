@@ -9,7 +9,7 @@ the API, as an operator would. The harness never places, stops or repairs anythi
 starts the saga and reads what happened.
 
 Per scenario it reports requests sent and failed (by status), the saga's end state and
-steps, and the time each replacement took (from the op's own start and end, as the saga
+steps, and the time each replacement took (from the move's own start and end, as the saga
 recorded them). ``--quick`` runs the restart and the failed switch only (the slow test
 tier runs it); the committed results are from the full run:
 

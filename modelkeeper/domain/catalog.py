@@ -76,6 +76,19 @@ NodeIdField = Annotated[NodeId, StringConstraints(min_length=1, max_length=MAX_N
 PACKAGED_SMOLLM2 = "smollm2"
 
 
+class Generation(Tolerant):
+    """What a replica runs: a catalog model, with engine arguments laid over the catalog
+    entry's. The deployment's served name (what clients send as ``model``) does not change
+    with it: a switch changes the model behind the name."""
+
+    #: Counts changes of the deployment (a restart, a switch, a reconfigure each take the
+    #: next), so "every replica is on the new generation" can be checked.
+    number: int = 0
+    model_id: ModelId
+    #: Laid over the catalog entry's engine_args (the same allow-list applies).
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+
+
 class ModelSpec(Frozen):
     """A model as an operator declares it (POST /models)."""
 
@@ -184,7 +197,7 @@ class DeploymentView(Frozen):
     workflow_id: str
     created_at: datetime
     updated_at: datetime
-    #: What the deployment runs now (see modelkeeper.domain.ops.Generation).
+    #: What the deployment runs now (see :class:`Generation`).
     generation: int = 0
     #: The catalog model behind the served name; None: ``model_id`` itself.
     runs_model_id: ModelId | None = None

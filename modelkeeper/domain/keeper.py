@@ -51,29 +51,29 @@ The rules, each guarded by a test:
 * Status (``status()``), first match wins: deleting, parked, stopped (0 replicas
   wanted), serving (every desired replica ready), degraded (a replica unreachable;
   ``last_failure`` says which and why), starting, cant_place, placing.
-* Ops (modelkeeper.domain.ops): a saga asks, the keeper acts; ``refuse_op`` is the
-  update's validator (a replica not ours or not live, one leased to another op, more
+* Moves (modelkeeper.domain.moves): a saga asks, the keeper acts; ``refuse_move`` is the
+  update's validator (a replica not ours or not live, one leased to another move, more
   than ``max_surge`` surging at once, a deleting deployment).
 
-  - surge: a new replica, leased to the op (``Replica.op_id``), so it does not count
-    toward the desired number and is not scaled straight back down. The op succeeds when
+  - surge: a new replica, leased to the move (``Replica.move_id``), so it does not count
+    toward the desired number and is not scaled straight back down. The move succeeds when
     it is ready; the lease ends with a retire that ``balances`` it, or its cancel.
   - replace: surge; once the new replica is ready it is handed over (counts) and the old
-    one is retired, drained first; the op succeeds when the old one has stopped. With
+    one is retired, drained first; the move succeeds when the old one has stopped. With
     ``stop_first`` the old one is retired first and its slot is held (``_reserved``) so
     the keeper does not fill it with the old generation; the new one is placed once the
     old has stopped, and handed over when ready.
-  - retire: the replica is retired (drained first); the op succeeds once it has stopped.
-  - An op's placement waits for no backoff (an operator asked) but for any other
+  - retire: the replica is retired (drained first); the move succeeds once it has stopped.
+  - A move's placement waits for no backoff (an operator asked) but for any other
     placement of the deployment in flight. Its failure (no room, a crash, a failed start)
-    fails the op, not the deployment: no failed-start count, no park, no cant_place.
+    fails the move, not the deployment: no failed-start count, no park, no cant_place.
     When a stop-first replace fails, its held slot is freed and the keeper places a
     replica of the deployment's current generation at once: the old model comes back.
-  - cancel: retires what the op surged and keeps what it would have retired; too late
+  - cancel: retires what the move surged and keeps what it would have retired; too late
     once the old replica's retire has begun.
   - A replica runs a ``Generation`` (model and engine arguments); ``set_generation``
     changes what new replicas run, and older ones show as outdated until replaced.
-* Graceful stop: a ready replica retired by scale-down, an op or a
+* Graceful stop: a ready replica retired by scale-down, a move or a
   delete is drained (out of routing, in-flight requests finished) before it stops; a
   lost or unreachable one is not (nothing reaches it).
 * The keeper only ever touches replicas it placed (they are the only ones in its state).
@@ -91,15 +91,15 @@ from typing import Annotated, Literal, assert_never
 from pydantic import Field
 
 from .base import Frozen, Tolerant
-from .ids import DeploymentId, ModelId, NodeId, OpId, ReplicaId
-from .ops import (
-    OP_ENDED,
+from .catalog import Generation
+from .ids import DeploymentId, ModelId, MoveId, NodeId, ReplicaId
+from .moves import (
+    MOVE_ENDED,
     DeploymentBrief,
-    Generation,
-    OpKind,
-    OpOutcome,
-    OpRequest,
-    OpState,
+    MoveKind,
+    MoveOutcome,
+    MoveRequest,
+    MoveState,
     ReplicaBrief,
 )
 from .status import DeploymentStatus, ReplicaState
@@ -144,11 +144,11 @@ class Replica(Tolerant):
     retiring: bool = False
     #: What it runs; None: the spec's model as the catalog has it (before generations).
     generation: Generation | None = None
-    #: Its placement goes on none of these (an op's avoid_nodes: a node being drained).
+    #: Its placement goes on none of these (a move's avoid_nodes: a node being drained).
     avoid_nodes: list[NodeId] = Field(default_factory=list)
-    #: Placed by this op and leased to it: it does not count toward the desired number
-    #: (it is the op's surge) until the op hands it over (see "Ops" in the docstring).
-    op_id: OpId | None = None
+    #: Placed by this move and leased to it: it does not count toward the desired number
+    #: (it is the move's surge) until the move hands it over (see "Moves" in the docstring).
+    move_id: MoveId | None = None
     #: Why its placement had to share a node with another replica of the deployment.
     placement_note: str | None = None
 
@@ -205,18 +205,18 @@ class KeeperConfig(Tolerant):
                    max_surge=tunables.max_surge)
 
 
-class Op(Tolerant):
-    """An operation a saga asked for, in the registry continue-as-new carries."""
+class Move(Tolerant):
+    """A move a saga asked for, in the registry continue-as-new carries."""
 
-    op_id: OpId
-    kind: OpKind
-    state: OpState = OpState.RUNNING
+    move_id: MoveId
+    kind: MoveKind
+    state: MoveState = MoveState.RUNNING
     replica_id: ReplicaId | None = None  # the one to retire
     surged: ReplicaId | None = None  # the one it placed
     avoid_nodes: list[NodeId] = Field(default_factory=list)
     generation: Generation | None = None
     stop_first: bool = False
-    balances: OpId | None = None
+    balances: MoveId | None = None
     reason: str = ""
     #: The retire of replica_id has been asked (a stop, or retiring while it places).
     retire_issued: bool = False
@@ -226,9 +226,9 @@ class Op(Tolerant):
     detail: str = ""
 
 
-#: Ended ops kept in the registry (a retried update finds its answer); older ones go, so
+#: Ended moves kept in the registry (a retried update finds its answer); older ones go, so
 #: the state continue-as-new carries stays small. A saga's retry comes within minutes.
-OPS_KEPT = 50
+MOVES_KEPT = 50
 
 
 class KeeperState(Tolerant):
@@ -254,8 +254,8 @@ class KeeperState(Tolerant):
     parked: bool = False
     deleting: bool = False
     finished: bool = False
-    #: The ops registry, oldest first.
-    ops: list[Op] = Field(default_factory=list)
+    #: The moves registry, oldest first.
+    moves: list[Move] = Field(default_factory=list)
 
 
 # -- observations ------------------------------------------------------------------------
@@ -366,31 +366,31 @@ class Delete(Frozen):
     kind: Literal["delete"] = "delete"
 
 
-class OpAsked(Frozen):
-    """A saga asked for an op (the ``op`` update, its validator passed)."""
+class MoveAsked(Frozen):
+    """A saga asked for a move (the ``move`` update, its validator passed)."""
 
-    kind: Literal["op_asked"] = "op_asked"
-    request: OpRequest
+    kind: Literal["move_asked"] = "move_asked"
+    request: MoveRequest
 
 
-class OpCancelled(Frozen):
-    """A saga compensates an op (``cancel_op``)."""
+class MoveCancelled(Frozen):
+    """A saga compensates a move (``cancel_move``)."""
 
-    kind: Literal["op_cancelled"] = "op_cancelled"
-    op_id: OpId
+    kind: Literal["move_cancelled"] = "move_cancelled"
+    move_id: MoveId
 
 
 class GenerationSet(Frozen):
     """New replicas run this from now on (``set_generation``)."""
 
     kind: Literal["generation_set"] = "generation_set"
-    op_id: OpId
+    move_id: MoveId
     generation: Generation
 
 
 Observation = Annotated[
     Tick | Placed | Unplaceable | PlacementCrashed | Started | StartFailed | Exited | Silent
-    | ProbeResult | Stopped | NodesChanged | Scale | Retry | Delete | OpAsked | OpCancelled
+    | ProbeResult | Stopped | NodesChanged | Scale | Retry | Delete | MoveAsked | MoveCancelled
     | GenerationSet,
     Field(discriminator="kind"),
 ]
@@ -564,10 +564,10 @@ def _observe(state: KeeperState, obs: Observation, *, now: datetime, config: Kee
             return _on_probe_result(state, obs, now=now, config=config, actions=actions)
         case Stopped():
             return _on_stopped(state, obs)
-        case OpAsked():
-            return _on_op_asked(state, obs, now=now, config=config)
-        case OpCancelled():
-            return _on_op_cancelled(state, obs, now=now, config=config, actions=actions)
+        case MoveAsked():
+            return _on_move_asked(state, obs, now=now, config=config)
+        case MoveCancelled():
+            return _on_move_cancelled(state, obs, now=now, config=config, actions=actions)
         case GenerationSet():
             return _on_generation_set(state, obs)
         case _:
@@ -645,8 +645,8 @@ def _on_unplaceable(state: KeeperState, obs: Unplaceable, *, now: datetime,
     if replica is None:
         return state
     state = _drop(state, replica.replica_id)
-    if replica.op_id is not None:
-        return _op_failed(state, replica.op_id, f"no room: {obs.reason}", now=now)
+    if replica.move_id is not None:
+        return _move_failed(state, replica.move_id, f"no room: {obs.reason}", now=now)
     if replica.retiring or _is_surge(state):
         return _surge_failed(state, replica, "no room for a replacement", obs.reason,
                              now=now, config=config)
@@ -661,8 +661,8 @@ def _on_placement_crashed(state: KeeperState, obs: PlacementCrashed, *, now: dat
     if replica is None:
         return state
     state = _drop(state, replica.replica_id)
-    if replica.op_id is not None:
-        return _op_failed(state, replica.op_id, f"placement failed: {obs.error}", now=now)
+    if replica.move_id is not None:
+        return _move_failed(state, replica.move_id, f"placement failed: {obs.error}", now=now)
     if replica.retiring or _is_surge(state):
         return _surge_failed(state, replica, "placing a replacement failed", obs.error,
                              now=now, config=config)
@@ -704,11 +704,11 @@ def _on_start_failed(state: KeeperState, obs: StartFailed, *, now: datetime,
     replica = _replica_in(state, obs.replica_id, Phase.STARTING)
     if replica is None:
         return state
-    if replica.op_id is not None:
-        # The op's new replica failed to start: the op fails (its saga decides what next),
+    if replica.move_id is not None:
+        # The move's new replica failed to start: the move fails (its saga decides what next),
         # not the deployment: no failed-start count, no backoff, no park.
         state = _stop(state, replica, "start failed", actions)
-        return _op_failed(state, replica.op_id, f"start failed: {obs.error}", now=now)
+        return _move_failed(state, replica.move_id, f"start failed: {obs.error}", now=now)
     failures = state.consecutive_failures + 1
     state = _stop(state, replica, "start failed", actions)
     parked = failures >= config.park_after
@@ -783,9 +783,10 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
     if state.finished:
         return state
     if state.deleting:
-        for op in state.ops:
-            if op.state is OpState.RUNNING:
-                state = _end_op(state, op, OpState.FAILED, now=now, error="deployment deleted")
+        for move in state.moves:
+            if move.state is MoveState.RUNNING:
+                state = _end_move(state, move, MoveState.FAILED, now=now,
+                                  error="deployment deleted")
         for replica in state.replicas:
             if replica.phase in (Phase.STARTING, Phase.READY, Phase.UNREACHABLE):
                 state = _stop(state, replica, "deployment deleted", actions,
@@ -813,7 +814,7 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
             actions.append(ProbeReplica(replica_id=replica.replica_id))
             state = _replace(state, replica.model_copy(update={"probe_in_flight": True}))
 
-    state = _advance_ops(state, now, config, actions)
+    state = _advance_moves(state, now, config, actions)
 
     desired = state.spec.replicas
     if _ready(state) >= desired:
@@ -860,10 +861,10 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
 def _retire(state: KeeperState, candidates: list[Replica], n: int, reason: str,
             actions: list[Action]) -> KeeperState:
     """Retire the ``n`` least useful of ``candidates``: not yet placed, not yet serving,
-    unreachable, then the newest ready one. A replica a running op means to retire goes
+    unreachable, then the newest ready one. A replica a running move means to retire goes
     first among equals: it is on its way out anyway."""
     order = {Phase.PLACING: 0, Phase.STARTING: 1, Phase.UNREACHABLE: 2, Phase.READY: 3}
-    targets = {op.replica_id for op in state.ops if op.state is OpState.RUNNING}
+    targets = {move.replica_id for move in state.moves if move.state is MoveState.RUNNING}
     ranked = sorted(candidates, key=lambda r: (order[r.phase], r.replica_id not in targets,
                                                -_seq(r.replica_id)))
     for replica in ranked[:n]:
@@ -872,18 +873,18 @@ def _retire(state: KeeperState, candidates: list[Replica], n: int, reason: str,
 
 
 def _live(state: KeeperState) -> list[Replica]:
-    """Replicas placed and wanted: neither stopping nor retiring, nor leased to an op (an
-    op's surge counts toward desired + surge, not desired)."""
+    """Replicas placed and wanted: neither stopping nor retiring, nor leased to a move (an
+    move's surge counts toward desired + surge, not desired)."""
     return [r for r in state.replicas
-            if r.phase in LIVE_PHASES and not r.retiring and r.op_id is None]
+            if r.phase in LIVE_PHASES and not r.retiring and r.move_id is None]
 
 
 def _reserved(state: KeeperState) -> int:
     """Slots held by running stop-first replaces whose old replica is retired (or being
     retired): each counts as one replica until its new one is handed over."""
-    return sum(1 for op in state.ops
-               if op.state is OpState.RUNNING and op.kind is OpKind.REPLACE and op.stop_first
-               and op.retire_issued)
+    return sum(1 for move in state.moves
+               if move.state is MoveState.RUNNING and move.kind is MoveKind.REPLACE
+               and move.stop_first and move.retire_issued)
 
 
 def _counted(state: KeeperState) -> list[Replica]:
@@ -923,7 +924,7 @@ def _seq(replica_id: ReplicaId) -> int:
     return int(tail) if tail.isdigit() else 0
 
 
-# -- ops: changes a saga asks for --------------------------------------------------------
+# -- moves: changes a saga asks for --------------------------------------------------------
 
 
 def current_generation(state: KeeperState) -> Generation:
@@ -935,83 +936,83 @@ def _generation_of(state: KeeperState, replica: Replica) -> Generation:
     return replica.generation or Generation(model_id=state.spec.model_id)
 
 
-def _find_op(state: KeeperState, op_id: OpId) -> Op | None:
-    return next((op for op in state.ops if op.op_id == op_id), None)
+def _find_move(state: KeeperState, move_id: MoveId) -> Move | None:
+    return next((move for move in state.moves if move.move_id == move_id), None)
 
 
-def _put_op(state: KeeperState, op: Op) -> KeeperState:
-    return state.model_copy(update={"ops": [op if o.op_id == op.op_id else o
-                                            for o in state.ops]})
+def _put_move(state: KeeperState, move: Move) -> KeeperState:
+    return state.model_copy(update={"moves": [move if o.move_id == move.move_id else o
+                                            for o in state.moves]})
 
 
-def _note(op: Op, text: str, now: datetime) -> str:
-    return f"{op.detail}; {text} at {now:%H:%M:%S}" if op.detail else (
+def _note(move: Move, text: str, now: datetime) -> str:
+    return f"{move.detail}; {text} at {now:%H:%M:%S}" if move.detail else (
         f"{text} at {now:%H:%M:%S}")
 
 
-def _end_op(state: KeeperState, op: Op, outcome: OpState, *, now: datetime,
+def _end_move(state: KeeperState, move: Move, outcome: MoveState, *, now: datetime,
             error: str | None = None, note: str | None = None) -> KeeperState:
-    """End ``op`` and forget the oldest ended ops past OPS_KEPT."""
-    ended = op.model_copy(update={
-        "state": outcome, "ended_at": now, "error": error or op.error,
-        "detail": _note(op, note, now) if note else op.detail})
-    ops = [ended if o.op_id == op.op_id else o for o in state.ops]
-    done = [o for o in ops if o.state in OP_ENDED]
-    if len(done) > OPS_KEPT:
-        gone = {o.op_id for o in done[:len(done) - OPS_KEPT]}
-        ops = [o for o in ops if o.op_id not in gone]
-    return state.model_copy(update={"ops": ops})
+    """End ``move`` and forget the oldest ended moves past MOVES_KEPT."""
+    ended = move.model_copy(update={
+        "state": outcome, "ended_at": now, "error": error or move.error,
+        "detail": _note(move, note, now) if note else move.detail})
+    moves = [ended if o.move_id == move.move_id else o for o in state.moves]
+    done = [o for o in moves if o.state in MOVE_ENDED]
+    if len(done) > MOVES_KEPT:
+        gone = {o.move_id for o in done[:len(done) - MOVES_KEPT]}
+        moves = [o for o in moves if o.move_id not in gone]
+    return state.model_copy(update={"moves": moves})
 
 
-def _op_failed(state: KeeperState, op_id: OpId, error: str, *, now: datetime) -> KeeperState:
-    op = _find_op(state, op_id)
-    if op is None or op.state is not OpState.RUNNING:
+def _move_failed(state: KeeperState, move_id: MoveId, error: str, *, now: datetime) -> KeeperState:
+    move = _find_move(state, move_id)
+    if move is None or move.state is not MoveState.RUNNING:
         return state
-    return _end_op(state, op, OpState.FAILED, now=now, error=error)
+    return _end_move(state, move, MoveState.FAILED, now=now, error=error)
 
 
-def _on_op_asked(state: KeeperState, obs: OpAsked, *, now: datetime,
+def _on_move_asked(state: KeeperState, obs: MoveAsked, *, now: datetime,
                  config: KeeperConfig) -> KeeperState:
-    # A retried update finds its op and changes nothing; _reconcile advances a new one.
+    # A retried update finds its move and changes nothing; _reconcile advances a new one.
     request = obs.request
-    if _find_op(state, request.op_id) is not None:
+    if _find_move(state, request.move_id) is not None:
         return state
-    op = Op(op_id=request.op_id, kind=request.kind, replica_id=request.replica_id,
+    move = Move(move_id=request.move_id, kind=request.kind, replica_id=request.replica_id,
             avoid_nodes=request.avoid_nodes, generation=request.generation,
             stop_first=request.stop_first, balances=request.balances,
             reason=request.reason, started_at=now)
     # The validator saw the state before observations still queued with this one (two
-    # surges asked at once both pass it): checked again here, and refused as a failed op.
-    refusal = refuse_op(state, request, config)
+    # surges asked at once both pass it): checked again here, and refused as a failed move.
+    refusal = refuse_move(state, request, config)
     if refusal is not None:
-        op = op.model_copy(update={"state": OpState.FAILED, "ended_at": now,
+        move = move.model_copy(update={"state": MoveState.FAILED, "ended_at": now,
                                    "error": refusal})
-    return state.model_copy(update={"ops": [*state.ops, op]})
+    return state.model_copy(update={"moves": [*state.moves, move]})
 
 
-def _on_op_cancelled(state: KeeperState, obs: OpCancelled, *, now: datetime,
+def _on_move_cancelled(state: KeeperState, obs: MoveCancelled, *, now: datetime,
                      config: KeeperConfig, actions: list[Action]) -> KeeperState:
-    """The compensation: retire what the op surged, keep what it would have retired.
+    """The compensation: retire what the move surged, keep what it would have retired.
 
     Too late once the old replica's retire is under way (a replace whose new replica is
-    ready, a retire): the op then runs to its end, and the answer says so.
+    ready, a retire): the move then runs to its end, and the answer says so.
     """
-    op = _find_op(state, obs.op_id)
-    if op is None:
+    move = _find_move(state, obs.move_id)
+    if move is None:
         return state
-    surged = _find(state, op.surged) if op.surged else None
-    holding = (op.kind is OpKind.SURGE and op.state is OpState.SUCCEEDED
-               and surged is not None and surged.op_id == op.op_id)
-    if not (op.state is OpState.RUNNING or holding):
+    surged = _find(state, move.surged) if move.surged else None
+    holding = (move.kind is MoveKind.SURGE and move.state is MoveState.SUCCEEDED
+               and surged is not None and surged.move_id == move.move_id)
+    if not (move.state is MoveState.RUNNING or holding):
         return state
-    if op.retire_issued and not op.stop_first:
-        return _put_op(state, op.model_copy(update={
-            "detail": _note(op, "cancel asked too late: the old replica is retiring", now)}))
+    if move.retire_issued and not move.stop_first:
+        return _put_move(state, move.model_copy(update={
+            "detail": _note(move, "cancel asked too late: the old replica is retiring", now)}))
     note = "cancelled"
     if surged is not None and surged.phase is not Phase.STOPPING:
-        state = _retire_one(state, surged, f"cancelled: {op.op_id}", actions)
+        state = _retire_one(state, surged, f"cancelled: {move.move_id}", actions)
         note = f"cancelled: {surged.replica_id} retired"
-    return _end_op(state, op, OpState.CANCELLED, now=now, note=note)
+    return _end_move(state, move, MoveState.CANCELLED, now=now, note=note)
 
 
 def _on_generation_set(state: KeeperState, obs: GenerationSet) -> KeeperState:
@@ -1020,124 +1021,125 @@ def _on_generation_set(state: KeeperState, obs: GenerationSet) -> KeeperState:
         "spec": state.spec.model_copy(update={"generation": obs.generation})})
 
 
-def _advance_ops(state: KeeperState, now: datetime, config: KeeperConfig,
+def _advance_moves(state: KeeperState, now: datetime, config: KeeperConfig,
                  actions: list[Action]) -> KeeperState:
-    """Move each running op one step on, oldest first."""
-    for op in state.ops:
-        if op.state is OpState.RUNNING:
-            current = _find_op(state, op.op_id)
-            assert current is not None  # ops leave the registry only once ended
-            state = _advance_op(state, current, now=now, config=config, actions=actions)
+    """Advance each running move one step, oldest first."""
+    for move in state.moves:
+        if move.state is MoveState.RUNNING:
+            current = _find_move(state, move.move_id)
+            assert current is not None  # moves leave the registry only once ended
+            state = _advance_move(state, current, now=now, config=config, actions=actions)
     return state
 
 
-def _advance_op(state: KeeperState, op: Op, *, now: datetime, config: KeeperConfig,
+def _advance_move(state: KeeperState, move: Move, *, now: datetime, config: KeeperConfig,
                 actions: list[Action]) -> KeeperState:
-    """One step of a running op; see the module docstring ("Ops") for the whole story."""
-    target = _find(state, op.replica_id) if op.replica_id else None
-    if op.kind is OpKind.RETIRE or op.stop_first:
-        if not op.retire_issued:
-            state, op = _retire_target(state, op, target, now=now, config=config,
+    """One step of a running move; see the module docstring ("Moves") for the whole story."""
+    target = _find(state, move.replica_id) if move.replica_id else None
+    if move.kind is MoveKind.RETIRE or move.stop_first:
+        if not move.retire_issued:
+            state, move = _retire_target(state, move, target, now=now, config=config,
                                        actions=actions)
-        if _find(state, op.replica_id or ReplicaId("")) is not None:
+        if _find(state, move.replica_id or ReplicaId("")) is not None:
             return state  # the old replica is still stopping (and there is no room for both)
-        if op.kind is OpKind.RETIRE:
-            return _end_op(state, op, OpState.SUCCEEDED, now=now,
-                           note=f"{op.replica_id} stopped")
-    if op.surged is None:
-        return _place_for_op(state, op, actions)
-    surged = _find(state, op.surged)
+        if move.kind is MoveKind.RETIRE:
+            return _end_move(state, move, MoveState.SUCCEEDED, now=now,
+                           note=f"{move.replica_id} stopped")
+    if move.surged is None:
+        return _place_for_move(state, move, actions)
+    surged = _find(state, move.surged)
     if surged is None or surged.phase is not Phase.READY:
-        return state  # placing or starting; a failure ends the op (_op_failed)
-    if op.kind is OpKind.SURGE:
-        return _end_op(state, op, OpState.SUCCEEDED,
+        return state  # placing or starting; a failure ends the move (_move_failed)
+    if move.kind is MoveKind.SURGE:
+        return _end_move(state, move, MoveState.SUCCEEDED,
                        note=f"{surged.replica_id} ready on {', '.join(surged.nodes)}",
                        now=now)
-    handed = surged.model_copy(update={"op_id": None})
-    if op.stop_first:
+    handed = surged.model_copy(update={"move_id": None})
+    if move.stop_first:
         state = _replace(state, handed)
-        return _end_op(state, op, OpState.SUCCEEDED, now=now,
+        return _end_move(state, move, MoveState.SUCCEEDED, now=now,
                        note=f"{surged.replica_id} ready on {', '.join(surged.nodes)}")
-    if not op.retire_issued:
+    if not move.retire_issued:
         # Ready: it counts from now on, and the old one leaves (drained first).
         state = _replace(state, handed)
-        op = op.model_copy(update={"detail": _note(
-            op, f"{surged.replica_id} ready on {', '.join(surged.nodes)}", now)})
-        state, op = _retire_target(state, op, target, now=now, config=config,
+        move = move.model_copy(update={"detail": _note(
+            move, f"{surged.replica_id} ready on {', '.join(surged.nodes)}", now)})
+        state, move = _retire_target(state, move, target, now=now, config=config,
                                    actions=actions, why=f"replaced by {surged.replica_id}")
-    if _find(state, op.replica_id or ReplicaId("")) is None:
-        return _end_op(state, op, OpState.SUCCEEDED, now=now, note=f"{op.replica_id} stopped")
+    if _find(state, move.replica_id or ReplicaId("")) is None:
+        return _end_move(state, move, MoveState.SUCCEEDED, now=now,
+                         note=f"{move.replica_id} stopped")
     return state
 
 
-def _retire_target(state: KeeperState, op: Op, target: Replica | None, *, now: datetime,
+def _retire_target(state: KeeperState, move: Move, target: Replica | None, *, now: datetime,
                    config: KeeperConfig, actions: list[Action],
-                   why: str | None = None) -> tuple[KeeperState, Op]:
-    """Retire the op's replica (unless it is gone already) and note that it was asked; a
+                   why: str | None = None) -> tuple[KeeperState, Move]:
+    """Retire the move's replica (unless it is gone already) and note that it was asked; a
     retire that ``balances`` a surge hands that surge's replica over at the same moment,
     so the count the keeper sees does not dip."""
-    reason = why or op.op_id
-    if op.reason:
-        reason = f"{reason} ({op.reason})"
+    reason = why or move.move_id
+    if move.reason:
+        reason = f"{reason} ({move.reason})"
     if target is not None and target.phase is not Phase.STOPPING:
         state = _retire_one(state, target, reason, actions)
-    if op.balances is not None:
+    if move.balances is not None:
         state = state.model_copy(update={"replicas": [
-            r.model_copy(update={"op_id": None}) if r.op_id == op.balances else r
+            r.model_copy(update={"move_id": None}) if r.move_id == move.balances else r
             for r in state.replicas]})
-    op = op.model_copy(update={"retire_issued": True,
-                               "detail": _note(op, f"retiring {op.replica_id}", now)})
-    return _put_op(state, op), op
+    move = move.model_copy(update={"retire_issued": True,
+                               "detail": _note(move, f"retiring {move.replica_id}", now)})
+    return _put_move(state, move), move
 
 
-def _place_for_op(state: KeeperState, op: Op, actions: list[Action]) -> KeeperState:
-    """Place the op's new replica, once no other placement of this deployment is in
-    flight (one at a time: each sees the previous one's claims). Op placements skip the
+def _place_for_move(state: KeeperState, move: Move, actions: list[Action]) -> KeeperState:
+    """Place the move's new replica, once no other placement of this deployment is in
+    flight (one at a time: each sees the previous one's claims). Move placements skip the
     deployment's backoff and can't-place timers: an operator asked for this one."""
     if any(r.phase is Phase.PLACING for r in state.replicas):
         return state
     replica_id = ReplicaId(f"{state.spec.deployment_id}-r{state.next_replica_seq}")
     actions.append(PlaceReplica(replica_id=replica_id))
-    replica = Replica(replica_id=replica_id, phase=Phase.PLACING, op_id=op.op_id,
-                      generation=op.generation or state.spec.generation,
-                      avoid_nodes=op.avoid_nodes)
+    replica = Replica(replica_id=replica_id, phase=Phase.PLACING, move_id=move.move_id,
+                      generation=move.generation or state.spec.generation,
+                      avoid_nodes=move.avoid_nodes)
     state = state.model_copy(update={"replicas": [*state.replicas, replica],
                                      "next_replica_seq": state.next_replica_seq + 1})
-    return _put_op(state, op.model_copy(update={"surged": replica_id}))
+    return _put_move(state, move.model_copy(update={"surged": replica_id}))
 
 
-def _lease_of(state: KeeperState, replica_id: ReplicaId) -> OpId | None:
-    """The op a replica is leased to: a running op retires or surged it, or a surge
+def _lease_of(state: KeeperState, replica_id: ReplicaId) -> MoveId | None:
+    """The move a replica is leased to: a running move retires or surged it, or a surge
     still holds it."""
-    for op in state.ops:
-        if op.state is OpState.RUNNING and replica_id in (op.replica_id, op.surged):
-            return op.op_id
+    for move in state.moves:
+        if move.state is MoveState.RUNNING and replica_id in (move.replica_id, move.surged):
+            return move.move_id
     replica = _find(state, replica_id)
-    return replica.op_id if replica is not None else None
+    return replica.move_id if replica is not None else None
 
 
-def _surging(state: KeeperState) -> list[OpId]:
-    """Ops that place (or hold) a replica beyond the desired number."""
-    running = [op.op_id for op in state.ops if op.state is OpState.RUNNING
-               and op.kind in (OpKind.SURGE, OpKind.REPLACE)]
-    holding = {r.op_id for r in state.replicas if r.op_id is not None} - set(running)
+def _surging(state: KeeperState) -> list[MoveId]:
+    """Moves that place (or hold) a replica beyond the desired number."""
+    running = [move.move_id for move in state.moves if move.state is MoveState.RUNNING
+               and move.kind in (MoveKind.SURGE, MoveKind.REPLACE)]
+    holding = {r.move_id for r in state.replicas if r.move_id is not None} - set(running)
     return running + sorted(holding)
 
 
-def refuse_op(state: KeeperState, request: OpRequest, config: KeeperConfig) -> str | None:
-    """Why the deployment refuses ``request`` (the ``op`` update's validator), or None.
+def refuse_move(state: KeeperState, request: MoveRequest, config: KeeperConfig) -> str | None:
+    """Why the deployment refuses ``request`` (the ``move`` update's validator), or None.
 
-    A retried request (its op id is in the registry with the same kind) is accepted: it
-    is answered with the op as it stands, and changes nothing.
+    A retried request (its move id is in the registry with the same kind) is accepted: it
+    is answered with the move as it stands, and changes nothing.
     """
     dep = state.spec.deployment_id
-    existing = _find_op(state, request.op_id)
+    existing = _find_move(state, request.move_id)
     if existing is not None:
         return None if existing.kind is request.kind else (
-            f"op_id: {request.op_id} is already a {existing.kind.value} on {dep}")
+            f"move_id: {request.move_id} is already a {existing.kind.value} on {dep}")
     if state.deleting:
-        return f"deployment {dep} is being deleted; it takes no ops"
-    if request.kind in (OpKind.REPLACE, OpKind.RETIRE):
+        return f"deployment {dep} is being deleted; it takes no moves"
+    if request.kind in (MoveKind.REPLACE, MoveKind.RETIRE):
         if request.replica_id is None:
             return f"replica_id: required for a {request.kind.value}"
         replica = _find(state, request.replica_id)
@@ -1148,16 +1150,16 @@ def refuse_op(state: KeeperState, request: OpRequest, config: KeeperConfig) -> s
                     f"(live: {', '.join(live) or 'none'})")
         lease = _lease_of(state, request.replica_id)
         if lease is not None:
-            return f"replica_id: {request.replica_id} is leased to op {lease}"
-    if request.kind in (OpKind.SURGE, OpKind.REPLACE):
+            return f"replica_id: {request.replica_id} is leased to move {lease}"
+    if request.kind in (MoveKind.SURGE, MoveKind.REPLACE):
         surging = _surging(state)
         if len(surging) >= config.max_surge:
             return (f"{dep} already surges {len(surging)} replica(s) ({', '.join(surging)}); "
                     f"max_surge is {config.max_surge}")
     if request.balances is not None:
-        balanced = _find_op(state, request.balances)
-        if balanced is None or balanced.kind is not OpKind.SURGE:
-            return f"balances: {request.balances} is not a surge op of {dep}"
+        balanced = _find_move(state, request.balances)
+        if balanced is None or balanced.kind is not MoveKind.SURGE:
+            return f"balances: {request.balances} is not a surge move of {dep}"
     if request.generation is not None and request.generation.number < (
             current_generation(state).number):
         return (f"generation: {request.generation.number} is older than {dep}'s current "
@@ -1165,14 +1167,14 @@ def refuse_op(state: KeeperState, request: OpRequest, config: KeeperConfig) -> s
     return None
 
 
-def op_outcome(state: KeeperState, op_id: OpId) -> OpOutcome | None:
-    """The op as it stands, or None if it is not (or no longer) in the registry."""
-    op = _find_op(state, op_id)
-    if op is None:
+def move_outcome(state: KeeperState, move_id: MoveId) -> MoveOutcome | None:
+    """The move as it stands, or None if it is not (or no longer) in the registry."""
+    move = _find_move(state, move_id)
+    if move is None:
         return None
-    return OpOutcome(op_id=op.op_id, kind=op.kind, state=op.state, surged=op.surged,
-                     retired=op.replica_id, error=op.error, started_at=op.started_at,
-                     ended_at=op.ended_at, detail=op.detail)
+    return MoveOutcome(move_id=move.move_id, kind=move.kind, state=move.state, surged=move.surged,
+                     retired=move.replica_id, error=move.error, started_at=move.started_at,
+                     ended_at=move.ended_at, detail=move.detail)
 
 
 def brief(state: KeeperState) -> DeploymentBrief:
@@ -1183,7 +1185,7 @@ def brief(state: KeeperState) -> DeploymentBrief:
         generation=current_generation(state),
         replicas=[ReplicaBrief(replica_id=r.replica_id, phase=r.phase.value, nodes=r.nodes,
                                generation=_generation_of(state, r),
-                               op_id=_lease_of(state, r.replica_id))
+                               move_id=_lease_of(state, r.replica_id))
                   for r in state.replicas])
 
 
@@ -1362,13 +1364,13 @@ def details(state: KeeperState) -> str:
         lines += ["", "| replica | phase | nodes |", "|---|---|---|"]
         lines += [f"| {r.replica_id} | {r.phase.value}{' (retiring)' if r.retiring else ''}"
                   f"{' (outdated)' if r.replica_id in stale else ''}"
-                  f"{f' (op {r.op_id})' if r.op_id else ''}"
+                  f"{f' (move {r.move_id})' if r.move_id else ''}"
                   f" | {', '.join(r.nodes) or '-'} |" for r in state.replicas]
-    running = [op for op in state.ops if op.state is OpState.RUNNING]
+    running = [move for move in state.moves if move.state is MoveState.RUNNING]
     if running:
-        lines += ["", "Ops: " + "; ".join(
-            f"{op.kind.value} {op.replica_id or ''} ({op.op_id})".replace("  ", " ")
-            for op in running)]
+        lines += ["", "Moves: " + "; ".join(
+            f"{move.kind.value} {move.replica_id or ''} ({move.move_id})".replace("  ", " ")
+            for move in running)]
     for label, text in (("Can't place", state.placement_error),
                         ("Last failure", state.last_failure)):
         if text:

@@ -92,7 +92,7 @@ class Tunables(KeeperTunables):
     #: watch lost for good (its retries are Temporal's and cost no events). One an hour is
     #: 11 history events an hour.
     cant_place_backstop_s: float = 3600.0
-    #: Replicas an op may place beyond the desired number at once (surge, replace).
+    #: Replicas a move may place beyond the desired number at once (surge, replace).
     max_surge: int = Field(default=1, ge=1)
 
 

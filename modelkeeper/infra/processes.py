@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-#: The mode of every log a managed process writes: its owner writes, its group (the
-#: operators) reads, nobody else. An existing log is tightened to it, never widened.
+#: The mode of every log a managed process writes: its owner writes, its Unix group reads,
+#: nobody else. An existing log is tightened to it, never widened.
 LOG_MODE = 0o640
 #: How long :meth:`ManagedProcess.stop` waits for a log filter to write the last of its
 #: child's output once the child's group is gone: the filter reads what is left in a pipe

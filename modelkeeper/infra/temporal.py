@@ -207,8 +207,8 @@ async def execute_update(handle: WorkflowHandle[Any, Any], update: Any, arg: Any
     what the handler returns.
 
     Why not the SDK's own: ``@workflow.update(name=...)`` on an ``async def`` types the
-    handler's result as its coroutine, so ``await handle.execute_update(W.op, request)``
-    reads to mypy as a coroutine, not the op's outcome. The first overload unwraps that;
+    handler's result as its coroutine, so ``await handle.execute_update(W.move, request)``
+    reads to mypy as a coroutine, not the move's outcome. The first overload unwraps that;
     the second takes a handler whose result the SDK types right (``@workflow.update`` with
     no name). Either way mypy checks the argument against the handler's parameter, and the
     SDK takes the update's name and result type from the handler at run time."""

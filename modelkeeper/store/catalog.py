@@ -17,7 +17,7 @@ class ModelInUseError(Exception):
 
 
 class CatalogStore:
-    """The ``models`` table, on the pool :class:`~.control.Store` owns."""
+    """The ``models`` table, on the pool :class:`~.stores.Store` owns."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool

@@ -36,7 +36,7 @@ class UnknownModelError(Exception):
 
 
 class DeploymentStore:
-    """The ``deployments`` and ``replicas`` tables, on the pool :class:`~.control.Store`
+    """The ``deployments`` and ``replicas`` tables, on the pool :class:`~.stores.Store`
     owns."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:

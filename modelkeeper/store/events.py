@@ -13,7 +13,7 @@ from .pool import record
 
 
 class EventStore:
-    """The ``events`` table, on the pool :class:`~.control.Store` owns."""
+    """The ``events`` table, on the pool :class:`~.stores.Store` owns."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool

@@ -29,7 +29,7 @@ from .pool import port_range, record
 
 
 class NodeStore:
-    """The ``nodes`` table, on the pool :class:`~.control.Store` owns."""
+    """The ``nodes`` table, on the pool :class:`~.stores.Store` owns."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool

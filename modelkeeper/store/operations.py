@@ -1,6 +1,6 @@
 """The sagas' records: one row per restart, drain, switch or reconfigure (migration 0008).
 
-One of the stores on the pool :class:`~.control.Store` owns: the API and the control
+One of the stores on the pool :class:`~.stores.Store` owns: the API and the control
 worker reach it as ``store.operations``, and all SQL stays in this package.
 
 One saga at a time per deployment and per node is the database's rule, not a check
@@ -15,7 +15,7 @@ from typing import Any
 import asyncpg
 
 from ..domain.ids import DeploymentId, NodeId, OperationId
-from ..domain.ops import OperationKind, OperationRecord, OperationState
+from ..domain.operations import OperationKind, OperationRecord, OperationState
 from ..names import operation_workflow_id
 
 #: The partial unique indexes of migration 0008, by the subject they guard.
@@ -41,7 +41,7 @@ class OperationConflictError(Exception):
         self.subject = subject
         super().__init__(
             f"{running.operation_id} ({running.kind.value}) is running on {subject}; wait "
-            f"for it or cancel it: modelkeeper ops cancel {running.operation_id}")
+            f"for it or cancel it: modelkeeper operations cancel {running.operation_id}")
 
 
 class OperationNumberingError(Exception):
@@ -49,7 +49,7 @@ class OperationNumberingError(Exception):
 
 
 class OperationsStore:
-    """The ``operations`` table, on the pool :class:`~.control.Store` owns (and closes)."""
+    """The ``operations`` table, on the pool :class:`~.stores.Store` owns (and closes)."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool

@@ -17,10 +17,9 @@ from typing import Any
 
 import asyncpg
 
-from ..domain.catalog import CatalogModel
+from ..domain.catalog import CatalogModel, Generation
 from ..domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from ..domain.nodes import GpuInfo, NodeState, effective_labels, state_at
-from ..domain.ops import Generation
 from ..domain.placement import (
     CantPlace,
     NodeView,
@@ -52,7 +51,7 @@ _OPTIMISTIC_ATTEMPTS = 3
 
 
 class PlacementStore:
-    """Placement's reads and claims on the pool :class:`~.control.Store` owns."""
+    """Placement's reads and claims on the pool :class:`~.stores.Store` owns."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool

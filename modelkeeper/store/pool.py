@@ -1,6 +1,6 @@
 """The one pool every store of a process shares: how it opens, and how its rows read.
 
-:class:`~.control.Store` owns the pool and hands it to each store of an aggregate
+:class:`~.stores.Store` owns the pool and hands it to each store of an aggregate
 (nodes, placement, deployments, ...); :meth:`.TokensStore.connect` opens one of its own
 the same way.
 """

@@ -1,7 +1,7 @@
 """The gateway's SQL: routes (deployments and their ready replicas), client API keys,
 batched usage, and a LISTEN connection that survives the database going away.
 
-Kept beside :mod:`modelkeeper.store.control` so that all SQL stays in this package; the
+Kept beside :mod:`modelkeeper.store.stores` so that all SQL stays in this package; the
 gateway imports this module and no asyncpg query of its own.
 """
 

@@ -6,7 +6,7 @@ Stored as client API keys are (:mod:`.routing`): a SHA-256 of a 256-bit random t
 token is found by its hash, an index lookup: the secret itself is never compared, so how
 long a refusal takes says nothing about it.
 
-One of the stores on the pool :class:`~.control.Store` owns (``store.tokens``), as
+One of the stores on the pool :class:`~.stores.Store` owns (``store.tokens``), as
 :mod:`.operations` is; the `tokens` command opens a pool of its own (:meth:`connect`).
 """
 

@@ -15,7 +15,7 @@ from ..domain.draining import UsageReport
 
 
 class UsageStore:
-    """The ``replica_usage`` table, read on the pool :class:`~.control.Store` owns."""
+    """The ``replica_usage`` table, read on the pool :class:`~.stores.Store` owns."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool

@@ -24,7 +24,7 @@ from api.operations import START_GRACE, abandoned
 from modelkeeper.domain.catalog import DeploymentRequest, ScaleRequest
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, OperationId
 from modelkeeper.domain.nodes import AgentRegistration, Inventory
-from modelkeeper.domain.ops import (
+from modelkeeper.domain.operations import (
     DrainInput,
     OperationKind,
     OperationRecord,
@@ -88,7 +88,7 @@ async def test_restart_starts_its_saga_after_its_row_and_a_second_saga_gets_409(
 
     # One saga at a time per deployment, whatever its kind: the 409 names the running one.
     running = (f"restart/{dep}/1 (restart) is running on {dep}; wait for it or cancel it: "
-               f"modelkeeper ops cancel restart/{dep}/1")
+               f"modelkeeper operations cancel restart/{dep}/1")
     again = await api.post(f"/deployments/{dep}/restart")
     assert (again.status_code, _detail(again)) == (409, running)
     switch = await api.post(f"/deployments/{dep}/switch", json={"model_id": "sim-b"})
@@ -141,8 +141,8 @@ async def test_switch_and_reconfigure_validate_then_start_the_switch_saga(
                     requested_by="api"))
 
     # Once it has ended, a reconfigure may start: PATCH with engine_args is one.
-    ops = store.operations
-    await ops.save(OperationRecord(operation_id=OperationId(f"switch/{dep}/1"),
+    operations = store.operations
+    await operations.save(OperationRecord(operation_id=OperationId(f"switch/{dep}/1"),
                                    kind=OperationKind.SWITCH, deployment_id=DeploymentId(dep),
                                    state=OperationState.ROLLED_BACK))
     patched = await api.patch(f"/deployments/{dep}",
@@ -220,7 +220,7 @@ async def test_drain_checks_the_node_and_grace_then_starts_the_drain_saga(
     again = await api.post("/nodes/n1/drain", json={"grace_s": 30})
     assert (again.status_code, _detail(again)) == (
         409, "drain/n1/1 (drain) is running on n1; wait for it or cancel it: "
-             "modelkeeper ops cancel drain/n1/1")
+             "modelkeeper operations cancel drain/n1/1")
 
     await store.operations.finish_if_running("drain/n1/1", OperationState.SUCCEEDED,
                                                       "")

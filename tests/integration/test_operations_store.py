@@ -19,11 +19,10 @@ from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 from activities.operations import OperationsActivities
 from activities.store import StoreActivities
 from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest, DeploymentStatusUpdate
-from modelkeeper.domain.control import PlaceReplicaInput
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, OperationId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec
 from modelkeeper.domain.nodes import AgentRegistration, Inventory
-from modelkeeper.domain.ops import (
+from modelkeeper.domain.operations import (
     NodeDeploymentsInput,
     NodeReplica,
     OperationKind,
@@ -35,6 +34,7 @@ from modelkeeper.domain.ops import (
 )
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.domain.store_activities import PlaceReplicaInput
 from modelkeeper.names import (
     ERROR_OPERATION_CONFLICT,
     SIGNAL_NODES_CHANGED,
@@ -60,46 +60,47 @@ def drain(n: int, node: str = "n1") -> OperationRecord:
 
 
 @pytest.fixture
-def ops(store: Store) -> OperationsStore:
+def operations(store: Store) -> OperationsStore:
     return store.operations
 
 
-async def test_begin_is_idempotent_per_operation_id(ops: OperationsStore) -> None:
-    first = await ops.begin(restart(1, summary="restart d1", requested_by="api"))
+async def test_begin_is_idempotent_per_operation_id(operations: OperationsStore) -> None:
+    first = await operations.begin(restart(1, summary="restart d1", requested_by="api"))
     assert (first.state, first.summary, first.requested_by) == (
         OperationState.RUNNING, "restart d1", "api")
     assert first.created_at is not None and first.updated_at is not None
     # The saga's own begin (or a retried one) finds the row and changes nothing.
-    again = await ops.begin(restart(1, summary="other", requested_by="temporal"))
+    again = await operations.begin(restart(1, summary="other", requested_by="temporal"))
     assert again == first
-    assert await ops.get("restart/d1/1") == first
-    assert await ops.get("restart/d1/9") is None
+    assert await operations.get("restart/d1/1") == first
+    assert await operations.get("restart/d1/9") is None
 
 
 async def test_a_second_running_operation_on_a_deployment_names_the_running_one(
-        ops: OperationsStore) -> None:
-    await ops.begin(restart(1))
+        operations: OperationsStore) -> None:
+    await operations.begin(restart(1))
     switch = OperationRecord(operation_id=OperationId("switch/d1/1"),
                              kind=OperationKind.SWITCH, deployment_id=D1)
     with pytest.raises(OperationConflictError) as info:
-        await ops.begin(switch)
+        await operations.begin(switch)
     assert info.value.running.operation_id == "restart/d1/1"
     assert str(info.value) == ("restart/d1/1 (restart) is running on d1; wait for it or "
-                               "cancel it: modelkeeper ops cancel restart/d1/1")
-    assert await ops.get("switch/d1/1") is None
+                               "cancel it: modelkeeper operations cancel restart/d1/1")
+    assert await operations.get("switch/d1/1") is None
     # Another deployment, and a drain of a node, are not in its way.
-    await ops.begin(restart(1, deployment="d2"))
-    await ops.begin(drain(1))
+    await operations.begin(restart(1, deployment="d2"))
+    await operations.begin(drain(1))
     with pytest.raises(OperationConflictError, match=r"drain/n1/1 .* running on n1"):
-        await ops.begin(drain(2))
+        await operations.begin(drain(2))
     # Once the first has ended, the next may run.
-    await ops.save(restart(1, state=OperationState.SUCCEEDED))
-    assert (await ops.begin(switch)).state is OperationState.RUNNING
+    await operations.save(restart(1, state=OperationState.SUCCEEDED))
+    assert (await operations.begin(switch)).state is OperationState.RUNNING
 
 
-async def test_racing_begins_on_one_deployment_leave_one_running(ops: OperationsStore) -> None:
+async def test_racing_begins_on_one_deployment_leave_one_running(
+        operations: OperationsStore) -> None:
     results = await asyncio.gather(
-        *(ops.begin_next(OperationKind.RESTART, "d1", deployment_id=D1) for _ in range(6)),
+        *(operations.begin_next(OperationKind.RESTART, "d1", deployment_id=D1) for _ in range(6)),
         return_exceptions=True)
     started = [r for r in results if isinstance(r, OperationRecord)]
     refused = [r for r in results if isinstance(r, OperationConflictError)]
@@ -108,34 +109,34 @@ async def test_racing_begins_on_one_deployment_leave_one_running(ops: Operations
 
 
 async def test_readable_ids_count_per_kind_and_subject_and_skip_taken_ones(
-        ops: OperationsStore) -> None:
-    assert await ops.next_number(OperationKind.RESTART, "d1") == 1
-    first = await ops.begin_next(OperationKind.RESTART, "d1", deployment_id=D1,
+        operations: OperationsStore) -> None:
+    assert await operations.next_number(OperationKind.RESTART, "d1") == 1
+    first = await operations.begin_next(OperationKind.RESTART, "d1", deployment_id=D1,
                                  summary="restart d1", requested_by="api")
     assert (first.operation_id, first.summary, first.requested_by) == (
         "restart/d1/1", "restart d1", "api")
-    await ops.save(first.model_copy(update={"state": OperationState.SUCCEEDED}))
+    await operations.save(first.model_copy(update={"state": OperationState.SUCCEEDED}))
     # An id a person chose with the temporal CLI, ahead of the count: skipped, not reused.
-    await ops.save(restart(2, state=OperationState.FAILED))
-    await ops.save(restart(3, state=OperationState.CANCELLED))
-    await ops.begin(restart(5, state=OperationState.SUCCEEDED))
-    assert await ops.next_number(OperationKind.RESTART, "d1") == 5
-    assert (await ops.begin_next(OperationKind.RESTART, "d1", deployment_id=D1)
+    await operations.save(restart(2, state=OperationState.FAILED))
+    await operations.save(restart(3, state=OperationState.CANCELLED))
+    await operations.begin(restart(5, state=OperationState.SUCCEEDED))
+    assert await operations.next_number(OperationKind.RESTART, "d1") == 5
+    assert (await operations.begin_next(OperationKind.RESTART, "d1", deployment_id=D1)
             ).operation_id == "restart/d1/6"
     # Counted apart: another kind on the deployment, and a drain per node.
-    assert await ops.next_number(OperationKind.RECONFIGURE, "d1") == 1
-    assert (await ops.begin_next(OperationKind.DRAIN, "n1", node_id=NodeId("n1"))
+    assert await operations.next_number(OperationKind.RECONFIGURE, "d1") == 1
+    assert (await operations.begin_next(OperationKind.DRAIN, "n1", node_id=NodeId("n1"))
             ).operation_id == "drain/n1/1"
 
 
 async def test_save_upserts_steps_state_and_error_and_keeps_the_rest(
-        ops: OperationsStore) -> None:
-    begun = await ops.begin(restart(1, summary="restart d1", requested_by="api"))
+        operations: OperationsStore) -> None:
+    begun = await operations.begin(restart(1, summary="restart d1", requested_by="api"))
     at = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
     steps = [OperationStep(name="replace d1-r1", state=StepState.DONE, detail="d1-r3 ready",
                            started_at=at, ended_at=at),
              OperationStep(name="replace d1-r2", state=StepState.FAILED, detail="no room")]
-    saved = await ops.save(restart(1, state=OperationState.FAILED, steps=steps,
+    saved = await operations.save(restart(1, state=OperationState.FAILED, steps=steps,
                                    error="d1-r2: no room for a second copy",
                                    summary="restart d1: 1 of 2 replaced",
                                    requested_by="ignored"))
@@ -146,38 +147,39 @@ async def test_save_upserts_steps_state_and_error_and_keeps_the_rest(
     assert saved.created_at == begun.created_at
     assert saved.updated_at is not None and begun.updated_at is not None
     assert saved.updated_at >= begun.updated_at
-    assert await ops.save(saved) == (await ops.get("restart/d1/1"))  # idempotent
+    assert await operations.save(saved) == (await operations.get("restart/d1/1"))  # idempotent
     # A record the saga writes first (started with the temporal CLI) is inserted.
-    assert (await ops.save(restart(1, deployment="d9"))).operation_id == "restart/d9/1"
+    assert (await operations.save(restart(1, deployment="d9"))).operation_id == "restart/d9/1"
 
 
-async def test_finish_if_running_never_overwrites_an_outcome(ops: OperationsStore) -> None:
-    await ops.begin(restart(1))
-    ended = await ops.finish_if_running("restart/d1/1", OperationState.FAILED,
+async def test_finish_if_running_never_overwrites_an_outcome(operations: OperationsStore) -> None:
+    await operations.begin(restart(1))
+    ended = await operations.finish_if_running("restart/d1/1", OperationState.FAILED,
                                         "its workflow could not be started")
     assert ended is not None
     assert (ended.state, ended.error) == (OperationState.FAILED,
                                           "its workflow could not be started")
-    again = await ops.finish_if_running("restart/d1/1", OperationState.CANCELLED, "late")
+    again = await operations.finish_if_running("restart/d1/1", OperationState.CANCELLED, "late")
     assert again == ended
-    assert await ops.finish_if_running("restart/d1/404", OperationState.FAILED, "x") is None
+    assert await operations.finish_if_running("restart/d1/404", OperationState.FAILED, "x") is None
 
 
-async def test_list_is_newest_first_filtered_and_bounded(ops: OperationsStore) -> None:
+async def test_list_is_newest_first_filtered_and_bounded(operations: OperationsStore) -> None:
     for n in (1, 2, 3):
-        await ops.save(restart(n, state=OperationState.SUCCEEDED))
-    await ops.begin(restart(4))
-    await ops.begin(drain(1))
-    ids = [r.operation_id for r in await ops.list_operations()]
+        await operations.save(restart(n, state=OperationState.SUCCEEDED))
+    await operations.begin(restart(4))
+    await operations.begin(drain(1))
+    ids = [r.operation_id for r in await operations.list_operations()]
     assert ids == ["drain/n1/1", "restart/d1/4", "restart/d1/3", "restart/d1/2",
                    "restart/d1/1"]
-    assert [r.operation_id for r in await ops.list_operations(limit=2)] == ids[:2]
-    assert [r.operation_id for r in await ops.list_operations(deployment_id="d1")] == ids[1:]
-    assert [r.operation_id for r in await ops.list_operations(node_id="n1")] == ["drain/n1/1"]
-    assert [r.operation_id for r in await ops.list_operations(
+    assert [r.operation_id for r in await operations.list_operations(limit=2)] == ids[:2]
+    assert [r.operation_id for r in await operations.list_operations(deployment_id="d1")] == ids[1:]
+    assert [r.operation_id for r in await operations.list_operations(node_id="n1")] \
+        == ["drain/n1/1"]
+    assert [r.operation_id for r in await operations.list_operations(
         state=OperationState.RUNNING)] == ["drain/n1/1", "restart/d1/4"]
-    assert (await ops.running_on(deployment_id="d1")) == await ops.get("restart/d1/4")
-    assert (await ops.running_on(node_id="n2")) is None
+    assert (await operations.running_on(deployment_id="d1")) == await operations.get("restart/d1/4")
+    assert (await operations.running_on(node_id="n2")) is None
 
 
 # -- the sagas' activities (activities/operations.py), called as Temporal calls them ------
@@ -303,14 +305,14 @@ async def test_node_deployments_lists_each_replica_claiming_the_node(store: Stor
 
 
 async def test_a_stale_running_save_cannot_run_beside_the_operation_that_replaced_it(
-        ops: OperationsStore) -> None:
+        operations: OperationsStore) -> None:
     # The API judged restart 1's start failed, and restart 2 began; then restart 1's saga,
     # started after all, writes its running record: refused, naming restart 2.
-    await ops.begin(restart(1))
-    await ops.finish_if_running("restart/d1/1", OperationState.FAILED, "start timed out")
-    await ops.begin(restart(2))
+    await operations.begin(restart(1))
+    await operations.finish_if_running("restart/d1/1", OperationState.FAILED, "start timed out")
+    await operations.begin(restart(2))
     with pytest.raises(OperationConflictError) as info:
-        await ops.save(restart(1))
+        await operations.save(restart(1))
     assert info.value.running.operation_id == "restart/d1/2"
-    stored = await ops.get("restart/d1/1")
+    stored = await operations.get("restart/d1/1")
     assert stored is not None and stored.state is OperationState.FAILED

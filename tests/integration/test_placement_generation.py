@@ -21,14 +21,18 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.store import StoreActivities
 from api.deployments import explain_placement
-from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest, DeploymentStatusUpdate
-from modelkeeper.domain.control import PlaceReplicaInput, PlaceReplicaResult
+from modelkeeper.domain.catalog import (
+    CatalogModel,
+    DeploymentRequest,
+    DeploymentStatusUpdate,
+    Generation,
+)
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec
 from modelkeeper.domain.nodes import AgentRegistration, Inventory
-from modelkeeper.domain.ops import Generation
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.domain.store_activities import PlaceReplicaInput, PlaceReplicaResult
 from modelkeeper.names import ERROR_ENGINE_CONFIG, ERROR_UNKNOWN_MODEL, deployment_workflow_id
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store, load_migrations

@@ -32,18 +32,18 @@ from modelkeeper.domain.catalog import (
     DeploymentRequest,
     DeploymentStatusUpdate,
 )
-from modelkeeper.domain.control import (
-    DeleteDeploymentInput,
-    PlaceReplicaInput,
-    ReleaseReplicaInput,
-    WatchForRoomInput,
-)
 from modelkeeper.domain.events import NewEvent
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec
 from modelkeeper.domain.nodes import AgentRegistration, Inventory, NodeUpdate
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.domain.store_activities import (
+    DeleteDeploymentInput,
+    PlaceReplicaInput,
+    ReleaseReplicaInput,
+    WatchForRoomInput,
+)
 from modelkeeper.names import ERROR_SETTLING, SIGNAL_NODES_CHANGED, deployment_workflow_id
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store

@@ -18,7 +18,7 @@ from api.app import create_app
 from api.operations import DrainRequest
 from modelkeeper.domain.catalog import NO_NUL_PATTERN
 from modelkeeper.domain.nodes import PortRange
-from modelkeeper.domain.ops import MAX_DRAIN_GRACE_S
+from modelkeeper.domain.operations import MAX_DRAIN_GRACE_S
 from modelkeeper.settings import Settings
 
 #: pydantic's names for a number's bounds, which JSON Schema does not know.

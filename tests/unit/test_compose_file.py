@@ -82,7 +82,7 @@ PUBLISHING_PROFILES = {"temporal-ui": "ui", "temporal-mtls": "mtls"}
 _DEFAULTS = {name: field.default for name, field in Settings.model_fields.items()}
 ALLOWED_ENV = {env for name in Settings.model_fields for env in env_var_names(name)}
 
-_VAR = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_]\w*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
+_VAR = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_]\w*)(?:(?P<modifier>:?[-?])(?P<arg>[^}]*))?\}")
 
 
 def _interpolate(value: Any, env: Mapping[str, str]) -> Any:
@@ -97,14 +97,14 @@ def _interpolate(value: Any, env: Mapping[str, str]) -> Any:
     def replace(match: re.Match[str]) -> str:
         if match.group(0) == "$$":
             return "$"
-        name, op, arg = match.group("name", "op", "arg")
+        name, modifier, arg = match.group("name", "modifier", "arg")
         current = env.get(name)
-        if op is None:
+        if modifier is None:
             if current is None:
                 raise AssertionError(f"${{{name}}} has no default and is not set")
             return current
-        unset = current is None or (op.startswith(":") and current == "")
-        if op.endswith("-"):
+        unset = current is None or (modifier.startswith(":") and current == "")
+        if modifier.endswith("-"):
             return arg if unset else str(current)
         if unset:
             raise AssertionError(f"required variable {name} unset: {arg}")

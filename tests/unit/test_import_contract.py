@@ -58,7 +58,7 @@ def test_the_copy_itself_keeps_the_contract(tmp_path: Path) -> None:
     ("workflows.drain", "import socket", "Workflows stay deterministic"),
     ("modelkeeper.domain.units", "import temporalio", "The domain is pure"),
     ("modelkeeper.domain.units", "import modelkeeper.store", "Rooms: each imports"),
-    ("modelkeeper.store.control", "import cli.main", "Rooms: each imports"),
+    ("modelkeeper.store.stores", "import cli.main", "Rooms: each imports"),
 ])
 def test_a_wrong_arrow_breaks_the_contract(tmp_path: Path, module: str, line: str,
                                            broken: str) -> None:

@@ -8,7 +8,6 @@ import pytest
 from pydantic import ValidationError
 
 from modelkeeper.domain.catalog import DeploymentRequest, ScaleRequest
-from modelkeeper.domain.control import WatchForRoomInput
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import (
     Action,
@@ -50,6 +49,7 @@ from modelkeeper.domain.keeper import (
     waiting_for_room,
 )
 from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.domain.store_activities import WatchForRoomInput
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -82,7 +82,7 @@ POSITIONALS: dict[str, list[str]] = {
 def test_the_table_holds_every_command_in_help_order() -> None:
     assert [c.name for c in COMMANDS] == [
         "deploy", "ls", "rm", "nodes", "explain", "models", "scale", "retry", "restart",
-        "switch", "reconfigure", "cordon", "uncordon", "drain", "ops"]
+        "switch", "reconfigure", "cordon", "uncordon", "drain", "operations"]
     assert set(OPERATOR_COMMANDS) == {c.name for c in COMMANDS}
     for command in COMMANDS:  # each is registered with the common flags
         args = parse(command.name, *POSITIONALS.get(command.name, []), "--json",
@@ -133,13 +133,16 @@ def test_models_add_source_help_says_which_values_it_accepts() -> None:
     (["deploy", "m", "--node", "gpu-box-1"],
      Request("POST", "/deployments", body={"model_id": "m", "replicas": 1, "min_nodes": 1,
                                            "node_ids": ["gpu-box-1"], "labels": {}})),
-    (["ops"], Request("GET", "/operations")),
-    (["ops", "ls", "--deployment", "d1", "--state", "running", "--limit", "5"],
+    (["operations"], Request("GET", "/operations")),
+    (["operations", "ls", "--deployment", "d1", "--state", "running", "--limit", "5"],
      Request("GET", "/operations", params={"deployment": "d1", "state": "running",
                                            "limit": "5"})),
-    (["ops", "--node", "n1"], Request("GET", "/operations", params={"node": "n1"})),
+    (["operations", "--node", "n1"], Request("GET", "/operations", params={"node": "n1"})),
+    (["operations", "show", "restart/d1/1"], Request("GET", "/operations/restart/d1/1")),
+    (["operations", "cancel", "drain/n1/2"],
+     Request("POST", "/operations/drain/n1/2/cancel")),
+    # `ops`, its name before 0.2, still answers: scripts that use it keep working.
     (["ops", "show", "restart/d1/1"], Request("GET", "/operations/restart/d1/1")),
-    (["ops", "cancel", "drain/n1/2"], Request("POST", "/operations/drain/n1/2/cancel")),
     (["models", "add", "m", "--engine", "vllm", "--source", "org/m", "--memory", "12GiB",
       "--engine-arg", "tensor_parallel_size=2", "--engine-arg", "enforce_eager=true",
       "--engine-arg", "dtype=bfloat16", "--engine-arg", "x=a=b"],
@@ -344,14 +347,14 @@ def test_operations_render_as_a_list_one_with_its_steps_and_a_cancel() -> None:
     running = {**OPERATION, "operation_id": "drain/n1/1", "kind": "drain",
                "deployment_id": None, "node_id": "n1", "state": "running", "error": None,
                "summary": "drain node small (n1)", "steps": []}
-    assert text(["ops"], [running, OPERATION]).splitlines() == [
+    assert text(["operations"], [running, OPERATION]).splitlines() == [
         "ID            STATE    UPDATED               SUMMARY"
         "                                                     ERROR",
         "drain/n1/1    running  2024-01-01T00:01:00Z  drain node small (n1)",
         "restart/d2/1  failed   2024-01-01T00:01:00Z  restart d2 (sim-12g): replace its 2 "
         "replicas one at a time  d2-r2: no node has room for a second copy",
     ]
-    assert text(["ops", "show", "restart/d2/1"], OPERATION).splitlines() == [
+    assert text(["operations", "show", "restart/d2/1"], OPERATION).splitlines() == [
         "restart/d2/1: failed (restart of d2, requested by api, updated "
         "2024-01-01T00:01:00Z)",
         "restart d2 (sim-12g): replace its 2 replicas one at a time",
@@ -360,9 +363,9 @@ def test_operations_render_as_a_list_one_with_its_steps_and_a_cancel() -> None:
         "replace d2-r1  done    d2-r3 ready",
         "replace d2-r2  failed  no room",
     ]
-    assert text(["ops", "cancel", "drain/n1/1"], running) == (
+    assert text(["operations", "cancel", "drain/n1/1"], running) == (
         "drain/n1/1: cancel requested; the saga undoes what it started and ends cancelled "
-        "(watch: modelkeeper ops show drain/n1/1)")
+        "(watch: modelkeeper operations show drain/n1/1)")
 
 
 def test_changes_render_one_sentence_each() -> None:
@@ -371,8 +374,8 @@ def test_changes_render_one_sentence_each() -> None:
                  ["drain", "n1"]):
         assert text(argv, started).splitlines() == [
             "restart/d2/1 started: restart d2 (sim-12g): replace its 2 replicas one at a time",
-            "watch: modelkeeper ops show restart/d2/1; cancel: modelkeeper ops cancel "
-            "restart/d2/1"]
+            "watch: modelkeeper operations show restart/d2/1; "
+            "cancel: modelkeeper operations cancel restart/d2/1"]
     assert text(["scale", "d2", "2"], DEPLOYMENTS[1]) == \
         "deployment d2 of sim-12g: 2 wanted, 2 ready (serving)"
     assert text(["retry", "d1"], {"deployment_id": "d1", "status": "parked"}) == \
@@ -493,8 +496,8 @@ def unreachable(request: httpx.Request) -> httpx.Response:
     (["models", "add", "m", "--engine", "sim"], ["--source", "required", "'m'", ".gguf"]),
     (["models", "rm"], ["models rm", "MODEL_ID"]),
     (["reconfigure", "d1", "ctx_size=4096", "=1"], ["engine argument", "'=1'", "KEY=VALUE"]),
-    (["ops", "show"], ["ops show", "operation id", "restart/d1/1"]),
-    (["ops", "cancel"], ["ops cancel", "operation id"]),
+    (["operations", "show"], ["operations show", "operation id", "restart/d1/1"]),
+    (["operations", "cancel"], ["operations cancel", "operation id"]),
     (["agent", "--label", "zone"], ["--label", "'zone'", "KEY=VALUE"]),
 ])
 def test_a_malformed_argument_exits_2_with_one_sentence_before_any_request(
@@ -526,7 +529,7 @@ def test_a_saga_refused_by_the_api_exits_2_with_its_sentence(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     running = ("restart/d2/1 (restart) is running on d2; wait for it or cancel it: "
-               "modelkeeper ops cancel restart/d2/1")
+               "modelkeeper operations cancel restart/d2/1")
     seen: list[tuple[str, str]] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -538,9 +541,11 @@ def test_a_saga_refused_by_the_api_exits_2_with_its_sentence(
     code, lines = exit_of(["switch", "sim-12g", "big"], capsys, handler, monkeypatch)
     assert (code, lines) == (2, [f"modelkeeper switch: 409 {running}"])
     assert seen == [("GET", "/deployments"), ("POST", "/deployments/d2/switch")]
-    code, lines = exit_of(["ops", "cancel", "restart/d2/9"], capsys, lambda _: httpx.Response(
-        404, json={"detail": "operation 'restart/d2/9' does not exist"}), monkeypatch)
-    assert (code, lines) == (2, ["modelkeeper ops: 404 operation 'restart/d2/9' does not "
+    code, lines = exit_of(["operations", "cancel", "restart/d2/9"], capsys,
+                          lambda _: httpx.Response(404, json={
+                              "detail": "operation 'restart/d2/9' does not exist"}),
+                          monkeypatch)
+    assert (code, lines) == (2, ["modelkeeper operations: 404 operation 'restart/d2/9' does not "
                                  "exist"])
 
 
@@ -555,7 +560,8 @@ def test_a_started_saga_reaches_the_api_and_prints_how_to_watch_it() -> None:
 
     assert run(["drain", "small", "--grace", "60"], handler) == [
         "drain/n1/1 started: drain node small (n1)\n"
-        "watch: modelkeeper ops show drain/n1/1; cancel: modelkeeper ops cancel drain/n1/1"]
+        "watch: modelkeeper operations show drain/n1/1; "
+        "cancel: modelkeeper operations cancel drain/n1/1"]
 
 
 def test_a_bad_flag_type_is_argparses_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

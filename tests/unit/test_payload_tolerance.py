@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from activities.moves import MoveActivities
 from activities.node import NodeActivities
 from activities.operations import OperationsActivities
-from activities.ops import OpsActivities
 from activities.routing import RoutingActivities
 from activities.store import StoreActivities
 
-GROUPS = [StoreActivities, RoutingActivities, OperationsActivities, OpsActivities,
+GROUPS = [StoreActivities, RoutingActivities, OperationsActivities, MoveActivities,
           NodeActivities]
 
 

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from temporalio import activity
 
+from activities.moves import MoveActivities
 from activities.operations import OperationsActivities
-from activities.ops import OpsActivities
-from activities.saga_stubs import OperationsActivityStubs, OpsActivityStubs
+from activities.saga_stubs import MoveActivityStubs, OperationsActivityStubs
 
 PAIRS: list[tuple[type[Any], type[Any]]] = [
-    (OpsActivityStubs, OpsActivities),
+    (MoveActivityStubs, MoveActivities),
     (OperationsActivityStubs, OperationsActivities),
 ]
 

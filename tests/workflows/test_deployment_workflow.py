@@ -36,38 +36,30 @@ from modelkeeper.domain.catalog import (
     CatalogModel,
     DeploymentRequest,
     DeploymentStatusUpdate,
+    Generation,
     ReplicaStateUpdate,
     ScaleRequest,
 )
-from modelkeeper.domain.control import (
-    DeleteDeploymentInput,
-    PlaceReplicaInput,
-    PlaceReplicaResult,
-    ReleaseReplicaInput,
-    RoomFound,
-    WatchForRoomInput,
-)
 from modelkeeper.domain.draining import DrainReplicaInput, DrainReplicaResult
 from modelkeeper.domain.events import Event, NewEvent
-from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, OpId, ReplicaId
+from modelkeeper.domain.ids import DeploymentId, ModelId, MoveId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import (
     DeploymentSpec,
     KeeperConfig,
     KeeperState,
     room_watch_wait_s,
 )
-from modelkeeper.domain.nodes import AgentRegistration, Inventory, NodeSilentInput
-from modelkeeper.domain.ops import (
-    AwaitOpRequest,
-    CancelOpRequest,
+from modelkeeper.domain.moves import (
+    AwaitMoveRequest,
+    CancelMoveRequest,
     DeploymentBrief,
-    Generation,
-    OpKind,
-    OpOutcome,
-    OpRequest,
-    OpState,
+    MoveKind,
+    MoveOutcome,
+    MoveRequest,
+    MoveState,
     SetGenerationRequest,
 )
+from modelkeeper.domain.nodes import AgentRegistration, Inventory, NodeSilentInput
 from modelkeeper.domain.shards import (
     EngineKind,
     ExitKind,
@@ -81,15 +73,23 @@ from modelkeeper.domain.shards import (
     WatchShardInput,
 )
 from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.domain.store_activities import (
+    DeleteDeploymentInput,
+    PlaceReplicaInput,
+    PlaceReplicaResult,
+    ReleaseReplicaInput,
+    RoomFound,
+    WatchForRoomInput,
+)
 from modelkeeper.domain.tunables import Tunables
 from modelkeeper.names import (
     CONTROL_TASK_QUEUE,
-    ERROR_OP_REFUSED,
+    ERROR_MOVE_REFUSED,
     QUERY_BRIEF,
     ROOM_WATCH_TASK_QUEUE,
-    UPDATE_AWAIT_OP,
-    UPDATE_CANCEL_OP,
-    UPDATE_OP,
+    UPDATE_AWAIT_MOVE,
+    UPDATE_CANCEL_MOVE,
+    UPDATE_MOVE,
     UPDATE_SET_GENERATION,
     deployment_workflow_id,
     node_task_queue,
@@ -1322,15 +1322,15 @@ async def test_a_serving_deployment_adds_no_history_events_while_its_watch_heart
         await asyncio.wait_for(run.handle.result(), 20)
 
 
-# -- ops: what sagas ask for -----------------------------------------------------------
+# -- moves: what sagas ask for -----------------------------------------------------------
 
 
-async def _await_op(run: Running, op_id: str) -> OpOutcome:
+async def _await_move(run: Running, move_id: str) -> MoveOutcome:
     while True:
-        outcome: OpOutcome = await run.handle.execute_update(
-            UPDATE_AWAIT_OP, AwaitOpRequest(op_id=OpId(op_id), wait_s=5),
-            result_type=OpOutcome)
-        if outcome.state is not OpState.RUNNING:
+        outcome: MoveOutcome = await run.handle.execute_update(
+            UPDATE_AWAIT_MOVE, AwaitMoveRequest(move_id=MoveId(move_id), wait_s=5),
+            result_type=MoveOutcome)
+        if outcome.state is not MoveState.RUNNING:
             return outcome
 
 
@@ -1340,18 +1340,18 @@ async def test_replace_through_updates_drains_the_old_replica_before_it_stops(
     new = Generation(number=1, model_id=ModelId("m2"), engine_args={"ctx_size": 512})
     async with _run(time_skipping_env, cluster, replicas=2) as run:
         await run.until(DeploymentStatus.SERVING)
-        request = OpRequest(op_id=OpId("restart/d1/1:replace-d1-r1"), kind=OpKind.REPLACE,
+        request = MoveRequest(move_id=MoveId("restart/d1/1:replace-d1-r1"), kind=MoveKind.REPLACE,
                             replica_id=ReplicaId("d1-r1"), generation=new,
                             reason="restart/d1/1")
-        first: OpOutcome = await run.handle.execute_update(UPDATE_OP, request,
-                                                           result_type=OpOutcome)
-        assert first.state is OpState.RUNNING and first.surged == "d1-r3"
+        first: MoveOutcome = await run.handle.execute_update(UPDATE_MOVE, request,
+                                                           result_type=MoveOutcome)
+        assert first.state is MoveState.RUNNING and first.surged == "d1-r3"
         # A retried update (the saga's activity retried) is answered again, not repeated.
-        again: OpOutcome = await run.handle.execute_update(UPDATE_OP, request,
-                                                           result_type=OpOutcome)
+        again: MoveOutcome = await run.handle.execute_update(UPDATE_MOVE, request,
+                                                           result_type=MoveOutcome)
         assert again.surged == "d1-r3"
-        done = await _await_op(run, request.op_id)
-        assert done.state is OpState.SUCCEEDED and done.retired == "d1-r1"
+        done = await _await_move(run, request.move_id)
+        assert done.state is MoveState.SUCCEEDED and done.retired == "d1-r1"
         assert cluster.placements == ["d1-r1", "d1-r2", "d1-r3"]
         # Out of routing and drained first, then stopped.
         assert cluster.stop_order == ["drain d1-r1", "stop d1-r1"]
@@ -1359,42 +1359,42 @@ async def test_replace_through_updates_drains_the_old_replica_before_it_stops(
 
         # The same replica again is refused with a reason, and nothing changes.
         with pytest.raises(WorkflowUpdateFailedError) as refused:
-            await run.handle.execute_update(UPDATE_OP, OpRequest(
-                op_id=OpId("x:1"), kind=OpKind.RETIRE, replica_id=ReplicaId("d1-r1")))
+            await run.handle.execute_update(UPDATE_MOVE, MoveRequest(
+                move_id=MoveId("x:1"), kind=MoveKind.RETIRE, replica_id=ReplicaId("d1-r1")))
         cause = refused.value.cause
-        assert isinstance(cause, ApplicationError) and cause.type == ERROR_OP_REFUSED
+        assert isinstance(cause, ApplicationError) and cause.type == ERROR_MOVE_REFUSED
         assert cause.message == ("replica_id: d1-r1 is not a live replica of d1 "
                                  "(live: d1-r2, d1-r3)")
 
         await run.handle.execute_update(UPDATE_SET_GENERATION, SetGenerationRequest(
-            op_id=OpId("restart/d1/1:commit"), generation=new))
+            move_id=MoveId("restart/d1/1:commit"), generation=new))
         view: DeploymentBrief = await run.handle.query(QUERY_BRIEF,
                                                        result_type=DeploymentBrief)
         assert view.generation == new
         assert [(r.replica_id, r.generation.number if r.generation else None)
                 for r in view.replicas] == [("d1-r2", 0), ("d1-r3", 1)]
-        await record_history(run.handle, "ops_replace_generation")
+        await record_history(run.handle, "moves_replace_generation")
 
 
-async def test_cancel_op_retires_the_surge_and_keeps_the_replica(
+async def test_cancel_move_retires_the_surge_and_keeps_the_replica(
     time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
 ) -> None:
     cluster.start_gates["d1-r2"] = asyncio.Event()  # the new replica loads for ever
     async with _run(time_skipping_env, cluster) as run:
         await run.until(DeploymentStatus.SERVING)
-        await run.handle.execute_update(UPDATE_OP, OpRequest(
-            op_id=OpId("s:1"), kind=OpKind.REPLACE, replica_id=ReplicaId("d1-r1")))
+        await run.handle.execute_update(UPDATE_MOVE, MoveRequest(
+            move_id=MoveId("s:1"), kind=MoveKind.REPLACE, replica_id=ReplicaId("d1-r1")))
         await asyncio.wait_for(_until(lambda: "d1-r2" in cluster.started), 20)
-        cancelled: OpOutcome = await run.handle.execute_update(
-            UPDATE_CANCEL_OP, CancelOpRequest(op_id=OpId("s:1")), result_type=OpOutcome)
-        assert cancelled.state is OpState.CANCELLED
+        cancelled: MoveOutcome = await run.handle.execute_update(
+            UPDATE_CANCEL_MOVE, CancelMoveRequest(move_id=MoveId("s:1")), result_type=MoveOutcome)
+        assert cancelled.state is MoveState.CANCELLED
         await asyncio.wait_for(_until(lambda: cluster.released == ["d1-r2"]), 20)
         # Not started, so not drained; d1-r1 serves on.
         assert cluster.stop_order == ["stop d1-r2"]
         view = await run.view()
         assert [(r.replica_id, r.phase.value) for r in view.keeper.replicas] == [
             ("d1-r1", "ready")]
-        await record_history(run.handle, "ops_cancel")
+        await record_history(run.handle, "moves_cancel")
 
 
 async def test_a_deleted_deployment_leaves_deleted_as_its_status_not_a_live_one(

@@ -1,10 +1,10 @@
 """The saga workflows on the time-skipping server, every activity faked by name.
 
-A small scripted fake deployment answers the ops as the contract says
-(modelkeeper.domain.ops): a replace places a new copy and retires the old one, a stop-first
-one retires first, cancel_op retires what the op surged. Each test asserts the op requests
+A small scripted fake deployment answers the moves as the contract says
+(modelkeeper.domain.moves): a replace places a new copy and retires the old one, a stop-first
+one retires first, cancel_move retires what the move surged. Each test asserts the move requests
 the fake saw and the OperationRecord's steps (names, states, order). The activities
-themselves (activities/ops.py) are tested at the end against a tiny deployment workflow.
+themselves (activities/moves.py) are tested at the end against a tiny deployment workflow.
 """
 
 from __future__ import annotations
@@ -27,54 +27,56 @@ from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 from temporalio.worker import Worker
 
-from activities.ops import OpsActivities
-from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, OpId, ReplicaId
-from modelkeeper.domain.ops import (
-    AwaitOpCall,
-    AwaitOpRequest,
-    CancelOpCall,
-    CancelOpRequest,
+from activities.moves import MoveActivities
+from modelkeeper.domain.catalog import Generation
+from modelkeeper.domain.ids import DeploymentId, ModelId, MoveId, NodeId, ReplicaId
+from modelkeeper.domain.moves import (
+    AwaitMoveCall,
+    AwaitMoveRequest,
+    CancelMoveCall,
+    CancelMoveRequest,
     DeploymentBrief,
     DescribeDeploymentInput,
+    MoveCall,
+    MoveKind,
+    MoveOutcome,
+    MoveRequest,
+    MoveState,
+    ReplicaBrief,
+    SetGenerationCall,
+    SetGenerationRequest,
+)
+from modelkeeper.domain.operations import (
     DrainInput,
-    Generation,
     NodeDeploymentsInput,
     NodeReplica,
-    OpCall,
     OperationKind,
     OperationRecord,
     OperationState,
-    OpKind,
-    OpOutcome,
-    OpRequest,
-    OpState,
-    ReplicaBrief,
     RestartInput,
     SetCordonInput,
-    SetGenerationCall,
-    SetGenerationRequest,
     StepState,
     SwitchInput,
 )
 from modelkeeper.names import (
-    ACTIVITY_AWAIT_OP,
+    ACTIVITY_AWAIT_MOVE,
     ACTIVITY_BEGIN_OPERATION,
-    ACTIVITY_CANCEL_OP,
+    ACTIVITY_CANCEL_MOVE,
     ACTIVITY_DESCRIBE_DEPLOYMENT,
     ACTIVITY_NODE_DEPLOYMENTS,
     ACTIVITY_RECORD_OPERATION,
-    ACTIVITY_REQUEST_OP,
+    ACTIVITY_REQUEST_MOVE,
     ACTIVITY_SET_CORDON,
     ACTIVITY_SET_GENERATION,
     CONTROL_TASK_QUEUE,
+    ERROR_MOVE_REFUSED,
     ERROR_NO_DEPLOYMENT,
-    ERROR_OP_REFUSED,
     ERROR_OPERATION_CONFLICT,
     ERROR_OPERATION_FAILED,
     QUERY_BRIEF,
-    UPDATE_AWAIT_OP,
-    UPDATE_CANCEL_OP,
-    UPDATE_OP,
+    UPDATE_AWAIT_MOVE,
+    UPDATE_CANCEL_MOVE,
+    UPDATE_MOVE,
     UPDATE_SET_GENERATION,
     deployment_workflow_id,
     operation_workflow_id,
@@ -111,12 +113,12 @@ class FakeReplica:
 
 @dataclass
 class FakeDeployment:
-    """One deployment's workflow as the sagas see it, answering ops like the contract.
+    """One deployment's workflow as the sagas see it, answering moves like the contract.
 
-    Scripts, each keyed by an op id's step (what follows the saga's workflow id and ':'):
-    ``no_room`` ops find no room for their new replica; ``crash`` ops start a new replica
-    that fails (with that error), as does any op placing a model in ``crash_models``;
-    ``hold`` ops stay running until cancelled; ``refuse_cancel`` ops refuse their cancel.
+    Scripts, each keyed by a move id's step (what follows the saga's workflow id and ':'):
+    ``no_room`` moves find no room for their new replica; ``crash`` moves start a new replica
+    that fails (with that error), as does any move placing a model in ``crash_models``;
+    ``hold`` moves stay running until cancelled; ``refuse_cancel`` moves refuse their cancel.
     """
 
     deployment_id: DeploymentId
@@ -128,14 +130,14 @@ class FakeDeployment:
     crash_models: set[ModelId] = field(default_factory=set)
     hold: set[str] = field(default_factory=set)
     refuse_cancel: set[str] = field(default_factory=set)
-    #: Op requests refused (by the op's step), with the refusal.
+    #: Move requests refused (by the move's step), with the refusal.
     refuse: dict[str, str] = field(default_factory=dict)
     #: A failed stop-first frees its slot and the deployment places a replica of its
     #: current generation at once (the real keeper does; False tests the saga's surge).
     refills: bool = False
-    #: Every op as it stands, and what it ends as once awaited.
-    ops: dict[OpId, OpOutcome] = field(default_factory=dict)
-    ends: dict[OpId, OpOutcome] = field(default_factory=dict)
+    #: Every move as it stands, and what it ends as once awaited.
+    moves: dict[MoveId, MoveOutcome] = field(default_factory=dict)
+    ends: dict[MoveId, MoveOutcome] = field(default_factory=dict)
     generations_set: list[Generation] = field(default_factory=list)
     next_id: int = 0
 
@@ -156,42 +158,42 @@ class FakeDeployment:
                                    generation=r.generation)
                       for rid, r in self.replicas.items()])
 
-    def request(self, request: OpRequest) -> OpOutcome:
-        if request.op_id in self.ops:
-            return self.ops[request.op_id]  # a retried update is answered, not repeated
-        if _step(request.op_id) in self.refuse:
-            raise ApplicationError(self.refuse[_step(request.op_id)], type=ERROR_OP_REFUSED,
+    def request(self, request: MoveRequest) -> MoveOutcome:
+        if request.move_id in self.moves:
+            return self.moves[request.move_id]  # a retried update is answered, not repeated
+        if _step(request.move_id) in self.refuse:
+            raise ApplicationError(self.refuse[_step(request.move_id)], type=ERROR_MOVE_REFUSED,
                                    non_retryable=True)
-        if request.kind is not OpKind.SURGE and request.replica_id not in self.replicas:
+        if request.kind is not MoveKind.SURGE and request.replica_id not in self.replicas:
             raise ApplicationError(f"replica {request.replica_id!r} is not one of "
-                                   f"{self.deployment_id}'s", type=ERROR_OP_REFUSED,
+                                   f"{self.deployment_id}'s", type=ERROR_MOVE_REFUSED,
                                    non_retryable=True)
-        running = OpOutcome(op_id=request.op_id, kind=request.kind, state=OpState.RUNNING,
+        running = MoveOutcome(move_id=request.move_id, kind=request.kind, state=MoveState.RUNNING,
                             retired=request.replica_id, started_at=STOP_FIRST_AT)
-        self.ops[request.op_id] = running
-        step = _step(request.op_id)
+        self.moves[request.move_id] = running
+        step = _step(request.move_id)
         if step in self.hold:
             if request.stop_first and request.replica_id is not None:
                 self.replicas.pop(request.replica_id)  # A stops first, B is still loading
             return running
-        self.ends[request.op_id] = self._carry_out(request, running)
+        self.ends[request.move_id] = self._carry_out(request, running)
         return running
 
-    def _carry_out(self, request: OpRequest, running: OpOutcome) -> OpOutcome:
-        step = _step(request.op_id)
+    def _carry_out(self, request: MoveRequest, running: MoveOutcome) -> MoveOutcome:
+        step = _step(request.move_id)
         generation = request.generation or self.generation
         retired = request.replica_id
-        if request.kind is OpKind.RETIRE:
+        if request.kind is MoveKind.RETIRE:
             assert retired is not None
             self.replicas.pop(retired)
-            return running.model_copy(update={"state": OpState.SUCCEEDED,
+            return running.model_copy(update={"state": MoveState.SUCCEEDED,
                                               "ended_at": STOP_FIRST_AT,
                                               "detail": f"{retired} stopped"})
         if request.stop_first and retired is not None:
             self.replicas.pop(retired)
         if step in self.no_room:
             self._refill(request)
-            return running.model_copy(update={"state": OpState.FAILED, "error": NO_ROOM})
+            return running.model_copy(update={"state": MoveState.FAILED, "error": NO_ROOM})
         surged = self.new_replica(generation, request.avoid_nodes)
         crash = self.crash.get(step)
         if crash is None and generation.model_id in self.crash_models:
@@ -199,35 +201,35 @@ class FakeDeployment:
         if crash is not None:
             self.replicas.pop(surged)  # the failed start is stopped and released
             self._refill(request)
-            return running.model_copy(update={"state": OpState.FAILED, "surged": surged,
+            return running.model_copy(update={"state": MoveState.FAILED, "surged": surged,
                                               "error": crash})
         if retired is not None and not request.stop_first:
             self.replicas.pop(retired)
         return running.model_copy(update={
-            "state": OpState.SUCCEEDED, "surged": surged,
+            "state": MoveState.SUCCEEDED, "surged": surged,
             "ended_at": STOP_FIRST_AT + STOP_FIRST_OUTAGE,
             "detail": f"placed on {self.replicas[surged].node}"})
 
-    def _refill(self, request: OpRequest) -> None:
+    def _refill(self, request: MoveRequest) -> None:
         if self.refills and request.stop_first:
             self.new_replica(self.generation, [])
 
-    def cancel(self, op_id: OpId) -> OpOutcome:
-        if op_id not in self.ops:
-            raise ApplicationError(f"no op {op_id!r}", type=ERROR_OP_REFUSED,
+    def cancel(self, move_id: MoveId) -> MoveOutcome:
+        if move_id not in self.moves:
+            raise ApplicationError(f"no move {move_id!r}", type=ERROR_MOVE_REFUSED,
                                    non_retryable=True)
-        if _step(op_id) in self.refuse_cancel:
-            raise ApplicationError(f"op {op_id!r} cannot be cancelled: the deployment is "
-                                   f"being deleted", type=ERROR_OP_REFUSED, non_retryable=True)
-        if op_id not in self.ends:  # held: retire what it surged (nothing ready yet)
-            self.ends[op_id] = self.ops[op_id].model_copy(update={
-                "state": OpState.CANCELLED, "detail": "cancelled before its replica was ready"})
-        return self.ends[op_id]
+        if _step(move_id) in self.refuse_cancel:
+            raise ApplicationError(f"move {move_id!r} cannot be cancelled: the deployment is "
+                                   f"being deleted", type=ERROR_MOVE_REFUSED, non_retryable=True)
+        if move_id not in self.ends:  # held: retire what it surged (nothing ready yet)
+            self.ends[move_id] = self.moves[move_id].model_copy(update={
+                "state": MoveState.CANCELLED, "detail": "cancelled before its replica was ready"})
+        return self.ends[move_id]
 
 
-def _step(op_id: str) -> str:
-    """An op id's step: ``restart/d1/1:replace-d1-r1`` -> ``replace-d1-r1``."""
-    return op_id.split(":", 1)[1]
+def _step(move_id: str) -> str:
+    """A move id's step: ``restart/d1/1:replace-d1-r1`` -> ``replace-d1-r1``."""
+    return move_id.split(":", 1)[1]
 
 
 @dataclass
@@ -242,13 +244,13 @@ class FakeFleet:
     begun: list[OperationRecord] = field(default_factory=list)
     records: list[OperationRecord] = field(default_factory=list)
     cordons: list[tuple[NodeId, bool, str | None]] = field(default_factory=list)
-    requests: list[OpRequest] = field(default_factory=list)
-    cancels: list[OpId] = field(default_factory=list)
-    #: When each op request arrived (the test server's clock).
-    requested_at: dict[OpId, datetime] = field(default_factory=dict)
+    requests: list[MoveRequest] = field(default_factory=list)
+    cancels: list[MoveId] = field(default_factory=list)
+    #: When each move request arrived (the test server's clock).
+    requested_at: dict[MoveId, datetime] = field(default_factory=dict)
     #: Deployments deleted meanwhile: their workflow answers no more.
     deleted: set[DeploymentId] = field(default_factory=set)
-    #: Set when a held op has been requested.
+    #: Set when a held move has been requested.
     held: asyncio.Event = field(default_factory=asyncio.Event)
 
     def activities(self) -> list[Any]:
@@ -281,30 +283,30 @@ class FakeFleet:
         async def describe_deployment(request: DescribeDeploymentInput) -> DeploymentBrief:
             return self.deployments[request.deployment_id].brief()
 
-        @activity.defn(name=ACTIVITY_REQUEST_OP)
-        async def request_op(call: OpCall) -> OpOutcome:
+        @activity.defn(name=ACTIVITY_REQUEST_MOVE)
+        async def request_move(call: MoveCall) -> MoveOutcome:
             self.requests.append(call.request)
-            self.requested_at[call.request.op_id] = activity.info().current_attempt_scheduled_time
+            self.requested_at[call.request.move_id] = activity.info().current_attempt_scheduled_time
             if call.deployment_id in self.deleted:
                 raise ApplicationError(f"deployment {call.deployment_id!r} has no running "
                                        f"workflow", type=ERROR_NO_DEPLOYMENT, non_retryable=True)
             outcome = self.deployments[call.deployment_id].request(call.request)
-            if _step(call.request.op_id) in self.deployments[call.deployment_id].hold:
+            if _step(call.request.move_id) in self.deployments[call.deployment_id].hold:
                 self.held.set()
             return outcome
 
-        @activity.defn(name=ACTIVITY_AWAIT_OP)
-        async def await_op(call: AwaitOpCall) -> OpOutcome:
+        @activity.defn(name=ACTIVITY_AWAIT_MOVE)
+        async def await_move(call: AwaitMoveCall) -> MoveOutcome:
             deployment = self.deployments[call.deployment_id]
-            while call.request.op_id not in deployment.ends:
+            while call.request.move_id not in deployment.ends:
                 activity.heartbeat()
                 await asyncio.sleep(0.05)
-            return deployment.ends[call.request.op_id]
+            return deployment.ends[call.request.move_id]
 
-        @activity.defn(name=ACTIVITY_CANCEL_OP)
-        async def cancel_op(call: CancelOpCall) -> OpOutcome:
-            self.cancels.append(call.request.op_id)
-            return self.deployments[call.deployment_id].cancel(call.request.op_id)
+        @activity.defn(name=ACTIVITY_CANCEL_MOVE)
+        async def cancel_move(call: CancelMoveCall) -> MoveOutcome:
+            self.cancels.append(call.request.move_id)
+            return self.deployments[call.deployment_id].cancel(call.request.move_id)
 
         @activity.defn(name=ACTIVITY_SET_GENERATION)
         async def set_generation(call: SetGenerationCall) -> None:
@@ -313,7 +315,7 @@ class FakeFleet:
             deployment.generations_set.append(call.request.generation)
 
         return [begin_operation, record_operation, set_cordon, node_deployments,
-                describe_deployment, request_op, await_op, cancel_op, set_generation]
+                describe_deployment, request_move, await_move, cancel_move, set_generation]
 
     @property
     def record(self) -> OperationRecord:
@@ -324,8 +326,8 @@ class FakeFleet:
         return [(s.name, s.state) for s in self.record.steps]
 
     def asked(self) -> list[str]:
-        """Each op request, as ``kind step`` (``replace replace-d1-r1``)."""
-        return [f"{r.kind.value} {_step(r.op_id)}" for r in self.requests]
+        """Each move request, as ``kind step`` (``replace replace-d1-r1``)."""
+        return [f"{r.kind.value} {_step(r.move_id)}" for r in self.requests]
 
 
 def _deployment(deployment_id: DeploymentId = D1, *, generation: Generation = A,
@@ -487,7 +489,7 @@ async def test_a_saga_whose_subject_was_taken_meanwhile_stops_asking(
     assert fleet.deployments[D1].generations_set == []
 
 
-async def test_cancelling_a_restart_cancels_the_op_in_flight(
+async def test_cancelling_a_restart_cancels_the_move_in_flight(
     time_skipping_env: WorkflowEnvironment,
 ) -> None:
     fleet = FakeFleet(deployments={D1: _deployment(hold={"replace-d1-r2"})})
@@ -540,7 +542,7 @@ async def test_a_replica_with_no_room_elsewhere_is_retired_at_the_deadline(
     assert fleet.asked() == ["replace replace-d1-r1", "replace replace-d2-r1",
                              "replace replace-d2-r1:retry", "retire retire-d2-r1"]
     # Tried again once the grace period (60 s) had passed, not before.
-    assert fleet.requested_at[OpId("drain/n1/1:replace-d2-r1:retry")] >= started + timedelta(
+    assert fleet.requested_at[MoveId("drain/n1/1:replace-d2-r1:retry")] >= started + timedelta(
         seconds=60)
     reason = f"drain of n1: no room elsewhere: {NO_ROOM}"
     assert fleet.requests[-1].reason == reason
@@ -564,7 +566,7 @@ async def test_a_replacement_that_fails_is_cancelled_then_retired_at_the_deadlin
     async with _drain(time_skipping_env, fleet) as run:
         result = await run.handle.result()
     assert fleet.cancels == ["drain/n1/1:replace-d2-r1", "drain/n1/1:replace-d2-r1:retry"]
-    assert fleet.requests[-1].kind is OpKind.RETIRE
+    assert fleet.requests[-1].kind is MoveKind.RETIRE
     assert fleet.requests[-1].reason == f"drain of n1: its replacement failed: {crash}"
     assert [name for name, _ in fleet.steps()][-3:] == [
         "replace d2-r1 (d2) off n1 at the deadline",
@@ -575,7 +577,7 @@ async def test_a_replacement_that_fails_is_cancelled_then_retired_at_the_deadlin
 async def test_a_refused_replica_is_tried_at_the_deadline_then_named_as_left(
     time_skipping_env: WorkflowEnvironment,
 ) -> None:
-    leased = "replica_id: d2-r1 is leased to op switch/d2/1:replace-d2-r1"
+    leased = "replica_id: d2-r1 is leased to move switch/d2/1:replace-d2-r1"
     fleet = _two_deployments(refuse={"replace-d2-r1": leased, "replace-d2-r1:retry": leased})
     fleet.deleted.add(D1)  # deleted meanwhile: its replica goes with it
     async with _drain(time_skipping_env, fleet) as run:
@@ -781,7 +783,7 @@ async def test_an_undo_that_fails_ends_rollback_incomplete_naming_it(
     assert record.state is OperationState.ROLLBACK_INCOMPLETE
     assert record.error == (
         "model-b failed: d1-r4 failed to start: exit 1; could not restore: "
-        "switch/d1/1:replace-d1-r2 not cancelled: op 'switch/d1/1:replace-d1-r2' cannot be "
+        "switch/d1/1:replace-d1-r2 not cancelled: move 'switch/d1/1:replace-d1-r2' cannot be "
         "cancelled: the deployment is being deleted; "
         "d1-r3 (model-b) not replaced by model-a: d1-r5 failed to start: disk full")
     assert error.message == record.error
@@ -824,11 +826,11 @@ async def test_cancelling_a_stop_first_switch_in_flight_surges_a_back(
     assert len(replicas) == 2 and all(r.generation == A for r in replicas.values())
 
 
-# -- the activities: activities/ops.py against a tiny deployment workflow -----------------
+# -- the activities: activities/moves.py against a tiny deployment workflow -----------------
 
 @workflow.defn(name="FakeDeploymentWorkflow", sandboxed=False)
 class FakeDeploymentWorkflow:
-    """Answers the ops updates like a deployment would, enough to test the activities."""
+    """Answers the moves updates like a deployment would, enough to test the activities."""
 
     def __init__(self) -> None:
         self._polls = 0
@@ -843,26 +845,27 @@ class FakeDeploymentWorkflow:
     def finish(self) -> None:
         self._done = True
 
-    @workflow.update(name=UPDATE_OP)
-    def op(self, request: OpRequest) -> OpOutcome:
-        return OpOutcome(op_id=request.op_id, kind=request.kind, state=OpState.RUNNING)
+    @workflow.update(name=UPDATE_MOVE)
+    def move(self, request: MoveRequest) -> MoveOutcome:
+        return MoveOutcome(move_id=request.move_id, kind=request.kind, state=MoveState.RUNNING)
 
-    @op.validator
-    def _validate_op(self, request: OpRequest) -> None:
+    @move.validator
+    def _validate_move(self, request: MoveRequest) -> None:
         if request.replica_id == "d1-r9":
             raise ApplicationError("replica 'd1-r9' is not one of d1's (d1-r1, d1-r2)",
-                                   type=ERROR_OP_REFUSED)
+                                   type=ERROR_MOVE_REFUSED)
 
-    @workflow.update(name=UPDATE_AWAIT_OP)
-    def await_op(self, request: AwaitOpRequest) -> OpOutcome:
+    @workflow.update(name=UPDATE_AWAIT_MOVE)
+    def await_move(self, request: AwaitMoveRequest) -> MoveOutcome:
         # Two polls answer "still running" (as after wait_s), the third the end.
         self._polls += 1
-        state = OpState.SUCCEEDED if self._polls >= 3 else OpState.RUNNING
-        return OpOutcome(op_id=request.op_id, kind=OpKind.REPLACE, state=state)
+        state = MoveState.SUCCEEDED if self._polls >= 3 else MoveState.RUNNING
+        return MoveOutcome(move_id=request.move_id, kind=MoveKind.REPLACE, state=state)
 
-    @workflow.update(name=UPDATE_CANCEL_OP)
-    def cancel_op(self, request: CancelOpRequest) -> OpOutcome:
-        return OpOutcome(op_id=request.op_id, kind=OpKind.REPLACE, state=OpState.CANCELLED)
+    @workflow.update(name=UPDATE_CANCEL_MOVE)
+    def cancel_move(self, request: CancelMoveRequest) -> MoveOutcome:
+        return MoveOutcome(move_id=request.move_id, kind=MoveKind.REPLACE,
+                           state=MoveState.CANCELLED)
 
     @workflow.update(name=UPDATE_SET_GENERATION)
     def set_generation(self, request: SetGenerationRequest) -> None:
@@ -883,69 +886,69 @@ async def _fake_deployment(env: WorkflowEnvironment) -> AsyncIterator[WorkflowHa
         yield handle
 
 
-def _replace(replica: str = "d1-r1") -> OpRequest:
-    return OpRequest(op_id=OpId("restart/d1/1:replace-" + replica), kind=OpKind.REPLACE,
+def _replace(replica: str = "d1-r1") -> MoveRequest:
+    return MoveRequest(move_id=MoveId("restart/d1/1:replace-" + replica), kind=MoveKind.REPLACE,
                      replica_id=ReplicaId(replica))
 
 
 async def test_the_activities_ask_the_deployment_workflow(
     time_skipping_env: WorkflowEnvironment,
 ) -> None:
-    ops = OpsActivities(time_skipping_env.client)
+    moves = MoveActivities(time_skipping_env.client)
     heartbeats: list[Any] = []
     env = ActivityEnvironment()
     env.on_heartbeat = lambda *details: heartbeats.append(details)
     async with _fake_deployment(time_skipping_env) as handle:
-        outcome = await env.run(ops.request_op, OpCall(deployment_id=D1, request=_replace()))
-        assert outcome.state is OpState.RUNNING and outcome.op_id.endswith("replace-d1-r1")
-        ended = await env.run(ops.await_op, AwaitOpCall(
-            deployment_id=D1, request=AwaitOpRequest(op_id=outcome.op_id, wait_s=1)))
-        assert ended.state is OpState.SUCCEEDED
+        outcome = await env.run(moves.request_move, MoveCall(deployment_id=D1, request=_replace()))
+        assert outcome.state is MoveState.RUNNING and outcome.move_id.endswith("replace-d1-r1")
+        ended = await env.run(moves.await_move, AwaitMoveCall(
+            deployment_id=D1, request=AwaitMoveRequest(move_id=outcome.move_id, wait_s=1)))
+        assert ended.state is MoveState.SUCCEEDED
         # One as each poll begins (and every 2 s while it waits), one between two polls.
         between = [h for h in heartbeats if h != ("polling",)]
         assert between == [("running",), ("running",)]
         assert heartbeats[0] == ("polling",) and len(heartbeats) >= 5
-        cancelled = await env.run(ops.cancel_op, CancelOpCall(
-            deployment_id=D1, request=CancelOpRequest(op_id=outcome.op_id)))
-        assert cancelled.state is OpState.CANCELLED
-        await env.run(ops.set_generation, SetGenerationCall(
-            deployment_id=D1, request=SetGenerationRequest(op_id=OpId("x"), generation=B)))
-        brief = await env.run(ops.describe_deployment,
+        cancelled = await env.run(moves.cancel_move, CancelMoveCall(
+            deployment_id=D1, request=CancelMoveRequest(move_id=outcome.move_id)))
+        assert cancelled.state is MoveState.CANCELLED
+        await env.run(moves.set_generation, SetGenerationCall(
+            deployment_id=D1, request=SetGenerationRequest(move_id=MoveId("x"), generation=B)))
+        brief = await env.run(moves.describe_deployment,
                               DescribeDeploymentInput(deployment_id=D1))
         assert brief.generation == B
         await handle.signal(FakeDeploymentWorkflow.finish)
 
 
-async def test_a_refused_op_is_not_retried_and_keeps_the_workflows_words(
+async def test_a_refused_move_is_not_retried_and_keeps_the_workflows_words(
     time_skipping_env: WorkflowEnvironment,
 ) -> None:
-    ops = OpsActivities(time_skipping_env.client)
+    moves = MoveActivities(time_skipping_env.client)
     async with _fake_deployment(time_skipping_env) as handle:
         with pytest.raises(ApplicationError) as caught:
             await ActivityEnvironment().run(
-                ops.request_op, OpCall(deployment_id=D1, request=_replace("d1-r9")))
+                moves.request_move, MoveCall(deployment_id=D1, request=_replace("d1-r9")))
         await handle.signal(FakeDeploymentWorkflow.finish)
-    assert caught.value.type == ERROR_OP_REFUSED and caught.value.non_retryable
+    assert caught.value.type == ERROR_MOVE_REFUSED and caught.value.non_retryable
     assert caught.value.message == "replica 'd1-r9' is not one of d1's (d1-r1, d1-r2)"
 
 
 async def test_a_deployment_that_is_not_running_is_not_retried(
     time_skipping_env: WorkflowEnvironment,
 ) -> None:
-    ops = OpsActivities(time_skipping_env.client)
+    moves = MoveActivities(time_skipping_env.client)
     env = ActivityEnvironment()
     # Never started:
     with pytest.raises(ApplicationError) as caught:
-        await env.run(ops.request_op, OpCall(deployment_id=D1, request=_replace()))
+        await env.run(moves.request_move, MoveCall(deployment_id=D1, request=_replace()))
     assert caught.value.type == ERROR_NO_DEPLOYMENT and caught.value.non_retryable
     assert "'d1'" in caught.value.message
     with pytest.raises(ApplicationError) as caught:
-        await env.run(ops.describe_deployment, DescribeDeploymentInput(deployment_id=D2))
+        await env.run(moves.describe_deployment, DescribeDeploymentInput(deployment_id=D2))
     assert caught.value.type == ERROR_NO_DEPLOYMENT
     # Ended (deleted):
     async with _fake_deployment(time_skipping_env) as handle:
         await handle.signal(FakeDeploymentWorkflow.finish)
         await handle.result()
         with pytest.raises(ApplicationError) as caught:
-            await env.run(ops.request_op, OpCall(deployment_id=D1, request=_replace()))
+            await env.run(moves.request_move, MoveCall(deployment_id=D1, request=_replace()))
     assert caught.value.type == ERROR_NO_DEPLOYMENT and caught.value.non_retryable

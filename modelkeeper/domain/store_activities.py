@@ -1,4 +1,5 @@
-"""Inputs and results of the control worker's store activities.
+"""Inputs and results of the store activities the deployment workflow calls
+(:mod:`activities.store`, run by the control worker).
 
 They are the contract between a deployment workflow and the activities it calls, so they
 live in the domain: the workflow names the activities (``modelkeeper.names``) and imports
@@ -10,9 +11,9 @@ from __future__ import annotations
 from pydantic import Field
 
 from .base import Tolerant
+from .catalog import Generation
 from .ids import DeploymentId, NodeId, ReplicaId
 from .keeper import DeploymentSpec, room_watch_wait_s
-from .ops import Generation
 from .shards import ShardSpec
 
 

@@ -1,23 +1,23 @@
-"""The sagas' hands on a deployment: activities that ask its workflow for ops (run by the
+"""The sagas' hands on a deployment: activities that ask its workflow for moves (run by the
 control worker).
 
 A Python workflow cannot send an update to another workflow, so a saga (workflows/restart.py,
 drain.py, switch.py) asks through these. Each is one update or query of the deployment's
 workflow (``deployment/<id>``), the single writer of its replicas, called by method
-(``DeploymentWorkflow.op``), so mypy checks what goes in and comes back; none touches a
-replica itself. The contract is :mod:`modelkeeper.domain.ops`; the sagas call these through
+(``DeploymentWorkflow.move``), so mypy checks what goes in and comes back; none touches a
+replica itself. The contract is :mod:`modelkeeper.domain.moves`; the sagas call these through
 their stubs (:mod:`activities.saga_stubs`).
 
 Failures a retry cannot mend are non-retryable, with the deployment's own words:
 
 * the workflow refused the update (its validator: an unknown replica, one leased to another
-  op, the surge limit, a deployment being deleted): ``ERROR_OP_REFUSED`` (or the type the
+  move, the surge limit, a deployment being deleted): ``ERROR_MOVE_REFUSED`` (or the type the
   workflow gave), with its message;
 * the workflow is not running (deleted, never started): ``ERROR_NO_DEPLOYMENT``, naming the
   deployment.
 
 Anything else (the server unreachable, an RPC timeout, the deployment's worker down) is
-raised as it is and retried by the saga's retry policy: asking again is safe, since op ids
+raised as it is and retried by the saga's retry policy: asking again is safe, since move ids
 make every update idempotent.
 """
 
@@ -34,33 +34,33 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from modelkeeper.domain.ids import DeploymentId
-from modelkeeper.domain.ops import (
-    OP_ENDED,
-    AwaitOpCall,
-    CancelOpCall,
+from modelkeeper.domain.moves import (
+    MOVE_ENDED,
+    AwaitMoveCall,
+    CancelMoveCall,
     DeploymentBrief,
     DescribeDeploymentInput,
-    OpCall,
-    OpOutcome,
+    MoveCall,
+    MoveOutcome,
     SetGenerationCall,
 )
 from modelkeeper.infra.temporal import execute_update
 from modelkeeper.names import (
-    ACTIVITY_AWAIT_OP,
-    ACTIVITY_CANCEL_OP,
+    ACTIVITY_AWAIT_MOVE,
+    ACTIVITY_CANCEL_MOVE,
     ACTIVITY_DESCRIBE_DEPLOYMENT,
-    ACTIVITY_REQUEST_OP,
+    ACTIVITY_REQUEST_MOVE,
     ACTIVITY_SET_GENERATION,
+    ERROR_MOVE_REFUSED,
     ERROR_NO_DEPLOYMENT,
-    ERROR_OP_REFUSED,
-    UPDATE_CANCEL_OP,
-    UPDATE_OP,
+    UPDATE_CANCEL_MOVE,
+    UPDATE_MOVE,
     UPDATE_SET_GENERATION,
     deployment_workflow_id,
 )
 from workflows.deployment import DeploymentWorkflow
 
-from .saga_stubs import OpsActivityStubs
+from .saga_stubs import MoveActivityStubs
 
 _R = TypeVar("_R")
 
@@ -70,12 +70,12 @@ _COMPLETED_MARKERS = ("workflow execution already completed",
                       "workflow completed before the update completed")
 
 
-#: await_op heartbeats this often, during a poll as well as between polls; the saga's
+#: await_move heartbeats this often, during a poll as well as between polls; the saga's
 #: heartbeat timeout (workflows/saga.py AWAIT_HEARTBEAT_TIMEOUT) is several of these.
 AWAIT_HEARTBEAT_EVERY_S = 2.0
 
 
-class OpsActivities(OpsActivityStubs):
+class MoveActivities(MoveActivityStubs):
     """Activities bound to one Temporal client: each asks one deployment's workflow."""
 
     def __init__(self, client: Client) -> None:
@@ -99,7 +99,7 @@ class OpsActivities(OpsActivityStubs):
             if isinstance(cause, ApplicationError):
                 # The workflow's own answer (its validator or handler): asking again asks
                 # the same question of the same state.
-                raise ApplicationError(cause.message, type=cause.type or ERROR_OP_REFUSED,
+                raise ApplicationError(cause.message, type=cause.type or ERROR_MOVE_REFUSED,
                                        non_retryable=True) from err
             raise
         except RPCError as err:
@@ -108,25 +108,25 @@ class OpsActivities(OpsActivityStubs):
             raise
         return result
 
-    @activity.defn(name=ACTIVITY_REQUEST_OP)
-    async def request_op(self, call: OpCall) -> OpOutcome:
-        """Ask for a surge, replace or retire; answers the op as it stands (usually
-        running). A retry asks again with the same op id and is answered, never repeated."""
+    @activity.defn(name=ACTIVITY_REQUEST_MOVE)
+    async def request_move(self, call: MoveCall) -> MoveOutcome:
+        """Ask for a surge, replace or retire; answers the move as it stands (usually
+        running). A retry asks again with the same move id and is answered, never repeated."""
         return await self._update(call.deployment_id, execute_update(
-            self._handle(call.deployment_id), DeploymentWorkflow.op, call.request,
-            id=f"{UPDATE_OP}:{call.request.op_id}"))
+            self._handle(call.deployment_id), DeploymentWorkflow.move, call.request,
+            id=f"{UPDATE_MOVE}:{call.request.move_id}"))
 
-    @activity.defn(name=ACTIVITY_AWAIT_OP)
-    async def await_op(self, call: AwaitOpCall) -> OpOutcome:
-        """Long-poll the op until it has ended, heartbeating between polls.
+    @activity.defn(name=ACTIVITY_AWAIT_MOVE)
+    async def await_move(self, call: AwaitMoveCall) -> MoveOutcome:
+        """Long-poll the move until it has ended, heartbeating between polls.
 
-        Each poll is one ``await_op`` update that answers within ``call.request.wait_s``;
+        Each poll is one ``await_move`` update that answers within ``call.request.wait_s``;
         the saga's heartbeat timeout outlasts one. It only reads, so a retry (after a
         worker crash or a missed heartbeat) simply polls again. No update id: each poll
         must be answered afresh, not from the server's memory of the first."""
         while True:
             poll = asyncio.ensure_future(self._update(call.deployment_id, execute_update(
-                self._handle(call.deployment_id), DeploymentWorkflow.await_op,
+                self._handle(call.deployment_id), DeploymentWorkflow.await_move,
                 call.request)))
             try:
                 # Heartbeat while the poll waits too: the saga's heartbeat timeout can then
@@ -137,24 +137,24 @@ class OpsActivities(OpsActivityStubs):
             finally:
                 poll.cancel()
             outcome = poll.result()
-            if outcome.state in OP_ENDED:
+            if outcome.state in MOVE_ENDED:
                 return outcome
             activity.heartbeat(outcome.state.value)
 
-    @activity.defn(name=ACTIVITY_CANCEL_OP)
-    async def cancel_op(self, call: CancelOpCall) -> OpOutcome:
-        """The compensation: retire what the op surged, keep what it would have
-        retired. Answers the op as it stands after the cancel."""
+    @activity.defn(name=ACTIVITY_CANCEL_MOVE)
+    async def cancel_move(self, call: CancelMoveCall) -> MoveOutcome:
+        """The compensation: retire what the move surged, keep what it would have
+        retired. Answers the move as it stands after the cancel."""
         return await self._update(call.deployment_id, execute_update(
-            self._handle(call.deployment_id), DeploymentWorkflow.cancel_op, call.request,
-            id=f"{UPDATE_CANCEL_OP}:{call.request.op_id}"))
+            self._handle(call.deployment_id), DeploymentWorkflow.cancel_move, call.request,
+            id=f"{UPDATE_CANCEL_MOVE}:{call.request.move_id}"))
 
     @activity.defn(name=ACTIVITY_SET_GENERATION)
     async def set_generation(self, call: SetGenerationCall) -> None:
         """Set what the deployment runs from now on (a switch's commit, or a restart's)."""
         await self._update(call.deployment_id, execute_update(
             self._handle(call.deployment_id), DeploymentWorkflow.set_generation,
-            call.request, id=f"{UPDATE_SET_GENERATION}:{call.request.op_id}"))
+            call.request, id=f"{UPDATE_SET_GENERATION}:{call.request.move_id}"))
 
     @activity.defn(name=ACTIVITY_DESCRIBE_DEPLOYMENT)
     async def describe_deployment(self, request: DescribeDeploymentInput) -> DeploymentBrief:
@@ -169,7 +169,7 @@ class OpsActivities(OpsActivityStubs):
 
     def all(self) -> list[Callable[..., Any]]:
         """Every activity this class defines, for the worker to register."""
-        return [self.request_op, self.await_op, self.cancel_op, self.set_generation,
+        return [self.request_move, self.await_move, self.cancel_move, self.set_generation,
                 self.describe_deployment]
 
 

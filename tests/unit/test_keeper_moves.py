@@ -1,5 +1,5 @@
-"""The keeper's ops (surge, replace, retire, cancel, generations) stepped at chosen times:
-each rule of the "Ops" section of modelkeeper.domain.keeper."""
+"""The keeper's moves (surge, replace, retire, cancel, generations) stepped at chosen times:
+each rule of the "Moves" section of modelkeeper.domain.keeper."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ from typing import Any
 
 import pytest
 
-from modelkeeper.domain.ids import ModelId, NodeId, OpId, ReplicaId
+from modelkeeper.domain.catalog import Generation
+from modelkeeper.domain.ids import ModelId, MoveId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import (
     Action,
     Delete,
     Exited,
     GenerationSet,
     KeeperConfig,
-    OpAsked,
-    OpCancelled,
+    MoveAsked,
+    MoveCancelled,
     Phase,
     Placed,
     PlaceReplica,
@@ -26,12 +27,12 @@ from modelkeeper.domain.keeper import (
     StopReplica,
     Unplaceable,
     brief,
-    op_outcome,
+    move_outcome,
     outdated,
-    refuse_op,
+    refuse_move,
     status,
 )
-from modelkeeper.domain.ops import Generation, OpKind, OpRequest, OpState
+from modelkeeper.domain.moves import MoveKind, MoveRequest, MoveState
 from modelkeeper.domain.status import DeploymentStatus
 
 from .test_keeper import Stepper
@@ -54,14 +55,14 @@ def serving(replicas: int = 2) -> Stepper:
     return keeper
 
 
-def ask(keeper: Stepper, op_id: str, kind: OpKind, **fields: Any) -> list[Action]:
-    request = OpRequest(op_id=OpId(op_id), kind=kind, **fields)
-    assert refuse_op(keeper.state, request, keeper.config) is None
-    return keeper.step(OpAsked(request=request))
+def ask(keeper: Stepper, move_id: str, kind: MoveKind, **fields: Any) -> list[Action]:
+    request = MoveRequest(move_id=MoveId(move_id), kind=kind, **fields)
+    assert refuse_move(keeper.state, request, keeper.config) is None
+    return keeper.step(MoveAsked(request=request))
 
 
-def outcome_state(keeper: Stepper, op_id: str) -> OpState:
-    outcome = op_outcome(keeper.state, OpId(op_id))
+def outcome_state(keeper: Stepper, move_id: str) -> MoveState:
+    outcome = move_outcome(keeper.state, MoveId(move_id))
     assert outcome is not None
     return outcome.state
 
@@ -72,22 +73,22 @@ def phase(keeper: Stepper, rid: str) -> Phase | None:
 
 def test_replace_surges_then_drains_and_retires_the_old_one_once_the_new_is_ready() -> None:
     keeper = serving(2)
-    actions = ask(keeper, "s:1", OpKind.REPLACE, replica_id=ReplicaId("d-r1"),
+    actions = ask(keeper, "s:1", MoveKind.REPLACE, replica_id=ReplicaId("d-r1"),
                   generation=B, avoid_nodes=[NodeId("a")])
     assert actions == [PlaceReplica(replica_id=ReplicaId("d-r3"))]
     new = next(r for r in keeper.state.replicas if r.replica_id == "d-r3")
-    assert new.generation == B and new.avoid_nodes == ["a"] and new.op_id == "s:1"
+    assert new.generation == B and new.avoid_nodes == ["a"] and new.move_id == "s:1"
     # The surge is not scaled back down while it places and starts, and d-r1 keeps serving.
     keeper.step(Placed(replica_id=ReplicaId("d-r3"), nodes=[NodeId("c")]))
     assert phase(keeper, "d-r1") is Phase.READY
-    assert outcome_state(keeper, "s:1") is OpState.RUNNING
+    assert outcome_state(keeper, "s:1") is MoveState.RUNNING
     actions = keeper.step(Started(replica_id=ReplicaId("d-r3"), endpoint="http://c"))
     assert [a for a in actions if isinstance(a, StopReplica)] == [StopReplica(
         replica_id=ReplicaId("d-r1"), reason="replaced by d-r3", drain=True)]
-    assert outcome_state(keeper, "s:1") is OpState.RUNNING  # until d-r1 has stopped
+    assert outcome_state(keeper, "s:1") is MoveState.RUNNING  # until d-r1 has stopped
     keeper.step(Stopped(replica_id=ReplicaId("d-r1")))
-    outcome = op_outcome(keeper.state, OpId("s:1"))
-    assert outcome is not None and outcome.state is OpState.SUCCEEDED
+    outcome = move_outcome(keeper.state, MoveId("s:1"))
+    assert outcome is not None and outcome.state is MoveState.SUCCEEDED
     assert outcome.surged == "d-r3" and outcome.retired == "d-r1"
     assert "d-r3 ready on c" in outcome.detail
     # Nothing more is placed or stopped: two replicas, as desired.
@@ -95,18 +96,18 @@ def test_replace_surges_then_drains_and_retires_the_old_one_once_the_new_is_read
     assert keeper.step() == []
 
 
-def test_a_retried_op_is_answered_again_and_changes_nothing() -> None:
+def test_a_retried_move_is_answered_again_and_changes_nothing() -> None:
     keeper = serving(1)
-    ask(keeper, "s:1", OpKind.REPLACE, replica_id=ReplicaId("d-r1"))
+    ask(keeper, "s:1", MoveKind.REPLACE, replica_id=ReplicaId("d-r1"))
     before = keeper.state
-    assert keeper.step(OpAsked(request=OpRequest(
-        op_id=OpId("s:1"), kind=OpKind.REPLACE, replica_id=ReplicaId("d-r1")))) == []
+    assert keeper.step(MoveAsked(request=MoveRequest(
+        move_id=MoveId("s:1"), kind=MoveKind.REPLACE, replica_id=ReplicaId("d-r1")))) == []
     assert keeper.state == before
 
 
 def test_stop_first_retires_first_holds_the_slot_and_places_once_the_old_has_stopped() -> None:
     keeper = serving(1)
-    actions = ask(keeper, "s:1", OpKind.REPLACE, replica_id=ReplicaId("d-r1"),
+    actions = ask(keeper, "s:1", MoveKind.REPLACE, replica_id=ReplicaId("d-r1"),
                   generation=B, stop_first=True)
     assert actions == [StopReplica(replica_id=ReplicaId("d-r1"), reason="s:1", drain=True)]
     # While d-r1 stops, nothing is placed: not the new one (no room for both), and not one
@@ -115,20 +116,20 @@ def test_stop_first_retires_first_holds_the_slot_and_places_once_the_old_has_sto
     actions = keeper.step(Stopped(replica_id=ReplicaId("d-r1")))
     assert actions == [PlaceReplica(replica_id=ReplicaId("d-r2"))]
     keeper.serve("d-r2")
-    assert outcome_state(keeper, "s:1") is OpState.SUCCEEDED
+    assert outcome_state(keeper, "s:1") is MoveState.SUCCEEDED
     assert keeper.step() == []
     assert status(keeper.state) is DeploymentStatus.SERVING
 
 
 def test_a_failed_stop_first_frees_its_slot_and_the_old_generation_comes_back() -> None:
     keeper = serving(1)
-    ask(keeper, "s:1", OpKind.REPLACE, replica_id=ReplicaId("d-r1"), generation=B,
+    ask(keeper, "s:1", MoveKind.REPLACE, replica_id=ReplicaId("d-r1"), generation=B,
         stop_first=True)
     keeper.step(Stopped(replica_id=ReplicaId("d-r1")))
     keeper.step(Placed(replica_id=ReplicaId("d-r2"), nodes=[NodeId("a")]))
     actions = keeper.step(StartFailed(replica_id=ReplicaId("d-r2"), error="crashed"))
-    outcome = op_outcome(keeper.state, OpId("s:1"))
-    assert outcome is not None and outcome.state is OpState.FAILED
+    outcome = move_outcome(keeper.state, MoveId("s:1"))
+    assert outcome is not None and outcome.state is MoveState.FAILED
     assert outcome.error == "start failed: crashed"
     # Not a failed start of the deployment: no backoff, no count.
     assert keeper.state.consecutive_failures == 0
@@ -137,15 +138,15 @@ def test_a_failed_stop_first_frees_its_slot_and_the_old_generation_comes_back() 
     placed = [a for a in keeper.actions if isinstance(a, PlaceReplica)]
     assert placed[-1] == PlaceReplica(replica_id=ReplicaId("d-r3"))
     restored = next(r for r in keeper.state.replicas if r.replica_id == "d-r3")
-    assert restored.generation is None and restored.op_id is None  # the deployment's own
+    assert restored.generation is None and restored.move_id is None  # the deployment's own
 
 
-def test_a_surge_without_room_fails_the_op_and_not_the_deployment() -> None:
+def test_a_surge_without_room_fails_the_move_and_not_the_deployment() -> None:
     keeper = serving(1)
-    ask(keeper, "s:1", OpKind.SURGE)
+    ask(keeper, "s:1", MoveKind.SURGE)
     keeper.step(Unplaceable(replica_id=ReplicaId("d-r2"), reason="a: full"))
-    outcome = op_outcome(keeper.state, OpId("s:1"))
-    assert outcome is not None and outcome.state is OpState.FAILED
+    outcome = move_outcome(keeper.state, MoveId("s:1"))
+    assert outcome is not None and outcome.state is MoveState.FAILED
     assert outcome.error == "no room: a: full"
     assert status(keeper.state) is DeploymentStatus.SERVING
     assert keeper.state.placement_error is None
@@ -153,26 +154,26 @@ def test_a_surge_without_room_fails_the_op_and_not_the_deployment() -> None:
 
 def test_a_surge_is_not_scaled_back_down_until_a_retire_balances_it() -> None:
     keeper = serving(1)
-    ask(keeper, "s:1", OpKind.SURGE, avoid_nodes=[NodeId("a")])
+    ask(keeper, "s:1", MoveKind.SURGE, avoid_nodes=[NodeId("a")])
     keeper.serve("d-r2", node="b")
-    assert outcome_state(keeper, "s:1") is OpState.SUCCEEDED
+    assert outcome_state(keeper, "s:1") is MoveState.SUCCEEDED
     assert keeper.step() == []  # two ready for one desired, and nothing retired
-    actions = ask(keeper, "s:2", OpKind.RETIRE, replica_id=ReplicaId("d-r1"),
-                  balances=OpId("s:1"))
+    actions = ask(keeper, "s:2", MoveKind.RETIRE, replica_id=ReplicaId("d-r1"),
+                  balances=MoveId("s:1"))
     assert actions == [StopReplica(replica_id=ReplicaId("d-r1"), reason="s:2", drain=True)]
     keeper.step(Stopped(replica_id=ReplicaId("d-r1")))
-    assert outcome_state(keeper, "s:2") is OpState.SUCCEEDED
-    assert [(r.replica_id, r.op_id) for r in keeper.state.replicas] == [("d-r2", None)]
+    assert outcome_state(keeper, "s:2") is MoveState.SUCCEEDED
+    assert [(r.replica_id, r.move_id) for r in keeper.state.replicas] == [("d-r2", None)]
     assert keeper.step() == []
 
 
 def test_cancel_retires_what_was_surged_and_keeps_what_would_have_been_retired() -> None:
     keeper = serving(1)
-    ask(keeper, "s:1", OpKind.REPLACE, replica_id=ReplicaId("d-r1"), generation=B)
+    ask(keeper, "s:1", MoveKind.REPLACE, replica_id=ReplicaId("d-r1"), generation=B)
     keeper.step(Placed(replica_id=ReplicaId("d-r2"), nodes=[NodeId("b")]))
-    actions = keeper.step(OpCancelled(op_id=OpId("s:1")))
+    actions = keeper.step(MoveCancelled(move_id=MoveId("s:1")))
     assert actions == [StopReplica(replica_id=ReplicaId("d-r2"), reason="cancelled: s:1")]
-    assert outcome_state(keeper, "s:1") is OpState.CANCELLED
+    assert outcome_state(keeper, "s:1") is MoveState.CANCELLED
     assert phase(keeper, "d-r1") is Phase.READY
     keeper.step(Stopped(replica_id=ReplicaId("d-r2")))
     assert keeper.step() == []
@@ -180,8 +181,8 @@ def test_cancel_retires_what_was_surged_and_keeps_what_would_have_been_retired()
 
 def test_cancel_of_a_placement_in_flight_stops_it_when_it_lands() -> None:
     keeper = serving(1)
-    ask(keeper, "s:1", OpKind.SURGE)
-    assert keeper.step(OpCancelled(op_id=OpId("s:1"))) == []
+    ask(keeper, "s:1", MoveKind.SURGE)
+    assert keeper.step(MoveCancelled(move_id=MoveId("s:1"))) == []
     actions = keeper.step(Placed(replica_id=ReplicaId("d-r2"), nodes=[NodeId("b")]))
     assert actions == [StopReplica(replica_id=ReplicaId("d-r2"), reason="cancelled: s:1")]
 
@@ -189,27 +190,27 @@ def test_cancel_of_a_placement_in_flight_stops_it_when_it_lands() -> None:
 def test_validators_refuse_with_a_reason() -> None:
     keeper = serving(2)
     def refusal(**fields: Any) -> str | None:
-        return refuse_op(keeper.state, OpRequest(**fields), keeper.config)
-    assert refusal(op_id="x", kind=OpKind.RETIRE, replica_id="zz") == (
+        return refuse_move(keeper.state, MoveRequest(**fields), keeper.config)
+    assert refusal(move_id="x", kind=MoveKind.RETIRE, replica_id="zz") == (
         "replica_id: zz is not a live replica of d (live: d-r1, d-r2)")
-    assert refusal(op_id="x", kind=OpKind.REPLACE) == "replica_id: required for a replace"
-    ask(keeper, "s:1", OpKind.REPLACE, replica_id=ReplicaId("d-r1"))
-    assert refusal(op_id="x", kind=OpKind.RETIRE, replica_id="d-r1") == (
-        "replica_id: d-r1 is leased to op s:1")
-    assert refusal(op_id="x", kind=OpKind.SURGE) == (
+    assert refusal(move_id="x", kind=MoveKind.REPLACE) == "replica_id: required for a replace"
+    ask(keeper, "s:1", MoveKind.REPLACE, replica_id=ReplicaId("d-r1"))
+    assert refusal(move_id="x", kind=MoveKind.RETIRE, replica_id="d-r1") == (
+        "replica_id: d-r1 is leased to move s:1")
+    assert refusal(move_id="x", kind=MoveKind.SURGE) == (
         "d already surges 1 replica(s) (s:1); max_surge is 1")
-    assert refusal(op_id="s:1", kind=OpKind.RETIRE, replica_id="d-r2") == (
-        "op_id: s:1 is already a replace on d")
-    assert refusal(op_id="s:1", kind=OpKind.REPLACE, replica_id="d-r1") is None  # a retry
+    assert refusal(move_id="s:1", kind=MoveKind.RETIRE, replica_id="d-r2") == (
+        "move_id: s:1 is already a replace on d")
+    assert refusal(move_id="s:1", kind=MoveKind.REPLACE, replica_id="d-r1") is None  # a retry
     keeper.step(Delete())
-    assert refusal(op_id="y", kind=OpKind.RETIRE, replica_id="d-r2") == (
-        "deployment d is being deleted; it takes no ops")
-    assert outcome_state(keeper, "s:1") is OpState.FAILED
+    assert refusal(move_id="y", kind=MoveKind.RETIRE, replica_id="d-r2") == (
+        "deployment d is being deleted; it takes no moves")
+    assert outcome_state(keeper, "s:1") is MoveState.FAILED
 
 
 def test_generations_mark_older_replicas_outdated_and_new_ones_run_the_new() -> None:
     keeper = serving(2)
-    keeper.step(GenerationSet(op_id=OpId("s:9"), generation=B))
+    keeper.step(GenerationSet(move_id=MoveId("s:9"), generation=B))
     assert outdated(keeper.state) == ["d-r1", "d-r2"]
     view = brief(keeper.state)
     assert view.generation == B
@@ -219,14 +220,14 @@ def test_generations_mark_older_replicas_outdated_and_new_ones_run_the_new() -> 
     assert new.phase is Phase.PLACING and new.generation == B
 
 
-def test_a_replaced_replica_lost_meanwhile_ends_the_op_when_the_new_one_is_ready() -> None:
+def test_a_replaced_replica_lost_meanwhile_ends_the_move_when_the_new_one_is_ready() -> None:
     keeper = serving(1)
-    ask(keeper, "s:1", OpKind.REPLACE, replica_id=ReplicaId("d-r1"))
+    ask(keeper, "s:1", MoveKind.REPLACE, replica_id=ReplicaId("d-r1"))
     keeper.step(Placed(replica_id=ReplicaId("d-r2"), nodes=[NodeId("b")]))
     keeper.step(Exited(replica_id=ReplicaId("d-r1"), detail="killed"))
     keeper.step(Stopped(replica_id=ReplicaId("d-r1")))
     keeper.step(Started(replica_id=ReplicaId("d-r2"), endpoint="http://b"))
-    assert outcome_state(keeper, "s:1") is OpState.SUCCEEDED
+    assert outcome_state(keeper, "s:1") is MoveState.SUCCEEDED
     # The keeper replaced the lost d-r1 meanwhile (d-r3, still placing): with d-r2 handed
     # over it is one too many, and is stopped when it lands.
     assert [(r.replica_id, r.phase, r.retiring) for r in keeper.state.replicas] == [
