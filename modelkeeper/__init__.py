@@ -13,4 +13,4 @@ The `modelkeeper` command (``cli``: `up` and the operator CLI), the components (
 are top-level packages beside this one.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
