@@ -34,8 +34,6 @@ from modelkeeper.infra.model_files import resolve_model_path, source_policy
 from modelkeeper.infra.temporal import execute_update
 from modelkeeper.names import (
     CONTROL_TASK_QUEUE,
-    SIGNAL_DELETE,
-    SIGNAL_RETRY,
     deployment_workflow_id,
 )
 from modelkeeper.store import (
@@ -277,7 +275,8 @@ async def delete_deployment(deployment_id: str, store: StoreDep, temporal: Tempo
     """
     view = await _existing(store, deployment_id)
     try:
-        await temporal.get_workflow_handle(view.workflow_id).signal(SIGNAL_DELETE)
+        await temporal.get_workflow_handle_for(
+            DeploymentWorkflow.run, view.workflow_id).signal(DeploymentWorkflow.delete)
     except RPCError as exc:
         if not _workflow_not_found(exc):
             raise HTTPException(
@@ -306,7 +305,8 @@ async def retry_deployment(deployment_id: str, store: StoreDep,
     """Un-park a parked deployment."""
     view = await _existing(store, deployment_id)
     try:
-        await temporal.get_workflow_handle(view.workflow_id).signal(SIGNAL_RETRY)
+        await temporal.get_workflow_handle_for(
+            DeploymentWorkflow.run, view.workflow_id).signal(DeploymentWorkflow.retry)
     except RPCError as exc:
         if _workflow_not_found(exc):
             raise HTTPException(409, f"deployment {deployment_id} has no running workflow "

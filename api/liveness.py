@@ -60,8 +60,9 @@ from modelkeeper.domain.liveness import (
 )
 from modelkeeper.domain.nodes import NodeSilentInput
 from modelkeeper.infra.http_server import release_body_deadline
-from modelkeeper.names import SIGNAL_NODE_SILENT, deployment_workflow_id
+from modelkeeper.names import deployment_workflow_id
 from modelkeeper.store import Store
+from workflows.deployment import DeploymentWorkflow
 
 from .agents import NODE_AUTH_RESPONSES, authenticate_node
 from .deps import StoreDep, TemporalDep
@@ -340,9 +341,10 @@ async def signal_node_silent(temporal: Client, node_id: NodeId,
     (``watch_heartbeat_timeout_s``). Returns how many were signalled."""
 
     async def tell(deployment_id: DeploymentId, replica_ids: list[ReplicaId]) -> bool:
-        handle = temporal.get_workflow_handle(deployment_workflow_id(deployment_id))
+        handle = temporal.get_workflow_handle_for(DeploymentWorkflow.run,
+                                                  deployment_workflow_id(deployment_id))
         try:
-            await handle.signal(SIGNAL_NODE_SILENT,
+            await handle.signal(DeploymentWorkflow.node_silent,
                                 NodeSilentInput(node_id=node_id, replica_ids=replica_ids))
         except RPCError as err:
             if err.status != RPCStatusCode.NOT_FOUND:
