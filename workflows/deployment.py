@@ -369,13 +369,13 @@ class DeploymentWorkflow:
         A new one starts only while no placement is in flight (room_watch_start), so it
         starts from the count that placement's answer leaves.
         """
-        keeper, config = self.state.keeper, self.state.config
+        keeper = self.state.keeper
         running = [t for t in self._tasks.get(ROOM_WATCH_TASK, []) if not t.done()]
-        if running and not room_watch_goes_on(keeper, config, self._room_watch_from):
+        if running and not room_watch_goes_on(keeper, self._room_watch_from):
             for task in running:
                 task.cancel()
             running = []
-        if not running and (start := room_watch_start(keeper, config)) is not None:
+        if not running and (start := room_watch_start(keeper)) is not None:
             self._room_watch_from = start
             self._spawn(ROOM_WATCH_TASK, self._watch_for_room(start))
 

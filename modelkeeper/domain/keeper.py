@@ -1252,7 +1252,7 @@ def next_wake(state: KeeperState, config: KeeperConfig) -> datetime | None:
     return min(times) if times else None
 
 
-def waiting_for_room(state: KeeperState, config: KeeperConfig) -> bool:
+def waiting_for_room(state: KeeperState) -> bool:
     """Whether a room watch should be running: a placement found no room
     and nothing since has placed one, the deployment still wants more replicas than it
     has, and neither a delete nor parking stopped it from placing. A placement in flight
@@ -1267,24 +1267,24 @@ def waiting_for_room(state: KeeperState, config: KeeperConfig) -> bool:
     return len(settled) < state.spec.replicas
 
 
-def room_watch_start(state: KeeperState, config: KeeperConfig) -> int | None:
+def room_watch_start(state: KeeperState) -> int | None:
     """Whether to start a room watch now, where none runs: the count of placements in a
     row that found no room, which its schedule starts from (:func:`room_watch_wait_s`);
     None when the deployment is not waiting for room, or while a placement is in flight:
     its answer may place the replica, or add one to the count the watch starts from.
     """
-    if not waiting_for_room(state, config):
+    if not waiting_for_room(state):
         return None
     if any(r.phase is Phase.PLACING for r in state.replicas):
         return None
     return state.unplaceable_in_a_row
 
 
-def room_watch_goes_on(state: KeeperState, config: KeeperConfig, started_from: int) -> bool:
+def room_watch_goes_on(state: KeeperState, started_from: int) -> bool:
     """Whether a room watch started from the count ``started_from`` should keep running:
     the deployment still waits for room, and no operator's retry has reset the count
     since (every wait starts over then, the watch's too: it is started again from 0)."""
-    return waiting_for_room(state, config) and state.unplaceable_in_a_row >= started_from
+    return waiting_for_room(state) and state.unplaceable_in_a_row >= started_from
 
 
 def status(state: KeeperState) -> DeploymentStatus:

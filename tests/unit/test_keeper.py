@@ -634,36 +634,36 @@ def test_a_room_watch_runs_while_the_deployment_waits_for_room_and_starts_betwee
 ) -> None:
     k = Stepper(replicas=2)
     k.step(at=0)
-    assert not waiting_for_room(k.state, k.config)  # placing, never refused yet
+    assert not waiting_for_room(k.state)  # placing, never refused yet
     k.step(Unplaceable(replica_id=rid(1), reason="node a: full"), at=1)
-    assert waiting_for_room(k.state, k.config)
-    assert room_watch_start(k.state, k.config) == 1
+    assert waiting_for_room(k.state)
+    assert room_watch_start(k.state) == 1
     # The watch found room: a retry at once, as for a node change. While it is out the
     # watch that runs goes on, and none is started (its answer may change the count).
     assert k.step(NodesChanged(), at=100) == [PlaceReplica(replica_id=rid(2))]
-    assert waiting_for_room(k.state, k.config)
-    assert room_watch_goes_on(k.state, k.config, 1)
-    assert room_watch_start(k.state, k.config) is None
+    assert waiting_for_room(k.state)
+    assert room_watch_goes_on(k.state, 1)
+    assert room_watch_start(k.state) is None
     k.step(Unplaceable(replica_id=rid(2), reason="node a: full"), at=101)
-    assert room_watch_start(k.state, k.config) == 2  # one more: the next waits longer
+    assert room_watch_start(k.state) == 2  # one more: the next waits longer
     # Room for one of the two: the wait for room is over (the second's placement clears
     # the error only once it is placed; meanwhile one replica is wanted and placing).
     k.step(NodesChanged(), at=200)
     k.serve(str(rid(3)), at=201)
-    assert not waiting_for_room(k.state, k.config)
+    assert not waiting_for_room(k.state)
     assert k.state.placement_error is None
     # The second replica finds no room: waiting again, from a count that starts over.
     k.step(Unplaceable(replica_id=rid(4), reason="node a: full"), at=202)
-    assert room_watch_start(k.state, k.config) == 1
+    assert room_watch_start(k.state) == 1
     # The hourly backstop finds no room either: the count goes on, and so does the watch.
     wake = next_wake(k.state, k.config)
     assert wake == T0 + timedelta(seconds=202 + 3600)
     assert k.step(at=3802) == [PlaceReplica(replica_id=rid(5))]
     k.step(Unplaceable(replica_id=rid(5), reason="node a: full"), at=3803)
     assert k.state.unplaceable_in_a_row == 2
-    assert room_watch_goes_on(k.state, k.config, 1)
+    assert room_watch_goes_on(k.state, 1)
     k.step(Retry(), at=10_000)
-    assert not room_watch_goes_on(k.state, k.config, 1)
+    assert not room_watch_goes_on(k.state, 1)
 
 
 @pytest.mark.parametrize("end", ["scaled down", "deleted", "parked"])
@@ -672,8 +672,8 @@ def test_no_room_watch_once_nothing_waits_for_room(end: str) -> None:
     k.step(at=0)
     k.step(Unplaceable(replica_id=rid(1), reason="node a: full"), at=1)
     # Waiting for room until the end comes.
-    assert waiting_for_room(k.state, k.config)
-    assert room_watch_start(k.state, k.config) == 1
+    assert waiting_for_room(k.state)
+    assert room_watch_start(k.state) == 1
     match end:
         case "scaled down":
             k.step(Scale(replicas=0), at=2)
@@ -681,5 +681,5 @@ def test_no_room_watch_once_nothing_waits_for_room(end: str) -> None:
             k.step(Delete(), at=2)
         case "parked":
             k.state = k.state.model_copy(update={"parked": True})
-    assert not waiting_for_room(k.state, k.config)
-    assert room_watch_start(k.state, k.config) is None
+    assert not waiting_for_room(k.state)
+    assert room_watch_start(k.state) is None

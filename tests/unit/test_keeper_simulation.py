@@ -470,13 +470,13 @@ def test_random_observations_keep_the_invariants(
         finishes += sum(1 for a in actions if a.kind == "finish")
         seen += [r.replica_id for r in after.replicas if r.replica_id not in seen]
         state = after
-        start = room_watch_start(state, config)
+        start = room_watch_start(state)
         if start is not None:
-            assert waiting_for_room(state, config), where
+            assert waiting_for_room(state), where
             assert not any(r.phase is Phase.PLACING for r in state.replicas), where
             assert start == state.unplaceable_in_a_row, where
         if state.deleting or state.parked:
-            assert not waiting_for_room(state, config), where
+            assert not waiting_for_room(state), where
         peek = data.draw(st.sampled_from([0.0, 1.0, 9.0, 14.9, 15.0, 29.0, 61.0]))
         check_no_spin(state, now, config, where)
         check_wake(state, config, now + timedelta(seconds=peek), where)
