@@ -83,6 +83,9 @@ REPLICAS_CHANNEL = "modelkeeper_replicas"
 DEPLOYMENTS_CHANNEL = "modelkeeper_deployments"
 #: NOTIFY channel for client API key changes (migration 0003); payload is a key prefix.
 API_KEYS_CHANNEL = "modelkeeper_api_keys"
+#: NOTIFY channel for demand (migration 0016): a gateway worker's waiting count for a
+#: deployment rose from 0; payload is the deployment id. The usage watches listen.
+DEMAND_CHANNEL = "modelkeeper_demand"
 
 #: Signals, updates and queries of DeploymentWorkflow, by name, for senders that do not
 #: import the workflow class (the API and the store activities).
@@ -99,6 +102,13 @@ UPDATE_MOVE = "move"
 UPDATE_AWAIT_MOVE = "await_move"
 UPDATE_CANCEL_MOVE = "cancel_move"
 UPDATE_SET_GENERATION = "set_generation"
+#: Following demand (modelkeeper.domain.demand): a new scaling policy, a schedule window
+#: opening or closing, an operator's sleep or wake, and another deployment's eviction.
+UPDATE_SET_POLICY = "set_policy"
+UPDATE_SET_WINDOW = "set_window"
+UPDATE_SLEEP = "sleep"
+UPDATE_WAKE = "wake"
+UPDATE_EVICT = "evict"
 QUERY_STATUS = "status"
 #: A deployment as a saga sees it (modelkeeper.domain.moves.DeploymentBrief).
 QUERY_BRIEF = "brief"
@@ -116,6 +126,13 @@ ACTIVITY_DELETE_DEPLOYMENT = "delete_deployment"
 ACTIVITY_WATCH_FOR_ROOM = "watch_for_room"
 #: Routing: mark a replica draining and wait (bounded) for its in-flight requests.
 ACTIVITY_DRAIN_REPLICA = "drain_replica"
+#: Following demand (control side): the usage watch (long-running, like the room watch;
+#: returns when a scaling step is due), a sleeping replica's claims shrunk to what it
+#: keeps and grown back before a wake, and the choice of a replica to evict for room.
+ACTIVITY_WATCH_DEMAND = "watch_demand"
+ACTIVITY_SHRINK_CLAIMS = "shrink_claims"
+ACTIVITY_REGROW_CLAIMS = "regrow_claims"
+ACTIVITY_FIND_EVICTION = "find_eviction"
 #: The sagas' activities (control queue), as their stubs (activities.saga_stubs) and the
 #: classes that run them register them: ask a deployment workflow (activities.moves) ...
 ACTIVITY_REQUEST_MOVE = "request_move"
@@ -133,6 +150,9 @@ ACTIVITY_START_SHARD = "start_shard"
 ACTIVITY_WATCH_SHARD = "watch_shard"
 ACTIVITY_STOP_SHARD = "stop_shard"
 ACTIVITY_LIST_SHARDS = "list_shards"
+#: ... sleep (free the KV cache, keep the weights) and wake an engine that can.
+ACTIVITY_SLEEP_SHARD = "sleep_shard"
+ACTIVITY_WAKE_SHARD = "wake_shard"
 
 #: ApplicationError types: activities raise them, workflows match on them (retry policies'
 #: ``non_retryable_error_types``), clients read them. Store activities:

@@ -92,6 +92,7 @@ from pydantic import Field
 
 from .base import Frozen, Tolerant
 from .catalog import Generation
+from .demand import ScalingPolicy
 from .ids import DeploymentId, ModelId, MoveId, NodeId, ReplicaId
 from .moves import (
     MOVE_ENDED,
@@ -165,6 +166,10 @@ class DeploymentSpec(Tolerant):
     #: What new replicas run (set_generation); None: model_id as the catalog has it.
     #: model_id stays the served name whatever the generation runs.
     generation: Generation | None = None
+    #: How the replica count follows demand (modelkeeper.domain.demand); None: fixed at
+    #: ``replicas`` (min = max), never started on demand. ``replicas`` is always the
+    #: number wanted now, within the policy's bounds.
+    scaling: ScalingPolicy | None = None
 
 
 #: The defaults of every tunable (modelkeeper.domain.tunables, where their reasons are).

@@ -15,7 +15,10 @@ class DeploymentStatus(StrEnum):
     CANT_PLACE = "cant_place"  # nothing fits; placement_error says why per node
     PARKED = "parked"  # too many failed starts in a row; needs a spec change or /retry
     DELETING = "deleting"  # stopping its replicas; the row goes when they are gone
-    STOPPED = "stopped"  # scaled to 0 replicas
+    STOPPED = "stopped"  # scaled to 0 replicas (max 0: deliberately off)
+    IDLE = "idle"  # on demand (min 0), none running: loaded when a request asks for it
+    LOADING = "loading"  # on demand, asked for: its first replica is on its way
+    SLEEPING = "sleeping"  # every replica it keeps is asleep: woken when asked for
 
 
 class ReplicaState(StrEnum):
@@ -24,7 +27,8 @@ class ReplicaState(StrEnum):
     STARTING = "starting"
     READY = "ready"
     UNREACHABLE = "unreachable"  # its node went silent; routed around, not yet lost
-    DRAINING = "draining"  # finishing in-flight requests before a stop
+    DRAINING = "draining"  # finishing in-flight requests before a stop (or a sleep)
+    SLEEPING = "sleeping"  # asleep: weights kept, KV cache freed; woken by demand
     STOPPING = "stopping"
 
 
