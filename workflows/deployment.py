@@ -22,11 +22,21 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from modelkeeper.domain.catalog import ScaleRequest
+    from modelkeeper.domain.demand import (
+        EvictRequest,
+        SetPolicyRequest,
+        SetWindowRequest,
+        SleepRequest,
+        WakeRequest,
+    )
     from modelkeeper.domain.events import NewEvent
     from modelkeeper.domain.ids import MoveId, ReplicaId
     from modelkeeper.domain.keeper import (
         Action,
         Delete,
+        DemandStepDue,
+        EvictAsked,
+        EvictionSought,
         Finish,
         GenerationSet,
         KeeperConfig,
@@ -38,21 +48,33 @@ with workflow.unsafe.imports_passed_through():
         Placed,
         PlacementCrashed,
         PlaceReplica,
+        PolicySet,
         ProbeReplica,
         ProbeResult,
         Retry,
         Scale,
+        SeekRoom,
         Silent,
+        SleepAsked,
+        SleepFailed,
+        SleepReplica,
+        Slept,
         StartReplica,
         Stopped,
         StopReplica,
         Tick,
         Unplaceable,
+        WakeAsked,
+        WakeReplica,
         WatchReplica,
+        WindowSet,
         brief,
         decide,
+        demand_view,
+        follows_demand,
         move_outcome,
         next_wake,
+        refuse_eviction,
         refuse_move,
         resume,
         room_watch_goes_on,
@@ -81,9 +103,14 @@ with workflow.unsafe.imports_passed_through():
         SIGNAL_RETRY,
         UPDATE_AWAIT_MOVE,
         UPDATE_CANCEL_MOVE,
+        UPDATE_EVICT,
         UPDATE_MOVE,
         UPDATE_SCALE,
         UPDATE_SET_GENERATION,
+        UPDATE_SET_POLICY,
+        UPDATE_SET_WINDOW,
+        UPDATE_SLEEP,
+        UPDATE_WAKE,
     )
 
 from . import deployment_hops as hops
@@ -103,6 +130,9 @@ from .deployment_writer import StoreWriter, publish_search_attributes, show_deta
 
 #: The key of the room watch's task among the workflow's tasks (never a replica id).
 ROOM_WATCH_TASK = "__room_watch__"
+#: ... and the usage watch's (modelkeeper.domain.demand), and an eviction being sought.
+DEMAND_WATCH_TASK = "__demand_watch__"
+SEEK_ROOM_TASK = "__seek_room__"
 
 @workflow.defn(name="DeploymentWorkflow")
 class DeploymentWorkflow:
@@ -132,6 +162,9 @@ class DeploymentWorkflow:
         # Continue-as-new is due: long polls (await_move) answer now, so that every handler
         # can finish and the run can continue.
         self._continuing = False
+        # The view the running usage watch was started on: a new one starts when the
+        # keeper's view moves on (its step would be dropped anyway).
+        self._demand_watch_view: object = None
 
     # -- signals, updates, queries -------------------------------------------------------
 
@@ -168,6 +201,72 @@ class DeploymentWorkflow:
         if self.state.keeper.deleting:
             raise ApplicationError("deployment is being deleted; it cannot be scaled",
                                    type=ERROR_DELETING)
+
+    # -- demand (modelkeeper.domain.demand) ----------------------------------------------
+
+    @workflow.update(name=UPDATE_SET_POLICY)
+    async def set_policy(self, request: SetPolicyRequest) -> int:
+        """A new scaling policy; returns the replica count wanted under it."""
+        await self._decide_now(PolicySet(policy=request.policy, actor=request.actor))
+        return self.state.keeper.spec.replicas
+
+    @set_policy.validator
+    def _validate_set_policy(self, request: SetPolicyRequest) -> None:
+        self._not_deleting()
+
+    @workflow.update(name=UPDATE_SET_WINDOW)
+    async def set_window(self, request: SetWindowRequest) -> int:
+        """A schedule window opens or closes; returns the replica count wanted now."""
+        await self._decide_now(WindowSet(window=request.window, closing=request.closing))
+        return self.state.keeper.spec.replicas
+
+    @set_window.validator
+    def _validate_set_window(self, request: SetWindowRequest) -> None:
+        self._not_deleting()
+
+    @workflow.update(name=UPDATE_SLEEP)
+    async def sleep(self, request: SleepRequest) -> None:
+        """Put a ready replica (or each) to sleep."""
+        await self._decide_now(SleepAsked(replica_id=request.replica_id, actor=request.actor))
+
+    @sleep.validator
+    def _validate_sleep(self, request: SleepRequest) -> None:
+        self._not_deleting()
+        keeper = self.state.keeper
+        if not any(r.can_sleep for r in keeper.replicas
+                   if request.replica_id in (None, r.replica_id)):
+            raise ApplicationError(
+                f"replica_id: {request.replica_id or 'any'} is not a replica of "
+                f"{keeper.spec.deployment_id} whose engine can sleep (llama.cpp cannot: "
+                "scale it down instead)", type=ERROR_MOVE_REFUSED, non_retryable=True)
+
+    @workflow.update(name=UPDATE_WAKE)
+    async def wake(self, request: WakeRequest) -> None:
+        """Wake a sleeping replica (or each)."""
+        await self._decide_now(WakeAsked(replica_id=request.replica_id, actor=request.actor))
+
+    @wake.validator
+    def _validate_wake(self, request: WakeRequest) -> None:
+        self._not_deleting()
+
+    @workflow.update(name=UPDATE_EVICT)
+    async def evict(self, request: EvictRequest) -> None:
+        """Another deployment asked for this replica's room (it chose it as idle)."""
+        await self._decide_now(EvictAsked(replica_id=request.replica_id,
+                                          for_deployment=request.for_deployment,
+                                          reason=request.reason))
+
+    @evict.validator
+    def _validate_evict(self, request: EvictRequest) -> None:
+        reason = refuse_eviction(self.state.keeper, request.replica_id)
+        if reason is not None:
+            raise ApplicationError(reason, type=ERROR_MOVE_REFUSED, non_retryable=True)
+
+    def _not_deleting(self) -> None:
+        if self.state.keeper.deleting:
+            raise ApplicationError(
+                f"deployment {self.state.keeper.spec.deployment_id} is being deleted",
+                type=ERROR_DELETING, non_retryable=True)
 
     # -- moves: what sagas ask for (modelkeeper.domain.moves) ---------------------------------
 
@@ -298,6 +397,7 @@ class DeploymentWorkflow:
         while True:
             await self._drain_inbox()
             self._follow_room_watch()
+            self._follow_demand_watch()
             show_details(self.state)
             # The writer follows the state on its own; only these are set here.
             publish_search_attributes(self.state)
@@ -341,9 +441,16 @@ class DeploymentWorkflow:
     async def _drain_inbox(self) -> None:
         while self._inbox:
             observation = self._inbox.pop(0)
-            keeper, actions = decide(self.state.keeper, observation, workflow.now(),
+            before = self.state.keeper
+            keeper, actions = decide(before, observation, workflow.now(),
                                      self.state.config, workflow.random().random())
             self.state = self.state.model_copy(update={"keeper": keeper})
+            if keeper.demand_note != before.demand_note and keeper.demand_note:
+                # Each demand step, with the load behind it, is an audit event (GET
+                # /events), as well as the deployment's demand note.
+                self._writer.record(NewEvent(
+                    kind="deployment.demand", deployment_id=keeper.spec.deployment_id,
+                    message=keeper.demand_note))
             self._decided += 1
             for action in actions:
                 self._launch(action)
@@ -393,6 +500,36 @@ class DeploymentWorkflow:
             workflow.logger.info("room for a replica on %s", ", ".join(found.nodes))
         self._inbox.append(NodesChanged())
 
+    # -- the usage watch: following demand outside the history ----------------------------
+
+    def _follow_demand_watch(self) -> None:
+        """Run one usage watch on the keeper's current view while the deployment follows
+        demand; a view that moved on gets a new watch (the old one's step would be
+        dropped). Each restart costs a few history events, and the view moves only when
+        a replica changes phase or the count changes: bounded per scaling step."""
+        keeper = self.state.keeper
+        running = [t for t in self._tasks.get(DEMAND_WATCH_TASK, []) if not t.done()]
+        view = demand_view(keeper) if follows_demand(keeper) else None
+        if running and view != self._demand_watch_view:
+            for task in running:
+                task.cancel()
+            running = []
+        if not running and view is not None:
+            self._demand_watch_view = view
+            self._spawn(DEMAND_WATCH_TASK, self._watch_demand(view))
+
+    async def _watch_demand(self, view: Any) -> None:
+        """Until a step is due on ``view``; then the keeper decides on it. A watch that
+        fails for good is started again by the next pass of the loop."""
+        try:
+            found = await hops.watch_demand(view, self.state.tunables)
+        except ActivityError as exc:
+            workflow.logger.warning("usage watch failed: %s", hops.describe(exc))
+            self._demand_watch_view = None
+            return
+        workflow.logger.info("demand: %s", found.step.reason)
+        self._inbox.append(DemandStepDue(view=found.view, step=found.step))
+
     # -- carrying out actions ------------------------------------------------------------
 
     def _launch(self, action: Action) -> None:
@@ -418,6 +555,12 @@ class DeploymentWorkflow:
                             busy=True)
             case Finish():
                 self._spawn("__finish__", self._finish(), busy=True)
+            case SleepReplica():
+                self._spawn(action.replica_id, self._sleep(action.replica_id), busy=True)
+            case WakeReplica():
+                self._spawn(action.replica_id, self._wake(action.replica_id), busy=True)
+            case SeekRoom():
+                self._spawn(SEEK_ROOM_TASK, self._seek_room(), busy=True)
             case _:
                 # mypy proves this unreachable; a new action type fails the type check.
                 assert_never(action)
@@ -490,6 +633,29 @@ class DeploymentWorkflow:
         shards = {k: v for k, v in self.state.shards.items() if k != replica_id}
         self.state = self.state.model_copy(update={"shards": shards})
         self._inbox.append(Stopped(replica_id=replica_id))
+
+    async def _sleep(self, replica_id: ReplicaId) -> None:
+        """Out of routing (drained), each engine asleep, the claims shrunk to what sleep
+        keeps."""
+        error = await hops.sleep(replica_id, self._replica_nodes(replica_id),
+                                 self.state.tunables)
+        self._inbox.append(Slept(replica_id=replica_id) if error is None
+                           else SleepFailed(replica_id=replica_id, error=error))
+
+    async def _wake(self, replica_id: ReplicaId) -> None:
+        """The claims grown back if the room is still free, then each engine woken."""
+        self._inbox.append(await hops.wake(replica_id, self._replica_nodes(replica_id),
+                                           self.state.tunables))
+
+    async def _seek_room(self) -> None:
+        """Find an idle replica of another on-demand deployment whose room would place
+        ours, and ask its deployment for it (the ``evict`` update, through an activity:
+        a workflow cannot send another an update itself)."""
+        keeper = self.state.keeper
+        victim, reason = await hops.seek_room(keeper.spec, self.state.tunables)
+        # The reason becomes the demand note, and so an audit event (_drain_inbox).
+        workflow.logger.info("eviction: %s", reason)
+        self._inbox.append(EvictionSought(victim=victim, reason=reason))
 
     async def _finish(self) -> None:
         # The deleting status (and any audit event) first; nothing after the delete.

@@ -378,3 +378,40 @@ def engine_log_event(kind: str, deployment_id: DeploymentId, replica_id: Replica
                 "signal": ended.signal, "log": ended.log_tail[-EVENT_LOG_LINES:]}
     return NewEvent(kind=kind, deployment_id=deployment_id, replica_id=replica_id,
                     message=message, data=data)
+
+
+# -- demand (modelkeeper.domain.demand) ---------------------------------------------------------
+
+#: The usage watch runs as long as the deployment follows demand, for months maybe: its
+#: heartbeat timeout notices a dead worker, and the workflow cancels it when its view of
+#: the keeper moves on. Retried for ever like the room watch (retries add no events).
+DEMAND_WATCH_LIFETIME = WATCH_LIFETIME
+DEMAND_WATCH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1),
+                                 backoff_coefficient=2.0,
+                                 maximum_interval=timedelta(seconds=30))
+#: A sleep or wake is a call to the engine: vLLM's wake re-allocates its KV cache in
+#: seconds; the agent bounds each call itself (agent/shards.py) and this bounds the agent.
+SLEEP_WAKE_TIMEOUT = timedelta(minutes=5)
+SLEEP_WAKE_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
+
+
+async def watch_demand(view: Any, tunables: Tunables) -> Any:
+    """Until a scaling step is due on ``view`` (PROVISIONAL: by name until the watch's
+    stub lands)."""
+    raise NotImplementedError
+
+
+async def sleep(replica_id: ReplicaId, specs: list[ShardSpec],
+                tunables: Tunables) -> str | None:
+    """Drain, sleep each shard, shrink the claims; the error, or None (PROVISIONAL)."""
+    raise NotImplementedError
+
+
+async def wake(replica_id: ReplicaId, specs: list[ShardSpec], tunables: Tunables) -> Any:
+    """Regrow the claims, wake each shard: Woke or WakeFailed (PROVISIONAL)."""
+    raise NotImplementedError
+
+
+async def seek_room(spec: DeploymentSpec, tunables: Tunables) -> tuple[ReplicaId | None, str]:
+    """A victim asked to make room and why, or None and why not (PROVISIONAL)."""
+    raise NotImplementedError

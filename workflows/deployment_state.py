@@ -24,6 +24,7 @@ with workflow.unsafe.imports_passed_through():
         current_generation,
         overview,
         placement_note,
+        policy_of,
         status,
         stored_state,
     )
@@ -114,7 +115,11 @@ def status_update(keeper: KeeperState) -> DeploymentStatusUpdate:
         # Defaults (0, None) until a generation is set or a replica shares a node.
         generation=runs.number,
         runs_model_id=runs.model_id if keeper.spec.generation is not None else None,
-        placement_note=placement_note(keeper))
+        placement_note=placement_note(keeper),
+        scaling=(policy_of(keeper).model_dump(mode="json")
+                 if keeper.spec.scaling is not None or keeper.window is not None else None),
+        loading_since=keeper.loading_since, loading_reason=keeper.loading_reason,
+        demand_note=keeper.demand_note)
 
 
 def unwritten(state: DeploymentWorkflowState) -> ReplicaStateUpdate | DeploymentStatusUpdate | None:

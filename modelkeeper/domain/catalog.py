@@ -219,6 +219,13 @@ class DeploymentStatusUpdate(Tolerant):
     generation: int = 0
     runs_model_id: ModelId | None = None
     placement_note: str | None = None
+    #: Demand (modelkeeper.domain.demand): the scaling policy in force (a schedule
+    #: window's bounds applied) as JSON, None when fixed at ``desired_replicas``; loading
+    #: on demand since when and why; the last demand step and why.
+    scaling: dict[str, Any] | None = None
+    loading_since: datetime | None = None
+    loading_reason: str | None = None
+    demand_note: str | None = None
 
 
 class ReplicaStateUpdate(Tolerant):

@@ -92,7 +92,18 @@ from pydantic import Field
 
 from .base import Frozen, Tolerant
 from .catalog import Generation
-from .demand import ScalingPolicy
+from .demand import (
+    Add,
+    DemandView,
+    ReplicaStanding,
+    Retire,
+    ScalingPolicy,
+    Sleep,
+    Standing,
+    Step,
+    Wake,
+    WindowBounds,
+)
 from .ids import DeploymentId, ModelId, MoveId, NodeId, ReplicaId
 from .moves import (
     MOVE_ENDED,
@@ -122,10 +133,13 @@ class Phase(StrEnum):
     READY = "ready"
     UNREACHABLE = "unreachable"  # watch went silent; waiting for its agent to vouch
     STOPPING = "stopping"  # stop in flight; claims released when it completes
+    SLEEPING = "sleeping"  # out of routing, asleep (or falling asleep): weights kept
+    WAKING = "waking"  # a wake in flight: claims grown back, the engine waking
 
 
 #: Phases whose replica counts toward the desired number.
-LIVE_PHASES = frozenset({Phase.PLACING, Phase.STARTING, Phase.READY, Phase.UNREACHABLE})
+LIVE_PHASES = frozenset({Phase.PLACING, Phase.STARTING, Phase.READY, Phase.UNREACHABLE,
+                         Phase.SLEEPING, Phase.WAKING})
 
 
 class Replica(Tolerant):
@@ -152,6 +166,16 @@ class Replica(Tolerant):
     move_id: MoveId | None = None
     #: Why its placement had to share a node with another replica of the deployment.
     placement_note: str | None = None
+    #: A warm standby: placed to be kept asleep beside the serving replicas, so that a
+    #: lost one is answered by a wake (see "Demand" in the module docstring).
+    standby: bool = False
+    #: Sleeping: since when; ``asleep`` once the engine said it sleeps (a wake asked
+    #: before then waits for it: ``wake_wanted``).
+    asleep_since: datetime | None = None
+    asleep: bool = False
+    wake_wanted: bool = False
+    #: Its engine can sleep (vLLM, SGLang, sim; not llama.cpp), from its placement.
+    can_sleep: bool = False
 
 
 class DeploymentSpec(Tolerant):
@@ -261,6 +285,20 @@ class KeeperState(Tolerant):
     finished: bool = False
     #: The moves registry, oldest first.
     moves: list[Move] = Field(default_factory=list)
+    #: Demand (modelkeeper.domain.demand). The schedule window open now, whose bounds
+    #: replace the policy's; None: the policy's own.
+    window: WindowBounds | None = None
+    #: Loading on demand: since when and why (a request asked); None once a replica
+    #: serves, or nothing is wanted.
+    loading_since: datetime | None = None
+    loading_reason: str | None = None
+    #: When the replica count last changed (a step, a scale, a policy), and the last
+    #: demand step's reason (shown in ``ls`` and the web UI).
+    last_change_at: datetime | None = None
+    demand_note: str | None = None
+    #: An eviction is being sought for this deployment's placement (find_eviction in
+    #: flight): one at a time.
+    seeking_room: bool = False
 
 
 # -- observations ------------------------------------------------------------------------
@@ -280,6 +318,8 @@ class Placed(Frozen):
     nodes: list[NodeId]
     #: It shares a node with another replica of the deployment, and why.
     note: str | None = None
+    #: Its engine can sleep (modelkeeper.domain.shards.can_sleep).
+    can_sleep: bool = False
 
 
 class Unplaceable(Frozen):
@@ -393,10 +433,102 @@ class GenerationSet(Frozen):
     generation: Generation
 
 
+class DemandStepDue(Frozen):
+    """The usage watch found a step due (modelkeeper.domain.demand.step) on ``view``; the
+    keeper takes it only if its own view is still ``view``."""
+
+    kind: Literal["demand_step"] = "demand_step"
+    view: DemandView
+    step: Step
+
+
+class PolicySet(Frozen):
+    """The operator set a new scaling policy."""
+
+    kind: Literal["policy_set"] = "policy_set"
+    policy: ScalingPolicy
+    actor: str = ""
+
+
+class WindowSet(Frozen):
+    """A schedule window opened (``window``) or closed (``closing``)."""
+
+    kind: Literal["window_set"] = "window_set"
+    window: WindowBounds | None = None
+    closing: str | None = None
+
+
+class SleepAsked(Frozen):
+    """The operator asked a ready replica (None: each above the minimum) to sleep."""
+
+    kind: Literal["sleep_asked"] = "sleep_asked"
+    replica_id: ReplicaId | None = None
+    actor: str = ""
+
+
+class WakeAsked(Frozen):
+    """The operator asked a sleeping replica (None: each) to wake."""
+
+    kind: Literal["wake_asked"] = "wake_asked"
+    replica_id: ReplicaId | None = None
+    actor: str = ""
+
+
+class EvictAsked(Frozen):
+    """Another deployment asked for this replica's room (the ``evict`` update)."""
+
+    kind: Literal["evict_asked"] = "evict_asked"
+    replica_id: ReplicaId
+    for_deployment: DeploymentId
+    reason: str
+
+
+class Slept(Frozen):
+    """The replica's engines sleep and its claims keep only what sleep keeps."""
+
+    kind: Literal["slept"] = "slept"
+    replica_id: ReplicaId
+
+
+class SleepFailed(Frozen):
+    """A sleep failed (an engine refused, or an agent did not answer)."""
+
+    kind: Literal["sleep_failed"] = "sleep_failed"
+    replica_id: ReplicaId
+    error: str
+
+
+class Woke(Frozen):
+    """The replica's engines are awake and its claims whole again."""
+
+    kind: Literal["woke"] = "woke"
+    replica_id: ReplicaId
+
+
+class WakeFailed(Frozen):
+    """A wake failed: no room to take its memory back, or an engine failed to wake."""
+
+    kind: Literal["wake_failed"] = "wake_failed"
+    replica_id: ReplicaId
+    error: str
+    #: No room on its node (not the engine's fault): the replica is stopped, not lost.
+    no_room: bool = False
+
+
+class EvictionSought(Frozen):
+    """find_eviction answered: a victim was asked to make room (``victim``), or none
+    could (``reason``)."""
+
+    kind: Literal["eviction_sought"] = "eviction_sought"
+    victim: ReplicaId | None = None
+    reason: str = ""
+
+
 Observation = Annotated[
     Tick | Placed | Unplaceable | PlacementCrashed | Started | StartFailed | Exited | Silent
     | ProbeResult | Stopped | NodesChanged | Scale | Retry | Delete | MoveAsked | MoveCancelled
-    | GenerationSet,
+    | GenerationSet | DemandStepDue | PolicySet | WindowSet | SleepAsked | WakeAsked
+    | EvictAsked | Slept | SleepFailed | Woke | WakeFailed | EvictionSought,
     Field(discriminator="kind"),
 ]
 
@@ -447,7 +579,31 @@ class Finish(Frozen):
     kind: Literal["finish"] = "finish"
 
 
-Action = PlaceReplica | StartReplica | WatchReplica | ProbeReplica | StopReplica | Finish
+class SleepReplica(Frozen):
+    """Out of routing (drained), the engines asleep, the claims shrunk to what they keep."""
+
+    kind: Literal["sleep"] = "sleep"
+    replica_id: ReplicaId
+    reason: str
+
+
+class WakeReplica(Frozen):
+    """Claims grown back (if the room is still free), then the engines woken."""
+
+    kind: Literal["wake"] = "wake"
+    replica_id: ReplicaId
+    reason: str
+
+
+class SeekRoom(Frozen):
+    """Asked for and fits nowhere: find an idle replica of another on-demand deployment
+    whose room would let this one place (modelkeeper.domain.eviction), and ask for it."""
+
+    kind: Literal["seek_room"] = "seek_room"
+
+
+Action = (PlaceReplica | StartReplica | WatchReplica | ProbeReplica | StopReplica | Finish
+          | SleepReplica | WakeReplica | SeekRoom)
 
 # -- the decision ------------------------------------------------------------------------
 
@@ -545,7 +701,7 @@ def _observe(state: KeeperState, obs: Observation, *, now: datetime, config: Kee
         case NodesChanged():
             return _on_nodes_changed(state)
         case Scale():
-            return _on_scale(state, obs)
+            return _on_scale(state, obs, now=now)
         case Retry():
             return _on_retry(state)
         case Delete():
@@ -553,7 +709,7 @@ def _observe(state: KeeperState, obs: Observation, *, now: datetime, config: Kee
         case Placed():
             return _on_placed(state, obs, actions=actions)
         case Unplaceable():
-            return _on_unplaceable(state, obs, now=now, config=config)
+            return _on_unplaceable(state, obs, now=now, config=config, actions=actions)
         case PlacementCrashed():
             return _on_placement_crashed(state, obs, now=now, config=config)
         case Started():
@@ -575,6 +731,28 @@ def _observe(state: KeeperState, obs: Observation, *, now: datetime, config: Kee
             return _on_move_cancelled(state, obs, now=now, config=config, actions=actions)
         case GenerationSet():
             return _on_generation_set(state, obs)
+        case DemandStepDue():
+            return _on_demand_step(state, obs, now=now, actions=actions)
+        case PolicySet():
+            return _on_policy_set(state, obs, now=now)
+        case WindowSet():
+            return _on_window_set(state, obs, now=now)
+        case SleepAsked():
+            return _on_sleep_asked(state, obs, now=now, actions=actions)
+        case WakeAsked():
+            return _on_wake_asked(state, obs, actions=actions)
+        case EvictAsked():
+            return _on_evict_asked(state, obs, now=now, actions=actions)
+        case Slept():
+            return _on_slept(state, obs, actions=actions)
+        case SleepFailed():
+            return _on_sleep_failed(state, obs, actions=actions)
+        case Woke():
+            return _on_woke(state, obs, now=now)
+        case WakeFailed():
+            return _on_wake_failed(state, obs, actions=actions)
+        case EvictionSought():
+            return _on_eviction_sought(state, obs, now=now)
         case _:
             # mypy proves this unreachable; a new observation type fails the type check.
             assert_never(obs)
@@ -595,12 +773,14 @@ def _on_nodes_changed(state: KeeperState) -> KeeperState:
     return state.model_copy(update={"placement_retry_at": None, "surge_retry_at": None})
 
 
-def _on_scale(state: KeeperState, obs: Scale) -> KeeperState:
-    # A spec change un-parks: the operator has acted on the deployment.
-    return state.model_copy(update={
-        "spec": state.spec.model_copy(update={"replicas": obs.replicas}),
+def _on_scale(state: KeeperState, obs: Scale, *, now: datetime) -> KeeperState:
+    # A spec change un-parks: the operator has acted on the deployment. A count alone is
+    # min = max = that count: the scaling policy goes (an open window still bounds it).
+    state = state.model_copy(update={
+        "spec": state.spec.model_copy(update={"replicas": obs.replicas, "scaling": None}),
         "parked": False, "consecutive_failures": 0 if state.parked else
         state.consecutive_failures})
+    return _set_count(state, obs.replicas, now=now, note=None)
 
 
 def _on_retry(state: KeeperState) -> KeeperState:
@@ -631,7 +811,8 @@ def _on_placed(state: KeeperState, obs: Placed, *, actions: list[Action]) -> Kee
     if replica is None:
         return state
     placed = replica.model_copy(update={"phase": Phase.STARTING, "nodes": obs.nodes,
-                                        "placement_note": obs.note})
+                                        "placement_note": obs.note,
+                                        "can_sleep": obs.can_sleep})
     state = _replace(state, placed).model_copy(update={"placement_error": None,
                                                        "placement_retry_at": None,
                                                        "unplaceable_in_a_row": 0})
@@ -645,19 +826,31 @@ def _on_placed(state: KeeperState, obs: Placed, *, actions: list[Action]) -> Kee
 
 
 def _on_unplaceable(state: KeeperState, obs: Unplaceable, *, now: datetime,
-                    config: KeeperConfig) -> KeeperState:
+                    config: KeeperConfig, actions: list[Action]) -> KeeperState:
     replica = _replica_in(state, obs.replica_id, Phase.PLACING)
     if replica is None:
         return state
     state = _drop(state, replica.replica_id)
     if replica.move_id is not None:
         return _move_failed(state, replica.move_id, f"no room: {obs.reason}", now=now)
+    if replica.standby:
+        # Not the deployment's failure: it serves. Tried again on a node change or later.
+        return state.model_copy(update={
+            "last_failure": f"no room for a warm standby: {obs.reason}",
+            "placement_retry_at": now + timedelta(seconds=config.cant_place_retry_s)})
     if replica.retiring or _is_surge(state):
         return _surge_failed(state, replica, "no room for a replacement", obs.reason,
                              now=now, config=config)
-    return state.model_copy(update={
+    state = state.model_copy(update={
         "placement_error": obs.reason, "unplaceable_in_a_row": state.unplaceable_in_a_row + 1,
         "placement_retry_at": now + timedelta(seconds=cant_place_wait_s(config))})
+    if (state.loading_since is not None and policy_of(state).on_demand
+            and not state.seeking_room):
+        # Asked for and fits nowhere: an idle replica of another on-demand model may make
+        # the room (one eviction sought at a time).
+        actions.append(SeekRoom())
+        state = state.model_copy(update={"seeking_room": True})
+    return state
 
 
 def _on_placement_crashed(state: KeeperState, obs: PlacementCrashed, *, now: datetime,
@@ -699,8 +892,12 @@ def _on_started(state: KeeperState, obs: Started, *, now: datetime,
     ready = replica.model_copy(update={"phase": Phase.READY, "endpoint": obs.endpoint,
                                        "ready_at": now})
     actions.append(WatchReplica(replica_id=replica.replica_id))
-    return _replace(state, ready).model_copy(update={
+    state = _replace(state, ready).model_copy(update={
         "consecutive_failures": 0, "next_attempt_at": None})
+    if replica.standby:
+        # A warm standby is started only to be kept asleep, ready to wake.
+        return _sleep(state, ready, "warm standby", now=now, actions=actions)
+    return state.model_copy(update={"loading_since": None, "loading_reason": None})
 
 
 def _on_start_failed(state: KeeperState, obs: StartFailed, *, now: datetime,
@@ -724,7 +921,8 @@ def _on_start_failed(state: KeeperState, obs: StartFailed, *, now: datetime,
 
 
 def _on_exited(state: KeeperState, obs: Exited, *, actions: list[Action]) -> KeeperState:
-    replica = _replica_in(state, obs.replica_id, Phase.READY, Phase.UNREACHABLE)
+    replica = _replica_in(state, obs.replica_id, Phase.READY, Phase.UNREACHABLE,
+                          Phase.SLEEPING, Phase.WAKING)
     if replica is None:
         return state
     return _lost_after_ready(state, replica, obs.detail, actions)
@@ -793,7 +991,8 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
                 state = _end_move(state, move, MoveState.FAILED, now=now,
                                   error="deployment deleted")
         for replica in state.replicas:
-            if replica.phase in (Phase.STARTING, Phase.READY, Phase.UNREACHABLE):
+            if replica.phase in (Phase.STARTING, Phase.READY, Phase.UNREACHABLE,
+                                 Phase.SLEEPING, Phase.WAKING):
                 state = _stop(state, replica, "deployment deleted", actions,
                               drain=replica.phase is Phase.READY)
             elif replica.phase is Phase.PLACING and not replica.retiring:
@@ -834,6 +1033,16 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
     # A stop-first replace holds the slot of the replica it retired until its new one is
     # ready: the keeper must not fill that slot with a replica of the old generation.
     held = len(counted) + _reserved(state)
+    if held < desired and not state.parked:
+        # A replica short (lost, or asked for): a warm standby wakes in its place, a wake
+        # rather than a load. A new standby is placed once the count is whole again.
+        for standby in [r for r in _standbys(state) if r.phase is Phase.SLEEPING]:
+            if held >= desired:
+                break
+            state = _wake(state, standby.model_copy(update={"standby": False}),
+                          "a serving replica is short: the warm standby takes its place",
+                          actions)
+            held += 1
     if held > desired:
         state = _retire(state, counted, min(held - desired, len(counted)), "scaled down",
                         actions)
@@ -846,7 +1055,7 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
                                                                   "stop_reason": None}))
         placing = any(r.phase is Phase.PLACING for r in state.replicas)
         if not placing and _placement_due(state, now):
-            replica_id = ReplicaId(f"{state.spec.deployment_id}-r{state.next_replica_seq}")
+            replica_id = _next_id(state)
             actions.append(PlaceReplica(replica_id=replica_id))
             # A surge for an unreachable replica goes elsewhere: if that node is only
             # slow (an agent restarting), its agent vouches for the original soon, and a
@@ -860,7 +1069,35 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
                 "next_replica_seq": state.next_replica_seq + 1,
                 "next_attempt_at": None, "placement_retry_at": None,
                 "surge_retry_at": None})
+    elif held == desired and not state.parked:
+        state = _keep_standbys(state, now, actions)
     return state
+
+
+def _next_id(state: KeeperState) -> ReplicaId:
+    return ReplicaId(f"{state.spec.deployment_id}-r{state.next_replica_seq}")
+
+
+def _keep_standbys(state: KeeperState, now: datetime, actions: list[Action]) -> KeeperState:
+    """Warm standbys: as many as the policy keeps, placed once the serving count is whole,
+    each away from the nodes the deployment's other replicas use."""
+    standbys = _standbys(state)
+    wanted = _standby_wanted(state)
+    if len(standbys) > wanted:
+        return _retire(state, standbys, len(standbys) - wanted, "standby not needed",
+                       actions)
+    placing = any(r.phase is Phase.PLACING for r in state.replicas)
+    if len(standbys) == wanted or placing or not _placement_due(state, now):
+        return state
+    replica_id = _next_id(state)
+    actions.append(PlaceReplica(replica_id=replica_id))
+    avoid = sorted({n for r in state.replicas if r.phase is not Phase.STOPPING
+                    for n in r.nodes})
+    return state.model_copy(update={
+        "replicas": [*state.replicas, Replica(
+            replica_id=replica_id, phase=Phase.PLACING, generation=state.spec.generation,
+            avoid_nodes=avoid, standby=True)],
+        "next_replica_seq": state.next_replica_seq + 1})
 
 
 def _retire(state: KeeperState, candidates: list[Replica], n: int, reason: str,
@@ -868,7 +1105,8 @@ def _retire(state: KeeperState, candidates: list[Replica], n: int, reason: str,
     """Retire the ``n`` least useful of ``candidates``: not yet placed, not yet serving,
     unreachable, then the newest ready one. A replica a running move means to retire goes
     first among equals: it is on its way out anyway."""
-    order = {Phase.PLACING: 0, Phase.STARTING: 1, Phase.UNREACHABLE: 2, Phase.READY: 3}
+    order = {Phase.PLACING: 0, Phase.STARTING: 1, Phase.WAKING: 1, Phase.UNREACHABLE: 2,
+             Phase.SLEEPING: 2, Phase.READY: 3}
     targets = {move.replica_id for move in state.moves if move.state is MoveState.RUNNING}
     ranked = sorted(candidates, key=lambda r: (order[r.phase], r.replica_id not in targets,
                                                -_seq(r.replica_id)))
@@ -879,9 +1117,21 @@ def _retire(state: KeeperState, candidates: list[Replica], n: int, reason: str,
 
 def _live(state: KeeperState) -> list[Replica]:
     """Replicas placed and wanted: neither stopping nor retiring, nor leased to a move (an
-    move's surge counts toward desired + surge, not desired)."""
-    return [r for r in state.replicas
-            if r.phase in LIVE_PHASES and not r.retiring and r.move_id is None]
+    move's surge counts toward desired + surge, not desired), nor a warm standby (kept
+    beside the desired number)."""
+    return [r for r in state.replicas if r.phase in LIVE_PHASES and not r.retiring
+            and r.move_id is None and not r.standby]
+
+
+def _standbys(state: KeeperState) -> list[Replica]:
+    """Warm standbys placed and wanted."""
+    return [r for r in state.replicas if r.phase in LIVE_PHASES and not r.retiring
+            and r.move_id is None and r.standby]
+
+
+def _standby_wanted(state: KeeperState) -> int:
+    policy = policy_of(state)
+    return policy.warm_standby if policy.max_replicas >= 1 else 0
 
 
 def _reserved(state: KeeperState) -> int:
@@ -927,6 +1177,262 @@ def _placement_due(state: KeeperState, now: datetime) -> bool:
 def _seq(replica_id: ReplicaId) -> int:
     tail = replica_id.rsplit("-r", 1)[-1]
     return int(tail) if tail.isdigit() else 0
+
+
+# -- demand: the replica count follows use (modelkeeper.domain.demand) -----------------------
+
+
+def policy_of(state: KeeperState) -> ScalingPolicy:
+    """The policy in force: the deployment's (min = max = ``replicas`` when it has none),
+    with an open schedule window's bounds over it."""
+    policy = state.spec.scaling or ScalingPolicy.fixed(state.spec.replicas)
+    if state.window is not None:
+        policy = policy.model_copy(update={"min_replicas": state.window.min_replicas,
+                                           "max_replicas": state.window.max_replicas})
+    return policy
+
+
+def _set_count(state: KeeperState, replicas: int, *, now: datetime,
+               note: str | None) -> KeeperState:
+    """The number wanted, brought within the policy's bounds; nothing wanted ends a load."""
+    wanted = policy_of(state).within(replicas)
+    update: dict[str, object] = {"spec": state.spec.model_copy(update={"replicas": wanted})}
+    if wanted != state.spec.replicas:
+        update["last_change_at"] = now
+    if note is not None:
+        update["demand_note"] = f"{now:%Y-%m-%d %H:%M:%S}: {note}"
+    if wanted == 0:
+        update.update(loading_since=None, loading_reason=None)
+    return state.model_copy(update=update)
+
+
+def _standing(replica: Replica) -> Standing:
+    if replica.retiring or replica.move_id is not None:
+        return Standing.OTHER
+    match replica.phase:
+        case Phase.PLACING | Phase.STARTING | Phase.WAKING:
+            return Standing.ON_ITS_WAY
+        case Phase.READY:
+            return Standing.READY
+        case Phase.SLEEPING:
+            return Standing.SLEEPING
+        case _:
+            return Standing.OTHER
+
+
+def demand_view(state: KeeperState) -> DemandView:
+    """What the demand rules read of the keeper (a usage watch's input)."""
+    ready = [r for r in state.replicas if r.phase is Phase.READY and not r.standby]
+    return DemandView(
+        deployment_id=state.spec.deployment_id, policy=policy_of(state),
+        desired=state.spec.replicas,
+        replicas=[ReplicaStanding(replica_id=r.replica_id, standing=_standing(r),
+                                  ready_at=r.ready_at, asleep_since=r.asleep_since,
+                                  standby=r.standby)
+                  for r in state.replicas],
+        last_change_at=state.last_change_at,
+        can_sleep=bool(ready) and all(r.can_sleep for r in ready))
+
+
+def follows_demand(state: KeeperState) -> bool:
+    """Whether a usage watch should run: the policy lets use change the count, or a
+    replica sleeps (a request wakes it), and the deployment is neither deleting nor
+    parked."""
+    if state.deleting or state.parked or state.finished:
+        return False
+    return policy_of(state).follows_demand or any(
+        r.phase is Phase.SLEEPING for r in state.replicas)
+
+
+def _sleep(state: KeeperState, replica: Replica, reason: str, *, now: datetime,
+           actions: list[Action]) -> KeeperState:
+    actions.append(SleepReplica(replica_id=replica.replica_id, reason=reason))
+    return _replace(state, replica.model_copy(update={
+        "phase": Phase.SLEEPING, "asleep_since": now, "asleep": False, "wake_wanted": False,
+        "stop_reason": reason}))
+
+
+def _wake(state: KeeperState, replica: Replica, reason: str,
+          actions: list[Action]) -> KeeperState:
+    if not replica.asleep:
+        # Still falling asleep: woken as soon as the sleep is done (_on_slept).
+        return _replace(state, replica.model_copy(update={"wake_wanted": True}))
+    actions.append(WakeReplica(replica_id=replica.replica_id, reason=reason))
+    return _replace(state, replica.model_copy(update={"phase": Phase.WAKING,
+                                                      "wake_wanted": False}))
+
+
+def _on_demand_step(state: KeeperState, obs: DemandStepDue, *, now: datetime,
+                    actions: list[Action]) -> KeeperState:
+    """Take the usage watch's step, if the keeper still stands where the watch saw it.
+
+    A step on a view that has moved on (a replica became ready, the operator scaled)
+    is dropped: the workflow starts a new watch on the new view, which decides again.
+    """
+    if state.deleting or state.parked or demand_view(state) != obs.view:
+        return state
+    step = obs.step
+    match step:
+        case Add():
+            was = state.spec.replicas
+            state = _set_count(state, was + 1, now=now, note=f"+1: {step.reason}")
+            if was == 0 and state.spec.replicas > 0:
+                state = state.model_copy(update={"loading_since": now,
+                                                 "loading_reason": step.reason})
+            return state
+        case Retire():
+            replica = _replica_in(state, step.replica_id, Phase.READY, Phase.SLEEPING)
+            if replica is None:
+                return state
+            state = _set_count(state, state.spec.replicas - 1, now=now,
+                               note=f"-1 ({replica.replica_id}): {step.reason}")
+            return _retire_one(state, replica, step.reason, actions)
+        case Sleep():
+            replica = _replica_in(state, step.replica_id, Phase.READY)
+            if replica is None:
+                return state
+            state = state.model_copy(update={
+                "demand_note": f"{now:%Y-%m-%d %H:%M:%S}: sleep {replica.replica_id}: "
+                               f"{step.reason}"})
+            return _sleep(state, replica, step.reason, now=now, actions=actions)
+        case Wake():
+            replica = _replica_in(state, step.replica_id, Phase.SLEEPING)
+            if replica is None:
+                return state
+            state = state.model_copy(update={
+                "loading_since": state.loading_since or now,
+                "loading_reason": f"waking {replica.replica_id}: {step.reason}",
+                "demand_note": f"{now:%Y-%m-%d %H:%M:%S}: wake {replica.replica_id}: "
+                               f"{step.reason}"})
+            return _wake(state, replica.model_copy(update={"standby": False}), step.reason,
+                         actions)
+        case _:
+            assert_never(step)
+
+
+def _on_policy_set(state: KeeperState, obs: PolicySet, *, now: datetime) -> KeeperState:
+    # A spec change un-parks, as a scale does.
+    state = state.model_copy(update={
+        "spec": state.spec.model_copy(update={"scaling": obs.policy}), "parked": False,
+        "consecutive_failures": 0 if state.parked else state.consecutive_failures})
+    who = f" by {obs.actor}" if obs.actor else ""
+    return _set_count(state, state.spec.replicas, now=now,
+                      note=f"policy set{who}: min {obs.policy.min_replicas}, "
+                           f"max {obs.policy.max_replicas}")
+
+
+def _on_window_set(state: KeeperState, obs: WindowSet, *, now: datetime) -> KeeperState:
+    if obs.window is not None:
+        state = state.model_copy(update={"window": obs.window})
+        note = (f"window {obs.window.name} open: min {obs.window.min_replicas}, "
+                f"max {obs.window.max_replicas}")
+        # Opening raises the count to the window's minimum (its prewarm is the schedule's
+        # lead time: the window opens early so replicas are ready when it starts).
+        return _set_count(state, max(state.spec.replicas, obs.window.min_replicas),
+                          now=now, note=note)
+    if state.window is None or state.window.name != obs.closing:
+        return state  # a close for a window not open (one that opened since wins)
+    state = state.model_copy(update={"window": None})
+    return _set_count(state, state.spec.replicas, now=now,
+                      note=f"window {obs.closing} closed")
+
+
+def _on_sleep_asked(state: KeeperState, obs: SleepAsked, *, now: datetime,
+                    actions: list[Action]) -> KeeperState:
+    who = f"asked by {obs.actor}" if obs.actor else "asked"
+    for replica in list(state.replicas):
+        if (replica.phase is Phase.READY and replica.move_id is None and not replica.retiring
+                and obs.replica_id in (None, replica.replica_id)):
+            state = _sleep(state, replica, who, now=now, actions=actions)
+    return state
+
+
+def _on_wake_asked(state: KeeperState, obs: WakeAsked, *,
+                   actions: list[Action]) -> KeeperState:
+    who = f"asked by {obs.actor}" if obs.actor else "asked"
+    for replica in list(state.replicas):
+        if replica.phase is Phase.SLEEPING and obs.replica_id in (None, replica.replica_id):
+            state = _wake(state, replica.model_copy(update={"standby": False}), who, actions)
+    return state
+
+
+def refuse_eviction(state: KeeperState, replica_id: ReplicaId) -> str | None:
+    """Why this deployment will not give up ``replica_id`` for another (the ``evict``
+    update's validator), or None: only a ready or sleeping replica of an on-demand
+    deployment, not leased to a move, may go (min >= 1 is a promise)."""
+    if state.deleting:
+        return f"{state.spec.deployment_id} is being deleted"
+    if not policy_of(state).on_demand:
+        return (f"{state.spec.deployment_id} is not on demand (min_replicas = "
+                f"{policy_of(state).min_replicas}): its replicas are a promise")
+    replica = _find(state, replica_id)
+    if (replica is None or replica.phase not in (Phase.READY, Phase.SLEEPING)
+            or replica.retiring or replica.move_id is not None):
+        return f"{replica_id} is not a ready or sleeping replica of {state.spec.deployment_id}"
+    return None
+
+
+def _on_evict_asked(state: KeeperState, obs: EvictAsked, *, now: datetime,
+                    actions: list[Action]) -> KeeperState:
+    if refuse_eviction(state, obs.replica_id) is not None:
+        return state
+    replica = _find(state, obs.replica_id)
+    assert replica is not None  # refuse_eviction found it
+    state = _set_count(state, state.spec.replicas - 1, now=now, note=obs.reason)
+    return _retire_one(state, replica, obs.reason, actions)
+
+
+def _on_slept(state: KeeperState, obs: Slept, *, actions: list[Action]) -> KeeperState:
+    replica = _replica_in(state, obs.replica_id, Phase.SLEEPING)
+    if replica is None:
+        return state
+    asleep = replica.model_copy(update={"asleep": True})
+    state = _replace(state, asleep)
+    if replica.wake_wanted:
+        return _wake(state, asleep, "asked while falling asleep", actions)
+    return state
+
+
+def _on_sleep_failed(state: KeeperState, obs: SleepFailed, *,
+                     actions: list[Action]) -> KeeperState:
+    replica = _replica_in(state, obs.replica_id, Phase.SLEEPING)
+    if replica is None:
+        return state
+    # Out of routing and in an unknown state: stopped, and replaced if still wanted.
+    state = _stop(state, replica, f"sleep failed: {obs.error}", actions)
+    return state.model_copy(update={"last_failure": f"{replica.replica_id}: sleep failed: "
+                                                    f"{obs.error}"})
+
+
+def _on_woke(state: KeeperState, obs: Woke, *, now: datetime) -> KeeperState:
+    replica = _replica_in(state, obs.replica_id, Phase.WAKING)
+    if replica is None:
+        return state
+    awake = replica.model_copy(update={"phase": Phase.READY, "ready_at": now,
+                                       "asleep": False, "asleep_since": None,
+                                       "stop_reason": None})
+    return _replace(state, awake).model_copy(update={"loading_since": None,
+                                                     "loading_reason": None})
+
+
+def _on_wake_failed(state: KeeperState, obs: WakeFailed, *,
+                    actions: list[Action]) -> KeeperState:
+    replica = _replica_in(state, obs.replica_id, Phase.WAKING)
+    if replica is None:
+        return state
+    # Stopped either way; still wanted, it is placed again (where there is room, or an
+    # eviction is sought for it).
+    why = f"wake failed: {obs.error}"
+    state = _stop(state, replica, why, actions)
+    return state.model_copy(update={"last_failure": f"{replica.replica_id}: {why}"})
+
+
+def _on_eviction_sought(state: KeeperState, obs: EvictionSought, *,
+                        now: datetime) -> KeeperState:
+    state = state.model_copy(update={"seeking_room": False})
+    if obs.victim is None:
+        return state
+    return state.model_copy(update={"demand_note": f"{now:%Y-%m-%d %H:%M:%S}: {obs.reason}"})
 
 
 # -- moves: changes a saga asks for --------------------------------------------------------
@@ -1232,6 +1738,15 @@ def resume(state: KeeperState) -> list[Action]:
             actions.append(WatchReplica(replica_id=r.replica_id))
         elif r.phase is Phase.UNREACHABLE:
             actions.append(ProbeReplica(replica_id=r.replica_id))
+        elif r.phase is Phase.SLEEPING:
+            # Sleep and wake are idempotent on the agent: one in flight is asked again.
+            actions.append(WatchReplica(replica_id=r.replica_id))
+            if not r.asleep:
+                actions.append(SleepReplica(replica_id=r.replica_id,
+                                            reason=r.stop_reason or "sleeping"))
+        elif r.phase is Phase.WAKING:
+            actions.append(WatchReplica(replica_id=r.replica_id))
+            actions.append(WakeReplica(replica_id=r.replica_id, reason="waking"))
         elif r.phase is Phase.STOPPING:
             actions.append(StopReplica(replica_id=r.replica_id,
                                        reason=r.stop_reason or "stopping"))
@@ -1302,9 +1817,22 @@ def status(state: KeeperState) -> DeploymentStatus:
         return DeploymentStatus.PARKED
     if state.spec.replicas == 0:
         # Nothing wanted; a replica still stopping shows as stopping in the replica list.
-        return DeploymentStatus.STOPPED
-    if _ready(state) >= state.spec.replicas:
+        # On demand, that is idle: a request loads it. Otherwise deliberately off.
+        return (DeploymentStatus.IDLE if policy_of(state).on_demand
+                else DeploymentStatus.STOPPED)
+    ready = _ready(state)
+    live = _live(state)
+    asleep = sum(1 for r in live if r.phase is Phase.SLEEPING)
+    if ready >= state.spec.replicas or (ready >= 1
+                                        and ready + asleep >= state.spec.replicas):
+        # Slept replicas count: they are kept on purpose, and a request wakes them.
         return DeploymentStatus.SERVING
+    if ready == 0 and asleep and asleep == len(live):
+        return DeploymentStatus.SLEEPING
+    if state.loading_since is not None and ready == 0:
+        # Asked for: loading, or waking; with the reason if it finds no room.
+        return (DeploymentStatus.CANT_PLACE if state.placement_error is not None
+                else DeploymentStatus.LOADING)
     if any(r.phase is Phase.UNREACHABLE for r in state.replicas):
         # Routed around, and placing or starting a replacement, or waiting for it to be
         # vouched for or lost: the replicas that were serving are not all serving.
@@ -1324,6 +1852,8 @@ def stored_state(phase: Phase) -> ReplicaState | None:
         Phase.READY: ReplicaState.READY,
         Phase.UNREACHABLE: ReplicaState.UNREACHABLE,
         Phase.STOPPING: ReplicaState.STOPPING,
+        Phase.SLEEPING: ReplicaState.SLEEPING,
+        Phase.WAKING: ReplicaState.SLEEPING,
     }[phase]
 
 
@@ -1368,6 +1898,7 @@ def details(state: KeeperState) -> str:
         stale = set(outdated(state))
         lines += ["", "| replica | phase | nodes |", "|---|---|---|"]
         lines += [f"| {r.replica_id} | {r.phase.value}{' (retiring)' if r.retiring else ''}"
+                  f"{' (standby)' if r.standby else ''}"
                   f"{' (outdated)' if r.replica_id in stale else ''}"
                   f"{f' (move {r.move_id})' if r.move_id else ''}"
                   f" | {', '.join(r.nodes) or '-'} |" for r in state.replicas]
@@ -1376,7 +1907,17 @@ def details(state: KeeperState) -> str:
         lines += ["", "Moves: " + "; ".join(
             f"{move.kind.value} {move.replica_id or ''} ({move.move_id})".replace("  ", " ")
             for move in running)]
-    for label, text in (("Can't place", state.placement_error),
+    policy = policy_of(state)
+    if state.spec.scaling is not None or state.window is not None:
+        lines += ["", f"Scaling: min {policy.min_replicas}, max {policy.max_replicas}"
+                  + (f", idle stop after {policy.idle_timeout_s:g} s"
+                     if policy.idle_timeout_s else "")
+                  + (f", sleep after {policy.sleep_after_s:g} s"
+                     if policy.sleep_after_s else "")
+                  + (f", {policy.warm_standby} warm standby" if policy.warm_standby else "")
+                  + (f" (window {state.window.name})" if state.window else "")]
+    for label, text in (("Loading", state.loading_reason), ("Demand", state.demand_note),
+                        ("Can't place", state.placement_error),
                         ("Last failure", state.last_failure)):
         if text:
             cut = text if len(text) <= DETAILS_REASON_CHARS else (

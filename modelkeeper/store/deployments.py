@@ -123,12 +123,15 @@ class DeploymentStore:
                 status = CASE WHEN status = 'deleting' THEN status ELSE $2 END,
                 placement_error = $3, consecutive_failures = $4, last_failure = $5,
                 replicas = $6, generation = $7, runs_model_id = $8, placement_note = $9,
-                updated_at = now()
+                scaling = $10, loading_since = $11, loading_reason = $12,
+                demand_note = $13, updated_at = now()
             WHERE deployment_id = $1
             """,
             update.deployment_id, update.status.value, update.placement_error,
             update.consecutive_failures, update.last_failure, update.desired_replicas,
-            update.generation, update.runs_model_id, update.placement_note)
+            update.generation, update.runs_model_id, update.placement_note,
+            update.scaling,
+            update.loading_since, update.loading_reason, update.demand_note)
 
     async def get_deployment(self, deployment_id: str) -> DeploymentView | None:
         """One deployment with its replicas; None when unknown."""

@@ -8,6 +8,9 @@ ALTER TABLE deployments ADD COLUMN scaling jsonb;
 -- loading on demand.
 ALTER TABLE deployments ADD COLUMN loading_since timestamptz;
 ALTER TABLE deployments ADD COLUMN loading_reason text;
+-- The last demand step and why ("-1 (d-1-r2): idle: unused for 12 min"), an eviction's
+-- reason included: what `ls` and the web UI show beside the status.
+ALTER TABLE deployments ADD COLUMN demand_note text;
 
 -- What a sleeping replica keeps of a model's memory (its weights); NULL: all of it (the
 -- accounting then frees nothing on sleep, which is never wrong, only pessimistic).
