@@ -34,7 +34,8 @@ does not pay for it. The rules, in order:
    ``gateway_load_wait_s``, since a load or a wake takes longer than a replacement. The
    hold says so (:attr:`Hold.loading`) while no replica of it is ready: the router then
    writes this worker's waiting count at once, which is what asks the control plane for
-   the load (the store's demand trigger), and counts the request as held for a load.
+   the load (the store's demand trigger), and counts the request as held for a load. A
+   load wait of 0 answers at once (rule 9), and that answer asks for the load as well.
 9. **At the deadline the request fails**: 502 naming the last upstream error when a
    replica failed it; 503 with Retry-After when it was never sent, saying "is loading"
    (with since when and why) for a model that loads on demand and has no ready replica,
@@ -106,6 +107,8 @@ class GiveUp:
     """Answer the client with this error."""
 
     reply: ErrorReply
+    #: "Is loading": the model loads on demand and none of it is ready (rule 9).
+    loading: bool = False
 
 
 #: What to do next with a request.
@@ -149,7 +152,7 @@ def next_step(table: RoutingTable, model: str, tried: Tried | None, now: float, 
             return GiveUp(responses.upstream_failed(model, tried.why, waited_s=waited_s))
         if loading:
             return GiveUp(responses.loading(route, waited_s=waited_s,
-                                            retry_after_s=policy.retry_after_s))
+                                            retry_after_s=policy.retry_after_s), True)
         return GiveUp(responses.not_ready(route, waited_s=waited_s,
                                           retry_after_s=policy.retry_after_s,
                                           open_breakers=entry.open_breakers()))

@@ -116,13 +116,23 @@ class Router:
                             policy=self._policy):
                 case SendTo(endpoint=endpoint):
                     return endpoint
-                case GiveUp(reply=reply):
+                case GiveUp(reply=reply, loading=loading):
+                    if loading and not counted:
+                        self._turned_away(model)
                     return reply
                 case Hold(entry=entry, until=until, loading=loading):
                     if loading and not counted:
                         counted = True
                         self.metrics.held_for_load.labels(model).inc()
                     await self._hold(entry, until - now)
+
+    def _turned_away(self, model: str) -> None:
+        """A request for a model that loads was answered "loading" without being held (a
+        load wait of 0): it still asks for the load, as a held one would (rule 8)."""
+        entry = self.table.models[model]
+        entry.turned_away += 1
+        if entry.turned_away == 1 and entry.waiting == 0:
+            self._on_demand(entry)
 
     async def _hold(self, entry: ModelRoute, timeout: float) -> None:
         """Wait until ``entry`` changes, ``timeout`` seconds at most; counted as waiting.

@@ -50,6 +50,9 @@ class Snapshot:
     deployments: list[DeploymentUsage]
     #: Endpoints out of routing counted at 0 here: once written, the table forgets them.
     done: list[Endpoint]
+    #: Models with requests turned away "loading" counted as waiting here, and how many:
+    #: once written, they are not counted again.
+    turned_away: list[tuple[ModelRoute, int]]
 
 
 def _add(row: ReplicaUsage | None, endpoint: Endpoint) -> ReplicaUsage:
@@ -77,9 +80,14 @@ def snapshot(table: RoutingTable) -> Snapshot:
         # that row is the one the store checks against the replica's state.
         rows = routed if endpoint.replica_id in routed else leaving
         rows[endpoint.replica_id] = _add(rows.get(endpoint.replica_id), endpoint)
-    deployments = [DeploymentUsage(m.route.deployment_id, m.waiting, _when(m.last_request))
+    # A request turned away "loading" without a hold (a load wait of 0) counts as waiting
+    # in one write: its demand reaches the store as a held request's does.
+    deployments = [DeploymentUsage(m.route.deployment_id, m.waiting + m.turned_away,
+                                   _when(m.last_request))
                    for m in table.models.values()]
-    return Snapshot(list(routed.values()), list(leaving.values()), deployments, done)
+    turned_away = [(m, m.turned_away) for m in table.models.values() if m.turned_away]
+    return Snapshot(list(routed.values()), list(leaving.values()), deployments, done,
+                    turned_away)
 
 
 class UsageReporter:
@@ -116,6 +124,8 @@ class UsageReporter:
                                        leaving=rows.leaving)
         # Only once written: after a failed write, they are reported again next time.
         self._table.forget_left(rows.done)
+        for entry, count in rows.turned_away:
+            entry.turned_away -= count
         self.flushes += 1
 
     async def _run(self) -> None:

@@ -256,6 +256,7 @@ def test_the_policys_own_load_wait_is_the_budget() -> None:
                                                            load_wait_s=0.0)))
     now = step(table, None, T0)
     assert isinstance(now, GiveUp) and now.reply.code == "model_loading"
+    assert now.loading  # the router still asks for the load
 
 
 @pytest.mark.parametrize(("status", "reason"), [
