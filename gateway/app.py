@@ -82,7 +82,7 @@ class Gateway:
         self.forwarder = Forwarder(settings, keys=keys, table=self.table,
                                    metrics=self.metrics, on_left=self.usage.left)
         self.router = Router(settings, table=self.table, metrics=self.metrics,
-                             forwarder=self.forwarder)
+                             forwarder=self.forwarder, on_demand=self.usage.demand)
         self._hosts = HostCheck(settings)
         self._metrics_guard = MetricsGuard(read_metrics_token(settings),
                                            auth=self.admission.auth)

@@ -27,14 +27,26 @@ does not pay for it. The rules, in order:
    ``gateway_wait_for_replica_s`` after the request arrived. It is one budget per request,
    however it is spent: waiting for a first replica, or for one to retry on.
 7. **A model that will not come back by itself** (parked, unplaceable, being deleted,
-   scaled to zero) is answered at once, and so is one deleted meanwhile.
-8. **At the deadline the request fails**: 503 with Retry-After when it was never sent
-   (no replica was ready), 502 naming the last upstream error when a replica failed it.
+   scaled to zero, switched off at max 0) is answered at once, and so is one deleted
+   meanwhile. An unknown model is a 404 and never loads anything: a typo is not "loading".
+8. **A model that loads on demand is held for its load** (its policy is min 0, max >= 1,
+   or it is idle, loading or asleep): its budget is the policy's ``load_wait_s``, else
+   ``gateway_load_wait_s``, since a load or a wake takes longer than a replacement. The
+   hold says so (:attr:`Hold.loading`) while no replica of it is ready: the router then
+   writes this worker's waiting count at once, which is what asks the control plane for
+   the load (the store's demand trigger), and counts the request as held for a load. A
+   load wait of 0 answers at once (rule 9), and that answer asks for the load as well.
+9. **At the deadline the request fails**: 502 naming the last upstream error when a
+   replica failed it; 503 with Retry-After when it was never sent, saying "is loading"
+   (with since when and why) for a model that loads on demand and has no ready replica,
+   and why no replica is ready otherwise.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from modelkeeper.store.routing import DeploymentRoute
 
 from . import responses
 from .breaker import BreakerState
@@ -55,6 +67,9 @@ class HoldPolicy:
     retries: int
     #: Retry-After of the 503 for a request that was never sent.
     retry_after_s: int
+    #: The wait budget of a request for a model that loads on demand whose policy names
+    #: none (rule 8).
+    load_wait_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +98,8 @@ class Hold:
 
     entry: ModelRoute
     until: float
+    #: Held for a load or a wake: the model loads on demand and none of it is ready (rule 8).
+    loading: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +107,8 @@ class GiveUp:
     """Answer the client with this error."""
 
     reply: ErrorReply
+    #: "Is loading": the model loads on demand and none of it is ready (rule 9).
+    loading: bool = False
 
 
 #: What to do next with a request.
@@ -120,21 +139,35 @@ def next_step(table: RoutingTable, model: str, tried: Tried | None, now: float, 
     endpoint = entry.pick(now) if tried is None else _pick_again(entry, tried, now)
     if endpoint is not None:
         return SendTo(endpoint)
-    hopeless = responses.hopeless(entry.route)
+    route = entry.route
+    hopeless = responses.hopeless(route)
     if hopeless is not None:
         return GiveUp(hopeless)
-    deadline = arrived + policy.wait_s
+    on_demand = route.loads_on_demand
+    deadline = arrived + (load_wait_s(route, policy) if on_demand else policy.wait_s)
+    loading = on_demand and not entry.endpoints
     if now >= deadline:
         waited_s = now - arrived
         if tried is not None:
             return GiveUp(responses.upstream_failed(model, tried.why, waited_s=waited_s))
-        return GiveUp(responses.not_ready(entry.route, waited_s=waited_s,
+        if loading:
+            return GiveUp(responses.loading(route, waited_s=waited_s,
+                                            retry_after_s=policy.retry_after_s), True)
+        return GiveUp(responses.not_ready(route, waited_s=waited_s,
                                           retry_after_s=policy.retry_after_s,
                                           open_breakers=entry.open_breakers()))
     trial_at = entry.next_trial_at()
     if trial_at is not None:
         deadline = min(deadline, max(trial_at, now) + TRIAL_WAKE_SLACK_S)
-    return Hold(entry, deadline)
+    return Hold(entry, deadline, loading)
+
+
+def load_wait_s(route: DeploymentRoute, policy: HoldPolicy) -> float:
+    """How long a request for ``route``, which loads on demand, may be held (rule 8)."""
+    scaling = route.scaling
+    if scaling is not None and scaling.load_wait_s is not None:
+        return scaling.load_wait_s
+    return policy.load_wait_s
 
 
 def _pick_again(entry: ModelRoute, tried: Tried, now: float) -> Endpoint | None:

@@ -64,6 +64,11 @@ class GatewayMetrics:
         self.waiting = Gauge(
             "modelkeeper_gateway_waiting", "Requests waiting for a ready replica, by model.",
             ["model"], registry=r, multiprocess_mode="livesum")
+        self.held_for_load = Counter(
+            "modelkeeper_gateway_held_for_load",
+            "Requests held while their model loaded or woke on demand (none of it ready), "
+            "by model: each counted once, whether it was then sent or answered 503 loading.",
+            ["model"], registry=r)
         self.upstream_errors = Counter(
             "modelkeeper_gateway_upstream_errors",
             "Failures talking to engines, by replica and kind (connect, reset, timeout, "

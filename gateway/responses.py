@@ -151,7 +151,9 @@ def hopeless(route: DeploymentRoute) -> ErrorReply | None:
 
     ``stopped`` is answered at once only while it still wants 0 replicas: the API records a
     scale-up the keeper accepted before the keeper writes its next status, and a stopped
-    deployment that wants replicas is one with a replica on its way.
+    deployment that wants replicas is one with a replica on its way. One that loads on
+    demand is never stopped for good: a request loads it. One switched off (max 0) is
+    answered at once whatever its status says, unless a replica is wanted all the same.
     """
     match route.status:
         case DeploymentStatus.PARKED:
@@ -162,7 +164,10 @@ def hopeless(route: DeploymentRoute) -> ErrorReply | None:
             return ErrorReply(503, f"`{route.model_id}` is being deleted.",
                               "service_unavailable", "model_deleting",
                               {**_about(route), "reason": "deleting"})
-        case DeploymentStatus.STOPPED if route.desired_replicas == 0:
+        case _ if route.switched_off and route.desired_replicas == 0:
+            return _switched_off(route)
+        case DeploymentStatus.STOPPED if (route.desired_replicas == 0
+                                          and not route.loads_on_demand):
             return _scaled_to_zero(route)
         case _:
             return None
@@ -196,6 +201,47 @@ def _scaled_to_zero(route: DeploymentRoute) -> ErrorReply:
         503, f"`{route.model_id}` is {reason}: its deployment is stopped. It is served again "
         "once an operator scales it up.", "service_unavailable", "model_stopped",
         {**_about(route), "reason": reason})
+
+
+def _switched_off(route: DeploymentRoute) -> ErrorReply:
+    reason = "switched off: its scaling policy allows 0 replicas (max_replicas 0)"
+    return ErrorReply(
+        503, f"`{route.model_id}` is {reason}, so no request loads it. It is served once an "
+        "operator raises its max_replicas.", "service_unavailable", "model_stopped",
+        {**_about(route), "reason": reason})
+
+
+def loading(route: DeploymentRoute, *, waited_s: float, retry_after_s: int) -> ErrorReply:
+    """503 for a model that loads on demand (or wakes) and had no ready replica within the
+    request's load wait: with Retry-After, what it is doing, and since when and why it
+    loads. Distinct from :func:`unknown_model` (which never loads anything) and from
+    :func:`not_ready` (a replica that should be there is not)."""
+    reason = _why_loading(route)
+    since = route.loading_since.isoformat() if route.loading_since is not None else None
+    shown = reason if since is None else f"{reason}, since {since}"
+    return ErrorReply(
+        503, f"`{route.model_id}` is loading ({shown}): no replica was ready within "
+        f"{waited_s:.1f}s. Retry after {retry_after_s}s.", "service_unavailable",
+        "model_loading", {**_about(route), "reason": reason, "loading_since": since},
+        headers=[(b"retry-after", str(retry_after_s).encode())])
+
+
+def _why_loading(route: DeploymentRoute) -> str:
+    """What a deployment that loads on demand is doing while no replica of it is ready:
+    the control plane's own reason while it shows ``loading``, else its status in words."""
+    match route.status:
+        case DeploymentStatus.LOADING:
+            return route.loading_reason or "its first replica is on its way"
+        case DeploymentStatus.SLEEPING:
+            return "it is asleep and being woken"
+        case DeploymentStatus.IDLE:
+            return "none of it runs, and this request asked for it"
+        case DeploymentStatus.PLACING:
+            return "its replica is being placed"
+        case DeploymentStatus.STARTING:
+            return "its replica is starting"
+        case _:
+            return route.loading_reason or "no replica of it is ready yet"
 
 
 def not_ready(route: DeploymentRoute, *, waited_s: float, retry_after_s: int,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from modelkeeper.settings import Settings
@@ -26,32 +27,49 @@ from .table import Endpoint, ModelRoute, RoutingTable
 
 
 def model_list(table: RoutingTable) -> dict[str, Any]:
-    """``/v1/models``: every model the table knows, in OpenAI's shape, with its replicas."""
+    """``/v1/models``: every model the table knows, in OpenAI's shape, with its replicas,
+    its status (``idle``, ``loading`` and ``sleeping`` for one that follows demand), the
+    bounds of its scaling policy, and since when and why it loads on demand."""
     data = []
     for model_id in sorted(table.models):
         entry = table.models[model_id]
         route = entry.route
+        scaling = route.scaling
+        since = route.loading_since
         data.append({
             "id": model_id, "object": "model",
             "created": int(route.created_at.timestamp()), "owned_by": "modelkeeper",
             "status": route.status, "ready_replicas": len(entry.endpoints),
             "desired_replicas": route.desired_replicas,
+            # No policy: fixed at its replicas, min = max.
+            "min_replicas": route.desired_replicas if scaling is None else scaling.min_replicas,
+            "max_replicas": route.desired_replicas if scaling is None else scaling.max_replicas,
+            "on_demand": route.loads_on_demand,
+            "loading_since": None if since is None else since.isoformat(),
+            "loading_reason": route.loading_reason,
         })
     return {"object": "list", "data": data}
+
+
+#: Called when a request starts being held for a model none of whose replicas is ready,
+#: and no other request of this worker was held for it: write the waiting count now.
+DemandHandler = Callable[[ModelRoute], None]
 
 
 class Router:
     """Routes requests over the table's replicas, holding them while none can take them."""
 
     def __init__(self, settings: Settings, *, table: RoutingTable, metrics: GatewayMetrics,
-                 forwarder: Forwarder) -> None:
+                 forwarder: Forwarder, on_demand: DemandHandler) -> None:
         self.table = table
         self.metrics = metrics
         # Bound once: the hot path pays no lookup through the forwarder.
         self._attempt = forwarder.attempt
+        self._on_demand = on_demand
         self._policy = HoldPolicy(wait_s=settings.gateway_wait_for_replica_s,
                                   retries=settings.gateway_retries,
-                                  retry_after_s=settings.gateway_retry_after_s)
+                                  retry_after_s=settings.gateway_retry_after_s,
+                                  load_wait_s=settings.gateway_load_wait_s)
 
     async def route(self, path: str, body: bytes, entry: ModelRoute, send: Send,
                     started: float) -> int:
@@ -91,22 +109,43 @@ class Router:
         """The replica to send the request to, once there is one it may go to; or the
         error to answer with. Holds the request meanwhile, woken by the store's
         notifications and by breakers changing or coming due, never by polling."""
+        counted = False
         while True:
             now = time.monotonic()
             match next_step(self.table, model, tried, now, arrived=arrived,
                             policy=self._policy):
                 case SendTo(endpoint=endpoint):
                     return endpoint
-                case GiveUp(reply=reply):
+                case GiveUp(reply=reply, loading=loading):
+                    if loading and not counted:
+                        self._turned_away(model)
                     return reply
-                case Hold(entry=entry, until=until):
+                case Hold(entry=entry, until=until, loading=loading):
+                    if loading and not counted:
+                        counted = True
+                        self.metrics.held_for_load.labels(model).inc()
                     await self._hold(entry, until - now)
 
+    def _turned_away(self, model: str) -> None:
+        """A request for a model that loads was answered "loading" without being held (a
+        load wait of 0): it still asks for the load, as a held one would (rule 8)."""
+        entry = self.table.models[model]
+        entry.turned_away += 1
+        if entry.turned_away == 1 and entry.waiting == 0:
+            self._on_demand(entry)
+
     async def _hold(self, entry: ModelRoute, timeout: float) -> None:
-        """Wait until ``entry`` changes, ``timeout`` seconds at most; counted as waiting."""
+        """Wait until ``entry`` changes, ``timeout`` seconds at most; counted as waiting.
+
+        The first request held for a model none of whose replicas is ready has the count
+        written at once (``on_demand``): that row is what asks the control plane to load
+        or wake it, and a tick is too long to add to a load. Only the rise from 0 does, so
+        a thousand requests held together cost one write, not a thousand."""
         changed = entry.changed
         model = entry.route.model_id
         entry.waiting += 1
+        if entry.waiting == 1 and not entry.endpoints:
+            self._on_demand(entry)
         self.metrics.waiting.labels(model).inc()
         try:
             await asyncio.wait_for(changed.wait(), timeout)

@@ -64,7 +64,8 @@ class ModelRoute:
     survive updates; only its fields change.
     """
 
-    __slots__ = ("_next", "changed", "endpoints", "last_request", "route", "waiting")
+    __slots__ = ("_next", "changed", "endpoints", "last_request", "route", "turned_away",
+                 "waiting")
 
     def __init__(self, route: DeploymentRoute) -> None:
         self.route = route
@@ -74,6 +75,10 @@ class ModelRoute:
         self.changed = asyncio.Event()
         #: Requests waiting for a replica of this model right now.
         self.waiting = 0
+        #: Requests answered "loading" without being held (a load wait of 0) since the
+        #: usage was last written: written as waiting once, so that they ask for the load
+        #: as a held request does (:mod:`gateway.usage`).
+        self.turned_away = 0
         #: Wall-clock time of the last request for this model; 0 when none.
         self.last_request = 0.0
         self._next = 0

@@ -4,11 +4,15 @@ Requests only touch counters in memory (the endpoint's in-flight count and last-
 time, the model's waiting count); this task copies them to the store once per tick, so
 the database sees one write per worker per tick however many requests there are.
 
-Two moments do not wait for the tick (:meth:`UsageReporter.nudge`): a replica leaving
-routing, and the last request of a replica out of routing ending. A drain waits for just
-those rows, and a tick can be long; both happen once per replica that leaves, not per
-request. :class:`UsageTracker` hears of both, and keeps each replica's metric series in
-step with its entering and leaving routing.
+Three moments do not wait for the tick (:meth:`UsageReporter.nudge`): a replica leaving
+routing, and the last request of a replica out of routing ending, since a drain waits for
+just those rows; and a first request held for a model none of whose replicas is ready,
+since its waiting count rising from 0 in the store is what asks the control plane to load
+or wake it (the demand trigger of migration 0016), and a tick would be added to every
+load. The first two happen once per replica that leaves, the third once per model each
+time its held requests rise from none, never per request. :class:`UsageTracker` hears
+of all three, and keeps each replica's metric series in step with its entering and
+leaving routing.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from modelkeeper.store.routing import DeploymentUsage, ReplicaUsage, RoutingStor
 
 from .breaker import BreakerState
 from .metrics import GatewayMetrics
-from .table import Endpoint, RoutingTable, TableChange
+from .table import Endpoint, ModelRoute, RoutingTable, TableChange
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,9 @@ class Snapshot:
     deployments: list[DeploymentUsage]
     #: Endpoints out of routing counted at 0 here: once written, the table forgets them.
     done: list[Endpoint]
+    #: Models with requests turned away "loading" counted as waiting here, and how many:
+    #: once written, they are not counted again.
+    turned_away: list[tuple[ModelRoute, int]]
 
 
 def _add(row: ReplicaUsage | None, endpoint: Endpoint) -> ReplicaUsage:
@@ -73,9 +80,14 @@ def snapshot(table: RoutingTable) -> Snapshot:
         # that row is the one the store checks against the replica's state.
         rows = routed if endpoint.replica_id in routed else leaving
         rows[endpoint.replica_id] = _add(rows.get(endpoint.replica_id), endpoint)
-    deployments = [DeploymentUsage(m.route.deployment_id, m.waiting, _when(m.last_request))
+    # A request turned away "loading" without a hold (a load wait of 0) counts as waiting
+    # in one write: its demand reaches the store as a held request's does.
+    deployments = [DeploymentUsage(m.route.deployment_id, m.waiting + m.turned_away,
+                                   _when(m.last_request))
                    for m in table.models.values()]
-    return Snapshot(list(routed.values()), list(leaving.values()), deployments, done)
+    turned_away = [(m, m.turned_away) for m in table.models.values() if m.turned_away]
+    return Snapshot(list(routed.values()), list(leaving.values()), deployments, done,
+                    turned_away)
 
 
 class UsageReporter:
@@ -100,8 +112,9 @@ class UsageReporter:
 
     def nudge(self) -> None:
         """Flush as soon as possible rather than at the next tick: a replica left routing,
-        or the last request of one out of routing ended, and a drain waits for that row.
-        Nudges during a flush bring one more flush, not one each."""
+        or the last request of one out of routing ended, and a drain waits for that row;
+        or a model with no ready replica is asked for. Nudges before or during a flush
+        bring one more flush, not one each."""
         self._wake.set()
 
     async def flush(self) -> None:
@@ -111,6 +124,8 @@ class UsageReporter:
                                        leaving=rows.leaving)
         # Only once written: after a failed write, they are reported again next time.
         self._table.forget_left(rows.done)
+        for entry, count in rows.turned_away:
+            entry.turned_away -= count
         self.flushes += 1
 
     async def _run(self) -> None:
@@ -186,6 +201,15 @@ class UsageTracker:
                      endpoint.replica_id, endpoint.model, endpoint.in_flight)
         if change.removed and self.reporter is not None:
             # A drain waits for this worker's row written after the replica left routing.
+            self.reporter.nudge()
+
+    def demand(self, entry: ModelRoute) -> None:
+        """A request is held for ``entry``, none of whose replicas is ready, and no other
+        of this worker's was: write its waiting count now, which asks the control plane
+        to load or wake it, rather than at the next tick."""
+        log.debug("%s asked for with no ready replica: writing its waiting count now",
+                  entry.route.model_id)
+        if self.reporter is not None:
             self.reporter.nudge()
 
     def left(self, endpoint: Endpoint) -> None:

@@ -18,6 +18,7 @@ from typing import Self
 from pydantic import Field, model_validator
 
 from .base import Tolerant
+from .demand import MAX_LOAD_WAIT_S
 
 
 class KeeperTunables(Tolerant):
@@ -216,10 +217,17 @@ class GatewayTunables(Tolerant):
         "replica: one that is ready, or one to retry on after a replica failed it before "
         "answering (an engine crash). Then it is answered 503 (never sent) or 502 (failed).",
     )
+    gateway_load_wait_s: float = Field(
+        default=30.0, ge=0, le=MAX_LOAD_WAIT_S,
+        description="How long a request for a model that loads on demand (or is asleep) "
+        "is held while it loads or wakes, when its scaling policy names no load_wait_s: "
+        "long enough for a small model's load, short enough for a client's own timeout. "
+        "Then it is answered 503 with Retry-After, \"is loading\".",
+    )
     gateway_retry_after_s: int = Field(
         default=5, ge=1,
-        description="Retry-After (seconds) of a 503 for a model that is still placing or "
-        "starting.",
+        description="Retry-After (seconds) of a 503 for a model that is still placing, "
+        "starting or loading.",
     )
     gateway_retries: int = Field(
         default=2, ge=0,

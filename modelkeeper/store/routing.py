@@ -18,8 +18,10 @@ from datetime import datetime
 from typing import Self
 
 import asyncpg
+from pydantic import ValidationError
 
-from ..domain.status import ROUTABLE_STATES
+from ..domain.demand import ScalingPolicy
+from ..domain.status import ROUTABLE_STATES, DeploymentStatus
 from ..names import API_KEYS_CHANNEL, DEPLOYMENTS_CHANNEL, REPLICAS_CHANNEL
 from .schema import apply_migrations
 
@@ -30,6 +32,11 @@ CLIENT_KEY_PREFIX = "mkc-"
 #: Characters of a key kept in clear as its ``prefix`` (``mkc-`` and 8 random ones):
 #: 48 bits, enough to tell keys apart, far too few to guess the rest.
 PREFIX_CHARS = len(CLIENT_KEY_PREFIX) + 8
+
+#: Statuses only a deployment that follows demand shows, each one that a request brings
+#: back: none running (idle), its first replica on the way (loading), or asleep.
+ON_DEMAND_STATUSES = frozenset({DeploymentStatus.IDLE, DeploymentStatus.LOADING,
+                                DeploymentStatus.SLEEPING})
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +74,27 @@ class DeploymentRoute:
     #: one may ask for. None: the model sets none.
     default_max_tokens: int | None = None
     max_tokens_limit: int | None = None
+    #: Its scaling policy (migration 0016); None: fixed at ``desired_replicas``, which
+    #: never starts on demand.
+    scaling: ScalingPolicy | None = None
+    #: Loading on demand since when, and why ("asked for: 3 requests waiting"); None: it
+    #: is not loading on demand.
+    loading_since: datetime | None = None
+    loading_reason: str | None = None
+
+    @property
+    def loads_on_demand(self) -> bool:
+        """Whether a request brings it back by itself: its policy is on demand (min 0,
+        max >= 1), or it shows a status only such a deployment has (idle, loading,
+        sleeping). A request for it starts a load or a wake, and is held meanwhile."""
+        scaling = self.scaling
+        return ((scaling is not None and scaling.on_demand)
+                or self.status in ON_DEMAND_STATUSES)
+
+    @property
+    def switched_off(self) -> bool:
+        """Min 0, max 0: configured and deliberately not running; no request loads it."""
+        return self.scaling is not None and self.scaling.off
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +139,7 @@ def new_client_key() -> str:
 _ROUTE_SELECT = """
     SELECT d.deployment_id, d.model_id, d.status, d.replicas, d.placement_error,
            d.last_failure, d.consecutive_failures, d.created_at,
+           d.scaling::text AS scaling, d.loading_since, d.loading_reason,
            -- The model the engines run: after a switch, not the served name's own entry.
            -- Subqueries, not a join, so the GROUP BY below stays one deployment's.
            (SELECT m.default_max_tokens FROM models m
@@ -151,7 +180,24 @@ def _route(row: asyncpg.Record) -> DeploymentRoute:
                                                      row["endpoint_epochs"], strict=True)),
         default_max_tokens=row["default_max_tokens"],
         max_tokens_limit=row["max_tokens_limit"],
+        scaling=_scaling(row["deployment_id"], row["scaling"]),
+        loading_since=row["loading_since"],
+        loading_reason=row["loading_reason"],
     )
+
+
+def _scaling(deployment_id: str, text: str | None) -> ScalingPolicy | None:
+    """A deployment's policy from its JSON; one that does not read (a newer writer's rule
+    this version refuses) counts as none, which never loads on demand, rather than
+    failing the read of every route."""
+    if text is None:
+        return None
+    try:
+        return ScalingPolicy.model_validate_json(text)
+    except ValidationError as err:
+        log.warning("deployment %s: its scaling policy does not read (%s); routing it as "
+                    "fixed at its replicas", deployment_id, err.errors()[:1])
+        return None
 
 
 class RoutingStore:
