@@ -24,8 +24,10 @@ from modelkeeper.domain.shards import (
     ShardEndpoint,
     ShardExit,
     ShardReport,
+    SleepShardInput,
     StartShardInput,
     StopShardInput,
+    WakeShardInput,
     WatchShardInput,
 )
 from modelkeeper.domain.store_activities import (
@@ -45,8 +47,10 @@ from modelkeeper.names import (
     ACTIVITY_RECORD_EVENT,
     ACTIVITY_RECORD_REPLICA_STATE,
     ACTIVITY_RELEASE_REPLICA,
+    ACTIVITY_SLEEP_SHARD,
     ACTIVITY_START_SHARD,
     ACTIVITY_STOP_SHARD,
+    ACTIVITY_WAKE_SHARD,
     ACTIVITY_WATCH_FOR_ROOM,
     ACTIVITY_WATCH_SHARD,
 )
@@ -118,6 +122,16 @@ async def watch_shard(request: WatchShardInput) -> ShardExit:
 @activity.defn(name=ACTIVITY_STOP_SHARD)
 async def stop_shard(request: StopShardInput) -> ShardExit:
     _stub(ACTIVITY_STOP_SHARD)
+
+
+@activity.defn(name=ACTIVITY_SLEEP_SHARD)
+async def sleep_shard(request: SleepShardInput) -> None:
+    _stub(ACTIVITY_SLEEP_SHARD)
+
+
+@activity.defn(name=ACTIVITY_WAKE_SHARD)
+async def wake_shard(request: WakeShardInput) -> None:
+    _stub(ACTIVITY_WAKE_SHARD)
 
 
 @activity.defn(name=ACTIVITY_LIST_SHARDS)

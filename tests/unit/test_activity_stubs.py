@@ -23,7 +23,8 @@ IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
         "release_replica", "record_deployment_status", "delete_deployment")},
     "drain_replica": RoutingActivities.drain_replica,
     **{name: getattr(NodeActivities, name) for name in (
-        "start_shard", "watch_shard", "stop_shard", "list_shards")},
+        "start_shard", "watch_shard", "stop_shard", "sleep_shard", "wake_shard",
+        "list_shards")},
 }
 
 
