@@ -34,8 +34,11 @@ from modelkeeper.domain.store_activities import (
     DeleteDeploymentInput,
     PlaceReplicaInput,
     PlaceReplicaResult,
+    RegrowClaimsInput,
+    RegrowClaimsResult,
     ReleaseReplicaInput,
     RoomFound,
+    ShrinkClaimsInput,
     WatchForRoomInput,
 )
 from modelkeeper.names import (
@@ -46,7 +49,9 @@ from modelkeeper.names import (
     ACTIVITY_RECORD_DEPLOYMENT_STATUS,
     ACTIVITY_RECORD_EVENT,
     ACTIVITY_RECORD_REPLICA_STATE,
+    ACTIVITY_REGROW_CLAIMS,
     ACTIVITY_RELEASE_REPLICA,
+    ACTIVITY_SHRINK_CLAIMS,
     ACTIVITY_SLEEP_SHARD,
     ACTIVITY_START_SHARD,
     ACTIVITY_STOP_SHARD,
@@ -96,6 +101,16 @@ async def record_deployment_status(update: DeploymentStatusUpdate) -> None:
 @activity.defn(name=ACTIVITY_DELETE_DEPLOYMENT)
 async def delete_deployment(request: DeleteDeploymentInput) -> None:
     _stub(ACTIVITY_DELETE_DEPLOYMENT)
+
+
+@activity.defn(name=ACTIVITY_SHRINK_CLAIMS)
+async def shrink_claims(request: ShrinkClaimsInput) -> None:
+    _stub(ACTIVITY_SHRINK_CLAIMS)
+
+
+@activity.defn(name=ACTIVITY_REGROW_CLAIMS)
+async def regrow_claims(request: RegrowClaimsInput) -> RegrowClaimsResult:
+    _stub(ACTIVITY_REGROW_CLAIMS)
 
 
 # -- the control worker's (activities/routing.py: RoutingActivities) -------------------------
