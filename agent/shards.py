@@ -349,13 +349,17 @@ class ShardManager:
                                            for rid in replica_ids)))
 
     def reports(self) -> list[ShardReport]:
-        """What this agent runs, for registration and `list_shards`; then the starts
-        queued at the start-up gate, in queue order (starting, no process yet)."""
+        """What this agent runs, for registration and `list_shards` (a sleeping one
+        waiting at the start-up gate to wake with its place there); then the starts
+        queued at the gate, in queue order (starting, no process yet)."""
+        # A running shard in the gate's queue is a wake waiting its turn.
+        positions = self._gate.positions()
         running = [
             ShardReport(replica_id=s.record.spec.replica_id, model_id=s.record.spec.model_id,
                         rank=s.record.spec.rank, state=s.record.state, port=s.record.port,
                         pid=s.record.pid, url=s.record.url, adopted=s.adopted,
-                        sleeping=s.record.sleeping)
+                        sleeping=s.record.sleeping,
+                        queued_position=positions.get(s.record.spec.replica_id))
             for s in self._shards.values() if self.poll_exit(s) is None
         ]
         queued = [

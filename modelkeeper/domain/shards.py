@@ -171,8 +171,9 @@ class ShardReport(Tolerant):
     url: str | None
     adopted: bool
     #: Set while the start waits at the node's start-up gate: 1 is next in line. Such a
-    #: shard is ``starting`` with no process yet, so its port and pid are 0. None (and
-    #: absent, from an older agent) for a shard that runs.
+    #: shard is ``starting`` with no process yet, so its port and pid are 0; or, for a
+    #: ``sleeping`` shard, while its wake waits there. None (and absent, from an older
+    #: agent) otherwise.
     queued_position: int | None = Field(default=None, ge=1)
     #: Put to sleep (its KV cache freed, its weights kept); False from an older agent.
     sleeping: bool = False

@@ -64,6 +64,13 @@ async def _place(store: Store, model: CatalogModel, n: int, *,
         lost_after_s=LOST_AFTER_S, start_timeout_s=60.0)
 
 
+async def _placed(store: Store, model: CatalogModel, n: int, *,
+                  nodes: list[str] | None = None) -> list[ShardSpec]:
+    shards = await _place(store, model, n, nodes=nodes)
+    assert not isinstance(shards, CantPlace), shards.summary
+    return shards
+
+
 async def _claims(store: Store, replica_id: str) -> dict[str, tuple[int, int | None]]:
     rows = await store._pool.fetch(
         "SELECT node_id, memory_bytes, awake_memory_bytes FROM allocations "
@@ -120,7 +127,7 @@ async def test_a_retried_placement_of_a_sleeping_replica_answers_its_awake_claim
         store: Store) -> None:
     await _node(store, "n1", 10)
     model = await _model(store, "big", memory_gib=8, weights_gib=3)
-    [first] = await _place(store, model, 1)  # type: ignore[misc]
+    [first] = await _placed(store, model, 1)
     await store.placement.shrink_claims(ReplicaId("r-big-1"), 3 * GIB)
     again = await store.placement.place_replica(
         deployment_id=DeploymentId("d-big-1"), replica_id=ReplicaId("r-big-1"),
@@ -135,8 +142,7 @@ async def test_each_shard_keeps_its_share_and_the_sim_frees_as_much(store: Store
     await _node(store, "n1", 10)
     await _node(store, "n2", 10)
     model = await _model(store, "split", memory_gib=8, weights_gib=2, min_nodes=2)
-    shards = await _place(store, model, 1)
-    assert not isinstance(shards, CantPlace)
+    shards = await _placed(store, model, 1)
     # The sim's shards keep the same share of what they hold as the claims keep.
     assert [s.engine_args["weights_bytes"] for s in shards] == [1 * GIB, 1 * GIB]
     await store.placement.shrink_claims(ReplicaId("r-split-1"), 2 * GIB)
@@ -145,14 +151,14 @@ async def test_each_shard_keeps_its_share_and_the_sim_frees_as_much(store: Store
     # A sim holding less than its claim (engine_args.memory_bytes) keeps the same share.
     small = await _model(store, "small", memory_gib=4, weights_gib=1,
                          engine_args={"memory_bytes": 64 << 20})
-    [shard] = await _place(store, small, 1, nodes=["n1"])  # type: ignore[misc]
+    [shard] = await _placed(store, small, 1, nodes=["n1"])
     assert shard.engine_args["weights_bytes"] == 16 << 20
 
 
 async def test_no_weights_in_the_catalog_frees_nothing(store: Store) -> None:
     await _node(store, "n1", 10)
     model = await _model(store, "plain", memory_gib=8, weights_gib=None)
-    [shard] = await _place(store, model, 1)  # type: ignore[misc]
+    [shard] = await _placed(store, model, 1)
     assert "weights_bytes" not in shard.engine_args
     await store.placement.shrink_claims(ReplicaId("r-plain-1"), None)
     assert await _claims(store, "r-plain-1") == {"n1": (8 * GIB, 8 * GIB)}
