@@ -3,8 +3,9 @@ that node's agent. They are the only code that touches engine processes."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -19,21 +20,29 @@ from modelkeeper.domain.shards import (
     NoFreePortError,
     ShardEndpoint,
     ShardExit,
+    ShardNotHereError,
     ShardReport,
     ShardSpec,
     ShardStartError,
+    SleepShardInput,
+    SleepWakeError,
     StartShardInput,
     StopShardInput,
+    WakeShardInput,
     WatchShardInput,
 )
 from modelkeeper.names import (
     ACTIVITY_LIST_SHARDS,
+    ACTIVITY_SLEEP_SHARD,
     ACTIVITY_START_SHARD,
     ACTIVITY_STOP_SHARD,
+    ACTIVITY_WAKE_SHARD,
     ACTIVITY_WATCH_SHARD,
     ERROR_ENGINE_CONFIG,
     ERROR_NO_FREE_PORT,
+    ERROR_SHARD_NOT_HERE,
     ERROR_SHARD_START_FAILED,
+    ERROR_SLEEP_WAKE_FAILED,
 )
 
 #: Workers on nodes send heartbeats at most this often (the SDK otherwise throttles to
@@ -75,6 +84,11 @@ class ShardRunner(Protocol):
     async def watch(self, replica_id: ReplicaId, heartbeat: Callable[[], None]) -> ShardExit: ...
 
     async def stop(self, replica_id: ReplicaId, grace_s: float) -> ShardExit: ...
+
+    async def sleep(self, replica_id: ReplicaId) -> None: ...
+
+    async def wake(self, replica_id: ReplicaId, heartbeat: Callable[[], None], *,
+                   answer_within_s: float | None = None) -> None: ...
 
     def reports(self) -> list[ShardReport]: ...
 
@@ -140,6 +154,25 @@ class NodeActivities:
         """SIGTERM the shard's process group, SIGKILL after the grace period."""
         return await self._manager.stop(request.replica_id, request.grace_s)
 
+    @activity.defn(name=ACTIVITY_SLEEP_SHARD)
+    async def sleep_shard(self, request: SleepShardInput) -> None:
+        """Free the engine's KV cache and keep its weights; never delayed, and a shard
+        asleep already succeeds. Not here, or an engine that cannot sleep or refused, is
+        non-retryable; an engine that did not answer is retried."""
+        with _sleep_wake_errors():
+            await self._manager.sleep(request.replica_id)
+
+    @activity.defn(name=ACTIVITY_WAKE_SHARD)
+    async def wake_shard(self, request: WakeShardInput) -> None:
+        """Take the engine's KV cache back, after the node's start-up gate, heartbeating
+        while it waits there and while the engine wakes; an awake shard succeeds. The
+        start-to-close Temporal gives this attempt bounds the time it may queue."""
+        timeout = activity.info().start_to_close_timeout
+        with _sleep_wake_errors():
+            await self._manager.wake(
+                request.replica_id, activity.heartbeat,
+                answer_within_s=None if timeout is None else timeout.total_seconds())
+
     @activity.defn(name=ACTIVITY_LIST_SHARDS)
     async def list_shards(self) -> list[ShardReport]:
         """What this node runs."""
@@ -147,4 +180,19 @@ class NodeActivities:
 
     def all(self) -> list[Callable[..., Any]]:
         """Every activity, for the agent's worker."""
-        return [self.start_shard, self.watch_shard, self.stop_shard, self.list_shards]
+        return [self.start_shard, self.watch_shard, self.stop_shard, self.sleep_shard,
+                self.wake_shard, self.list_shards]
+
+
+@contextlib.contextmanager
+def _sleep_wake_errors() -> Iterator[None]:
+    """The shard manager's sleep and wake errors as the ApplicationErrors a workflow
+    matches on (ERROR_SHARD_NOT_HERE, ERROR_SLEEP_WAKE_FAILED)."""
+    try:
+        yield
+    except ShardNotHereError as exc:
+        raise ApplicationError(str(exc), type=ERROR_SHARD_NOT_HERE,
+                               non_retryable=True) from exc
+    except SleepWakeError as exc:
+        raise ApplicationError(str(exc), type=ERROR_SLEEP_WAKE_FAILED,
+                               non_retryable=not exc.retryable) from exc

@@ -32,8 +32,11 @@ from modelkeeper.domain.store_activities import (
     DeleteDeploymentInput,
     PlaceReplicaInput,
     PlaceReplicaResult,
+    RegrowClaimsInput,
+    RegrowClaimsResult,
     ReleaseReplicaInput,
     RoomFound,
+    ShrinkClaimsInput,
     WatchForRoomInput,
 )
 from modelkeeper.infra.temporal import signal_unplaceable
@@ -43,7 +46,9 @@ from modelkeeper.names import (
     ACTIVITY_RECORD_DEPLOYMENT_STATUS,
     ACTIVITY_RECORD_EVENT,
     ACTIVITY_RECORD_REPLICA_STATE,
+    ACTIVITY_REGROW_CLAIMS,
     ACTIVITY_RELEASE_REPLICA,
+    ACTIVITY_SHRINK_CLAIMS,
     ACTIVITY_WATCH_FOR_ROOM,
     ERROR_ENGINE_CONFIG,
     ERROR_SETTLING,
@@ -256,6 +261,28 @@ class StoreActivities:
         await self._store.deployments.release_replica(request.replica_id)
         await self._signal_waiting()
 
+    @activity.defn(name=ACTIVITY_SHRINK_CLAIMS)
+    async def shrink_claims(self, request: ShrinkClaimsInput) -> None:
+        """The replica sleeps: its claims keep only its model's weights (the catalog's
+        ``weights_bytes``; all of them where it gives none), then the deployments waiting
+        for room are told memory was freed. Idempotent, like the signal after it (see
+        release_replica)."""
+        kept = await self._store.placement.replica_weights_bytes(request.replica_id)
+        await self._store.placement.shrink_claims(request.replica_id, kept)
+        if kept is not None:
+            await self._signal_waiting()
+
+    @activity.defn(name=ACTIVITY_REGROW_CLAIMS)
+    async def regrow_claims(self, request: RegrowClaimsInput) -> RegrowClaimsResult:
+        """Before a wake: grow the replica's claims back to what it claims awake, if every
+        node has the difference free; else change nothing and say why (node, bytes needed,
+        bytes free). A replica awake already is ok."""
+        reason = await self._store.placement.regrow_claims(
+            request.replica_id, now=datetime.now(UTC),
+            unreachable_after_s=self._settings.node_unreachable_after_s,
+            lost_after_s=self._settings.node_lost_after_s)
+        return RegrowClaimsResult(ok=reason is None, reason=reason)
+
     @activity.defn(name=ACTIVITY_RECORD_DEPLOYMENT_STATUS)
     async def record_deployment_status(self, update: DeploymentStatusUpdate) -> None:
         """Write the keeper's status, and log it to the audit log."""
@@ -284,7 +311,8 @@ class StoreActivities:
     def all(self) -> list[Callable[..., Any]]:
         """Every activity this class defines, for the worker to register."""
         return [self.record_event, self.place_replica, self.record_replica_state,
-                self.release_replica, self.record_deployment_status, self.delete_deployment]
+                self.release_replica, self.record_deployment_status, self.delete_deployment,
+                self.shrink_claims, self.regrow_claims]
 
     def room_watches(self) -> list[Callable[..., Any]]:
         """The room watch, for the worker of ROOM_WATCH_TASK_QUEUE: long-lived, so kept

@@ -24,16 +24,21 @@ from modelkeeper.domain.shards import (
     ShardEndpoint,
     ShardExit,
     ShardReport,
+    SleepShardInput,
     StartShardInput,
     StopShardInput,
+    WakeShardInput,
     WatchShardInput,
 )
 from modelkeeper.domain.store_activities import (
     DeleteDeploymentInput,
     PlaceReplicaInput,
     PlaceReplicaResult,
+    RegrowClaimsInput,
+    RegrowClaimsResult,
     ReleaseReplicaInput,
     RoomFound,
+    ShrinkClaimsInput,
     WatchForRoomInput,
 )
 from modelkeeper.names import (
@@ -44,9 +49,13 @@ from modelkeeper.names import (
     ACTIVITY_RECORD_DEPLOYMENT_STATUS,
     ACTIVITY_RECORD_EVENT,
     ACTIVITY_RECORD_REPLICA_STATE,
+    ACTIVITY_REGROW_CLAIMS,
     ACTIVITY_RELEASE_REPLICA,
+    ACTIVITY_SHRINK_CLAIMS,
+    ACTIVITY_SLEEP_SHARD,
     ACTIVITY_START_SHARD,
     ACTIVITY_STOP_SHARD,
+    ACTIVITY_WAKE_SHARD,
     ACTIVITY_WATCH_FOR_ROOM,
     ACTIVITY_WATCH_SHARD,
 )
@@ -94,6 +103,16 @@ async def delete_deployment(request: DeleteDeploymentInput) -> None:
     _stub(ACTIVITY_DELETE_DEPLOYMENT)
 
 
+@activity.defn(name=ACTIVITY_SHRINK_CLAIMS)
+async def shrink_claims(request: ShrinkClaimsInput) -> None:
+    _stub(ACTIVITY_SHRINK_CLAIMS)
+
+
+@activity.defn(name=ACTIVITY_REGROW_CLAIMS)
+async def regrow_claims(request: RegrowClaimsInput) -> RegrowClaimsResult:
+    _stub(ACTIVITY_REGROW_CLAIMS)
+
+
 # -- the control worker's (activities/routing.py: RoutingActivities) -------------------------
 
 
@@ -118,6 +137,16 @@ async def watch_shard(request: WatchShardInput) -> ShardExit:
 @activity.defn(name=ACTIVITY_STOP_SHARD)
 async def stop_shard(request: StopShardInput) -> ShardExit:
     _stub(ACTIVITY_STOP_SHARD)
+
+
+@activity.defn(name=ACTIVITY_SLEEP_SHARD)
+async def sleep_shard(request: SleepShardInput) -> None:
+    _stub(ACTIVITY_SLEEP_SHARD)
+
+
+@activity.defn(name=ACTIVITY_WAKE_SHARD)
+async def wake_shard(request: WakeShardInput) -> None:
+    _stub(ACTIVITY_WAKE_SHARD)
 
 
 @activity.defn(name=ACTIVITY_LIST_SHARDS)

@@ -164,6 +164,9 @@ class ShardRecord(Frozen):
     #: adopted the engine waits for it to end before it reads the log's tail.
     log_writer_pid: int | None = None
     log_writer_create_time: float | None = None
+    #: Put to sleep by this agent and not woken since: the record an engine with no "is
+    #: it sleeping" endpoint (SGLang) is judged by, kept across agent restarts.
+    sleeping: bool = False
 
 
 @dataclass

@@ -50,6 +50,7 @@ from .engine_process import (
 )
 from .engines.base import EngineAdapter, adapter_for
 from .inventory import read_available_memory
+from .shard_sleep import ShardSleep
 from .shard_startup import QueuedCallback, ShardStartup
 from .startup_gate import StartupGate
 
@@ -140,6 +141,8 @@ class ShardManager:
                 lambda spec: adapter_for(spec.engine, llama_server_path=llama_server_path)),
             gate=self._gate, available_memory=available_memory, launcher=launcher,
             http=self._http, source_policy=source_policy)
+        self._sleep = ShardSleep(self, gate=self._gate, available_memory=available_memory,
+                                 http=self._http)
 
     async def close(self) -> None:
         """Release the HTTP client. Engines keep running: a restarted agent adopts them."""
@@ -236,6 +239,19 @@ class ShardManager:
         return await self._startup.start(spec, on_progress, on_queued=on_queued,
                                          answer_within_s=answer_within_s)
 
+    # -- sleep and wake ------------------------------------------------------------------
+
+    async def sleep(self, replica_id: ReplicaId) -> None:
+        """Free the engine's KV cache, keep its weights; never delayed, idempotent. The
+        rules are :mod:`agent.shard_sleep`'s."""
+        await self._sleep.sleep(replica_id)
+
+    async def wake(self, replica_id: ReplicaId, heartbeat: Callable[[], None], *,
+                   answer_within_s: float | None = None) -> None:
+        """Take the KV cache back after the node's start-up gate; idempotent
+        (:meth:`agent.shard_sleep.ShardSleep.wake`)."""
+        await self._sleep.wake(replica_id, heartbeat, answer_within_s=answer_within_s)
+
     # -- watch and stop ------------------------------------------------------------------
 
     def poll_exit(self, live: LiveShard) -> ShardExit | None:
@@ -291,9 +307,11 @@ class ShardManager:
         """SIGTERM the engine's group, SIGKILL it after ``grace_s``; harmless if gone.
 
         Never waits for the start-up gate. A start still queued there is taken out of the
-        queue at once: its engine was never launched, and its start fails as stopped.
+        queue at once: its engine was never launched, and its start fails as stopped. A
+        wake queued there is taken out too (it fails as stopped), and its engine, which
+        runs asleep, is stopped.
         """
-        if self._gate.remove_waiter(replica_id):
+        if self._gate.remove_waiter(replica_id) and replica_id not in self._shards:
             log.info("%s stopped while queued at the start-up gate", replica_id)
             return ShardExit(replica_id=replica_id, kind=ExitKind.STOPPED,
                              detail="stopped on request while queued at the start-up gate "
@@ -331,12 +349,17 @@ class ShardManager:
                                            for rid in replica_ids)))
 
     def reports(self) -> list[ShardReport]:
-        """What this agent runs, for registration and `list_shards`; then the starts
-        queued at the start-up gate, in queue order (starting, no process yet)."""
+        """What this agent runs, for registration and `list_shards` (a sleeping one
+        waiting at the start-up gate to wake with its place there); then the starts
+        queued at the gate, in queue order (starting, no process yet)."""
+        # A running shard in the gate's queue is a wake waiting its turn.
+        positions = self._gate.positions()
         running = [
             ShardReport(replica_id=s.record.spec.replica_id, model_id=s.record.spec.model_id,
                         rank=s.record.spec.rank, state=s.record.state, port=s.record.port,
-                        pid=s.record.pid, url=s.record.url, adopted=s.adopted)
+                        pid=s.record.pid, url=s.record.url, adopted=s.adopted,
+                        sleeping=s.record.sleeping,
+                        queued_position=positions.get(s.record.spec.replica_id))
             for s in self._shards.values() if self.poll_exit(s) is None
         ]
         queued = [

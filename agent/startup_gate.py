@@ -20,8 +20,11 @@ Rules, in order (each has its test in tests/unit/test_startup_gate.py):
    modelkeeper may have grown while it waited. A memory reading that cannot be had is no
    reason to refuse a start.
 
-Stops, sleeps and ``list_shards`` never pass through the gate: freeing memory must stay
-immediate, even though a stop during another engine's load can still disturb it.
+A wake from sleep passes through the gate like a start (it re-allocates the KV cache, as
+a load does, and would disturb another engine's load the same way), and its fit is
+checked for what it takes back (:func:`wake_memory_needed`). Stops, sleeps and
+``list_shards`` never pass through the gate: freeing memory must stay immediate, even
+though a stop during another engine's load can still disturb it.
 
 The decisions (:class:`GateState` and the functions on it) are pure: no clock, no
 asyncio. :class:`StartupGate` holds the state for the agent and wakes waiters on change.
@@ -196,6 +199,19 @@ def memory_needed(spec: ShardSpec) -> int | None:
             return spec.memory_bytes
         case _:
             return None
+
+
+def wake_memory_needed(spec: ShardSpec) -> int | None:
+    """The node memory waking ``spec``'s engine takes back, or None where the agent cannot
+    judge: for the sim, what it holds less the ``weights_bytes`` it kept asleep (all of
+    it kept when absent); None for the GPU engines, as :func:`memory_needed` says."""
+    held = memory_needed(spec) if spec.engine is EngineKind.SIM else None
+    if held is None:
+        return None
+    kept = spec.engine_args.get("weights_bytes")
+    if isinstance(kept, bool) or not isinstance(kept, int):
+        return 0
+    return max(0, held - max(0, kept))
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,10 @@ ERROR_SETTLING = "Settling"
 ERROR_SHARD_START_FAILED = "ShardStartFailed"
 ERROR_ENGINE_CONFIG = "EngineConfigError"
 ERROR_NO_FREE_PORT = "NoFreePort"
+#: ... sleep_shard and wake_shard: the node runs no such shard; the engine refused (or did
+#: not answer) a sleep or a wake.
+ERROR_SHARD_NOT_HERE = "ShardNotHere"
+ERROR_SLEEP_WAKE_FAILED = "SleepWakeFailed"
 #: ... and DeploymentWorkflow's scale validator, refusing an update while it deletes.
 ERROR_DELETING = "Deleting"
 #: ... refusing a move (unknown replica, leased to another move, surge limit), and

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -208,6 +209,67 @@ def check_executable(field: str, path: Path) -> None:
         raise EngineConfigError(field, str(path), "no such file")
     if not path.stat().st_mode & 0o111:
         raise EngineConfigError(field, str(path), "not executable")
+
+
+@dataclass(frozen=True)
+class SleepDialect:
+    """How one engine is put to sleep and woken over HTTP (both idempotent on our side:
+    see :meth:`agent.shards.ShardManager.sleep`)."""
+
+    #: POSTed to free the KV cache and keep the weights.
+    sleep_path: str
+    #: POSTed to take the KV cache back.
+    wake_path: str
+    #: The JSON body of both calls; None: none.
+    body: Mapping[str, Any] | None = None
+    #: GET path answering ``{"is_sleeping": bool}``; None where the engine has none, and
+    #: the agent's record of the shard says.
+    state_path: str | None = None
+
+
+def sleep_dialect(kind: EngineKind) -> SleepDialect | None:
+    """How ``kind`` sleeps, or None where it cannot (llama.cpp: the keeper stops it).
+    Agrees with :func:`modelkeeper.domain.shards.can_sleep` (a unit test checks)."""
+    if kind is EngineKind.VLLM or kind is EngineKind.SIM:
+        # The sim speaks vLLM's dialect, so that this path is what the tests run.
+        from .vllm import SLEEP_DIALECT as VLLM_DIALECT
+
+        return VLLM_DIALECT
+    if kind is EngineKind.SGLANG:
+        from .sglang import SLEEP_DIALECT as SGLANG_DIALECT
+
+        return SGLANG_DIALECT
+    return None
+
+
+async def post_sleep_call(client: httpx.AsyncClient, base_url: str, api_key: str, path: str,
+                          body: Mapping[str, Any] | None, *, timeout: float) -> httpx.Response:
+    """POST one sleep or wake call to the engine at ``base_url``, with its key."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    return await client.post(base_url.rstrip("/") + path, headers=headers, timeout=timeout,
+                             json=None if body is None else dict(body))
+
+
+async def read_sleeping(client: httpx.AsyncClient, base_url: str, api_key: str,
+                        dialect: SleepDialect, *, timeout: float) -> bool | None:
+    """Whether the engine says it sleeps; None where it has no way to say, or did not
+    answer plainly (the caller then goes by its own record)."""
+    if dialect.state_path is None:
+        return None
+    headers = {"Authorization": f"Bearer {api_key}"}
+    try:
+        response = await client.get(base_url.rstrip("/") + dialect.state_path,
+                                    headers=headers, timeout=timeout)
+        answer = response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    value = answer.get("is_sleeping") if isinstance(answer, dict) else None
+    return value if isinstance(value, bool) else None
+
+
+def clip_detail(text: str) -> str:
+    """An engine's answer, on one line and clipped, for an error message or an event."""
+    return _clip(text)
 
 
 def adapter_for(kind: EngineKind, *, llama_server_path: Path | None = None) -> EngineAdapter:

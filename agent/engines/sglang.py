@@ -5,6 +5,14 @@ the node can read it. So the plan runs our entry script (:mod:`agent.engines.sgl
 with SGLang's interpreter: it takes the key from the environment and sets it on SGLang's
 parsed arguments. Multi-node replicas use SGLang's own launcher (``--nnodes``,
 ``--node-rank``, ``--dist-init-addr``); ranks other than 0 join rank 0 and serve no HTTP.
+
+Every shard starts with ``--enable-memory-saver`` (SGLang's torch_memory_saver must be
+installed beside it), which lets the agent sleep it: ``POST /release_memory_occupation``
+and wake it: ``POST /resume_memory_occupation``, both with ``{"tags": ["kv_cache"]}`` so
+that the weights stay loaded as vLLM's level-1 sleep keeps them (:data:`SLEEP_DIALECT`;
+SGLang's http_server routes, as read in 2026). SGLang has no "is it sleeping" endpoint:
+the agent goes by its own record of the shard. Tested here against the command line only
+(no GPU on the test machines).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import httpx
 from modelkeeper.domain.engine_args import ALLOWED_ENGINE_ARGS
 from modelkeeper.domain.shards import EngineKind, ShardSpec
 
-from .base import LaunchPlan, ReadyCheck, probe_ready, reject_unknown_args
+from .base import LaunchPlan, ReadyCheck, SleepDialect, probe_ready, reject_unknown_args
 from .gpu import (
     ArgKind,
     cuda_env,
@@ -45,6 +53,11 @@ ALLOWED_ARGS: frozenset[str] = ALLOWED_ENGINE_ARGS[EngineKind.SGLANG]
 #: The script the plan runs, by path (SGLang's interpreter need not have modelkeeper).
 ENTRY_SCRIPT = Path(__file__).with_name("sglang_main.py")
 
+#: SGLang's sleep: release and resume the KV cache's memory only, keeping the weights.
+KV_CACHE_TAGS = {"tags": ["kv_cache"]}
+SLEEP_DIALECT = SleepDialect(sleep_path="/release_memory_occupation",
+                             wake_path="/resume_memory_occupation", body=KV_CACHE_TAGS)
+
 
 class SglangAdapter:
     """Launches one SGLang shard."""
@@ -69,6 +82,7 @@ class SglangAdapter:
             "--pp-size", str(layout.pipeline),
             # SGLang's counterpart of vLLM's --gpu-memory-utilization.
             "--mem-fraction-static", memory_fraction(spec),
+            "--enable-memory-saver",
             *optional_flags(spec.engine_args, _FLAGS),
         ]  # fmt: skip
         if spec.world_size > 1:

@@ -38,6 +38,9 @@ ENTRY_MODULE = "agent.engines.sim_server"
 #: ``crash_after_s``: exit with :data:`~agent.engines.sim_server.CRASH_EXIT_CODE` this
 #: many seconds after starting.
 #: ``hang``: accept connections but never answer, /health included.
+#: ``weights_bytes``: what it keeps of its memory while asleep (vLLM's sleep dialect, see
+#: :mod:`agent.engines.sim_server`); absent: all of it. ``wake_time_s``: how long a wake
+#: takes. ``max_num_seqs``: requests run at once, the rest queue.
 SIM_ALLOWED_ENGINE_ARGS: frozenset[str] = ALLOWED_ENGINE_ARGS[EngineKind.SIM]
 #: The name the other engine modules use for their allow-list.
 ALLOWED_ARGS = SIM_ALLOWED_ENGINE_ARGS
@@ -89,10 +92,16 @@ class SimAdapter:
             ("load_time_s", "--load-time"),
             ("tokens_per_second", "--tokens-per-second"),
             ("crash_after_s", "--crash-after"),
+            ("wake_time_s", "--wake-time"),
         ):
             value = seconds_arg(args, name)
             if value is not None:
                 argv += [flag, repr(value)]
+        # Only when given: without them the command line is what it always was.
+        if "weights_bytes" in args:
+            argv += ["--weights-bytes", str(int_arg(args, "weights_bytes", 0, minimum=0))]
+        if "max_num_seqs" in args:
+            argv += ["--max-num-seqs", str(int_arg(args, "max_num_seqs", 1))]
         for name, flag in (("fail_at_start", "--fail-at-start"), ("hang", "--hang")):
             if bool_arg(args, name):
                 argv.append(flag)

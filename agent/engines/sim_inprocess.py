@@ -13,7 +13,8 @@ What that changes, each on purpose:
 
 * it holds no memory: ``--memory-bytes`` is what it *says* it holds, which its node's
   available memory reports as taken (:meth:`InProcessSims.held_bytes`), as a real machine's
-  would drop by what a child sim holds;
+  would drop by what a child sim holds; asleep, it says it holds only its
+  ``--weights-bytes``, as a child sim frees the rest;
 * a simulated crash (``crash_after_s``) ends this engine with the crash's exit code, not
   the process that serves a thousand of them;
 * SIGTERM stops it as a signal would stop the child; SIGKILL cancels it at once (its
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from .base import EngineConfigError
 from .sim import ENTRY_MODULE
-from .sim_server import API_KEY_ENV, SimConfig, parse_args, serve
+from .sim_server import API_KEY_ENV, SimConfig, SimEngine, parse_args, serve
 
 #: What an engine killed with SIGKILL reports, as a child's returncode would.
 KILLED_CODE = -signal.SIGKILL
@@ -49,6 +50,15 @@ class InProcessSim:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[int] | None = None
         self._started_at = time.time()
+        # Nothing is held for real: see the module docstring.
+        self.engine = SimEngine(dataclasses.replace(config, memory_bytes=0), api_key)
+
+    @property
+    def held_bytes(self) -> int:
+        """What it says it holds: all of ``--memory-bytes``, less its KV share asleep."""
+        if self.engine.sleeping:
+            return self.config.memory_bytes - self.config.kv_bytes
+        return self.config.memory_bytes
 
     @property
     def pid(self) -> int:
@@ -60,10 +70,9 @@ class InProcessSim:
         return self._started_at
 
     def start(self) -> None:
-        # Nothing is held for real: see the module docstring.
-        served = dataclasses.replace(self.config, memory_bytes=0)
         self._task = asyncio.get_running_loop().create_task(
-            serve(served, self._api_key, stop=self._stop), name=self.name)
+            serve(self.engine.config, self._api_key, stop=self._stop, engine=self.engine),
+            name=self.name)
 
     def poll(self) -> int | None:
         task = self._task
@@ -124,8 +133,9 @@ class InProcessSims:
         return engine
 
     def held_bytes(self) -> int:
-        """What this node's running engines say they hold (``--memory-bytes``)."""
-        return sum(e.config.memory_bytes for e in self._engines if e.running)
+        """What this node's running engines say they hold (``--memory-bytes``, less the
+        KV share of those asleep)."""
+        return sum(e.held_bytes for e in self._engines if e.running)
 
     def kill_all(self) -> int:
         """SIGKILL every engine of the node at once; how many were running."""

@@ -9,6 +9,21 @@ It speaks enough of the OpenAI HTTP API for the agent, the gateway and load test
 or not) and can be told to misbehave the way real engines do: load slowly, hold memory,
 generate at a set speed, fail while loading, crash later, or hang.
 
+It also speaks vLLM's sleep dialect, so that the agent's code path for vLLM is the one
+tested here. vLLM serves it when started with ``--enable-sleep-mode`` and the environment
+``VLLM_SERVER_DEV_MODE=1`` (its dev endpoints, vllm/entrypoints/serve/sleep/api_router.py
+and docs/features/sleep_mode.md, as read in 2026): ``POST /sleep?level=1`` (level 1, the
+default: the KV cache is discarded and the weights kept, offloaded to CPU memory; level 2
+discards the weights too), ``POST /wake_up`` (200 with an empty body once awake; optional
+``tags``), and ``GET /is_sleeping`` answering ``{"is_sleeping": bool}``. While asleep,
+vLLM answers the completion endpoints 503 and keeps answering ``/health``. The sim takes
+level 1 only (others 400: modelkeeper never asks for them), frees the share of its memory
+beyond ``--weights-bytes`` (on unified memory that is what vLLM's level 1 frees: the
+offloaded weights stay in the same memory), and answers a wake after ``--wake-time``
+seconds with that memory taken back. Its ``/metrics`` has vLLM's two queue gauges,
+``vllm:num_requests_running`` and ``vllm:num_requests_waiting``, from its own queue
+(``--max-num-seqs`` requests run at once, as in vLLM; the rest wait).
+
 Tests start hundreds of these at once on one machine, so the module deliberately uses
 only the standard library (asyncio streams and a minimal HTTP/1.1 parser) and nothing
 that pulls in pydantic, starlette or httpx: every imported megabyte is multiplied by
@@ -22,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import itertools
 import json
@@ -30,9 +46,10 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs
 
 logger = logging.getLogger("agent.engines.sim_server")
 
@@ -54,6 +71,17 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 MEMORY_CHUNK_BYTES = 64 * 1024 * 1024
 #: Stride used to touch held memory; no platform we run on has smaller pages.
 PAGE_BYTES = 4096
+
+#: How long a wake takes by default: vLLM's level-1 wake of a small model (0.1-0.4 s in
+#: vLLM's own measurements); issue 21's wake benchmark uses 0.2 s.
+DEFAULT_WAKE_TIME_S = 0.2
+#: The only sleep level the sim takes: vLLM's level 1 (KV cache freed, weights kept).
+SLEEP_LEVEL = "1"
+
+#: vLLM's sleep endpoints (see the module docstring).
+SLEEP_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping"})
+#: What a completion asked of a sleeping engine is answered, with a 503.
+SLEEPING_MESSAGE = "The model is sleeping: wake it up with POST /wake_up first"
 
 #: The generated text cycles through these words, so output is deterministic.
 WORDS = (
@@ -144,6 +172,12 @@ def parse_request_head(raw: bytes) -> RequestHead:
         value = value.strip()
         headers[key] = f"{headers[key]}, {value}" if key in headers else value
     return RequestHead(method=method, target=target, version=version, headers=headers)
+
+
+def query_param(target: str, name: str) -> str | None:
+    """The last value of ``name`` in ``target``'s query string, or None."""
+    values = parse_qs(target.partition("?")[2]).get(name)
+    return values[-1] if values else None
 
 
 def wants_keep_alive(head: RequestHead) -> bool:
@@ -475,6 +509,19 @@ class SimConfig:
     crash_after_s: float | None = None
     hang: bool = False
     log_level: str = "INFO"
+    #: What it keeps of ``memory_bytes`` asleep; None: all of it (a sleep frees nothing).
+    weights_bytes: int | None = None
+    #: How long a wake takes, its memory taken back included.
+    wake_time_s: float = DEFAULT_WAKE_TIME_S
+    #: Requests that run at once (vLLM's ``--max-num-seqs``); None: no limit.
+    max_num_seqs: int | None = None
+
+    @property
+    def kv_bytes(self) -> int:
+        """What a sleep frees: the memory beyond the weights."""
+        if self.weights_bytes is None:
+            return 0
+        return max(0, self.memory_bytes - self.weights_bytes)
 
 
 def current_rss_bytes() -> int | None:
@@ -497,6 +544,20 @@ def memory_to_hold(target_bytes: int, rss_bytes: int | None) -> int:
     if target_bytes <= 0:
         return 0
     return max(0, target_bytes - (rss_bytes or 0))
+
+
+async def _hold(blocks: list[bytearray], size: int) -> None:
+    """Allocate and touch ``size`` bytes into ``blocks``, in chunks, yielding between them."""
+    remaining = size
+    while remaining > 0:
+        chunk = min(remaining, MEMORY_CHUNK_BYTES)
+        block = bytearray(chunk)
+        # Write one byte per page: an untouched allocation may be mapped lazily and would
+        # not show up in RSS, which is what the agent and the tests measure.
+        block[::PAGE_BYTES] = b"\x01" * len(range(0, chunk, PAGE_BYTES))
+        blocks.append(block)
+        remaining -= chunk
+        await asyncio.sleep(0)
 
 
 class Pacer:
@@ -528,26 +589,73 @@ class SimEngine:
         self.ready = False
         self._ids = itertools.count(1)
         self._connections: set[asyncio.Task[None]] = set()
-        #: Memory held for --memory-bytes; kept referenced so it is never freed.
+        #: Memory held for --memory-bytes: its weights share, kept while asleep, and its
+        #: KV share, freed by a sleep. Kept referenced so neither is freed otherwise.
         self._held: list[bytearray] = []
+        self._kv: list[bytearray] = []
+        #: What the KV share holds once loaded (it may be less than kv_bytes: the
+        #: interpreter's own resident memory counts towards --memory-bytes).
+        self._kv_hold = 0
         #: Never set: --hang waits on it.
         self._never = asyncio.Event()
+        #: Asleep, or waking: completions are refused until a wake has ended.
+        self.sleeping = False
+        #: One sleep or wake at a time: a second call waits for the first and then finds
+        #: the state it wanted (both are idempotent).
+        self._sleep_lock = asyncio.Lock()
+        #: The queue: requests generating now, and requests waiting for a slot.
+        self.running = 0
+        self.waiting = 0
+        self._slots = (asyncio.Semaphore(config.max_num_seqs)
+                       if config.max_num_seqs is not None else None)
 
     async def load(self, started: float) -> None:
         """Grow to --memory-bytes resident, then stay "loading" until --load-time has passed."""
         remaining = memory_to_hold(self.config.memory_bytes, current_rss_bytes())
-        while remaining > 0:
-            size = min(remaining, MEMORY_CHUNK_BYTES)
-            block = bytearray(size)
-            # Write one byte per page: an untouched allocation may be mapped lazily and
-            # would not show up in RSS, which is what the agent and the tests measure.
-            block[::PAGE_BYTES] = b"\x01" * len(range(0, size, PAGE_BYTES))
-            self._held.append(block)
-            remaining -= size
-            await asyncio.sleep(0)
+        self._kv_hold = min(remaining, self.config.kv_bytes)
+        await _hold(self._held, remaining - self._kv_hold)
+        await _hold(self._kv, self._kv_hold)
         delay = started + self.config.load_time_s - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
+
+    async def sleep(self) -> None:
+        """vLLM's level-1 sleep: free the KV share, keep the weights. Idempotent."""
+        async with self._sleep_lock:
+            if self.sleeping:
+                return
+            self.sleeping = True
+            # Chunks this large are mapped apart from the heap: dropping them gives the
+            # memory back to the system at once, as the node's available memory shows.
+            self._kv.clear()
+            logger.info("asleep: freed %d bytes, kept the rest", self._kv_hold)
+
+    async def wake(self) -> None:
+        """Take the KV share back; answers --wake-time after the call at the earliest.
+        Idempotent: an awake engine answers at once."""
+        async with self._sleep_lock:
+            if not self.sleeping:
+                return
+            began = time.monotonic()
+            await _hold(self._kv, self._kv_hold)
+            delay = began + self.config.wake_time_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self.sleeping = False
+            logger.info("awake after %.3fs", time.monotonic() - began)
+
+    def metrics_text(self) -> str:
+        """The Prometheus exposition of vLLM's queue gauges (what a scaler reads)."""
+        model = self.config.model.replace("\\", "\\\\").replace('"', '\\"')
+        label = f'{{model_name="{model}"}}'
+        lines = []
+        for name, value, help_text in (
+            ("vllm:num_requests_running", self.running, "Requests generating now."),
+            ("vllm:num_requests_waiting", self.waiting, "Requests waiting for a slot."),
+        ):
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge",
+                      f"{name}{label} {float(value)}"]
+        return "\n".join(lines) + "\n"
 
     async def handle_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -629,6 +737,26 @@ class SimEngine:
             await writer.drain()
             return keep_alive
 
+        if path == "/metrics":
+            # Unauthenticated, as vLLM's: counts only, nothing a key protects.
+            if method != "GET":
+                raise HttpError(405, "use GET")
+            writer.write(render_response(200, self.metrics_text().encode(),
+                                         keep_alive=keep_alive,
+                                         content_type="text/plain; version=0.0.4"))
+            await writer.drain()
+            return keep_alive
+
+        if path in SLEEP_PATHS:
+            # Behind the key, unlike vLLM's dev endpoints: whoever can reach an engine
+            # must not be able to put it to sleep.
+            if not is_authorized(head.headers, self.api_key):
+                raise HttpError(401, "Invalid API key", code="invalid_api_key")
+            payload = await self._sleep_route(head, method)
+            writer.write(render_response(200, payload, keep_alive=keep_alive))
+            await writer.drain()
+            return keep_alive
+
         if not path.startswith("/v1/"):
             raise HttpError(404, f"no route for {path}")
         if not is_authorized(head.headers, self.api_key):
@@ -653,23 +781,70 @@ class SimEngine:
         if path in ("/v1/completions", "/v1/chat/completions"):
             if method != "POST":
                 raise HttpError(405, "use POST")
+            if self.sleeping:
+                raise HttpError(503, SLEEPING_MESSAGE)
             chat = path == "/v1/chat/completions"
             req = parse_completion_request(body, chat=chat, served_model=self.config.model)
-            request_id = f"{'chatcmpl' if chat else 'cmpl'}-sim{os.getpid()}-{next(self._ids)}"
-            created = int(time.time())
-            if req.stream:
-                return await self._stream(req, request_id, created, head, keep_alive, writer)
-            if self.config.tokens_per_second > 0:
-                # A non-streamed answer arrives when its last token would have.
-                await asyncio.sleep(req.max_tokens / self.config.tokens_per_second)
-            response = build_response(
-                req, model=self.config.model, request_id=request_id, created=created
-            )
-            writer.write(render_response(200, json_bytes(response), keep_alive=keep_alive))
-            await writer.drain()
-            return keep_alive
+            async with self._queued():
+                return await self._complete(req, chat, head, keep_alive, writer)
 
         raise HttpError(404, f"no route for {path}")
+
+    async def _sleep_route(self, head: RequestHead, method: str) -> bytes:
+        """``/sleep``, ``/wake_up`` and ``/is_sleeping``: the answer's body."""
+        if head.path == "/is_sleeping":
+            if method != "GET":
+                raise HttpError(405, "use GET")
+            return json_bytes({"is_sleeping": self.sleeping})
+        if method != "POST":
+            raise HttpError(405, "use POST")
+        if not self.ready:
+            raise HttpError(503, "Loading model")
+        if head.path == "/sleep":
+            level = query_param(head.target, "level") or SLEEP_LEVEL
+            if level != SLEEP_LEVEL:
+                raise HttpError(400, f"sleep level {level!r} is not supported: the sim "
+                                     f"sleeps at level {SLEEP_LEVEL} only", code="level")
+            await self.sleep()
+        else:
+            await self.wake()
+        # vLLM answers both with 200 and an empty body.
+        return b""
+
+    @contextlib.asynccontextmanager
+    async def _queued(self) -> AsyncIterator[None]:
+        """Hold one of --max-num-seqs slots while a request generates, counting it as
+        waiting until it has one and as running while it does."""
+        self.waiting += 1
+        try:
+            if self._slots is not None:
+                await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+            if self._slots is not None:
+                self._slots.release()
+
+    async def _complete(self, req: CompletionRequest, chat: bool, head: RequestHead,
+                        keep_alive: bool, writer: asyncio.StreamWriter) -> bool:
+        """Answer one (chat) completion, streamed or not."""
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-sim{os.getpid()}-{next(self._ids)}"
+        created = int(time.time())
+        if req.stream:
+            return await self._stream(req, request_id, created, head, keep_alive, writer)
+        if self.config.tokens_per_second > 0:
+            # A non-streamed answer arrives when its last token would have.
+            await asyncio.sleep(req.max_tokens / self.config.tokens_per_second)
+        response = build_response(
+            req, model=self.config.model, request_id=request_id, created=created
+        )
+        writer.write(render_response(200, json_bytes(response), keep_alive=keep_alive))
+        await writer.drain()
+        return keep_alive
 
     async def _stream(
         self,
@@ -708,13 +883,16 @@ async def serve(
     *,
     started: float | None = None,
     stop: asyncio.Event | None = None,
+    engine: SimEngine | None = None,
 ) -> int:
     """Run the engine until SIGTERM/SIGINT (0), a simulated load failure (1) or crash.
 
     ``stop``: run inside a process that holds many engines (the agent's fleet mode,
     :mod:`agent.engines.sim_inprocess`): the engine stops when it is set instead of on
     signals, which belong to the host process, and a simulated crash returns
-    :data:`CRASH_EXIT_CODE` instead of ending the process with it.
+    :data:`CRASH_EXIT_CODE` instead of ending the process with it. ``engine``: the
+    engine to serve ``config`` with (built here when None), for a host that reads its
+    state (whether it sleeps).
     """
     started = time.monotonic() if started is None else started
     loop = asyncio.get_running_loop()
@@ -724,7 +902,8 @@ async def serve(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
 
-    engine = SimEngine(config, api_key)
+    if engine is None:
+        engine = SimEngine(config, api_key)
     server = await asyncio.start_server(
         engine.handle_connection, config.host, config.port, limit=MAX_HEAD_BYTES
     )
@@ -786,6 +965,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
 def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
     """Parse the command line into a :class:`SimConfig`."""
     parser = argparse.ArgumentParser(
@@ -828,6 +1014,25 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
     parser.add_argument(
         "--hang", action="store_true", help="accept connections but never answer, /health included"
     )
+    parser.add_argument(
+        "--weights-bytes",
+        type=_non_negative_int,
+        default=None,
+        help="what it keeps of --memory-bytes while asleep (the rest is freed); "
+        "default: all of it",
+    )
+    parser.add_argument(
+        "--wake-time",
+        type=_non_negative_float,
+        default=DEFAULT_WAKE_TIME_S,
+        help="seconds a wake from sleep takes",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=_positive_int,
+        default=None,
+        help="requests generating at once; the rest wait (default: no limit)",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level")
     args = parser.parse_args(argv)
     return SimConfig(
@@ -841,6 +1046,9 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
         crash_after_s=args.crash_after,
         hang=args.hang,
         log_level=args.log_level.upper(),
+        weights_bytes=args.weights_bytes,
+        wake_time_s=args.wake_time,
+        max_num_seqs=args.max_num_seqs,
     )
 
 

@@ -1,5 +1,16 @@
 """vLLM's OpenAI-compatible server, for nodes with NVIDIA GPUs.
 
+Every shard starts with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``: the first
+puts vLLM's memory under its sleep-capable allocator (CUDA only), the second serves the
+sleep endpoints, which vLLM keeps among its dev endpoints (docs/features/sleep_mode.md;
+vllm/entrypoints/serve/sleep/api_router.py attaches them only in dev mode). The agent
+sleeps a shard with ``POST /sleep?level=1`` (KV cache discarded, weights offloaded to CPU
+memory) and wakes it with ``POST /wake_up`` (:data:`SLEEP_DIALECT`). Dev mode serves other
+endpoints too (cache resets, profiling, collective RPC), and vLLM's ``--api-key`` guards
+only ``/v1`` paths in some versions: the engine port must be reachable from the control
+plane's network only, as it already should be. Tested here against the command line
+only (no GPU on the test machines).
+
 Multi-node replicas use vLLM's multiprocessing executor, which needs no Ray cluster
 (``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``; documented for the
 mp backend since late 2025, so assumed present in the vLLM 0.33 this targets). Every
@@ -15,7 +26,7 @@ import httpx
 from modelkeeper.domain.engine_args import ALLOWED_ENGINE_ARGS
 from modelkeeper.domain.shards import EngineKind, ShardSpec
 
-from .base import LaunchPlan, ReadyCheck, probe_ready, reject_unknown_args
+from .base import LaunchPlan, ReadyCheck, SleepDialect, probe_ready, reject_unknown_args
 from .gpu import (
     ArgKind,
     cuda_env,
@@ -42,6 +53,12 @@ ALLOWED_ARGS: frozenset[str] = ALLOWED_ENGINE_ARGS[EngineKind.VLLM]
 
 ENTRY_MODULE = "vllm.entrypoints.openai.api_server"
 
+#: The variable that makes vLLM serve its sleep endpoints, and its value.
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+#: vLLM's sleep dialect; level 1 keeps the weights (level 2 would reload them on wake).
+SLEEP_DIALECT = SleepDialect(sleep_path="/sleep?level=1", wake_path="/wake_up",
+                             state_path="/is_sleeping")
+
 
 class VllmAdapter:
     """Launches one vLLM shard."""
@@ -65,6 +82,7 @@ class VllmAdapter:
             "--tensor-parallel-size", str(layout.tensor),
             "--pipeline-parallel-size", str(layout.pipeline),
             "--gpu-memory-utilization", memory_fraction(spec),
+            "--enable-sleep-mode",
             *optional_flags(spec.engine_args, _FLAGS),
         ]  # fmt: skip
         if spec.world_size > 1:
@@ -80,7 +98,7 @@ class VllmAdapter:
                 argv.append("--headless")
         return LaunchPlan(
             argv=argv,
-            env={**cuda_env(spec), API_KEY_ENV: api_key},
+            env={**cuda_env(spec), DEV_MODE_ENV: "1", API_KEY_ENV: api_key},
             serves_http=spec.rank == 0,
         )
 

@@ -150,6 +150,14 @@ class Mortal:
     async def stop(self, replica_id: ReplicaId, grace_s: float) -> ShardExit:
         return await self._unless_dead(self._manager.stop(replica_id, grace_s))
 
+    async def sleep(self, replica_id: ReplicaId) -> None:
+        await self._unless_dead(self._manager.sleep(replica_id))
+
+    async def wake(self, replica_id: ReplicaId, heartbeat: Callable[[], None], *,
+                   answer_within_s: float | None = None) -> None:
+        await self._unless_dead(self._manager.wake(replica_id, heartbeat,
+                                                   answer_within_s=answer_within_s))
+
     def reports(self) -> list[ShardReport]:
         return self._manager.reports()
 

@@ -102,6 +102,11 @@ class ModelSpec(Frozen):
         default=None, gt=0, le=MAX_MEMORY_BYTES,
         description="declared working set per replica; estimated from the file size when "
                     "absent (llama.cpp with a local file only)")
+    weights_bytes: JsonInt | None = Field(
+        default=None, gt=0, le=MAX_MEMORY_BYTES,
+        description="what a sleeping replica keeps of memory_bytes (its weights; the KV "
+                    "cache is freed), at most memory_bytes, which must then be declared; "
+                    "unset: all of it, so a sleep frees nothing in the accounting")
     cpu_cores: float | None = Field(default=None, gt=0, le=MAX_CPU_CORES,
                                     allow_inf_nan=False, strict=STRICT)
     gpus: JsonInt | None = Field(default=None, ge=0, le=MAX_GPUS)
@@ -125,6 +130,19 @@ class ModelSpec(Frozen):
         description="most tokens one request may ask for: a larger max_tokens (or "
                     "max_completion_tokens) is lowered to it by the gateway; unset: no "
                     "limit of the model's own")
+
+    @model_validator(mode="after")
+    def _weights_within_memory(self) -> Self:
+        if self.weights_bytes is None:
+            return self
+        if self.memory_bytes is None:
+            raise ValueError("weights_bytes needs memory_bytes declared: what a sleeping "
+                             "replica keeps is a part of what it claims")
+        if self.weights_bytes > self.memory_bytes:
+            raise ValueError(f"weights_bytes = {self.weights_bytes} is above memory_bytes = "
+                             f"{self.memory_bytes}: a sleeping replica keeps at most what "
+                             "it claims")
+        return self
 
     @model_validator(mode="after")
     def _default_within_limit(self) -> Self:

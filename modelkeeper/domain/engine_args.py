@@ -87,11 +87,17 @@ ENGINE_ARG_RULES: dict[EngineKind, dict[str, ArgRule]] = {
     # ``memory_bytes``: resident memory to hold, instead of the shard's whole allocation;
     # a scale test gives fake nodes large capacities but cannot back them with real memory.
     # Never more than the model claims (checked against the claim where it is known).
+    # ``weights_bytes``: what it keeps of that while asleep (the rest, its "KV cache", is
+    # freed); absent: all of it. ``wake_time_s``: how long a wake takes.
+    # ``max_num_seqs``: requests it runs at once, as vLLM's; the rest wait in its queue.
     EngineKind.SIM: {"load_time_s": NumberArg(0.0, MAX_SIM_SECONDS),
                      "tokens_per_second": NumberArg(0.0, MAX_SIM_TOKENS_PER_SECOND),
                      "fail_at_start": FlagArg(),
                      "crash_after_s": NumberArg(0.0, MAX_SIM_SECONDS),
-                     "hang": FlagArg(), "memory_bytes": IntArg(0, MAX_MEMORY_BYTES)},
+                     "hang": FlagArg(), "memory_bytes": IntArg(0, MAX_MEMORY_BYTES),
+                     "weights_bytes": IntArg(0, MAX_MEMORY_BYTES),
+                     "wake_time_s": NumberArg(0.0, MAX_SIM_SECONDS),
+                     "max_num_seqs": _SEQUENCES},
 }
 
 #: Each engine's allow-list (the names of :data:`ENGINE_ARG_RULES`).
@@ -135,13 +141,15 @@ def check_engine_arg_names(kind: EngineKind, args: Mapping[str, Any], *,
     reject_unknown_args(kind, args, frozenset(rules))
     for name in sorted(args):
         _check_value(f"engine_args.{name}", args[name], rules[name])
-    memory = args.get("memory_bytes")
-    if kind is EngineKind.SIM and claim_bytes is not None and isinstance(memory, int) \
-            and memory > claim_bytes:
-        raise EngineConfigError("engine_args.memory_bytes", memory,
-                                f"more than the {claim_bytes} bytes the model claims "
-                                "(memory_bytes): the sim would hold memory placement "
-                                "does not count")
+    if kind is not EngineKind.SIM or claim_bytes is None:
+        return
+    for name in ("memory_bytes", "weights_bytes"):
+        held = args.get(name)
+        if isinstance(held, int) and held > claim_bytes:
+            raise EngineConfigError(f"engine_args.{name}", held,
+                                    f"more than the {claim_bytes} bytes the model claims "
+                                    "(memory_bytes): the sim would hold memory placement "
+                                    "does not count")
 
 
 def _check_value(field: str, value: Any, rule: ArgRule) -> None:

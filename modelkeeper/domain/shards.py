@@ -22,6 +22,25 @@ class EngineKind(StrEnum):
     SIM = "sim"
 
 
+def can_sleep(engine: EngineKind) -> bool:
+    """Whether ``engine`` can sleep: free its KV cache and keep its weights loaded, to wake
+    in a fraction of a load. vLLM (``--enable-sleep-mode``), SGLang (its memory saver)
+    and the sim (which speaks vLLM's dialect) can; llama.cpp has no sleep, so the keeper
+    stops it instead. The agent's adapters carry the dialect of each engine that can
+    (a unit test keeps the two in step)."""
+    return engine is not EngineKind.LLAMACPP
+
+
+def share_of(total_bytes: int, part_bytes: int, whole_bytes: int) -> int:
+    """``part_bytes``' share of ``total_bytes``, in proportion to ``whole_bytes``, rounded
+    down: what one shard of ``whole_bytes`` keeps of a replica's ``total_bytes`` (its
+    claim's share of the weights a sleeping replica keeps). Never more than ``part_bytes``
+    when ``total_bytes <= whole_bytes``; 0 for an empty whole."""
+    if whole_bytes <= 0:
+        return 0
+    return total_bytes * part_bytes // whole_bytes
+
+
 class ShardSpec(Tolerant):
     """One shard (one rank) of a replica, as the agent on ``node_id`` must start it.
 
@@ -126,6 +145,19 @@ class StopShardInput(Tolerant):
     grace_s: float = Field(default=10.0, ge=0)
 
 
+class SleepShardInput(Tolerant):
+    """Input of the `sleep_shard` activity: free the engine's KV cache, keep its weights."""
+
+    replica_id: ReplicaId
+
+
+class WakeShardInput(Tolerant):
+    """Input of the `wake_shard` activity: take the KV cache back, after the node's
+    start-up gate (waking re-allocates memory, as a load does)."""
+
+    replica_id: ReplicaId
+
+
 class ShardReport(Tolerant):
     """What an agent says it runs: sent on registration and by `list_shards`. Agents may
     run a newer version than the worker or the API: unknown keys are ignored."""
@@ -139,9 +171,12 @@ class ShardReport(Tolerant):
     url: str | None
     adopted: bool
     #: Set while the start waits at the node's start-up gate: 1 is next in line. Such a
-    #: shard is ``starting`` with no process yet, so its port and pid are 0. None (and
-    #: absent, from an older agent) for a shard that runs.
+    #: shard is ``starting`` with no process yet, so its port and pid are 0; or, for a
+    #: ``sleeping`` shard, while its wake waits there. None (and absent, from an older
+    #: agent) otherwise.
     queued_position: int | None = Field(default=None, ge=1)
+    #: Put to sleep (its KV cache freed, its weights kept); False from an older agent.
+    sleeping: bool = False
 
 
 class FetchProgress(Frozen):
@@ -213,3 +248,18 @@ class ShardStartError(Exception):
     def __init__(self, exit: ShardExit) -> None:
         super().__init__(f"{exit.kind}: {exit.detail}")
         self.exit = exit
+
+
+class ShardNotHereError(Exception):
+    """The agent runs no such shard (never started here, ended, or lost): a sleep or wake
+    of it cannot succeed on this node, whoever retries."""
+
+
+class SleepWakeError(Exception):
+    """A sleep or wake the engine refused or did not answer. ``retryable``: False where
+    trying again cannot help (the engine cannot sleep, refused the call outright, or the
+    wake found no room or was stopped while it waited)."""
+
+    def __init__(self, message: str, *, retryable: bool) -> None:
+        super().__init__(message)
+        self.retryable = retryable

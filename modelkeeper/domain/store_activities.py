@@ -81,3 +81,24 @@ class DeleteDeploymentInput(Tolerant):
     """Input of `delete_deployment`."""
 
     deployment_id: DeploymentId
+
+
+class ShrinkClaimsInput(Tolerant):
+    """Input of `shrink_claims`: the replica has been put to sleep; its claims shrink to
+    the weights of the model it runs (the catalog's ``weights_bytes``)."""
+
+    replica_id: ReplicaId
+
+
+class RegrowClaimsInput(Tolerant):
+    """Input of `regrow_claims`: the replica is about to wake; its claims grow back first."""
+
+    replica_id: ReplicaId
+
+
+class RegrowClaimsResult(Tolerant):
+    """What `regrow_claims` answers: grown back (``ok``), or why not, naming the node, the
+    bytes waking takes back and the bytes free there (nothing changed)."""
+
+    ok: bool
+    reason: str | None = None

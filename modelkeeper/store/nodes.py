@@ -322,7 +322,9 @@ class NodeStore:
         return [NodeRecord(**record(row)) for row in rows]
 
 #: Each node's claims summed by two subqueries per node: cheap for a few nodes, and what
-#: every read of whole :class:`NodeRecord` rows uses.
+#: every read of whole :class:`NodeRecord` rows uses. A sleeping claim's ``memory_bytes``
+#: is what it keeps asleep (its awake amount waits in ``awake_memory_bytes``), so the sum,
+#: and the free memory ``GET /nodes`` shows from it, count only that.
 CLAIMS_PER_NODE = """
     LEFT JOIN LATERAL (
         SELECT SUM(a.memory_bytes)::bigint AS memory_claimed_bytes,

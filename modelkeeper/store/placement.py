@@ -29,8 +29,9 @@ from ..domain.placement import (
     explain,
     place,
 )
-from ..domain.shards import ShardSpec
+from ..domain.shards import EngineKind, ShardSpec, share_of
 from ..domain.status import ReplicaState
+from ..domain.units import format_gib
 from .locks import NODE_LOCK_SPACE, PLACEMENT_LOCK, REPLICA_LOCK_SPACE, lock_key
 from .nodes import CLAIM_COLUMNS, CLAIMS_PER_NODE
 from .pool import decode_jsonb
@@ -160,6 +161,85 @@ class PlacementStore:
         return place(request, self._views.of(rows, now, unreachable_after_s=unreachable_after_s,
                                              lost_after_s=lost_after_s, every_node=True))
 
+    async def replica_weights_bytes(self, replica_id: ReplicaId) -> int | None:
+        """What a sleeping replica keeps: the ``weights_bytes`` of the catalog model it
+        runs (its generation's, else its deployment's); None when the catalog gives none,
+        or the replica is gone."""
+        kept: int | None = await self._pool.fetchval(
+            "SELECT m.weights_bytes FROM replicas r "
+            "JOIN deployments d ON d.deployment_id = r.deployment_id "
+            "JOIN models m ON m.model_id = COALESCE(r.runs_model_id, d.model_id) "
+            "WHERE r.replica_id = $1", replica_id)
+        return kept
+
+    async def shrink_claims(self, replica_id: ReplicaId, keep_bytes: int | None) -> None:
+        """The replica sleeps: each of its claims keeps at most its share of
+        ``keep_bytes`` (in proportion to what it claims awake: :func:`share_of`; None:
+        all of it, so nothing is freed), and remembers its awake amount in
+        ``awake_memory_bytes``, what a wake takes back.
+
+        Idempotent: the shares are computed from the awake amounts, so a retry, or a
+        second sleep, writes the same. Nothing can over-claim by shrinking, so only the
+        replica's lock is taken (a regrow of it waits, or is waited for); no node's.
+        Every sum of claims (placement's, ``GET /nodes``') reads ``memory_bytes``, so a
+        sleeping claim counts there as only what it keeps.
+        """
+        async with self._pool.acquire() as conn, conn.transaction(isolation="read_committed"):
+            await conn.execute("SELECT pg_advisory_xact_lock($1, $2)",
+                               REPLICA_LOCK_SPACE, lock_key(replica_id))
+            rows = await conn.fetch(
+                "SELECT node_id, COALESCE(awake_memory_bytes, memory_bytes) AS awake "
+                "FROM allocations WHERE replica_id = $1", replica_id)
+            whole = sum(row["awake"] for row in rows)
+            for row in rows:
+                kept = row["awake"] if keep_bytes is None else min(
+                    row["awake"], share_of(max(0, keep_bytes), row["awake"], whole))
+                await conn.execute(
+                    "UPDATE allocations SET memory_bytes = $3, awake_memory_bytes = $4 "
+                    "WHERE replica_id = $1 AND node_id = $2",
+                    replica_id, row["node_id"], kept, row["awake"])
+
+    async def regrow_claims(self, replica_id: ReplicaId, *, now: datetime,
+                            unreachable_after_s: float, lost_after_s: float) -> str | None:
+        """The replica wakes: grow each claim back to its awake amount if every node has
+        the difference free, and answer None; otherwise change nothing and answer why,
+        naming the node, the bytes needed and the bytes free. None too for a replica
+        awake already (or gone): there is nothing to take back.
+
+        Under place_replica's locks, in its order (see there): the replica's, the
+        placement lock shared, then the nodes' in key order. Every claimer holds a node's
+        lock from its check to its commit, so the free memory read under them cannot
+        shrink before this commit: two wakes, or a wake and a placement, never take the
+        same memory. Free memory is placement's own (:attr:`NodeView.memory_free_bytes`
+        of the same read), where a sleeping claim counts as what it keeps.
+        """
+        async with self._pool.acquire() as conn, conn.transaction(isolation="read_committed"):
+            await conn.execute("SELECT pg_advisory_xact_lock($1, $2)",
+                               REPLICA_LOCK_SPACE, lock_key(replica_id))
+            rows = await conn.fetch(
+                "SELECT node_id, memory_bytes, awake_memory_bytes FROM allocations "
+                "WHERE replica_id = $1 AND awake_memory_bytes IS NOT NULL ORDER BY rank",
+                replica_id)
+            if not rows:
+                return None
+            await conn.execute("SELECT pg_advisory_xact_lock_shared($1, $2)", *PLACEMENT_LOCK)
+            for key in sorted({lock_key(row["node_id"]) for row in rows}):
+                await conn.execute("SELECT pg_advisory_xact_lock($1, $2)", NODE_LOCK_SPACE, key)
+            views = {v.node_id: v for v in self._views.of(
+                await conn.fetch(_PLACEMENT_NODES_BY_ID, [row["node_id"] for row in rows]),
+                now, unreachable_after_s=unreachable_after_s, lost_after_s=lost_after_s,
+                every_node=False)}
+            reason = _wake_shortfall(replica_id, [
+                (NodeId(row["node_id"]), row["awake_memory_bytes"] - row["memory_bytes"])
+                for row in rows], views)
+            if reason is not None:
+                return reason
+            await conn.execute(
+                "UPDATE allocations SET memory_bytes = awake_memory_bytes, "
+                "awake_memory_bytes = NULL WHERE replica_id = $1 "
+                "AND awake_memory_bytes IS NOT NULL", replica_id)
+            return None
+
     async def replica_placement_note(self, replica_id: str) -> str | None:
         """Why the replica shares a node with another replica of its deployment, as its
         placement found (None: it does not, or it is unknown). Written with its claims,
@@ -179,7 +259,8 @@ _PLACEMENT_COLUMNS = """
            n.silent_since,
 """ + CLAIM_COLUMNS
 
-#: The nodes as placement reads them: each node's claims summed in one pass over the
+#: The nodes as placement reads them (a sleeping claim counting as what it keeps, as in
+#: :data:`.nodes.CLAIMS_PER_NODE`): each node's claims summed in one pass over the
 #: claims grouped by node, where :data:`.nodes.CLAIMS_PER_NODE` sums them with two
 #: subqueries per node: at 1,000 nodes and 200 claims those took 19 ms of the server's
 #: time, this 0.6 ms. GPU indices are gathered apart from the sums: joined to them,
@@ -278,11 +359,13 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
         # pass it: the second waits here and then finds the first one's claims.
         await timing.lock(conn, "SELECT pg_advisory_xact_lock($1, $2)",
                           REPLICA_LOCK_SPACE, lock_key(args.replica_id))
+        # A sleeping claim answers with what it claims awake: that is what its shard runs.
         existing = await conn.fetch(
-            "SELECT * FROM allocations WHERE replica_id = $1 ORDER BY rank", args.replica_id)
+            "SELECT *, COALESCE(awake_memory_bytes, memory_bytes) AS awake_bytes "
+            "FROM allocations WHERE replica_id = $1 ORDER BY rank", args.replica_id)
         if existing:
             return [_shard_spec(args.replica_id, args.model, a["node_id"], a["rank"],
-                                len(existing), a["memory_bytes"], float(a["cpu_cores"]),
+                                len(existing), a["awake_bytes"], float(a["cpu_cores"]),
                                 list(a["gpu_indices"]), a["gpu_memory_bytes"],
                                 args.start_timeout_s)
                     for a in existing]
@@ -342,6 +425,23 @@ async def _sibling_nodes(conn: asyncpg.Connection, deployment_id: DeploymentId
         "SELECT DISTINCT a.node_id FROM allocations a JOIN replicas r USING (replica_id) "
         "WHERE r.deployment_id = $1", deployment_id)
     return {NodeId(row["node_id"]) for row in rows}
+
+
+def _wake_shortfall(replica_id: ReplicaId, wanted: list[tuple[NodeId, int]],
+                    views: dict[NodeId, NodeView]) -> str | None:
+    """Why the replica cannot take back ``wanted`` (per node, the bytes beyond what its
+    claim keeps asleep), or None when every node has them free. A node that reports no
+    memory fits, as in placement."""
+    for node_id, needed in wanted:
+        view = views.get(node_id)
+        free = None if view is None else view.memory_free_bytes
+        if free is None or needed <= free:
+            continue
+        name = node_id if view is None else f"{view.name} ({node_id})"
+        return (f"{replica_id} cannot wake: node {name} has {format_gib(free)} "
+                f"({free} bytes) free, and waking takes back {format_gib(needed)} "
+                f"({needed} bytes)")
+    return None
 
 
 def _fits_now(request: PlacementRequest, shard: ShardAssignment, node: NodeView | None
@@ -435,6 +535,22 @@ class _NodeViews:
         return views
 
 
+def _shard_engine_args(model: CatalogModel, memory_bytes: int) -> dict[str, Any]:
+    """The engine arguments of one shard of ``model`` claiming ``memory_bytes``: the
+    catalog's, and for the sim the ``weights_bytes`` it keeps asleep when the catalog gives
+    the model's: the same share of what it holds as the model's weights are of its claim,
+    so the sim frees what :meth:`PlacementStore.shrink_claims` frees (it may hold less
+    than its claim: ``engine_args.memory_bytes``)."""
+    args = model.engine_args
+    if model.engine is not EngineKind.SIM or model.weights_bytes is None \
+            or "weights_bytes" in args:
+        return args
+    held = args.get("memory_bytes")
+    if isinstance(held, bool) or not isinstance(held, int):
+        held = memory_bytes
+    return {**args, "weights_bytes": share_of(model.weights_bytes, held, model.memory_bytes)}
+
+
 def _shard_spec(replica_id: ReplicaId, model: CatalogModel, node_id: NodeId, rank: int,
                 world_size: int, memory_bytes: int, cpu_cores: float, gpu_indices: list[int],
                 gpu_memory_bytes: int | None, start_timeout_s: float) -> ShardSpec:
@@ -444,4 +560,4 @@ def _shard_spec(replica_id: ReplicaId, model: CatalogModel, node_id: NodeId, ran
         rank=rank, world_size=world_size,
         memory_bytes=memory_bytes, gpu_memory_bytes=gpu_memory_bytes,
         gpu_indices=gpu_indices, cpu_cores=cpu_cores or None,
-        engine_args=model.engine_args, start_timeout_s=start_timeout_s)
+        engine_args=_shard_engine_args(model, memory_bytes), start_timeout_s=start_timeout_s)

@@ -35,6 +35,13 @@ class StubRunner:
     async def stop(self, replica_id: ReplicaId, grace_s: float) -> ShardExit:
         raise NotImplementedError
 
+    async def sleep(self, replica_id: ReplicaId) -> None:
+        raise NotImplementedError
+
+    async def wake(self, replica_id: ReplicaId, heartbeat: Callable[[], None], *,
+                   answer_within_s: float | None = None) -> None:
+        raise NotImplementedError
+
     def reports(self) -> list[ShardReport]:
         return []
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from agent.engines.base import EngineConfigError, LaunchPlan
+from agent.engines.base import EngineConfigError, LaunchPlan, sleep_dialect
 from agent.engines.sglang import API_KEY_ENV, ENTRY_SCRIPT, SglangAdapter
 from agent.engines.vllm import VllmAdapter
 from modelkeeper.domain.ids import ModelId, NodeId, ReplicaId
@@ -74,7 +74,10 @@ def test_vllm_single_gpu_plan() -> None:
     assert (flag(argv, "--host"), flag(argv, "--port")) == ("10.1.2.3", "8200")
     assert flag(argv, "--gpu-memory-utilization") == "0.50"
     assert "--api-key" not in argv and "--nnodes" not in argv and "--headless" not in argv
-    assert plan.env == {"CUDA_VISIBLE_DEVICES": "3", "HF_HUB_OFFLINE": "1", "VLLM_API_KEY": KEY}
+    # Sleep mode on, and its endpoints served (vLLM keeps them among its dev endpoints).
+    assert argv.count("--enable-sleep-mode") == 1
+    assert plan.env == {"CUDA_VISIBLE_DEVICES": "3", "HF_HUB_OFFLINE": "1",
+                        "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": KEY}
     assert plan.notes == [] and plan.serves_http and plan.health_path == "/health"
 
 
@@ -92,6 +95,24 @@ def test_sglang_single_gpu_plan() -> None:
     assert plan.notes == []
     assert plan.env == {"CUDA_VISIBLE_DEVICES": "1", "HF_HUB_OFFLINE": "1", API_KEY_ENV: KEY}
     assert "--nnodes" not in argv and plan.serves_http
+    # The memory saver, which release/resume_memory_occupation (its sleep) need.
+    assert argv.count("--enable-memory-saver") == 1
+
+
+def test_sleep_dialects() -> None:
+    """The calls the agent makes to sleep and wake each engine (no GPU here: checked
+    against the names vLLM's and SGLang's servers route, as their sources had them)."""
+    vllm = sleep_dialect(EngineKind.VLLM)
+    assert vllm is not None
+    assert (vllm.sleep_path, vllm.wake_path, vllm.body, vllm.state_path) == (
+        "/sleep?level=1", "/wake_up", None, "/is_sleeping")
+    sglang = sleep_dialect(EngineKind.SGLANG)
+    assert sglang is not None
+    assert (sglang.sleep_path, sglang.wake_path, sglang.state_path) == (
+        "/release_memory_occupation", "/resume_memory_occupation", None)
+    # The KV cache only: the weights stay loaded, as in vLLM's level 1.
+    assert sglang.body == {"tags": ["kv_cache"]}
+    assert sleep_dialect(EngineKind.LLAMACPP) is None
 
 
 def test_vllm_key_never_in_argv_nor_repr() -> None:
