@@ -23,6 +23,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from modelkeeper.domain.catalog import ScaleRequest
     from modelkeeper.domain.demand import (
+        DemandView,
         EvictRequest,
         SetPolicyRequest,
         SetWindowRequest,
@@ -91,7 +92,7 @@ with workflow.unsafe.imports_passed_through():
         SetGenerationRequest,
     )
     from modelkeeper.domain.nodes import NodeSilentInput
-    from modelkeeper.domain.shards import ShardSpec
+    from modelkeeper.domain.shards import ShardSpec, can_sleep
     from modelkeeper.names import (
         ERROR_DELETING,
         ERROR_MOVE_REFUSED,
@@ -164,7 +165,7 @@ class DeploymentWorkflow:
         self._continuing = False
         # The view the running usage watch was started on: a new one starts when the
         # keeper's view moves on (its step would be dropped anyway).
-        self._demand_watch_view: object = None
+        self._demand_watch_view: DemandView | None = None
 
     # -- signals, updates, queries -------------------------------------------------------
 
@@ -518,7 +519,7 @@ class DeploymentWorkflow:
             self._demand_watch_view = view
             self._spawn(DEMAND_WATCH_TASK, self._watch_demand(view))
 
-    async def _watch_demand(self, view: Any) -> None:
+    async def _watch_demand(self, view: DemandView) -> None:
         """Until a step is due on ``view``; then the keeper decides on it. A watch that
         fails for good is started again by the next pass of the loop."""
         try:
@@ -601,7 +602,8 @@ class DeploymentWorkflow:
         shards[replica_id] = result.shards
         self.state = self.state.model_copy(update={"shards": shards})
         self._inbox.append(Placed(replica_id=replica_id,
-                                  nodes=[s.node_id for s in result.shards], note=result.note))
+                                  nodes=[s.node_id for s in result.shards], note=result.note,
+                                  can_sleep=all(can_sleep(s.engine) for s in result.shards)))
 
     async def _start(self, replica_id: ReplicaId) -> None:
         self._observe(*await hops.start(replica_id, self.state.keeper.spec.deployment_id,

@@ -34,26 +34,33 @@ with workflow.unsafe.imports_passed_through():
         Silent,
         Started,
         StartFailed,
+        WakeFailed,
+        Woke,
     )
     from modelkeeper.domain.shards import (
         ShardEndpoint,
         ShardExit,
         ShardSpec,
+        SleepShardInput,
         StartShardInput,
         StopShardInput,
+        WakeShardInput,
         WatchShardInput,
     )
     from modelkeeper.domain.store_activities import (
         DeleteDeploymentInput,
         PlaceReplicaInput,
         PlaceReplicaResult,
+        RegrowClaimsInput,
         ReleaseReplicaInput,
         RoomFound,
+        ShrinkClaimsInput,
         WatchForRoomInput,
     )
     from modelkeeper.domain.tunables import Tunables
     from modelkeeper.names import (
         CONTROL_TASK_QUEUE,
+        ERROR_SHARD_NOT_HERE,
         ERROR_UNKNOWN_MODEL,
         ROOM_WATCH_TASK_QUEUE,
         node_task_queue,

@@ -286,7 +286,10 @@ class DeploymentStore:
                 "                              ELSE left_routing_at END "
                 "WHERE replica_id = $1 AND state <> ALL($3::text[])",
                 replica_id, ReplicaState.DRAINING.value,
-                [ReplicaState.DRAINING.value, ReplicaState.STOPPING.value])
+                # Sleeping is out of routing too: a drain before a sleep must not leave
+                # it marked draining once the keeper has written sleeping.
+                [ReplicaState.DRAINING.value, ReplicaState.STOPPING.value,
+                 ReplicaState.SLEEPING.value])
             # A statement of its own, after the UPDATE's commit: a clock read inside the
             # UPDATE could precede its commit, and a usage write starting in between would
             # be stamped after the mark while still seeing the replica ready. (A time
