@@ -180,7 +180,9 @@ class NoVictim(Tolerant):
 
 
 def _minutes(seconds: float) -> str:
-    return f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
+    """Whole minutes, rounded down as :data:`IDLE_BUCKET_S` counts them ("14 min" for
+    14 min 50 s); seconds below two minutes."""
+    return f"{int(seconds // 60)} min" if seconds >= 120 else f"{int(seconds)} s"
 
 
 def idle_s(candidate: Candidate, now: datetime) -> float | None:

@@ -20,7 +20,8 @@ from activities.store import StoreActivities
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
     **{name: getattr(StoreActivities, name) for name in (
         "place_replica", "watch_for_room", "record_event", "record_replica_state",
-        "release_replica", "record_deployment_status", "delete_deployment")},
+        "release_replica", "record_deployment_status", "delete_deployment",
+        "find_eviction")},
     "drain_replica": RoutingActivities.drain_replica,
     **{name: getattr(NodeActivities, name) for name in (
         "start_shard", "watch_shard", "stop_shard", "list_shards")},
