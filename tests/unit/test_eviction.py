@@ -260,6 +260,24 @@ def test_two_needed_together_are_pruned_to_those_that_make_the_room() -> None:
     assert "(1 of 2 needed; next y)" in result.reason
 
 
+def test_a_replica_across_two_nodes_needs_one_victim_on_each() -> None:
+    """Shards of 4 GiB on two nodes: n0 fits already, n1 and n2 are full. One victim on
+    n1 (or n2) makes the second node, and the more idle one goes; freeing room on n0, which
+    fits already, makes nothing."""
+    on0 = candidate("on0", on="n0", idle_min=90, gib=4)
+    a, b = candidate("a", on="n1", idle_min=20, gib=4), candidate("b", on="n2", idle_min=50,
+                                                                  gib=4)
+    nodes = [node("n0", mem_gib=8, claimed_gib=4), node("n1", mem_gib=4, claimed_gib=4),
+             node("n2", mem_gib=4, claimed_gib=4)]
+    result = choose(asking(8, min_nodes=2), nodes, [on0, a, b])
+    assert isinstance(result, EvictionChoice)
+    assert (result.replica_id, result.also_needed, result.place_on) == ("b", [], ["n0", "n2"])
+    # Three nodes needed, one fits: both are needed, the more idle first.
+    result = choose(asking(12, min_nodes=3), nodes, [on0, a, b])
+    assert isinstance(result, EvictionChoice)
+    assert (result.replica_id, result.also_needed) == ("b", ["a"])
+
+
 def test_a_single_victim_is_preferred_to_a_set_of_more_idle_ones() -> None:
     """{a, b} together would make the room, and are more idle; but one eviction beats two."""
     a, b = candidate("a", idle_min=60, gib=8), candidate("b", idle_min=60, gib=8)
