@@ -20,8 +20,10 @@ from modelkeeper.domain.catalog import (
     Generation,
     ReplicaStateUpdate,
 )
+from modelkeeper.domain.draining import stale_after_s
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
 from modelkeeper.domain.events import Event, NewEvent
+from modelkeeper.domain.eviction import NoVictim
 from modelkeeper.domain.ids import NodeId
 from modelkeeper.domain.keeper import DeploymentSpec
 from modelkeeper.domain.nodes import NodeState
@@ -30,6 +32,8 @@ from modelkeeper.domain.settling import SettlingWindow
 from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.domain.store_activities import (
     DeleteDeploymentInput,
+    EvictionFound,
+    FindEvictionInput,
     PlaceReplicaInput,
     PlaceReplicaResult,
     RegrowClaimsInput,
@@ -42,6 +46,7 @@ from modelkeeper.domain.store_activities import (
 from modelkeeper.infra.temporal import signal_unplaceable
 from modelkeeper.names import (
     ACTIVITY_DELETE_DEPLOYMENT,
+    ACTIVITY_FIND_EVICTION,
     ACTIVITY_PLACE_REPLICA,
     ACTIVITY_RECORD_DEPLOYMENT_STATUS,
     ACTIVITY_RECORD_EVENT,
@@ -212,6 +217,34 @@ class StoreActivities:
                          ", ".join(result.node_ids), checks)
                 return RoomFound(nodes=list(result.node_ids), checks=checks)
 
+    @activity.defn(name=ACTIVITY_FIND_EVICTION)
+    async def find_eviction(self, request: FindEvictionInput) -> EvictionFound:
+        """Which idle replica of another on-demand deployment to stop so that a replica
+        of ``request.spec`` fits (modelkeeper.domain.eviction has the rules), or why none.
+
+        It claims nothing and stops nothing: the deployment asks the victim's workflow to
+        retire it (an ``evict`` update), and places again once the room is freed, where
+        placement's locked re-check decides. Usage rows count while younger than the
+        drains' staleness (``STALE_AFTER_INTERVALS`` gateway flush intervals); a replica
+        that began serving less than ``eviction_protect_s`` ago is never chosen."""
+        spec = request.spec
+        model = await self._runs(spec, request.generation)
+        result = await self._store.placement.find_eviction(
+            deployment_id=spec.deployment_id,
+            request=_placement_request(spec, model, avoid_nodes=request.avoid_nodes),
+            now=datetime.now(UTC),
+            unreachable_after_s=self._settings.node_unreachable_after_s,
+            lost_after_s=self._settings.node_lost_after_s,
+            stale_after_s=stale_after_s(self._settings.usage_flush_interval_s),
+            protect_s=self._settings.eviction_protect_s)
+        if isinstance(result, NoVictim):
+            log.info("%s: nothing to evict for %s: %s", spec.deployment_id,
+                     request.replica_id, result.reason)
+            return EvictionFound(reason=result.reason, fits_now=result.fits_now,
+                                 refusals=result.refusals)
+        log.info("%s: %s", spec.deployment_id, result.reason)
+        return EvictionFound(choice=result, reason=result.reason)
+
     async def _runs(self, spec: DeploymentSpec, generation: Generation | None
                     ) -> CatalogModel:
         """The catalog entry the replica runs, with the generation's engine arguments laid
@@ -312,7 +345,7 @@ class StoreActivities:
         """Every activity this class defines, for the worker to register."""
         return [self.record_event, self.place_replica, self.record_replica_state,
                 self.release_replica, self.record_deployment_status, self.delete_deployment,
-                self.shrink_claims, self.regrow_claims]
+                self.shrink_claims, self.regrow_claims, self.find_eviction]
 
     def room_watches(self) -> list[Callable[..., Any]]:
         """The room watch, for the worker of ROOM_WATCH_TASK_QUEUE: long-lived, so kept

@@ -32,6 +32,8 @@ from modelkeeper.domain.shards import (
 )
 from modelkeeper.domain.store_activities import (
     DeleteDeploymentInput,
+    EvictionFound,
+    FindEvictionInput,
     PlaceReplicaInput,
     PlaceReplicaResult,
     RegrowClaimsInput,
@@ -44,6 +46,7 @@ from modelkeeper.domain.store_activities import (
 from modelkeeper.names import (
     ACTIVITY_DELETE_DEPLOYMENT,
     ACTIVITY_DRAIN_REPLICA,
+    ACTIVITY_FIND_EVICTION,
     ACTIVITY_LIST_SHARDS,
     ACTIVITY_PLACE_REPLICA,
     ACTIVITY_RECORD_DEPLOYMENT_STATUS,
@@ -76,6 +79,11 @@ async def place_replica(request: PlaceReplicaInput) -> PlaceReplicaResult:
 @activity.defn(name=ACTIVITY_WATCH_FOR_ROOM)
 async def watch_for_room(request: WatchForRoomInput) -> RoomFound:
     _stub(ACTIVITY_WATCH_FOR_ROOM)
+
+
+@activity.defn(name=ACTIVITY_FIND_EVICTION)
+async def find_eviction(request: FindEvictionInput) -> EvictionFound:
+    _stub(ACTIVITY_FIND_EVICTION)
 
 
 @activity.defn(name=ACTIVITY_RECORD_EVENT)

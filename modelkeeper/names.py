@@ -108,7 +108,9 @@ UPDATE_SET_POLICY = "set_policy"
 UPDATE_SET_WINDOW = "set_window"
 UPDATE_SLEEP = "sleep"
 UPDATE_WAKE = "wake"
-UPDATE_EVICT = "evict"
+#: A signal, not an update: it comes from another deployment's workflow, which cannot
+#: send updates; the keeper checks it (modelkeeper.domain.keeper.refuse_eviction).
+SIGNAL_EVICT = "evict"
 QUERY_STATUS = "status"
 #: A deployment as a saga sees it (modelkeeper.domain.moves.DeploymentBrief).
 QUERY_BRIEF = "brief"

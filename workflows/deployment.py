@@ -75,7 +75,6 @@ with workflow.unsafe.imports_passed_through():
         follows_demand,
         move_outcome,
         next_wake,
-        refuse_eviction,
         refuse_move,
         resume,
         room_watch_goes_on,
@@ -99,12 +98,12 @@ with workflow.unsafe.imports_passed_through():
         QUERY_BRIEF,
         QUERY_STATUS,
         SIGNAL_DELETE,
+        SIGNAL_EVICT,
         SIGNAL_NODE_SILENT,
         SIGNAL_NODES_CHANGED,
         SIGNAL_RETRY,
         UPDATE_AWAIT_MOVE,
         UPDATE_CANCEL_MOVE,
-        UPDATE_EVICT,
         UPDATE_MOVE,
         UPDATE_SCALE,
         UPDATE_SET_GENERATION,
@@ -112,6 +111,7 @@ with workflow.unsafe.imports_passed_through():
         UPDATE_SET_WINDOW,
         UPDATE_SLEEP,
         UPDATE_WAKE,
+        deployment_workflow_id,
     )
 
 from . import deployment_hops as hops
@@ -250,18 +250,14 @@ class DeploymentWorkflow:
     def _validate_wake(self, request: WakeRequest) -> None:
         self._not_deleting()
 
-    @workflow.update(name=UPDATE_EVICT)
-    async def evict(self, request: EvictRequest) -> None:
-        """Another deployment asked for this replica's room (it chose it as idle)."""
-        await self._decide_now(EvictAsked(replica_id=request.replica_id,
-                                          for_deployment=request.for_deployment,
-                                          reason=request.reason))
-
-    @evict.validator
-    def _validate_evict(self, request: EvictRequest) -> None:
-        reason = refuse_eviction(self.state.keeper, request.replica_id)
-        if reason is not None:
-            raise ApplicationError(reason, type=ERROR_MOVE_REFUSED, non_retryable=True)
+    @workflow.signal(name=SIGNAL_EVICT)
+    def evict(self, request: EvictRequest) -> None:
+        """Another deployment asked for this replica's room (it chose it as idle). The
+        keeper checks it again (refuse_eviction): a replica used since, or a deployment no
+        longer on demand, keeps it."""
+        self._inbox.append(EvictAsked(replica_id=request.replica_id,
+                                      for_deployment=request.for_deployment,
+                                      reason=request.reason))
 
     def _not_deleting(self) -> None:
         if self.state.keeper.deleting:
@@ -654,10 +650,25 @@ class DeploymentWorkflow:
         ours, and ask its deployment for it (the ``evict`` update, through an activity:
         a workflow cannot send another an update itself)."""
         keeper = self.state.keeper
-        victim, reason = await hops.seek_room(keeper.spec, self.state.tunables)
+        found = await hops.find_eviction(keeper.spec, keeper.next_replica_seq)
+        choice = found.choice
+        workflow.logger.info("eviction: %s", found.reason)
+        if choice is not None:
+            try:
+                await workflow.get_external_workflow_handle(
+                    deployment_workflow_id(choice.deployment_id)).signal(
+                    DeploymentWorkflow.evict,
+                    EvictRequest(replica_id=choice.replica_id,
+                                 for_deployment=keeper.spec.deployment_id,
+                                 reason=found.reason))
+            except ApplicationError as exc:
+                # The victim's deployment ended meanwhile: its room is freed anyway.
+                workflow.logger.info("eviction signal not delivered: %s", exc)
         # The reason becomes the demand note, and so an audit event (_drain_inbox).
-        workflow.logger.info("eviction: %s", reason)
-        self._inbox.append(EvictionSought(victim=victim, reason=reason))
+        self._inbox.append(EvictionSought(
+            victim=choice.replica_id if choice else None, reason=found.reason))
+        if found.fits_now:
+            self._inbox.append(NodesChanged())
 
     async def _finish(self) -> None:
         # The deleting status (and any audit event) first; nothing after the delete.

@@ -49,6 +49,8 @@ with workflow.unsafe.imports_passed_through():
     )
     from modelkeeper.domain.store_activities import (
         DeleteDeploymentInput,
+        EvictionFound,
+        FindEvictionInput,
         PlaceReplicaInput,
         PlaceReplicaResult,
         RegrowClaimsInput,
@@ -400,6 +402,10 @@ DEMAND_WATCH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1),
 #: seconds; the agent bounds each call itself (agent/shards.py) and this bounds the agent.
 SLEEP_WAKE_TIMEOUT = timedelta(minutes=5)
 SLEEP_WAKE_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
+#: Sleep and wake are idempotent on the agent: a lost answer is asked again, twice more;
+#: a shard that is not on the node (ERROR_SHARD_NOT_HERE) is not.
+SLEEP_WAKE_RETRY = RetryPolicy(maximum_attempts=3,
+                               non_retryable_error_types=[ERROR_SHARD_NOT_HERE])
 
 
 async def watch_demand(view: Any, tunables: Tunables) -> Any:
@@ -408,17 +414,74 @@ async def watch_demand(view: Any, tunables: Tunables) -> Any:
     raise NotImplementedError
 
 
+def _each_shard(activity: Any, arg: Any, specs: list[ShardSpec],
+                tunables: Tunables) -> list[asyncio.Task[None]]:
+    return [asyncio.create_task(workflow.execute_activity(
+        activity, arg, task_queue=node_task_queue(spec.node_id),
+        schedule_to_start_timeout=timedelta(seconds=tunables.node_schedule_to_start_s),
+        start_to_close_timeout=SLEEP_WAKE_TIMEOUT,
+        heartbeat_timeout=SLEEP_WAKE_HEARTBEAT_TIMEOUT, retry_policy=SLEEP_WAKE_RETRY))
+        for spec in specs]
+
+
+async def _all(tasks: list[asyncio.Task[None]]) -> str | None:
+    """Wait for every task; the first failure's description, or None."""
+    error: str | None = None
+    try:
+        for task in tasks:
+            try:
+                await task
+            except ActivityError as exc:
+                error = error or describe(exc)
+    except asyncio.CancelledError:
+        cancel_all(tasks)
+        raise
+    return error
+
+
 async def sleep(replica_id: ReplicaId, specs: list[ShardSpec],
                 tunables: Tunables) -> str | None:
-    """Drain, sleep each shard, shrink the claims; the error, or None (PROVISIONAL)."""
-    raise NotImplementedError
+    """Out of routing with its requests finished (drained), each shard asleep, then its
+    claims shrunk to what sleep keeps (which tells deployments waiting for room). The
+    error, or None. A claim is shrunk only once the engine has freed the memory."""
+    await drain(replica_id, tunables)
+    error = await _all(_each_shard(stubs.sleep_shard, SleepShardInput(replica_id=replica_id),
+                                   specs, tunables))
+    if error is not None:
+        return error
+    await workflow.execute_activity(
+        stubs.shrink_claims, ShrinkClaimsInput(replica_id=replica_id),
+        task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=STORE_TIMEOUT,
+        retry_policy=STORE_RETRY)
+    return None
 
 
-async def wake(replica_id: ReplicaId, specs: list[ShardSpec], tunables: Tunables) -> Any:
-    """Regrow the claims, wake each shard: Woke or WakeFailed (PROVISIONAL)."""
-    raise NotImplementedError
+async def wake(replica_id: ReplicaId, specs: list[ShardSpec],
+               tunables: Tunables) -> Woke | WakeFailed:
+    """The claims grown back if the room is still free (checked under placement's locks:
+    nothing else can take it meanwhile), then each shard woken, through its node's
+    start-up gate. A wake that fails leaves the claims grown: the keeper stops the
+    replica, and its release frees them."""
+    grown = await workflow.execute_activity(
+        stubs.regrow_claims, RegrowClaimsInput(replica_id=replica_id),
+        task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=STORE_TIMEOUT,
+        retry_policy=STORE_RETRY)
+    if not grown.ok:
+        return WakeFailed(replica_id=replica_id, error=f"no room: {grown.reason}",
+                          no_room=True)
+    error = await _all(_each_shard(stubs.wake_shard, WakeShardInput(replica_id=replica_id),
+                                   specs, tunables))
+    if error is not None:
+        return WakeFailed(replica_id=replica_id, error=error)
+    return Woke(replica_id=replica_id)
 
 
-async def seek_room(spec: DeploymentSpec, tunables: Tunables) -> tuple[ReplicaId | None, str]:
-    """A victim asked to make room and why, or None and why not (PROVISIONAL)."""
-    raise NotImplementedError
+async def find_eviction(spec: DeploymentSpec, next_seq: int) -> EvictionFound:
+    """An idle replica of another on-demand deployment whose room would place the next
+    replica of ``spec``, or why none (claims nothing, stops nothing)."""
+    return await workflow.execute_activity(
+        stubs.find_eviction,
+        FindEvictionInput(spec=spec, replica_id=ReplicaId(f"{spec.deployment_id}-r{next_seq}"),
+                          generation=spec.generation),
+        task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=STORE_TIMEOUT,
+        retry_policy=STORE_RETRY)

@@ -12,6 +12,7 @@ from pydantic import Field
 
 from .base import Tolerant
 from .catalog import Generation
+from .eviction import EvictionChoice, Refusal
 from .ids import DeploymentId, NodeId, ReplicaId
 from .keeper import DeploymentSpec, room_watch_wait_s
 from .shards import ShardSpec
@@ -69,6 +70,30 @@ class RoomFound(Tolerant):
     nodes: list[NodeId]
     #: Dry runs it took, the one that found room included.
     checks: int
+
+
+class FindEvictionInput(Tolerant):
+    """Input of `find_eviction`: the replica of ``spec`` that found no room, asked for as
+    `place_replica` was (the same placement request is built from the same fields)."""
+
+    spec: DeploymentSpec
+    replica_id: ReplicaId
+    avoid_nodes: list[NodeId] = Field(default_factory=list)
+    generation: Generation | None = None
+
+
+class EvictionFound(Tolerant):
+    """What `find_eviction` answers: the replica to ask its deployment to retire, or None
+    with why not (every candidate refused, named with its reason)."""
+
+    choice: EvictionChoice | None = None
+    #: The choice's reason ("evicted d-chat (replica r1, idle 14 min, ...) to place
+    #: d-code"), or why nothing is to be evicted.
+    reason: str
+    #: The replica fits as the nodes stand now: place it, evict nothing.
+    fits_now: bool = False
+    #: With no choice: every candidate refused, with its reason (the events' data).
+    refusals: list[Refusal] = Field(default_factory=list)
 
 
 class ReleaseReplicaInput(Tolerant):

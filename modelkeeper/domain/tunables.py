@@ -139,6 +139,13 @@ class ControlTunables(Tolerant):
         "terminated deployment's memory returns to placement within about 2 minutes, for "
         "one Temporal describe per deployment per minute.",
     )
+    eviction_protect_s: float = Field(
+        default=300.0, ge=0,
+        description="A replica that started serving less than this long ago is never "
+        "evicted to make room for another on-demand model. Two on-demand models with room "
+        "for one would otherwise take turns evicting each other at a model load per "
+        "request; at 300 s they take turns at most once per 5 minutes.",
+    )
 
 
 class LivenessTunables(Tolerant):

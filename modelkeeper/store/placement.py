@@ -18,6 +18,7 @@ from typing import Any
 import asyncpg
 
 from ..domain.catalog import CatalogModel, Generation
+from ..domain.eviction import EvictionChoice, NoVictim, choose_victim
 from ..domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from ..domain.nodes import GpuInfo, NodeState, effective_labels, state_at
 from ..domain.placement import (
@@ -32,6 +33,7 @@ from ..domain.placement import (
 from ..domain.shards import EngineKind, ShardSpec, share_of
 from ..domain.status import ReplicaState
 from ..domain.units import format_gib
+from .eviction import read_candidates
 from .locks import NODE_LOCK_SPACE, PLACEMENT_LOCK, REPLICA_LOCK_SPACE, lock_key
 from .nodes import CLAIM_COLUMNS, CLAIMS_PER_NODE
 from .pool import decode_jsonb
@@ -239,6 +241,36 @@ class PlacementStore:
                 "awake_memory_bytes = NULL WHERE replica_id = $1 "
                 "AND awake_memory_bytes IS NOT NULL", replica_id)
             return None
+    async def find_eviction(self, *, deployment_id: DeploymentId,
+                            request: PlacementRequest, now: datetime,
+                            unreachable_after_s: float, lost_after_s: float,
+                            stale_after_s: float, protect_s: float,
+                            ) -> EvictionChoice | NoVictim:
+        """Which replica of another on-demand deployment to stop so that a replica of
+        this one (``request``) fits: :func:`choose_victim` on the nodes and the
+        candidates (:func:`.eviction.read_candidates`, usage rows older than
+        ``stale_after_s`` not counted) as they stand.
+
+        Like :meth:`dry_run_placement`, it takes no lock and claims nothing: only a
+        placement's locked re-check counts, after the victim's own workflow has stopped it.
+        It reads in one REPEATABLE READ snapshot, so that the nodes' summed claims hold
+        exactly the candidates' claims that the choice removes on its copy. Idle time and
+        protection are measured on the store's clock, which stamped the usage rows and
+        ``ready_at``; node states on ``now``, as every placement's are.
+        """
+        async with self._pool.acquire() as conn, conn.transaction(
+                isolation="repeatable_read", readonly=True):
+            store_now: datetime = await conn.fetchval("SELECT now()")
+            siblings = await _sibling_nodes(conn, deployment_id)
+            rows = await conn.fetch(_PLACEMENT_NODE_SELECT + " ORDER BY n.node_id")
+            candidates = await read_candidates(conn, for_deployment=deployment_id,
+                                               stale_after_s=stale_after_s)
+        request = request.model_copy(update={
+            "deployment_id": deployment_id, "sibling_node_ids": sorted(siblings)})
+        nodes = self._views.of(rows, now, unreachable_after_s=unreachable_after_s,
+                               lost_after_s=lost_after_s, every_node=True)
+        return choose_victim(request, nodes, candidates, for_deployment=deployment_id,
+                             now=store_now, protect_s=protect_s)
 
     async def replica_placement_note(self, replica_id: str) -> str | None:
         """Why the replica shares a node with another replica of its deployment, as its

@@ -21,7 +21,7 @@ IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
     **{name: getattr(StoreActivities, name) for name in (
         "place_replica", "watch_for_room", "record_event", "record_replica_state",
         "release_replica", "record_deployment_status", "delete_deployment",
-        "shrink_claims", "regrow_claims")},
+        "shrink_claims", "regrow_claims", "find_eviction")},
     "drain_replica": RoutingActivities.drain_replica,
     **{name: getattr(NodeActivities, name) for name in (
         "start_shard", "watch_shard", "stop_shard", "sleep_shard", "wake_shard",
