@@ -1,7 +1,8 @@
 """The sagas (and the schedule windows' workflow) call their activities through stubs
-(activities/saga_stubs.py); the worker registers the classes that run them. mypy checks each implementation's signature against
-its stub; these check what mypy cannot: that each runs under its stub's name (the name a
-saga's history records), and that the worker registers every one."""
+(activities/saga_stubs.py); the worker registers the classes that run them. mypy checks
+each implementation's signature against its stub; these check what mypy cannot: that each
+runs under its stub's name (the name a saga's history records), and that the worker
+registers every one."""
 
 from __future__ import annotations
 

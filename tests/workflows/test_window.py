@@ -31,7 +31,12 @@ from modelkeeper.names import (
     node_task_queue,
     window_schedule_id,
 )
-from tests.workflows.test_deployment_workflow import NODE, FakeCluster, _tunables
+from tests.workflows.test_deployment_workflow import (
+    NODE,
+    FakeCluster,
+    _tunables,
+    record_history,
+)
 from workflows.deployment import DeploymentInput, DeploymentWorkflow, WorkflowStatus
 from workflows.window import WindowWorkflow
 
@@ -87,8 +92,10 @@ def _serving(n: int) -> Callable[[WorkflowStatus], bool]:
                       and all(r.phase.value == "ready" for r in v.keeper.replicas))
 
 
-async def _runs_ended(client: Client, schedule_id: str, count: int) -> list[str]:
-    """The results of the first ``count`` runs the schedule started, once each has ended."""
+async def _runs_ended(client: Client, schedule_id: str, count: int,
+                      record: str | None = None) -> list[str]:
+    """The results of the first ``count`` runs the schedule started, once each has ended;
+    the last one's history saved as ``record`` (for test_window_replay.py) when asked."""
     handle = client.get_schedule_handle(schedule_id)
 
     async def poll() -> list[str]:
@@ -97,7 +104,10 @@ async def _runs_ended(client: Client, schedule_id: str, count: int) -> list[str]
             if len(actions) >= count:
                 runs = [client.get_workflow_handle(a.action.workflow_id)
                         for a in actions[:count]]
-                return [await r.result() for r in runs]
+                results = [await r.result() for r in runs]
+                if record is not None:
+                    await record_history(runs[-1], record)
+                return results
             await asyncio.sleep(0.05)
 
     return await asyncio.wait_for(poll(), UNTIL_S)
@@ -129,13 +139,13 @@ async def test_the_open_schedule_raises_the_count_to_the_windows_min_and_the_clo
         view = await _until(deployment, _serving(2))
         assert view.keeper.window is not None
         assert view.keeper.window.name == "day"
-        assert await _runs_ended(client, opening.id, 1) == [
+        assert await _runs_ended(client, opening.id, 1, record="window_open") == [
             "window day open on d-window: 2 replica(s) wanted"]
 
         await closing.trigger()
         view = await _until(deployment, _serving(1))
         assert view.keeper.window is None
-        assert await _runs_ended(client, closing.id, 1) == [
+        assert await _runs_ended(client, closing.id, 1, record="window_close") == [
             "window day closed on d-window: 1 replica(s) wanted"]
 
         # The deployment goes, its windows left behind (as a terminate by hand leaves
@@ -148,10 +158,12 @@ async def test_the_open_schedule_raises_the_count_to_the_windows_min_and_the_clo
         # The run that removed them says so.
         runs = [r async for r in client.list_workflows(
             f'WorkflowId STARTS_WITH "{opening.id}"')]
-        results = [await client.get_workflow_handle(r.id, run_id=r.run_id).result()
-                   for r in runs]
-        assert any("deployment d-window is gone" in r and "its schedules were removed" in r
-                   for r in results), results
+        ended = {r.id: await client.get_workflow_handle(r.id, run_id=r.run_id).result()
+                 for r in runs}
+        [gone_run] = [run_id for run_id, result in ended.items()
+                      if "deployment d-window is gone" in result
+                      and "its schedules were removed" in result]
+        await record_history(client.get_workflow_handle(gone_run), "window_gone")
 
 
 async def _gone(handle: ScheduleHandle) -> None:
