@@ -87,26 +87,7 @@ class MoveActivities(MoveActivityStubs):
                                                     deployment_workflow_id(deployment_id))
 
     async def _update(self, deployment_id: DeploymentId, update: Awaitable[_R]) -> _R:
-        """One update (``execute_update`` by method, so mypy checks it), its refusals and
-        a closed workflow turned into non-retryable errors (the module docstring says
-        which)."""
-        try:
-            result = await update
-        except WorkflowUpdateFailedError as err:
-            cause = err.cause
-            if _says_completed(str(cause)):
-                raise _no_deployment(deployment_id) from err
-            if isinstance(cause, ApplicationError):
-                # The workflow's own answer (its validator or handler): asking again asks
-                # the same question of the same state.
-                raise ApplicationError(cause.message, type=cause.type or ERROR_MOVE_REFUSED,
-                                       non_retryable=True) from err
-            raise
-        except RPCError as err:
-            if _not_running(err):
-                raise _no_deployment(deployment_id) from err
-            raise
-        return result
+        return await ask_deployment(deployment_id, update)
 
     @activity.defn(name=ACTIVITY_REQUEST_MOVE)
     async def request_move(self, call: MoveCall) -> MoveOutcome:
@@ -171,6 +152,30 @@ class MoveActivities(MoveActivityStubs):
         """Every activity this class defines, for the worker to register."""
         return [self.request_move, self.await_move, self.cancel_move, self.set_generation,
                 self.describe_deployment]
+
+
+async def ask_deployment(deployment_id: DeploymentId, update: Awaitable[_R]) -> _R:
+    """One update of a deployment's workflow (``execute_update`` by method, so mypy checks
+    it), its refusals and a closed workflow turned into non-retryable errors (the module
+    docstring says which). The schedule windows' activity (activities/windows.py) asks
+    through it too."""
+    try:
+        result = await update
+    except WorkflowUpdateFailedError as err:
+        cause = err.cause
+        if _says_completed(str(cause)):
+            raise _no_deployment(deployment_id) from err
+        if isinstance(cause, ApplicationError):
+            # The workflow's own answer (its validator or handler): asking again asks
+            # the same question of the same state.
+            raise ApplicationError(cause.message, type=cause.type or ERROR_MOVE_REFUSED,
+                                   non_retryable=True) from err
+        raise
+    except RPCError as err:
+        if _not_running(err):
+            raise _no_deployment(deployment_id) from err
+        raise
+    return result
 
 
 def _says_completed(message: str) -> bool:

@@ -1,5 +1,5 @@
-"""The sagas' activities as the sagas call them: each one's name, input and result, with
-no body.
+"""The sagas' activities as the sagas call them (and the schedule windows' workflow its
+own, :class:`WindowActivityStubs`): each one's name, input and result, with no body.
 
 A saga calls ``workflow.execute_activity_method(MoveActivityStubs.request_move, call, ...)``,
 so mypy checks the input and the result of every hop. The classes that run them subclass
@@ -33,11 +33,14 @@ from modelkeeper.domain.operations import (
     OperationRecord,
     SetCordonInput,
 )
+from modelkeeper.domain.schedules import WindowInput
 from modelkeeper.names import (
+    ACTIVITY_APPLY_WINDOW,
     ACTIVITY_AWAIT_MOVE,
     ACTIVITY_BEGIN_OPERATION,
     ACTIVITY_CANCEL_MOVE,
     ACTIVITY_DESCRIBE_DEPLOYMENT,
+    ACTIVITY_DROP_WINDOW,
     ACTIVITY_NODE_DEPLOYMENTS,
     ACTIVITY_RECORD_OPERATION,
     ACTIVITY_REQUEST_MOVE,
@@ -96,4 +99,19 @@ class OperationsActivityStubs:
     @activity.defn(name=ACTIVITY_NODE_DEPLOYMENTS)
     async def node_deployments(self, request: NodeDeploymentsInput) -> list[NodeReplica]:
         """The replicas holding a claim on the node."""
+        raise NotImplementedError
+
+
+class WindowActivityStubs:
+    """What a schedule window's workflow (workflows/window.py) asks: the same hands as the
+    sagas', on one update (``activities.windows`` runs them)."""
+
+    @activity.defn(name=ACTIVITY_APPLY_WINDOW)
+    async def apply_window(self, request: WindowInput) -> int:
+        """Open or close the window on the deployment; the replica count it wants now."""
+        raise NotImplementedError
+
+    @activity.defn(name=ACTIVITY_DROP_WINDOW)
+    async def drop_window(self, request: WindowInput) -> bool:
+        """Remove the window's schedules (its deployment is gone); whether any were left."""
         raise NotImplementedError

@@ -2,8 +2,8 @@
 
 The routes live on module-level routers (``monitoring``, ``agents`` and ``liveness`` (what
 agents call), ``nodes``, ``deployments``,
-``operations``) and reach the store, Temporal and the settings through the dependencies in
-``deps``, all read from ``app.state``: building an app is only wiring.
+``operations``, ``windows``) and reach the store, Temporal and the settings through the
+dependencies in ``deps``, all read from ``app.state``: building an app is only wiring.
 
 Who may call what is wired here too (``auth``): every route answers only to the allowed
 Host names, and the operators' routers need an operator token, checked before anything of
@@ -38,6 +38,7 @@ from . import (
     operations,
     spec,
     swagger,
+    windows,
 )
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def create_app(settings: Settings) -> FastAPI:
     guarded = [Depends(auth.require_operator)]
     routers = [(monitoring.health, False), (monitoring.router, True), (agents.router, False),
                (nodes.router, True), (liveness.router, False), (deployments.router, True),
-               (operations.router, True)]
+               (operations.router, True), (windows.router, True)]
     for router, operators in routers:
         if operators:
             app.include_router(router, dependencies=guarded, responses=auth.AUTH_RESPONSES)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -10,7 +11,7 @@ from fastapi import APIRouter, HTTPException, Query, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 from temporalio.api.errordetails.v1 import NotFoundFailure
-from temporalio.client import WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -30,6 +31,7 @@ from modelkeeper.domain.placement import Placement, PlacementRequest, explain, p
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.sources import SourceKind, SourcePolicy, SourceRefused, check_source
 from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.infra import schedules
 from modelkeeper.infra.model_files import resolve_model_path, source_policy
 from modelkeeper.infra.temporal import execute_update
 from modelkeeper.names import (
@@ -61,6 +63,7 @@ from .problems import problems
 UPDATE_ANSWER_TIMEOUT = timedelta(seconds=20)
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 
 class Accepted(BaseModel):
@@ -284,6 +287,7 @@ async def delete_deployment(deployment_id: str, store: StoreDep, temporal: Tempo
                 f"{view.workflow_id!r} could not be signalled ({exc}); the deployment is "
                 "unchanged, and repeating the request is safe") from exc
         await store.deployments.delete_deployment_row(deployment_id)
+        await _remove_windows(temporal, view.deployment_id)
         await store.events.record_event(change(operator, "deployment.delete_requested",
                                                f"delete {deployment_id}: its workflow was gone, so "
                                                "its row and claims were removed here",
@@ -292,6 +296,7 @@ async def delete_deployment(deployment_id: str, store: StoreDep, temporal: Tempo
         return Accepted(deployment_id=deployment_id, status=DELETED)
     # After the signal: the workflow may have removed the row already, which is fine.
     await store.deployments.mark_deleting(deployment_id)
+    await _remove_windows(temporal, view.deployment_id)
     await store.events.record_event(change(operator, "deployment.delete_requested",
                                            f"delete {deployment_id} ({view.model_id})",
                                            deployment_id=view.deployment_id))
@@ -401,6 +406,21 @@ async def explain_placement(
         nodes=[NodeVerdict(node_id=d.node_id, name=d.node_name, fits=d.fits,
                            reason=d.rejection.reason_code.value if d.rejection else None,
                            message=d.message) for d in decisions])
+
+
+async def _remove_windows(temporal: Client, deployment_id: DeploymentId) -> None:
+    """Remove a deleted deployment's schedule windows (api/windows.py). Best effort: the
+    delete stands whatever happens here, and a window left over removes its own schedules
+    when it next fires and finds no deployment (workflows/window.py)."""
+    try:
+        removed = await schedules.delete_windows(temporal, deployment_id)
+    except RPCError as exc:
+        log.warning("the windows of deleted deployment %s were not removed (%s); each "
+                    "removes itself when it next fires", deployment_id, exc.message)
+        return
+    if removed:
+        log.info("removed the windows of deleted deployment %s: %s", deployment_id,
+                 ", ".join(removed))
 
 
 def _workflow_not_found(exc: RPCError) -> bool:

@@ -1,6 +1,7 @@
 """`modelkeeper deploy / ls / rm / nodes / explain / models`, the changes (`scale`, `retry`,
-`restart`, `switch`, `reconfigure`, `cordon`, `uncordon`, `drain`) and `operations` (alias
-`ops`), which lists, shows and cancels the sagas: thin wrappers over the API, sending the
+`restart`, `switch`, `reconfigure`, `cordon`, `uncordon`, `drain`), `operations` (alias
+`ops`), which lists, shows and cancels the sagas, and `schedule`, a deployment's windows of
+scaling by the clock: thin wrappers over the API, sending the
 operator token (:func:`operator_token`). `tokens` makes, lists and revokes those tokens
 straight in the database, so the first admin token needs no API.
 
@@ -297,6 +298,74 @@ def _models_request(args: argparse.Namespace) -> Request:
     return Request("POST", "/models", body=model)
 
 
+#: ``schedule add --days``: days, and ranges that may wrap past Sunday (fri-mon).
+DAY_NAMES = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+_DAYS_ACCEPTED = "days mon..sun, comma-separated, with ranges (mon-fri, sat-sun, fri-mon)"
+#: ``schedule add --prewarm``: a number of seconds, or with a unit.
+_PREWARM_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600}
+_PREWARM_ACCEPTED = "whole seconds, or a whole number with s, m or h (e.g. 90s, 5m, 1h)"
+
+
+def parse_days(value: str) -> list[str]:
+    """``mon-fri`` or ``mon,wed,fri`` or ``fri-mon`` as the day names, Monday first.
+    Raises ``UsageError`` naming ``--days``, the value and what is accepted."""
+    days: set[str] = set()
+    for item in value.lower().split(","):
+        first, _, last = item.strip().partition("-")
+        if first not in DAY_NAMES or (last and last not in DAY_NAMES):
+            raise UsageError(f"--days {value!r}: {item.strip()!r} is not a day or a range "
+                             f"of days; expected {_DAYS_ACCEPTED}")
+        i, j = DAY_NAMES.index(first), DAY_NAMES.index(last or first)
+        days.update(DAY_NAMES[(i + k) % 7] for k in range((j - i) % 7 + 1))
+    return [d for d in DAY_NAMES if d in days]
+
+
+def parse_prewarm(value: str) -> int:
+    """``5m`` as 300; ``UsageError`` naming ``--prewarm`` otherwise."""
+    text = value.strip().lower()
+    unit = text[-1] if text and text[-1].isalpha() else ""
+    number = text.removesuffix(unit)
+    if unit not in _PREWARM_UNITS or not number.isdigit():
+        raise UsageError(f"--prewarm {value!r}: expected {_PREWARM_ACCEPTED}")
+    return int(number) * _PREWARM_UNITS[unit]
+
+
+def _windows_path(deployment_id: str) -> str:
+    return f"/deployments/{deployment_id}/windows"
+
+
+def _schedule_request(args: argparse.Namespace) -> Request:
+    if args.action == "ls":
+        return _on_deployment(args, lambda d: Request("GET", _windows_path(d)))
+    if args.action == "rm":
+        name = args.name or args.window
+        if not name:
+            raise UsageError("schedule rm needs the window's NAME (schedule ls DEPLOYMENT "
+                             "lists them), and none was given")
+        return _on_deployment(args, lambda d: Request(
+            "DELETE", f"{_windows_path(d)}/{name}", then=partial(_window_removed, d, name)))
+    missing = [flag for flag, given in (("--name", args.name), ("--days", args.days),
+                                        ("--start", args.start), ("--end", args.end),
+                                        ("--tz", args.tz), ("--min", args.min),
+                                        ("--max", args.max)) if given is None]
+    if missing:
+        raise UsageError(f"schedule add {args.target!r}: {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} required, e.g. --name day "
+                         "--days mon-fri --start 08:00 --end 18:00 --tz Europe/Berlin "
+                         "--min 2 --max 4 --prewarm 5m")
+    # Parsed before any request: a malformed --days never reaches the API.
+    window = {"name": args.name, "days": parse_days(args.days), "start": args.start,
+              "end": args.end, "timezone": args.tz, "min_replicas": args.min,
+              "max_replicas": args.max,
+              "prewarm_s": parse_prewarm(args.prewarm) if args.prewarm else 0}
+    return _on_deployment(args, lambda d: Request("POST", _windows_path(d), body=window))
+
+
+def _window_removed(deployment_id: str, name: str, _answer: None) -> dict[str, Any]:
+    """What ``schedule rm`` reports: the API answers 204, with no body."""
+    return {"deployment_id": deployment_id, "name": name, "removed": True}
+
+
 def _removed(model_id: str, _answer: None) -> dict[str, Any]:
     """What ``models rm`` reports: the API answers 204, with no body."""
     return {"model_id": model_id, "deleted": True}
@@ -494,6 +563,35 @@ def _operation_text(operation: dict[str, Any]) -> str:
     return "\n".join(line for line in lines if line)
 
 
+def _when(value: str | None) -> str:
+    """An ISO time as ``2026-03-02 06:55Z`` (UTC), or ``-``."""
+    return "-" if not value else value.replace("T", " ")[:16] + "Z"
+
+
+def _window_line(view: dict[str, Any]) -> list[str]:
+    w = view["window"]
+    return [w["name"], ",".join(w["days"]), f"{w['start']}-{w['end']}", w["timezone"],
+            str(w["min_replicas"]), str(w["max_replicas"]), f"{w['prewarm_s']}s",
+            "open" if view["open_now"] else "closed", _when(view.get("next_open")),
+            _when(view.get("next_close"))]
+
+
+_WINDOW_HEADERS = ["name", "days", "hours", "timezone", "min", "max", "prewarm", "now",
+                   "next open (utc)", "next close (utc)"]
+
+
+def _schedule_text(args: argparse.Namespace, result: Any) -> str:
+    match args.action:
+        case "ls":
+            return table([_window_line(v) for v in result], _WINDOW_HEADERS)
+        case "rm":
+            return f"window {result['name']} removed from {result['deployment_id']}"
+        case _:
+            now = " (inside it now: opened at once)" if result["open_now"] else ""
+            return (f"window {result['window']['name']} added to {result['deployment_id']}"
+                    f"{now}\n" + table([_window_line(result)], _WINDOW_HEADERS))
+
+
 # ----------------------------------------------------------------------------------------
 # The flags each command adds to the common ones (--api-url, --json)
 
@@ -574,6 +672,22 @@ def _operations_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, help="ls: at most this many (default 50)")
 
 
+def _schedule_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["add", "ls", "rm"])
+    _deployment_flags(parser)
+    parser.add_argument("window", nargs="?", metavar="NAME", help="rm: the window's name")
+    parser.add_argument("--name", help="add: the window's name (a-z, 0-9, '-', '_')")
+    parser.add_argument("--days", help=f"add: {_DAYS_ACCEPTED}")
+    parser.add_argument("--start", help="add: HH:MM, wall clock in --tz")
+    parser.add_argument("--end", help="add: HH:MM; at or before --start: the next day's")
+    parser.add_argument("--tz", help="add: IANA time zone, e.g. Europe/Berlin or UTC")
+    parser.add_argument("--min", type=int, metavar="N", help="add: replicas at least")
+    parser.add_argument("--max", type=int, metavar="N", help="add: replicas at most")
+    parser.add_argument("--prewarm", metavar="DURATION",
+                        help=f"add: open this early so replicas are ready at --start: "
+                             f"{_PREWARM_ACCEPTED}")
+
+
 def _models_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", nargs="?", choices=["ls", "add", "rm"], default="ls")
     parser.add_argument("model_id", nargs="?")
@@ -635,6 +749,9 @@ COMMANDS: tuple[Command, ...] = (
     Command("operations", "list operations (restarts, drains, switches), or show or cancel "
             "one (alias: ops)", _operations_flags, _operations_request, _operations_text,
             aliases=("ops",)),
+    Command("schedule", "add, list or remove a deployment's windows of scaling by the "
+            "clock (own min and max on set days and hours, in a time zone)", _schedule_flags,
+            _schedule_request, _schedule_text),
 )
 
 OPERATOR_COMMANDS: Mapping[str, Command] = {c.name: c for c in COMMANDS}

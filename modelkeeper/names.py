@@ -135,6 +135,10 @@ ACTIVITY_WATCH_DEMAND = "watch_demand"
 ACTIVITY_SHRINK_CLAIMS = "shrink_claims"
 ACTIVITY_REGROW_CLAIMS = "regrow_claims"
 ACTIVITY_FIND_EVICTION = "find_eviction"
+#: Scaling by the clock (WindowWorkflow, workflows/window.py): ask a deployment to open or
+#: close a schedule window, and remove the schedules of a window whose deployment is gone.
+ACTIVITY_APPLY_WINDOW = "apply_window"
+ACTIVITY_DROP_WINDOW = "drop_window"
 #: The sagas' activities (control queue), as their stubs (activities.saga_stubs) and the
 #: classes that run them register them: ask a deployment workflow (activities.moves) ...
 ACTIVITY_REQUEST_MOVE = "request_move"
@@ -193,3 +197,21 @@ ERROR_OPERATION_FAILED = "OperationFailed"
 def operation_workflow_id(kind: str, subject: str, n: int) -> str:
     """A saga's workflow id, readable: ``restart/<deployment>/<n>``, ``drain/<node>/<n>``."""
     return f"{kind}/{subject}/{n}"
+
+
+#: The workflow type a schedule window's schedules start (workflows/window.py): by name,
+#: since the schedules are made below the workflows (modelkeeper.infra.schedules).
+WORKFLOW_WINDOW = "ScheduleWindow"
+#: Every schedule of a deployment's windows has an id under this prefix.
+WINDOW_SCHEDULE_PREFIX = "window/"
+
+
+def window_schedules_prefix(deployment_id: DeploymentId) -> str:
+    """The prefix of the ids of every schedule of ``deployment_id``'s windows."""
+    return f"{WINDOW_SCHEDULE_PREFIX}{deployment_id}/"
+
+
+def window_schedule_id(deployment_id: DeploymentId, name: str, edge: str) -> str:
+    """The id of the schedule that opens (``edge`` "open") or closes a window, and of the
+    workflows it starts (Temporal adds each run's time): ``window/<deployment>/<name>/open``."""
+    return f"{window_schedules_prefix(deployment_id)}{name}/{edge}"

@@ -13,6 +13,7 @@ from activities.moves import MoveActivities
 from activities.operations import OperationsActivities
 from activities.routing import RoutingActivities
 from activities.store import StoreActivities
+from activities.windows import WindowActivities
 from modelkeeper.infra import temporal as temporal_client
 from modelkeeper.names import CONTROL_TASK_QUEUE, ROOM_WATCH_TASK_QUEUE
 from modelkeeper.settings import Settings
@@ -51,7 +52,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
                 workflows=ALL_WORKFLOWS,
                 activities=[*store_activities.all(), *routing_activities.all(),
                             *OperationsActivities(store, client).all(),
-                            *MoveActivities(client).all()],
+                            *MoveActivities(client).all(),
+                            *WindowActivities(client).all()],
                 activity_executor=executor,
             )
             room_watcher = Worker(

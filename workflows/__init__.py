@@ -8,5 +8,6 @@ from .deployment import DeploymentWorkflow  # noqa: E402 - after the list it fil
 from .drain import DrainSaga  # noqa: E402
 from .restart import RestartSaga  # noqa: E402
 from .switch import SwitchSaga  # noqa: E402
+from .window import WindowWorkflow  # noqa: E402
 
-ALL_WORKFLOWS.extend([DeploymentWorkflow, RestartSaga, DrainSaga, SwitchSaga])
+ALL_WORKFLOWS.extend([DeploymentWorkflow, RestartSaga, DrainSaga, SwitchSaga, WindowWorkflow])

@@ -73,7 +73,7 @@ def parse(*argv: str) -> Any:
 POSITIONALS: dict[str, list[str]] = {
     "deploy": ["x"], "rm": ["x"], "explain": ["x"], "scale": ["x", "1"], "retry": ["x"],
     "restart": ["x"], "switch": ["x", "m"], "reconfigure": ["x", "k=v"], "cordon": ["n"],
-    "uncordon": ["n"], "drain": ["n"]}
+    "uncordon": ["n"], "drain": ["n"], "schedule": ["ls", "x"]}
 
 
 # --- The table ---------------------------------------------------------------------------
@@ -82,7 +82,7 @@ POSITIONALS: dict[str, list[str]] = {
 def test_the_table_holds_every_command_in_help_order() -> None:
     assert [c.name for c in COMMANDS] == [
         "deploy", "ls", "rm", "nodes", "explain", "models", "scale", "retry", "restart",
-        "switch", "reconfigure", "cordon", "uncordon", "drain", "operations"]
+        "switch", "reconfigure", "cordon", "uncordon", "drain", "operations", "schedule"]
     assert set(OPERATOR_COMMANDS) == {c.name for c in COMMANDS}
     for command in COMMANDS:  # each is registered with the common flags
         args = parse(command.name, *POSITIONALS.get(command.name, []), "--json",

@@ -1,7 +1,8 @@
-"""The sagas call their activities through stubs (activities/saga_stubs.py); the worker
-registers the classes that run them. mypy checks each implementation's signature against
-its stub; these check what mypy cannot: that each runs under its stub's name (the name a
-saga's history records), and that the worker registers every one."""
+"""The sagas (and the schedule windows' workflow) call their activities through stubs
+(activities/saga_stubs.py); the worker registers the classes that run them. mypy checks
+each implementation's signature against its stub; these check what mypy cannot: that each
+runs under its stub's name (the name a saga's history records), and that the worker
+registers every one."""
 
 from __future__ import annotations
 
@@ -12,11 +13,17 @@ from temporalio import activity
 
 from activities.moves import MoveActivities
 from activities.operations import OperationsActivities
-from activities.saga_stubs import MoveActivityStubs, OperationsActivityStubs
+from activities.saga_stubs import (
+    MoveActivityStubs,
+    OperationsActivityStubs,
+    WindowActivityStubs,
+)
+from activities.windows import WindowActivities
 
 PAIRS: list[tuple[type[Any], type[Any]]] = [
     (MoveActivityStubs, MoveActivities),
     (OperationsActivityStubs, OperationsActivities),
+    (WindowActivityStubs, WindowActivities),
 ]
 
 
