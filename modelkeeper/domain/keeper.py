@@ -1323,6 +1323,11 @@ def _on_policy_set(state: KeeperState, obs: PolicySet, *, now: datetime) -> Keep
 
 def _on_window_set(state: KeeperState, obs: WindowSet, *, now: datetime) -> KeeperState:
     if obs.window is not None:
+        if state.spec.scaling is None:
+            # ``replicas: N`` is min = max = N: kept as that policy, so the close comes
+            # back to N and not to the window's count.
+            state = state.model_copy(update={"spec": state.spec.model_copy(update={
+                "scaling": ScalingPolicy.fixed(state.spec.replicas)})})
         state = state.model_copy(update={"window": obs.window})
         note = (f"window {obs.window.name} open: min {obs.window.min_replicas}, "
                 f"max {obs.window.max_replicas}")

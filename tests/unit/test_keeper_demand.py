@@ -262,6 +262,14 @@ def test_a_window_raises_the_count_and_closing_it_returns_to_the_policy() -> Non
     assert "window day closed" in (k.state.demand_note or "")
 
 
+def test_a_window_on_a_fixed_deployment_closes_back_to_its_count() -> None:
+    k = Stepper(None, replicas=1)
+    k.step(WindowSet(window=WindowBounds(name="day", min_replicas=3, max_replicas=3)))
+    assert k.state.spec.replicas == 3
+    k.step(WindowSet(closing="day"))
+    assert k.state.spec.replicas == 1
+
+
 def test_scale_is_min_equals_max_and_drops_the_policy() -> None:
     k = Stepper()
     k.step(Scale(replicas=3))
