@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Query, Response
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from temporalio.api.errordetails.v1 import NotFoundFailure
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import FailureError
 from temporalio.service import RPCError, RPCStatusCode
 
+from modelkeeper.domain.base import Frozen
 from modelkeeper.domain.catalog import (
     CatalogModel,
     DeploymentRequest,
@@ -23,9 +27,11 @@ from modelkeeper.domain.catalog import (
     ReplicaView,
     ScaleRequest,
     estimate_memory_bytes,
+    scaling_summary,
 )
+from modelkeeper.domain.demand import ScalingPolicy, SetPolicyRequest, SleepRequest, WakeRequest
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
-from modelkeeper.domain.ids import DeploymentId
+from modelkeeper.domain.ids import DeploymentId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec
 from modelkeeper.domain.placement import Placement, PlacementRequest, explain, place
 from modelkeeper.domain.shards import EngineKind
@@ -58,9 +64,12 @@ from .deps import SettingsDep, StoreDep, TemporalDep
 from .nodes import resolve_node_ids
 from .problems import problems
 
-#: A scale is answered by the deployment's workflow within a workflow task: seconds. With
-#: no control worker polling it would wait for ever; past this the API answers 503.
+#: A scale (or a policy, a sleep, a wake) is answered by the deployment's workflow within
+#: a workflow task: seconds. With no control worker polling it would wait for ever; past
+#: this the API answers 503.
 UPDATE_ANSWER_TIMEOUT = timedelta(seconds=20)
+#: A replica id as a client names one: the keeper's are far shorter ("d-<10 hex>-r12").
+MAX_REPLICA_ID_CHARS = 128
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -71,6 +80,15 @@ class Accepted(BaseModel):
 
     deployment_id: str
     status: str
+
+
+class ReplicaChoice(Frozen):
+    """POST /deployments/{id}/sleep and /wake: one replica, or (none named) each that can."""
+
+    replica_id: ReplicaId | None = Field(
+        default=None, min_length=1, max_length=MAX_REPLICA_ID_CHARS,
+        description="sleep: a ready replica (none: each ready one above the minimum); "
+                    "wake: a sleeping replica (none: each sleeping one)")
 
 
 #: The status DELETE answers when it removed the row itself, its workflow being gone. Not
@@ -217,9 +235,10 @@ async def create_deployment(request: DeploymentRequest, store: StoreDep,
     except UnknownModelError:
         raise field_error("model_id", request.model_id, "unknown model_id") from None
     spec = DeploymentSpec(deployment_id=deployment_id, model_id=request.model_id,
-                          replicas=request.replicas,
+                          replicas=request.initial_replicas,
                           min_nodes=max(request.min_nodes, model.min_nodes),
-                          node_ids=request.node_ids, labels=request.labels)
+                          node_ids=request.node_ids, labels=request.labels,
+                          scaling=request.policy)
     try:
         await temporal.start_workflow(
             DeploymentWorkflow.run, DeploymentInput(spec=spec, tunables=settings.tunables()),
@@ -332,35 +351,116 @@ async def scale_deployment(deployment_id: str, patch: operations.DeploymentPatch
                            store: StoreDep, *, temporal: TemporalDep, response: Response,
                            operator: OperatorDep,
                            ) -> DeploymentView | operations.OperationStarted:
-    """Change the replica count (a Temporal update, validated by the workflow), or, given
-    ``engine_args``, start a reconfigure as POST .../reconfigure does (202)."""
+    """Change the replica count or the scaling policy (Temporal updates, validated by the
+    workflow), or, given ``engine_args``, start a reconfigure as POST .../reconfigure does
+    (202)."""
     if patch.engine_args is not None:
         response.status_code = 202
         return await operations.start_reconfigure(deployment_id, patch.engine_args,
                                                   store=store, temporal=temporal,
                                                   operator=operator)
-    assert patch.replicas is not None  # DeploymentPatch holds exactly one of the two
+    if patch.scaling is not None:
+        return await _set_policy(deployment_id, patch.scaling.policy(), store=store,
+                                 temporal=temporal, operator=operator)
+    assert patch.replicas is not None  # DeploymentPatch holds exactly one of the three
     request = ScaleRequest(replicas=patch.replicas)
     view = await _existing(store, deployment_id)
-    try:
+    with _answered(deployment_id, "scale"):
         await execute_update(
             temporal.get_workflow_handle_for(DeploymentWorkflow.run, view.workflow_id),
             DeploymentWorkflow.scale, request, rpc_timeout=UPDATE_ANSWER_TIMEOUT)
-    except WorkflowUpdateFailedError as exc:
-        raise HTTPException(409, str(exc.cause or exc)) from None
-    except RPCError as exc:
-        if _workflow_not_found(exc):
-            raise HTTPException(409, f"deployment {deployment_id} has no running workflow "
-                                     "(it is being removed)") from None
-        raise HTTPException(503, f"the deployment's workflow did not take the scale in "
-                                 f"{UPDATE_ANSWER_TIMEOUT.total_seconds():.0f}s: is a "
-                                 f"control worker running? ({exc.message})") from None
     await store.deployments.set_desired_replicas(deployment_id, request.replicas)
     await store.events.record_event(change(operator, "deployment.scaled",
                                            f"scale {deployment_id} from {view.desired_replicas} to "
                                            f"{request.replicas} replica(s)",
                                            deployment_id=view.deployment_id))
     return await _existing(store, deployment_id)
+
+
+async def _set_policy(deployment_id: str, policy: ScalingPolicy, *, store: Store,
+                      temporal: TemporalDep, operator: OperatorDep) -> DeploymentView:
+    """PATCH with ``scaling``: the workflow's ``set_policy`` update, then the row (the
+    policy, and the replicas the keeper wants under it) and the audit log."""
+    view = await _existing(store, deployment_id)
+    with _answered(deployment_id, "scaling policy"):
+        replicas = await execute_update(
+            temporal.get_workflow_handle_for(DeploymentWorkflow.run, view.workflow_id),
+            DeploymentWorkflow.set_policy, SetPolicyRequest(policy=policy, actor=operator.name),
+            rpc_timeout=UPDATE_ANSWER_TIMEOUT)
+    await store.deployments.set_scaling(deployment_id, policy, replicas)
+    was = (scaling_summary(view.scaling) if view.scaling is not None
+           else f"fixed at {view.desired_replicas}")
+    await store.events.record_event(change(
+        operator, "deployment.policy_set",
+        f"set {deployment_id}'s scaling to {scaling_summary(policy)} (was {was}); "
+        f"{replicas} replica(s) wanted", deployment_id=view.deployment_id,
+        data={"scaling": policy.model_dump(mode="json")}))
+    return await _existing(store, deployment_id)
+
+
+@router.post("/deployments/{deployment_id}/sleep", status_code=202, response_model=Accepted,
+             responses=problems(404, 409, 503))
+async def sleep_deployment(deployment_id: str, store: StoreDep, temporal: TemporalDep, *,
+                           operator: OperatorDep, choice: ReplicaChoice | None = None,
+                           ) -> Accepted:
+    """Put a ready replica (none named: each above the minimum) to sleep: it keeps its
+    weights and frees its KV cache, and a request wakes it (docs/demand.md). 409 with the
+    workflow's sentence when none can sleep (llama.cpp cannot: scale it down instead)."""
+    choice = choice or ReplicaChoice()
+    view = await _existing(store, deployment_id)
+    with _answered(deployment_id, "sleep"):
+        await execute_update(
+            temporal.get_workflow_handle_for(DeploymentWorkflow.run, view.workflow_id),
+            DeploymentWorkflow.sleep,
+            SleepRequest(replica_id=choice.replica_id, actor=operator.name),
+            rpc_timeout=UPDATE_ANSWER_TIMEOUT)
+    which = choice.replica_id or "each ready replica above the minimum"
+    await store.events.record_event(change(operator, "deployment.sleep_requested",
+                                           f"sleep {deployment_id}: {which}",
+                                           deployment_id=view.deployment_id))
+    return Accepted(deployment_id=deployment_id, status=view.status.value)
+
+
+@router.post("/deployments/{deployment_id}/wake", status_code=202, response_model=Accepted,
+             responses=problems(404, 409, 503))
+async def wake_deployment(deployment_id: str, store: StoreDep, temporal: TemporalDep, *,
+                          operator: OperatorDep, choice: ReplicaChoice | None = None,
+                          ) -> Accepted:
+    """Wake a sleeping replica (none named: each sleeping one)."""
+    choice = choice or ReplicaChoice()
+    view = await _existing(store, deployment_id)
+    with _answered(deployment_id, "wake"):
+        await execute_update(
+            temporal.get_workflow_handle_for(DeploymentWorkflow.run, view.workflow_id),
+            DeploymentWorkflow.wake,
+            WakeRequest(replica_id=choice.replica_id, actor=operator.name),
+            rpc_timeout=UPDATE_ANSWER_TIMEOUT)
+    which = choice.replica_id or "each sleeping replica"
+    await store.events.record_event(change(operator, "deployment.wake_requested",
+                                           f"wake {deployment_id}: {which}",
+                                           deployment_id=view.deployment_id))
+    return Accepted(deployment_id=deployment_id, status=view.status.value)
+
+
+@contextmanager
+def _answered(deployment_id: str, what: str) -> Iterator[None]:
+    """An update to a deployment's workflow, its failures as answers: the workflow's
+    refusal (its validator's sentence) is a 409, as is a workflow that is gone; no answer
+    in ``UPDATE_ANSWER_TIMEOUT`` is a 503."""
+    try:
+        yield
+    except WorkflowUpdateFailedError as exc:
+        # The validator's sentence as it wrote it, without its error type in front.
+        cause = exc.cause
+        raise HTTPException(409, cause.message if isinstance(cause, FailureError)
+                            else str(exc)) from None
+    except RPCError as exc:
+        if _workflow_not_found(exc):
+            raise HTTPException(409, f"deployment {deployment_id} has no running workflow "
+                                     "(it is being removed)") from None
+        raise HTTPException(503, f"the deployment's workflow did not take the {what} in "
+                                 f"{UPDATE_ANSWER_TIMEOUT.total_seconds():.0f}s: is a "
+                                 f"control worker running? ({exc.message})") from None
 
 
 # -- replicas and placement ------------------------------------------------------------
@@ -445,5 +545,11 @@ def _summary(request: DeploymentRequest) -> str:
         where += f" on {', '.join(request.node_ids)}"
     if request.labels:
         where += " where " + ", ".join(f"{k}={v}" for k, v in sorted(request.labels.items()))
-    plural = "replica" if request.replicas == 1 else "replicas"
-    return f"keep {request.model_id} served: {request.replicas} {plural}{where}"
+    policy = request.policy
+    if policy is not None:
+        demand = " on demand" if policy.on_demand else ""
+        return (f"keep {request.model_id} served{demand}: replicas "
+                f"{scaling_summary(policy)}{where}")
+    count = request.initial_replicas
+    plural = "replica" if count == 1 else "replicas"
+    return f"keep {request.model_id} served: {count} {plural}{where}"

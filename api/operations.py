@@ -26,7 +26,9 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from modelkeeper.domain.base import Frozen
-from modelkeeper.domain.catalog import MAX_REPLICAS, DeploymentView, JsonInt
+from modelkeeper.domain.bounds import MAX_REPLICAS, JsonInt
+from modelkeeper.domain.catalog import DeploymentView
+from modelkeeper.domain.demand import ScalingRequest
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId
 from modelkeeper.domain.operations import (
@@ -97,16 +99,22 @@ class DrainRequest(Frozen):
 
 
 class DeploymentPatch(Frozen):
-    """PATCH /deployments/{id}: one of a replica count (scale) or engine arguments (a
-    reconfigure, as POST /deployments/{id}/reconfigure)."""
+    """PATCH /deployments/{id}: one of a replica count (scale: min = max = N), a scaling
+    policy (docs/demand.md) or engine arguments (a reconfigure, as POST
+    /deployments/{id}/reconfigure)."""
 
     replicas: JsonInt | None = Field(default=None, ge=0, le=MAX_REPLICAS)
+    scaling: ScalingRequest | None = None
     engine_args: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_change(self) -> Self:
-        if (self.replicas is None) == (self.engine_args is None):
-            raise ValueError("give one of replicas (scale) or engine_args (reconfigure)")
+        given = [name for name in ("replicas", "scaling", "engine_args")
+                 if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("give one of replicas (scale), scaling (a policy) or "
+                             "engine_args (reconfigure); "
+                             + (f"got {' and '.join(given)}" if given else "got none"))
         return self
 
 

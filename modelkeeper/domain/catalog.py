@@ -5,18 +5,19 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Self
 
-from pydantic import BeforeValidator, Field, StringConstraints, model_validator
+from pydantic import Field, StringConstraints, model_validator
 
 from .base import Frozen, Tolerant
+from .bounds import MAX_REPLICAS, STRICT, JsonInt
+from .demand import ScalingPolicy, ScalingRequest
 from .ids import DeploymentId, ModelId, NodeId, ReplicaId
 from .shards import EngineKind
 from .sources import SECRET_NAME_PATTERN, SHA256_PATTERN
 from .status import DeploymentStatus, ReplicaState
+from .units import format_duration
 
 #: Model ids appear in URLs, workflow ids and OpenAI requests: keep them plain.
 MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
-#: A generous cap on one deployment's replicas; a typo of 1000 should not try to run.
-MAX_REPLICAS = 64
 
 # Bounds on what clients send. Each is far above real use and far below what the store's
 # columns hold (bigint, integer), so that a huge or infinite number is a 422 that names
@@ -52,23 +53,6 @@ LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_LABEL_K
 LabelValue = Annotated[str, StringConstraints(max_length=MAX_LABEL_VALUE_CHARS,
                                               pattern=NO_NUL_PATTERN)]
 Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=MAX_LABELS)]
-#: Flags and numbers a client sends are taken as JSON types only: "2" is not 2, nor 1
-#: true. A lax parse would accept what the OpenAPI schema says is invalid, and a client
-#: that sends a string where a number goes has a bug it should hear about.
-STRICT = True
-
-
-def _json_integer(value: object) -> object:
-    """An integer as JSON Schema has it: a number without a fraction (2.0 is 2), never a
-    string or true/false (which a lax parse would take as 2, 1 or 0)."""
-    if isinstance(value, str | bool):
-        raise ValueError(f"must be an integer, not {type(value).__name__} {value!r}")
-    return value
-
-
-#: An integer field of a client's request (see :func:`_json_integer`).
-JsonInt = Annotated[int, BeforeValidator(_json_integer)]
-
 #: A node id as a client names one.
 NodeIdField = Annotated[NodeId, StringConstraints(min_length=1, max_length=MAX_NODE_ID_CHARS)]
 
@@ -162,14 +146,46 @@ class CatalogModel(ModelSpec):
     created_at: datetime | None = None
 
 
+#: The replicas of a deployment created with neither ``replicas`` nor ``scaling``.
+DEFAULT_REPLICAS = 1
+
+
 class DeploymentRequest(Frozen):
-    """POST /deployments."""
+    """POST /deployments: ``replicas`` (min = max = N) or ``scaling`` (a policy whose
+    replicas start at its minimum), not both; neither is ``DEFAULT_REPLICAS``."""
 
     model_id: ModelId = Field(pattern=MODEL_ID_PATTERN)
-    replicas: JsonInt = Field(default=1, ge=0, le=MAX_REPLICAS)
+    replicas: JsonInt | None = Field(
+        default=None, ge=0, le=MAX_REPLICAS,
+        description=f"a fixed count, min = max = N; {DEFAULT_REPLICAS} when scaling is "
+                    "absent too")
+    scaling: ScalingRequest | None = Field(
+        default=None, description="how the replica count follows demand (docs/demand.md); "
+                                  "the deployment starts at its min_replicas")
     min_nodes: JsonInt = Field(default=1, ge=1, le=64)
     node_ids: list[NodeIdField] | None = Field(default=None, max_length=MAX_NODE_IDS)
     labels: Labels = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_count(self) -> Self:
+        if self.replicas is not None and self.scaling is not None:
+            raise ValueError(f"give one of replicas (a fixed count) or scaling (a policy), "
+                             f"not both: replicas = {self.replicas} and scaling = "
+                             f"{self.scaling.min_replicas}-{self.scaling.max_replicas} "
+                             "were given")
+        return self
+
+    @property
+    def policy(self) -> ScalingPolicy | None:
+        """The scaling policy asked for; None: fixed at :attr:`initial_replicas`."""
+        return None if self.scaling is None else self.scaling.policy()
+
+    @property
+    def initial_replicas(self) -> int:
+        """The replicas wanted at first: the policy's minimum, or the fixed count."""
+        if self.scaling is not None:
+            return self.scaling.min_replicas
+        return DEFAULT_REPLICAS if self.replicas is None else self.replicas
 
 
 class ScaleRequest(Frozen):
@@ -221,6 +237,30 @@ class DeploymentView(Frozen):
     runs_model_id: ModelId | None = None
     #: Why the last replica placed shares a node with another (no other had room).
     placement_note: str | None = None
+    #: The scaling policy in force (a schedule window's bounds applied); None: fixed at
+    #: ``desired_replicas``, never started on demand.
+    scaling: ScalingPolicy | None = None
+    #: Loading on demand (status loading): since when, and who asked ("3 request(s)
+    #: waiting"); None otherwise.
+    loading_since: datetime | None = None
+    loading_reason: str | None = None
+    #: The last demand step and why, with its time (an eviction's reason included).
+    demand_note: str | None = None
+
+
+def scaling_summary(policy: ScalingPolicy | None) -> str:
+    """A policy in a few words, as ``ls`` and the web UI's run summary show it:
+    ``0-2 sleep 2m idle 10m``; ``-`` when fixed."""
+    if policy is None:
+        return "-"
+    words = [f"{policy.min_replicas}-{policy.max_replicas}"]
+    for label, seconds in (("sleep", policy.sleep_after_s), ("idle", policy.idle_timeout_s),
+                           ("wait", policy.load_wait_s)):
+        if seconds is not None:
+            words.append(f"{label} {format_duration(seconds)}")
+    if policy.warm_standby:
+        words.append(f"standby {policy.warm_standby}")
+    return " ".join(words)
 
 
 class DeploymentStatusUpdate(Tolerant):

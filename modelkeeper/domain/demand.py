@@ -46,7 +46,7 @@ from typing import Annotated, Literal, Self
 from pydantic import Field, model_validator
 
 from .base import Frozen, Tolerant
-from .catalog import MAX_REPLICAS, STRICT, JsonInt
+from .bounds import MAX_REPLICAS, STRICT, JsonInt
 from .ids import DeploymentId, ReplicaId
 
 #: A timeout or period longer than 30 days is a typo (seconds for minutes), not a policy.

@@ -16,7 +16,8 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 
 from .base import Frozen, Tolerant
-from .catalog import MAX_CPU_CORES, MAX_MEMORY_BYTES, STRICT, JsonInt, Labels
+from .bounds import STRICT, JsonInt
+from .catalog import MAX_CPU_CORES, MAX_MEMORY_BYTES, Labels
 from .ids import DeploymentId, NodeId, ReplicaId
 from .shards import ShardReport
 

@@ -91,3 +91,35 @@ def parse_bytes(value: str | int) -> int:
 def format_gib(n: int) -> str:
     """Bytes as GiB with one decimal, e.g. ``format_gib(8 * 2**30) == "8.0 GiB"``."""
     return f"{n / GIB:.1f} GiB"
+
+
+# -- durations ---------------------------------------------------------------------------
+
+#: Suffix -> seconds per unit, as operators write timeouts ("10m", "90s", "1h"). A bare
+#: number is seconds. Lower case only: "M" would read as months to some.
+_DURATION_UNITS: dict[str, float] = {"ms": 0.001, "": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0,
+                                     "d": 86_400.0}
+_DURATION = re.compile(r"^\s*(?P<number>\d+(?:\.\d+)?|\.\d+)\s*(?P<unit>[A-Za-z]*)\s*$")
+_DURATION_ACCEPTED = "a number of seconds, or a number with a unit: ms, s, m, h or d " \
+                     "(e.g. 90s, 10m, 1.5h)"
+
+
+def parse_duration(value: str) -> float:
+    """Seconds from ``"10m"``, ``"90s"``, ``"1h"``, ``"1.5h"``, ``"2d"`` or ``"30"``.
+
+    Raises ``ValueError`` naming the value and the accepted forms when it is not one of
+    them (negative, empty, unknown unit).
+    """
+    match = _DURATION.match(value)
+    if match is None or match["unit"] not in _DURATION_UNITS:
+        raise ValueError(f"invalid duration {value!r}: expected {_DURATION_ACCEPTED}")
+    return float(Decimal(match["number"]) * Decimal(str(_DURATION_UNITS[match["unit"]])))
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds in the largest unit that holds them whole: ``600`` is ``"10m"``, ``90`` is
+    ``"90s"``, ``5400`` is ``"90m"``, ``0.5`` is ``"0.5s"``; what parse_duration reads."""
+    for unit, size in (("d", 86_400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"

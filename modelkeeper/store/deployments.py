@@ -20,6 +20,7 @@ from ..domain.catalog import (
     ReplicaStateUpdate,
     ReplicaView,
 )
+from ..domain.demand import ScalingPolicy
 from ..domain.events import Event, NewEvent
 from ..domain.ids import DeploymentId
 from ..domain.nodes import EndpointRefused, endpoint_refusal
@@ -50,11 +51,12 @@ class DeploymentStore:
             await self._pool.execute(
                 """
                 INSERT INTO deployments (deployment_id, model_id, replicas, min_nodes, node_ids,
-                                         labels, status, workflow_id)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                                         labels, status, workflow_id, scaling)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
                 """,
-                deployment_id, request.model_id, request.replicas, request.min_nodes,
-                request.node_ids, request.labels, DeploymentStatus.PLACING.value, workflow_id)
+                deployment_id, request.model_id, request.initial_replicas, request.min_nodes,
+                request.node_ids, request.labels, DeploymentStatus.PLACING.value, workflow_id,
+                _policy_json(request.policy))
         except asyncpg.UniqueViolationError:
             raise DeploymentExistsError(request.model_id) from None
         except asyncpg.ForeignKeyViolationError:
@@ -109,10 +111,20 @@ class DeploymentStore:
         return row is not None
 
     async def set_desired_replicas(self, deployment_id: str, replicas: int) -> None:
-        """Record a scale the keeper accepted."""
+        """Record a scale the keeper accepted. A count is min = max = that count: the
+        scaling policy goes, as in the keeper (whose next write shows an open schedule
+        window's bounds, if one is open)."""
         await self._pool.execute(
-            "UPDATE deployments SET replicas = $2, updated_at = now() WHERE deployment_id = $1",
-            deployment_id, replicas)
+            "UPDATE deployments SET replicas = $2, scaling = NULL, updated_at = now() "
+            "WHERE deployment_id = $1", deployment_id, replicas)
+
+    async def set_scaling(self, deployment_id: str, policy: ScalingPolicy,
+                          replicas: int) -> None:
+        """Record a scaling policy the keeper accepted, and the replicas it wants under it
+        (the keeper's next status write says the same, a schedule window applied)."""
+        await self._pool.execute(
+            "UPDATE deployments SET scaling = $2, replicas = $3, updated_at = now() "
+            "WHERE deployment_id = $1", deployment_id, _policy_json(policy), replicas)
 
     async def record_deployment_status(self, update: DeploymentStatusUpdate) -> None:
         """Write the keeper's status; the deleting status set by the API is kept. The
@@ -185,7 +197,9 @@ class DeploymentStore:
                 node_ids=row["node_ids"], labels=row["labels"], replicas=reps,
                 workflow_id=row["workflow_id"], created_at=row["created_at"],
                 updated_at=row["updated_at"], generation=row["generation"],
-                runs_model_id=row["runs_model_id"], placement_note=row["placement_note"]))
+                runs_model_id=row["runs_model_id"], placement_note=row["placement_note"],
+                scaling=row["scaling"], loading_since=row["loading_since"],
+                loading_reason=row["loading_reason"], demand_note=row["demand_note"]))
         return views
 
     # -- replicas -------------------------------------------------------------------------
@@ -300,6 +314,11 @@ class DeploymentStore:
         if row is None:
             return None
         return ReplicaState(row["state"]), left if left is not None else row["at"]
+
+
+def _policy_json(policy: ScalingPolicy | None) -> dict[str, Any] | None:
+    """A policy as the ``scaling`` column holds it (the keeper writes the same shape)."""
+    return None if policy is None else policy.model_dump(mode="json")
 
 
 _REPLICA_SELECT = """
