@@ -1,7 +1,7 @@
-"""`modelkeeper deploy / ls / rm / nodes / explain / models`, the changes (`scale`, `retry`,
-`restart`, `switch`, `reconfigure`, `cordon`, `uncordon`, `drain`), `operations` (alias
-`ops`), which lists, shows and cancels the sagas, and `schedule`, a deployment's windows of
-scaling by the clock: thin wrappers over the API, sending the
+"""`modelkeeper deploy / ls / rm / nodes / explain / models`, the changes (`scale`, `sleep`,
+`wake`, `retry`, `restart`, `switch`, `reconfigure`, `cordon`, `uncordon`, `drain`),
+`operations` (alias `ops`), which lists, shows and cancels the sagas, and `schedule`, a
+deployment's windows of scaling by the clock: thin wrappers over the API, sending the
 operator token (:func:`operator_token`). `tokens` makes, lists and revokes those tokens
 straight in the database, so the first admin token needs no API.
 
@@ -35,9 +35,12 @@ from typing import Any
 
 import httpx
 
+from modelkeeper.domain.bounds import MAX_REPLICAS
+from modelkeeper.domain.catalog import DEFAULT_REPLICAS, scaling_summary
+from modelkeeper.domain.demand import MAX_LOAD_WAIT_S, MAX_PERIOD_S, ScalingPolicy
 from modelkeeper.domain.operators import OperatorRole, name_problem
 from modelkeeper.domain.shards import EngineKind
-from modelkeeper.domain.units import format_gib, parse_bytes
+from modelkeeper.domain.units import format_duration, format_gib, parse_bytes, parse_duration
 from modelkeeper.settings import Settings
 from modelkeeper.store.tokens import OperatorTokenRecord, TokensStore
 
@@ -139,11 +142,90 @@ def _detail(resp: httpx.Response) -> str:
     return str(detail)
 
 
+@dataclass(frozen=True)
+class PolicyFlag:
+    """A flag of ``deploy`` and ``scale`` that sets one field of a scaling policy
+    (modelkeeper.domain.demand.ScalingPolicy), with the bounds the API checks."""
+
+    flag: str
+    field: str
+    #: A duration ("10m", "90s", "1h"; "off" where the field may be unset) or a count.
+    duration: bool
+    low: float
+    high: float
+    #: Whether ``low`` itself is allowed (a timeout of 0 is not).
+    low_allowed: bool = True
+    #: Whether "off" unsets it (never idle, never asleep).
+    may_be_off: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    def parse(self, raw: Any) -> float | int | None:
+        """The field's value from what was typed; a UsageError naming the flag, the value
+        and the limit."""
+        if self.duration:
+            if self.may_be_off and raw == "off":
+                return None
+            try:
+                value: float | int = parse_duration(raw)
+            except ValueError as exc:
+                raise UsageError(f"{self.flag} {raw!r}: {exc}") from None
+            shown, low, high = raw, format_duration(self.low), format_duration(self.high)
+        else:
+            value = shown = raw
+            low, high = f"{self.low:g}", f"{self.high:g}"
+        if value > self.high or value < self.low or (value == self.low
+                                                      and not self.low_allowed):
+            floor = f"at least {low}" if self.low_allowed else f"above {low}"
+            raise UsageError(f"{self.flag} {shown}: must be {floor} and at most {high}")
+        return value
+
+
+#: The policy flags, in the order they are shown; docs/demand.md says what each means.
+POLICY_FLAGS = (
+    PolicyFlag("--min", "min_replicas", duration=False, low=0, high=MAX_REPLICAS),
+    PolicyFlag("--max", "max_replicas", duration=False, low=0, high=MAX_REPLICAS),
+    PolicyFlag("--idle", "idle_timeout_s", duration=True, low=0, high=MAX_PERIOD_S,
+               low_allowed=False, may_be_off=True),
+    PolicyFlag("--sleep-after", "sleep_after_s", duration=True, low=0, high=MAX_PERIOD_S,
+               low_allowed=False, may_be_off=True),
+    PolicyFlag("--load-wait", "load_wait_s", duration=True, low=0, high=MAX_LOAD_WAIT_S),
+    PolicyFlag("--standby", "warm_standby", duration=False, low=0, high=MAX_REPLICAS),
+)
+
+
+def _policy_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The scaling policy's fields the policy flags set, parsed and bounded; {} when none
+    was given."""
+    return {f.field: f.parse(getattr(args, f.dest)) for f in POLICY_FLAGS
+            if getattr(args, f.dest) is not None}
+
+
+def _given(args: argparse.Namespace) -> str:
+    """The policy flags given, as typed: for a sentence."""
+    return " ".join(f"{f.flag} {getattr(args, f.dest)}" for f in POLICY_FLAGS
+                    if getattr(args, f.dest) is not None)
+
+
 def _deploy_request(args: argparse.Namespace) -> Request:
-    return Request("POST", "/deployments", body={
-        "model_id": args.model_id, "replicas": args.replicas, "min_nodes": args.min_nodes,
-        "node_ids": args.node_ids,
-        "labels": parse_pairs(args.require_labels, flag="--require-label")})
+    body: dict[str, Any] = {
+        "model_id": args.model_id, "min_nodes": args.min_nodes, "node_ids": args.node_ids,
+        "labels": parse_pairs(args.require_labels, flag="--require-label")}
+    policy = _policy_fields(args)
+    if not policy:
+        body["replicas"] = DEFAULT_REPLICAS if args.replicas is None else args.replicas
+        return Request("POST", "/deployments", body=body)
+    if args.replicas is not None:
+        raise UsageError(f"give --replicas (a fixed count) or --min/--max (a policy), not "
+                         f"both: --replicas {args.replicas} and {_given(args)} were given")
+    missing = [flag for flag, field in (("--min", "min_replicas"), ("--max", "max_replicas"))
+               if field not in policy]
+    if missing:
+        raise UsageError(f"{' and '.join(missing)} must be given with {_given(args)}: a "
+                         "policy names its bounds (--min 0 --max 2 loads it on demand)")
+    return Request("POST", "/deployments", body={**body, "scaling": policy})
 
 
 def _ls_request(args: argparse.Namespace) -> Request:
@@ -160,16 +242,17 @@ def _on_deployment(args: argparse.Namespace, then: Callable[[str], Request]) -> 
                    then=partial(_deployment_request, args.command, args.target, then))
 
 
-def _deployment_request(command: str, target: str, then: Callable[[str], Request],
-                        deployments: list[dict[str, Any]]) -> Request:
-    """``then`` of the deployment whose id or model id is ``target``."""
+def _deployment_request(command: str, target: str, then: Callable[[Any], Request],
+                        deployments: list[dict[str, Any]], *, whole: bool = False) -> Request:
+    """``then`` of the deployment whose id or model id is ``target``: of its id, or, with
+    ``whole``, of the deployment as the API showed it."""
     match = next((d for d in deployments if target in (d["deployment_id"], d["model_id"])),
                  None)
     if match is None:
         known = ", ".join(sorted(d["model_id"] for d in deployments)) or "none"
         raise UsageError(f"{command} {target!r}: no deployment has that id or model id "
                          f"(deployed models: {known})")
-    return then(match["deployment_id"])
+    return then(match if whole else match["deployment_id"])
 
 
 def _on_node(args: argparse.Namespace, then: Callable[[str], Request]) -> Request:
@@ -198,8 +281,38 @@ def _node_request(command: str, target: str, then: Callable[[str], Request],
 
 
 def _scale_request(args: argparse.Namespace) -> Request:
-    return _on_deployment(args, lambda d: Request("PATCH", f"/deployments/{d}",
-                                                  body={"replicas": args.replicas}))
+    if None not in (args.replicas, args.count) and args.replicas != args.count:
+        raise UsageError(f"give the count once: N {args.count} and --replicas "
+                         f"{args.replicas} were given")
+    count = args.count if args.replicas is None else args.replicas
+    policy = _policy_fields(args)
+    if count is not None and policy:
+        raise UsageError(f"give --replicas (a fixed count) or policy flags, not both: "
+                         f"--replicas {count} and {_given(args)} were given")
+    if count is not None:
+        return _on_deployment(args, lambda d: Request("PATCH", f"/deployments/{d}",
+                                                      body={"replicas": count}))
+    if not policy:
+        raise UsageError("give --replicas N (a fixed count) or policy flags ("
+                         + ", ".join(f.flag for f in POLICY_FLAGS) + ")")
+    return Request("GET", "/deployments", then=partial(
+        _deployment_request, args.command, args.target,
+        lambda d: Request("PATCH", f"/deployments/{d['deployment_id']}",
+                          body={"scaling": _merged_policy(d, policy)}), whole=True))
+
+
+def _merged_policy(deployment: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """The deployment's policy with ``fields`` over it: a flag not given keeps its value
+    (a fixed deployment's is min = max = its count)."""
+    current = deployment.get("scaling") or {"min_replicas": deployment["desired_replicas"],
+                                            "max_replicas": deployment["desired_replicas"]}
+    return {**current, **fields}
+
+
+def _sleep_request(args: argparse.Namespace) -> Request:
+    body = None if args.replica is None else {"replica_id": args.replica}
+    return _on_deployment(args, lambda d: Request("POST", f"/deployments/{d}/{args.command}",
+                                                  body=body))
 
 
 def _retry_request(args: argparse.Namespace) -> Request:
@@ -412,8 +525,13 @@ def _reason(deployment: dict[str, Any]) -> str:
             if deployment["placement_error"]:
                 reason += f"; its replacement cannot be placed: {deployment['placement_error']}"
             return reason
-        case "serving" | "stopped":
+        case "serving" | "stopped" | "idle" | "sleeping":
             return f"(last failure: {last})" if last else ""
+        case "loading":
+            # Who asked and since when (the keeper's reason, e.g. "3 request(s) waiting").
+            since = deployment.get("loading_since")
+            reason = str(deployment.get("loading_reason") or "asked for")
+            return f"{reason} (since {since})" if since else reason
         case _:
             return str(last or "")
 
@@ -426,7 +544,8 @@ def _deploy_text(args: argparse.Namespace, result: Any) -> str:
 def _notes(deployment: dict[str, Any]) -> str:
     """What an operator should know beside the status: the model behind the served name
     after a switch, replicas on an older generation (outdated: a restart, switch or
-    reconfigure has not reached them), and replicas that had to share a node."""
+    reconfigure has not reached them), replicas that had to share a node, and the last
+    demand step."""
     notes = []
     runs = deployment.get("runs_model_id")
     if runs and runs != deployment["model_id"]:
@@ -436,15 +555,30 @@ def _notes(deployment: dict[str, Any]) -> str:
         notes.append(f"outdated: {', '.join(stale)}")
     if deployment.get("placement_note"):
         notes.append(str(deployment["placement_note"]))
+    if deployment.get("demand_note"):
+        # The last demand step and why, an eviction's reason included.
+        notes.append(str(deployment["demand_note"]))
     return "; ".join(notes)
 
 
+def _policy(deployment: dict[str, Any]) -> str:
+    """The scaling policy in force, e.g. ``0-2 idle 10m``; ``-`` when fixed."""
+    scaling = deployment.get("scaling")
+    return scaling_summary(None if scaling is None else ScalingPolicy(**scaling))
+
+
+def _ready(deployment: dict[str, Any]) -> str:
+    """Ready of wanted, and the replicas asleep (kept on purpose, woken when asked for)."""
+    shown = f"{deployment['ready_replicas']}/{deployment['desired_replicas']}"
+    asleep = sum(1 for r in deployment.get("replicas", []) if r.get("state") == "sleeping")
+    return f"{shown} +{asleep} asleep" if asleep else shown
+
+
 def _ls_text(args: argparse.Namespace, result: Any) -> str:
-    return table([[d["deployment_id"], d["model_id"], d["status"],
-                   f"{d['ready_replicas']}/{d['desired_replicas']}",
+    return table([[d["deployment_id"], d["model_id"], d["status"], _ready(d), _policy(d),
                    str(d["consecutive_failures"]),
                    "; ".join(x for x in (_reason(d), _notes(d)) if x)] for d in result],
-                 ["id", "model", "status", "ready", "failures", "reason"])
+                 ["id", "model", "status", "ready", "policy", "failures", "reason"])
 
 
 def _rm_text(args: argparse.Namespace, result: Any) -> str:
@@ -514,6 +648,13 @@ def _scale_text(args: argparse.Namespace, result: Any) -> str:
     return (f"deployment {result['deployment_id']} of {result['model_id']}: "
             f"{result['desired_replicas']} wanted, {result['ready_replicas']} ready "
             f"({result['status']})")
+
+
+def _sleep_text(args: argparse.Namespace, result: Any) -> str:
+    which = args.replica or ("each ready replica above its minimum" if args.command == "sleep"
+                             else "each sleeping replica")
+    return (f"deployment {result['deployment_id']}: {args.command} asked of {which} "
+            f"(it was {result['status']}; modelkeeper ls shows the replicas)")
 
 
 def _retry_text(args: argparse.Namespace, result: Any) -> str:
@@ -596,9 +737,31 @@ def _schedule_text(args: argparse.Namespace, result: Any) -> str:
 # The flags each command adds to the common ones (--api-url, --json)
 
 
+def _policy_flags(parser: argparse.ArgumentParser) -> None:
+    """The scaling policy's flags (POLICY_FLAGS); their values are parsed with the
+    request, so a bad one is a sentence naming it, not argparse's."""
+    helps = {
+        "--min": "the fewest replicas it runs (0: none while unused)",
+        "--max": "the most replicas it runs (--min 0 --max 1 or more: loaded on demand)",
+        "--idle": "stop a replica above --min unused this long, e.g. 10m ('off': never)",
+        "--sleep-after": "sleep a replica above --min unused this long, before --idle stops "
+                         "it (vLLM, SGLang, sim; 'off': never)",
+        "--load-wait": "how long the gateway holds a request while the model loads or wakes "
+                       "(default: the gateway's gateway_load_wait_s)",
+        "--standby": "sleeping replicas kept on other nodes, woken if a serving one is lost",
+    }
+    for flag in POLICY_FLAGS:
+        parser.add_argument(flag.flag, dest=flag.dest, type=str if flag.duration else int,
+                            metavar="DURATION" if flag.duration else "N",
+                            help=helps[flag.flag])
+
+
 def _deploy_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_id")
-    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--replicas", type=int,
+                        help=f"a fixed count, min = max = N (default {DEFAULT_REPLICAS}); "
+                             "or give a policy with --min/--max")
+    _policy_flags(parser)
     parser.add_argument("--min-nodes", type=int, default=1)
     parser.add_argument("--node", dest="node_ids", action="append", metavar="NODE",
                         help="only this node, by name or id; repeatable")
@@ -624,7 +787,18 @@ def _deployment_flags(parser: argparse.ArgumentParser) -> None:
 
 def _scale_flags(parser: argparse.ArgumentParser) -> None:
     _deployment_flags(parser)
-    parser.add_argument("replicas", type=int, metavar="N")
+    parser.add_argument("count", type=int, metavar="N", nargs="?",
+                        help="a fixed count (as --replicas)")
+    parser.add_argument("--replicas", type=int, metavar="N",
+                        help="a fixed count, min = max = N (the policy goes)")
+    _policy_flags(parser)
+
+
+def _sleep_flags(parser: argparse.ArgumentParser) -> None:
+    _deployment_flags(parser)
+    parser.add_argument("--replica", metavar="REPLICA",
+                        help="only this replica (default: sleep: each ready one above the "
+                             "minimum; wake: each sleeping one)")
 
 
 def _switch_flags(parser: argparse.ArgumentParser) -> None:
@@ -730,8 +904,12 @@ COMMANDS: tuple[Command, ...] = (
             _explain_request, _explain_text),
     Command("models", "list the model catalog, or add/remove a model", _models_flags,
             _models_request, _models_text),
-    Command("scale", "set a deployment's replica count", _scale_flags, _scale_request,
-            _scale_text),
+    Command("scale", "set a deployment's replica count, or its scaling policy", _scale_flags,
+            _scale_request, _scale_text),
+    Command("sleep", "put a deployment's replicas to sleep (vLLM, SGLang, sim)", _sleep_flags,
+            _sleep_request, _sleep_text),
+    Command("wake", "wake a deployment's sleeping replicas", _sleep_flags, _sleep_request,
+            _sleep_text),
     Command("retry", "un-park a parked deployment", _deployment_flags, _retry_request,
             _retry_text),
     Command("restart", "replace each replica of a deployment in turn", _deployment_flags,

@@ -71,7 +71,8 @@ def parse(*argv: str) -> Any:
 
 #: The fewest positional arguments each command takes.
 POSITIONALS: dict[str, list[str]] = {
-    "deploy": ["x"], "rm": ["x"], "explain": ["x"], "scale": ["x", "1"], "retry": ["x"],
+    "deploy": ["x"], "rm": ["x"], "explain": ["x"], "scale": ["x", "1"], "sleep": ["x"],
+    "wake": ["x"], "retry": ["x"],
     "restart": ["x"], "switch": ["x", "m"], "reconfigure": ["x", "k=v"], "cordon": ["n"],
     "uncordon": ["n"], "drain": ["n"], "schedule": ["ls", "x"]}
 
@@ -81,8 +82,9 @@ POSITIONALS: dict[str, list[str]] = {
 
 def test_the_table_holds_every_command_in_help_order() -> None:
     assert [c.name for c in COMMANDS] == [
-        "deploy", "ls", "rm", "nodes", "explain", "models", "scale", "retry", "restart",
-        "switch", "reconfigure", "cordon", "uncordon", "drain", "operations", "schedule"]
+        "deploy", "ls", "rm", "nodes", "explain", "models", "scale", "sleep", "wake", "retry",
+        "restart", "switch", "reconfigure", "cordon", "uncordon", "drain", "operations",
+        "schedule"]
     assert set(OPERATOR_COMMANDS) == {c.name for c in COMMANDS}
     for command in COMMANDS:  # each is registered with the common flags
         args = parse(command.name, *POSITIONALS.get(command.name, []), "--json",
@@ -236,11 +238,12 @@ def text(argv: list[str], result: Any) -> str:
 
 def test_ls_table_shows_reason_and_a_serving_deployments_failure_as_history() -> None:
     assert text(["ls"], DEPLOYMENTS).splitlines() == [
-        "ID  MODEL    STATUS      READY  FAILURES  REASON",
-        "d1  big      cant_place  0/1    0         node small: 8.0 GiB free, needs 64.0 GiB",
-        "d2  sim-12g  serving     2/2    1         (last failure: exit 137 (oom))",
+        "ID  MODEL    STATUS      READY  POLICY  FAILURES  REASON",
+        "d1  big      cant_place  0/1    -       0         node small: 8.0 GiB free, needs "
+        "64.0 GiB",
+        "d2  sim-12g  serving     2/2    -       1         (last failure: exit 137 (oom))",
     ]
-    assert text(["ls"], []) == "ID  MODEL  STATUS  READY  FAILURES  REASON"
+    assert text(["ls"], []) == "ID  MODEL  STATUS  READY  POLICY  FAILURES  REASON"
 
 
 def test_ls_shows_degraded_with_its_reason_and_stopped_through_the_api() -> None:
@@ -266,13 +269,13 @@ def test_ls_shows_degraded_with_its_reason_and_stopped_through_the_api() -> None
 
     [shown] = run(["ls"], handler)
     assert shown.splitlines() == [
-        "ID  MODEL   STATUS    READY  FAILURES  REASON",
-        "d3  limp    degraded  1/2    0         d-r1 unreachable: no heartbeat from a",
-        "d4  full    degraded  0/1    0         d4-r1 unreachable: no heartbeat from a; its "
-        "replacement cannot be placed: node b: 2.0 GiB free, needs 8.0 GiB",
-        "d5  idle    stopped   0/0    0",
+        "ID  MODEL   STATUS    READY  POLICY  FAILURES  REASON",
+        "d3  limp    degraded  1/2    -       0         d-r1 unreachable: no heartbeat from a",
+        "d4  full    degraded  0/1    -       0         d4-r1 unreachable: no heartbeat from a; "
+        "its replacement cannot be placed: node b: 2.0 GiB free, needs 8.0 GiB",
+        "d5  idle    stopped   0/0    -       0",
         # Scaled to zero by an operator: an earlier failure is history, not the reason.
-        "d6  rested  stopped   0/0    1         (last failure: exit 137 (oom))",
+        "d6  rested  stopped   0/0    -       1         (last failure: exit 137 (oom))",
     ]
     assert json.loads(run(["ls", "--json"], handler)[0]) == deployments
 
@@ -582,5 +585,5 @@ def test_ls_names_the_model_behind_a_switched_name_outdated_replicas_and_shared_
                       {"replica_id": "d7-r4", "outdated": False}]},
     ]
     assert text(["ls"], deployments).splitlines()[1] == (
-        "d7  chat   serving  2/2    0         runs chat-v2; outdated: d7-r3; d7-r4 shares "
-        "node n1 with another replica of d7: no other node has room")
+        "d7  chat   serving  2/2    -       0         runs chat-v2; outdated: d7-r3; d7-r4 "
+        "shares node n1 with another replica of d7: no other node has room")
