@@ -124,3 +124,24 @@ def numeric_or_string(schema: dict[str, Any]) -> dict[str, Any]:
     """The non-null branch of ``X | None``."""
     [branch] = [b for b in schema.get("anyOf", [schema]) if b.get("type") != "null"]
     return dict(branch)
+
+
+async def test_the_scaling_policy_and_the_sleep_routes_are_in_the_spec_with_their_bounds(
+        http: httpx.AsyncClient) -> None:
+    spec = (await http.get("/openapi.json")).json()
+    schemas = spec["components"]["schemas"]
+    policy = schemas["ScalingRequest"]["properties"]
+    assert numeric(policy["max_replicas"])["maximum"] == 64
+    assert numeric(policy["idle_timeout_s"])["exclusiveMinimum"] == 0
+    assert numeric(policy["idle_timeout_s"])["maximum"] == 30 * 86_400
+    assert numeric(policy["load_wait_s"])["maximum"] == 600
+    assert set(schemas["ScalingRequest"]["required"]) == {"min_replicas", "max_replicas"}
+    # POST /deployments and PATCH take it beside replicas; the views show the policy.
+    for request in ("DeploymentRequest", "DeploymentPatch"):
+        assert "scaling" in schemas[request]["properties"], request
+    assert {"scaling", "loading_since", "loading_reason", "demand_note"} <= set(
+        schemas["DeploymentView"]["properties"])
+    for action in ("sleep", "wake"):
+        route = spec["paths"][f"/deployments/{{deployment_id}}/{action}"]["post"]
+        assert {"202", "404", "409"} <= set(route["responses"]), action
+        assert route["requestBody"].get("required", False) is False  # the body is optional
