@@ -27,8 +27,9 @@ CHECK_EXCEPTIONS: list[dict[str, Any]] = [
     {"include-path": "/deployments/{deployment_id}",
      "checks": {"use_after_free": {"enabled": False}}},
     # engine_args is an open map in the schema, judged against the allow-list of the
-    # model's engine (known only from the catalog), and PATCH takes exactly one of
-    # replicas and engine_args: a schema-valid body may still be a 422 naming the rule.
+    # model's engine (known only from the catalog), PATCH takes exactly one of replicas,
+    # scaling and engine_args, and a policy's sleep_after_s must be below its
+    # idle_timeout_s: a schema-valid body may still be a 422 naming the rule.
     {"include-path": "/deployments/{deployment_id}", "include-method": "PATCH",
      "checks": {"positive_data_acceptance": {"enabled": False}}},
     {"include-path": "/deployments/{deployment_id}/reconfigure",
@@ -45,6 +46,11 @@ CHECK_EXCEPTIONS: list[dict[str, Any]] = [
     # node_ids must name registered nodes, by id or name (api.nodes.resolve_node_ids):
     # schema-valid, still a 422 listing the known nodes.
     {"include-path": "/deployments", "include-method": "POST",
+     "checks": {"positive_data_acceptance": {"enabled": False}}},
+    # A sleep is the deployment workflow's to refuse: with no replica whose engine can
+    # sleep (no node registers in the fuzz run, so none ever runs), a schema-valid
+    # request is a 409 with the workflow's sentence.
+    {"include-path": "/deployments/{deployment_id}/sleep",
      "checks": {"positive_data_acceptance": {"enabled": False}}},
     {"include-path": "/placement/explain",
      "checks": {"positive_data_acceptance": {"enabled": False}}},
