@@ -44,7 +44,7 @@ from zoneinfo import ZoneInfo, available_timezones
 from pydantic import Field, field_validator, model_validator
 
 from .base import Frozen, Tolerant
-from .catalog import MAX_REPLICAS, JsonInt
+from .bounds import MAX_REPLICAS, JsonInt
 from .demand import SetWindowRequest, WindowBounds
 from .ids import DeploymentId
 
