@@ -335,9 +335,9 @@ def test_simulated_demand_stays_within_bounds_and_never_touches_the_unknown(
             case Retire(replica_id=victim) | Sleep(replica_id=victim):
                 target = next(r for r in replicas if r.replica_id == victim)
                 if target.standing is Standing.READY:
-                    reported = s.use_of(victim)
-                    assert reported is not None, f"{found} of an unreported replica"
-                    assert reported.in_flight == 0, f"{found} of a replica in use"
+                    report = s.use_of(victim)
+                    assert report is not None, f"{found} of an unreported replica"
+                    assert report.in_flight == 0, f"{found} of a replica in use"
                     assert awake > policy.min_replicas, f"{found} below the minimum"
                 else:
                     assert target.standing is Standing.SLEEPING and not target.standby
