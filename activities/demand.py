@@ -103,6 +103,7 @@ class DemandFeed:
         #: How many queries the feed has made, and how many deployments the last covered
         #: (for logs and tests).
         self.reads = 0
+        self._failing = False
 
     @property
     def listener(self) -> ChangeListener:
@@ -173,9 +174,15 @@ class DemandFeed:
             samples = await self._usage.demand_samples(
                 deployment_ids, flush_interval_s=self._flush_interval_s)
         except READ_ERRORS as exc:
-            log.warning("cannot read the gateways' usage rows (%s); trying again in %gs",
-                        exc, self._interval_s)
+            # Once per outage, not once a tick.
+            (log.debug if self._failing else log.warning)(
+                "cannot read the gateways' usage rows (%s); trying again every %gs; no "
+                "scaling step is taken meanwhile", exc, self._interval_s)
+            self._failing = True
             return
+        if self._failing:
+            log.info("reading the gateways' usage rows again")
+            self._failing = False
         self.reads += 1
         for deployment_id, sample in samples.items():
             for subscription in self._subscriptions.get(deployment_id, ()):

@@ -6,6 +6,7 @@ connection, its ticks and the demand trigger of migration 0016."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -26,6 +27,7 @@ from modelkeeper.domain.demand import (
     DemandFound,
     DemandSample,
     DemandView,
+    Pressure,
     ReplicaStanding,
     Retire,
     ScalingPolicy,
@@ -55,6 +57,8 @@ FAST_TICK_S = 0.05
 #: Generous bounds, for a busy 2-core machine; what is seen is logged.
 NOTIFY_TO_RETURN_BOUND_S = 1.0
 ENDPOINT = "http://127.0.0.1:1"
+#: The application name of the feed's pool in these tests (a test cuts its connections).
+USAGE_POOL = "demand-feed-test"
 
 
 class CountingUsage(UsageStore):
@@ -94,7 +98,8 @@ async def gateway(database_url: str) -> AsyncIterator[RoutingStore]:
 
 @pytest.fixture
 async def usage(database_url: str) -> AsyncIterator[CountingUsage]:
-    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=3)
+    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=3,
+                                     server_settings={"application_name": USAGE_POOL})
     try:
         yield CountingUsage(pool)
     finally:
@@ -305,6 +310,85 @@ async def test_many_watches_share_one_listener_and_one_query_a_tick(
     assert listeners == 1
     assert feed.listener.connections == 1
     assert not any(task.done() and not task.cancelled() for task in tasks)
+
+
+async def test_the_feed_outlives_its_connections_being_cut(
+        db: asyncpg.Connection, usage: CountingUsage, gateway: RoutingStore,
+        database_url: str) -> None:
+    dep = await add_deployment(db, "m-cut", replicas=0)
+    async with running_feed(usage, database_url, interval_s=FAST_TICK_S) as feed:
+        task = watch(feed, on_demand_view(dep))
+        await until(lambda: len(usage.calls) >= 1, "the watch's first read")
+        # The feed's pool loses its connections (a database restart, as far as it knows).
+        cut = await db.fetchval(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = $1", USAGE_POOL)
+        assert cut >= 1
+        await gateway.write_usage("gw-1", [], [DeploymentUsage(dep, 1, None)])
+        found = await asyncio.wait_for(task, 5)
+    assert isinstance(found.step, Add)
+
+
+async def test_a_failed_read_is_said_once_and_the_next_tick_reads_again(
+        db: asyncpg.Connection, usage: CountingUsage, gateway: RoutingStore,
+        database_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="activities.demand")
+    dep = await add_deployment(db, "m-outage", replicas=0)
+    failed = "cannot read the gateways' usage rows"
+    async with running_feed(usage, database_url, interval_s=FAST_TICK_S) as feed:
+        task = watch(feed, on_demand_view(dep))
+        await until(lambda: len(usage.calls) >= 1, "the watch's first read")
+        # Every read fails while the table is away (an error of the store, not a bug).
+        await db.execute("ALTER TABLE deployment_usage RENAME TO deployment_usage_away")
+        await until(lambda: sum(failed in r.message for r in caplog.records) >= 1,
+                    "a failed read")
+        failures_before = feed.reads
+        await until(lambda: sum("cannot read" in r.message and r.levelno == logging.DEBUG
+                                for r in caplog.records) >= 3, "three more failed ticks")
+        assert feed.reads == failures_before, "a failed read is not a read"
+        await db.execute("ALTER TABLE deployment_usage_away RENAME TO deployment_usage")
+        await gateway.write_usage("gw-1", [], [DeploymentUsage(dep, 1, None)])
+        found = await asyncio.wait_for(task, 5)
+    assert isinstance(found.step, Add)
+    warnings = [r for r in caplog.records
+                if failed in r.message and r.levelno == logging.WARNING]
+    assert len(warnings) == 1, "once per outage, not once a tick"
+    assert any("reading the gateways' usage rows again" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("carried_by", ["heartbeat", "input"])
+async def test_a_rules_period_goes_on_across_a_retry_and_from_one_watch_to_the_next(
+        db: asyncpg.Connection, usage: CountingUsage, gateway: RoutingStore,
+        database_url: str, carried_by: str) -> None:
+    """Busy for 2 minutes already (a minute is the rule's period): a retried attempt
+    (from its heartbeat) or the next watch (from its input) adds at the first sample,
+    where one starting the period again would wait a minute."""
+    dep = await add_deployment(db, f"m-busy-{carried_by}", replicas=1)
+    await add_replica(db, dep, "r-a", ENDPOINT)
+    await gateway.write_usage("gw-1", [ReplicaUsage("r-a", 1, None)],
+                              [DeploymentUsage(dep, 2, None)])
+    now = await db.fetchval("SELECT now()")
+    busy = Pressure(busy_since=now - timedelta(minutes=2))
+    view = DemandView(
+        deployment_id=DeploymentId(dep), desired=1,
+        policy=ScalingPolicy(min_replicas=1, max_replicas=2, scale_up_after_s=60),
+        replicas=[ReplicaStanding(replica_id=ReplicaId("r-a"), standing=Standing.READY,
+                                  ready_at=now)])
+    env = ActivityEnvironment()
+    beats: list[object] = []
+    env.on_heartbeat = lambda *details: beats.append(details[0])
+    request = WatchDemandInput(view=view)
+    if carried_by == "heartbeat":
+        env.info = dataclasses.replace(env.info, attempt=2,
+                                       heartbeat_details=[busy.model_dump(mode="json")])
+    else:
+        request = WatchDemandInput(view=view, pressure=busy)
+    async with running_feed(usage, database_url, interval_s=SLOW_TICK_S) as feed:
+        found = await asyncio.wait_for(
+            env.run(DemandActivities(feed).watch_demand, request), 5)
+    assert isinstance(found.step, Add) and "2 waiting on 1 ready for 2 min" in found.step.reason
+    assert found.pressure == Pressure(), "the next addition needs a period of its own"
+    assert beats[0] == busy.model_dump(mode="json"), "it heartbeats what it remembers"
 
 
 # -- through Temporal ---------------------------------------------------------------------------
