@@ -1,7 +1,8 @@
 """Typed stubs of the activities the deployment workflow calls, for it to call by function.
 
-The implementations live where the workflow may not import them: the store's and the
-routing's (activities/store.py, activities/routing.py) import the store, and the node's
+The implementations live where the workflow may not import them: the store's, the
+routing's and the usage watch's (activities/store.py, activities/routing.py,
+activities/demand.py) import the store, and the node's
 (activities/node.py) run in each agent's process. A stub carries what a call needs and
 mypy checks, its registered name (modelkeeper.names), its input and its result, and no
 body: it is never registered on a worker. tests/unit/test_activity_stubs.py checks each
@@ -18,6 +19,7 @@ from typing import NoReturn
 from temporalio import activity
 
 from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdate
+from modelkeeper.domain.demand import DemandFound, WatchDemandInput
 from modelkeeper.domain.draining import DrainReplicaInput, DrainReplicaResult
 from modelkeeper.domain.events import Event, NewEvent
 from modelkeeper.domain.shards import (
@@ -59,6 +61,7 @@ from modelkeeper.names import (
     ACTIVITY_START_SHARD,
     ACTIVITY_STOP_SHARD,
     ACTIVITY_WAKE_SHARD,
+    ACTIVITY_WATCH_DEMAND,
     ACTIVITY_WATCH_FOR_ROOM,
     ACTIVITY_WATCH_SHARD,
 )
@@ -127,6 +130,14 @@ async def regrow_claims(request: RegrowClaimsInput) -> RegrowClaimsResult:
 @activity.defn(name=ACTIVITY_DRAIN_REPLICA)
 async def drain_replica(request: DrainReplicaInput) -> DrainReplicaResult:
     _stub(ACTIVITY_DRAIN_REPLICA)
+
+
+# -- the room-watch worker's (activities/demand.py: DemandActivities) ------------------------
+
+
+@activity.defn(name=ACTIVITY_WATCH_DEMAND)
+async def watch_demand(request: WatchDemandInput) -> DemandFound:
+    _stub(ACTIVITY_WATCH_DEMAND)
 
 
 # -- each agent's, on its node's queue (activities/node.py: NodeActivities) ------------------

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from temporalio.worker import Worker
 
+from activities.demand import DemandActivities, DemandFeed
 from activities.moves import MoveActivities
 from activities.operations import OperationsActivities
 from activities.routing import RoutingActivities
@@ -28,6 +29,11 @@ log = logging.getLogger(__name__)
 #: (minutes apart), so thousands cost little. Past it a watch waits in its queue, and the
 #: deployment's hourly backstop still retries.
 ROOM_WATCHES_PER_WORKER = 10_000
+#: Usage watches one worker runs at once, beside them on the same queue: one per
+#: deployment that follows demand, each a coroutine waiting on the process's one feed (one
+#: query a tick for all of them), so ten thousand cost little. Past it a watch waits in
+#: its queue and its deployment does not scale until a slot frees.
+DEMAND_WATCHES_PER_WORKER = 10_000
 
 
 async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
@@ -44,6 +50,11 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
         store_activities = StoreActivities(store, settings, client)
         routing_activities = RoutingActivities(
             store, usage_flush_interval_s=settings.usage_flush_interval_s)
+        demand_feed = DemandFeed(
+            store.usage, settings.database_url,
+            interval_s=settings.demand_sample_interval_s,
+            flush_interval_s=settings.usage_flush_interval_s)
+        await demand_feed.start()
         await store_activities.start_settling_sampler()
         with ThreadPoolExecutor(max_workers=4) as executor:
             worker = Worker(
@@ -58,8 +69,9 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
             )
             room_watcher = Worker(
                 client, task_queue=ROOM_WATCH_TASK_QUEUE,
-                activities=store_activities.room_watches(),
-                max_concurrent_activities=ROOM_WATCHES_PER_WORKER)
+                activities=[*store_activities.room_watches(),
+                            *DemandActivities(demand_feed).all()],
+                max_concurrent_activities=ROOM_WATCHES_PER_WORKER + DEMAND_WATCHES_PER_WORKER)
             # Removes what a terminated deployment left in the store (see worker/sweep.py).
             sweeper = asyncio.create_task(
                 sweep.run(store, client, interval_s=settings.sweep_interval_s))
@@ -73,5 +85,6 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await sweeper
                 await store_activities.stop_settling_sampler()
+                await demand_feed.close()
     finally:
         await store.close()

@@ -29,10 +29,16 @@ The rules, in order; the first that applies is the step (each has its test in
    replica is placing, starting or waking (the last addition is still on its way).
 4. **Shrink:** nothing waiting for ``scale_down_after_s`` (and as long since the last
    change) removes one replica above ``min_replicas``: the one idle longest, unused now.
+   Never the last one awake: nothing waiting is also what light use looks like, and a
+   model in use stays loaded (zero is rule 6's, which asks for no use at all).
 5. **Sleep:** a ready replica above the minimum, unused for ``sleep_after_s``, sleeps
    (engines that can; llama.cpp cannot, and is stopped by rule 6 instead).
 6. **Idle stop:** a replica above the minimum unused for ``idle_timeout_s`` (a sleeping
    one: asleep for ``idle_timeout_s - sleep_after_s``) is stopped, drained first.
+
+"Above the minimum", for an awake replica, counts the replicas awake (ready or on their
+way): ``min_replicas`` promises replicas that serve, and a sleeper beside them does not
+keep it. For a sleeping one it counts every live replica.
 
 Steps move one replica at a time; the keeper logs each with the load behind it.
 """
@@ -325,8 +331,17 @@ def step(view: DemandView, sample: DemandSample, pressure: Pressure,
                 f"(>= {policy.scale_up_waiting:g} per replica for "
                 f"{_fmt(policy.scale_up_after_s)})"))
 
-    live = ready + coming + _count(view, Standing.SLEEPING)
+    awake = ready + coming
+    live = awake + _count(view, Standing.SLEEPING)
+    # Min is a promise of replicas awake: stopping or sleeping an awake one needs more
+    # awake than the minimum (a sleeper beside them does not keep the promise); stopping
+    # a sleeper needs more live ones than the minimum.
     above_min = live > policy.min_replicas and view.desired > policy.min_replicas
+    awake_above_min = awake > policy.min_replicas and view.desired > policy.min_replicas
+    # Rule 4 takes back what load added, down to the minimum but never the last replica
+    # awake: quiet means nothing waits, which is also true of a model in light use. Going
+    # to zero is rule 6's, which asks for no use at all for idle_timeout_s.
+    shrink_base = max(policy.min_replicas, 1)
 
     def unused(replica: ReplicaStanding) -> float | None:
         """Seconds unused, or None when unknown or in use (rule 1)."""
@@ -342,7 +357,8 @@ def step(view: DemandView, sample: DemandSample, pressure: Pressure,
                    and (s := unused(r)) is not None), key=lambda pair: -pair[0])
 
     # Rule 4: shrink after a quiet period.
-    if above_min and policy.min_replicas < policy.max_replicas and idle:
+    if (awake > shrink_base and view.desired > shrink_base
+            and policy.min_replicas < policy.max_replicas and idle):
         held = _since(quiet_since, now)
         since_change = _since(view.last_change_at, now) if view.last_change_at else held
         if held >= policy.scale_down_after_s and since_change >= policy.scale_down_after_s:
@@ -355,7 +371,7 @@ def step(view: DemandView, sample: DemandSample, pressure: Pressure,
     if not above_min:
         return pressure, None
     # Rule 5: sleep.
-    if view.can_sleep and policy.sleep_after_s is not None:
+    if awake_above_min and view.can_sleep and policy.sleep_after_s is not None:
         for unused_s, replica in idle:
             if unused_s >= policy.sleep_after_s:
                 return pressure, Sleep(replica_id=replica.replica_id,
@@ -363,7 +379,7 @@ def step(view: DemandView, sample: DemandSample, pressure: Pressure,
     # Rule 6: idle stop.
     if policy.idle_timeout_s is not None:
         for unused_s, replica in idle:
-            if unused_s >= policy.idle_timeout_s:
+            if awake_above_min and unused_s >= policy.idle_timeout_s:
                 return pressure, Retire(replica_id=replica.replica_id,
                                         reason=f"idle: unused for {_fmt(unused_s)}")
         if view.can_sleep and policy.sleep_after_s is not None:
@@ -376,6 +392,31 @@ def step(view: DemandView, sample: DemandSample, pressure: Pressure,
                         replica_id=replica.replica_id,
                         reason=f"idle: asleep for {_fmt(_since(replica.asleep_since, now))}")
     return pressure, None
+
+
+# -- the usage watch (activities/demand.py) -----------------------------------------------
+
+
+class WatchDemandInput(Tolerant):
+    """Input of ``watch_demand``: the keeper's view, which the watch runs :func:`step` on
+    until a step is due."""
+
+    view: DemandView
+    #: What the last watch remembered (:attr:`DemandFound.pressure`), so that a rule's
+    #: period is not started again by every step the keeper applies.
+    pressure: Pressure = Field(default_factory=Pressure)
+
+
+class DemandFound(Tolerant):
+    """What ``watch_demand`` returns: the step due, the view it was decided on (the keeper
+    applies it only if its own view is still equal) and the sample behind it (the load the
+    keeper logs with the step)."""
+
+    view: DemandView
+    step: Step
+    sample: DemandSample
+    #: What to remember after this step: the next watch's :attr:`WatchDemandInput.pressure`.
+    pressure: Pressure = Field(default_factory=Pressure)
 
 
 # -- what the deployment workflow's demand updates take -----------------------------------

@@ -146,6 +146,14 @@ class ControlTunables(Tolerant):
         "for one would otherwise take turns evicting each other at a model load per "
         "request; at 300 s they take turns at most once per 5 minutes.",
     )
+    demand_sample_interval_s: float = Field(
+        default=1.0, gt=0, le=60,
+        description="How often the control worker reads the gateways' usage rows for every "
+        "deployment that follows demand, in one query, and runs the scaling rules on them. "
+        "The gateways write those rows once per usage_flush_interval_s (1 s), so reading "
+        "faster finds nothing new; a request for a model with no replica is noticed at "
+        "once (the store notifies), not on this tick.",
+    )
 
 
 class LivenessTunables(Tolerant):

@@ -1,21 +1,28 @@
-"""The gateways' usage rows as the control plane reads them: what a drain waits on.
+"""The gateways' usage rows as the control plane reads them: what a drain waits on, and
+what a usage watch samples.
 
 The gateway writes these rows through :mod:`.routing`, on its own pool; a drain takes its
 replica out of routing first (:meth:`.deployments.DeploymentStore.mark_replica_draining`,
-which answers the time from which a row counts).
+which answers the time from which a row counts). A usage watch reads every row written
+within :func:`~modelkeeper.domain.draining.stale_after_s` of now (a worker that stopped
+writing longer ago is gone, as a drain judges it too).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import datetime
 
 import asyncpg
 
-from ..domain.draining import UsageReport
+from ..domain.demand import DemandSample, ReplicaUse
+from ..domain.draining import UsageReport, stale_after_s
+from ..domain.ids import DeploymentId, ReplicaId
 
 
 class UsageStore:
-    """The ``replica_usage`` table, read on the pool :class:`~.stores.Store` owns."""
+    """The ``replica_usage`` and ``deployment_usage`` tables, read on the pool
+    :class:`~.stores.Store` owns."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
@@ -38,3 +45,64 @@ class UsageStore:
                    for g, n, at in zip(row["gateway_ids"] or [], row["in_flight"] or [],
                                        row["updated_at"] or [], strict=True)]
         return row["now"], reports
+
+    async def demand_samples(self, deployment_ids: Collection[DeploymentId], *,
+                             flush_interval_s: float) -> dict[DeploymentId, DemandSample]:
+        """What the gateways report of each of ``deployment_ids`` now, in one query.
+
+        Only rows fresher than :func:`stale_after_s` of the gateways' flush interval
+        count (older ones are workers gone). Per replica, summed over the workers with a
+        fresh row: in flight summed, last used and ``reporting_since`` the latest (rule 1
+        of :mod:`modelkeeper.domain.demand`: it knows nothing from before the last worker
+        began reporting). A replica no worker reports freshly is left out: unknown, not
+        idle. Per deployment: waiting summed, last request the latest. Every id asked
+        for gets a sample (an empty one when nothing reports it), stamped with the
+        store's clock, the clock the rows' ``updated_at`` come from.
+        """
+        if not deployment_ids:
+            return {}
+        # now() is the statement's start: one instant for the freshness bound and `at`.
+        rows = await self._pool.fetch(
+            """
+            WITH wanted AS (SELECT DISTINCT unnest($1::text[]) AS deployment_id),
+            uses AS (
+                SELECT r.deployment_id, u.replica_id,
+                       sum(u.in_flight)::int AS in_flight,
+                       max(u.last_used_at) AS last_used_at,
+                       max(u.reporting_since) AS reporting_since
+                FROM replica_usage u JOIN replicas r USING (replica_id)
+                WHERE r.deployment_id = ANY($1::text[])
+                  AND u.updated_at > now() - make_interval(secs => $2)
+                GROUP BY r.deployment_id, u.replica_id),
+            waits AS (
+                SELECT deployment_id, sum(waiting)::int AS waiting,
+                       max(last_request_at) AS last_request_at
+                FROM deployment_usage
+                WHERE deployment_id = ANY($1::text[])
+                  AND updated_at > now() - make_interval(secs => $2)
+                GROUP BY deployment_id)
+            SELECT w.deployment_id, now() AS now,
+                   coalesce(min(waits.waiting), 0) AS waiting,
+                   min(waits.last_request_at) AS last_request_at,
+                   array_agg(uses.replica_id ORDER BY uses.replica_id)
+                       FILTER (WHERE uses.replica_id IS NOT NULL) AS replica_ids,
+                   array_agg(uses.in_flight ORDER BY uses.replica_id)
+                       FILTER (WHERE uses.replica_id IS NOT NULL) AS in_flight,
+                   array_agg(uses.last_used_at ORDER BY uses.replica_id)
+                       FILTER (WHERE uses.replica_id IS NOT NULL) AS last_used_at,
+                   array_agg(uses.reporting_since ORDER BY uses.replica_id)
+                       FILTER (WHERE uses.replica_id IS NOT NULL) AS reporting_since
+            FROM wanted w
+            LEFT JOIN waits USING (deployment_id)
+            LEFT JOIN uses USING (deployment_id)
+            GROUP BY w.deployment_id
+            """,
+            list(deployment_ids), stale_after_s(flush_interval_s))
+        return {DeploymentId(row["deployment_id"]): DemandSample(
+            at=row["now"], waiting=row["waiting"], last_request_at=row["last_request_at"],
+            replicas=[ReplicaUse(replica_id=ReplicaId(r), in_flight=n, last_used_at=used,
+                                 reporting_since=since)
+                      for r, n, used, since in zip(
+                          row["replica_ids"] or [], row["in_flight"] or [],
+                          row["last_used_at"] or [], row["reporting_since"] or [],
+                          strict=True)]) for row in rows}

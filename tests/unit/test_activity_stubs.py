@@ -13,6 +13,7 @@ import pytest
 from temporalio import activity
 
 from activities import stubs
+from activities.demand import DemandActivities
 from activities.node import NodeActivities
 from activities.routing import RoutingActivities
 from activities.store import StoreActivities
@@ -23,6 +24,7 @@ IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
         "release_replica", "record_deployment_status", "delete_deployment",
         "shrink_claims", "regrow_claims", "find_eviction")},
     "drain_replica": RoutingActivities.drain_replica,
+    "watch_demand": DemandActivities.watch_demand,
     **{name: getattr(NodeActivities, name) for name in (
         "start_shard", "watch_shard", "stop_shard", "sleep_shard", "wake_shard",
         "list_shards")},
