@@ -25,6 +25,7 @@ with workflow.unsafe.imports_passed_through():
     from modelkeeper.domain.demand import (
         DemandView,
         EvictRequest,
+        Pressure,
         SetPolicyRequest,
         SetWindowRequest,
         SleepRequest,
@@ -166,6 +167,10 @@ class DeploymentWorkflow:
         # The view the running usage watch was started on: a new one starts when the
         # keeper's view moves on (its step would be dropped anyway).
         self._demand_watch_view: DemandView | None = None
+        # What the last watch remembered of each rule's period, for the next one: a step
+        # applied must not start a rule's period again (lost on continue-as-new: a period
+        # then starts over, which only delays a step).
+        self._demand_pressure = Pressure()
 
     # -- signals, updates, queries -------------------------------------------------------
 
@@ -519,12 +524,14 @@ class DeploymentWorkflow:
         """Until a step is due on ``view``; then the keeper decides on it. A watch that
         fails for good is started again by the next pass of the loop."""
         try:
-            found = await hops.watch_demand(view, self.state.tunables)
+            found = await hops.watch_demand(view, self._demand_pressure,
+                                            self.state.tunables)
         except ActivityError as exc:
             workflow.logger.warning("usage watch failed: %s", hops.describe(exc))
             self._demand_watch_view = None
             return
         workflow.logger.info("demand: %s", found.step.reason)
+        self._demand_pressure = found.pressure
         self._inbox.append(DemandStepDue(view=found.view, step=found.step))
 
     # -- carrying out actions ------------------------------------------------------------

@@ -23,6 +23,7 @@ with workflow.unsafe.imports_passed_through():
 
     from activities import stubs
     from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdate
+    from modelkeeper.domain.demand import DemandFound, DemandView, Pressure, WatchDemandInput
     from modelkeeper.domain.draining import DrainReplicaInput
     from modelkeeper.domain.events import NewEvent
     from modelkeeper.domain.ids import DeploymentId, ReplicaId
@@ -408,10 +409,15 @@ SLEEP_WAKE_RETRY = RetryPolicy(maximum_attempts=3,
                                non_retryable_error_types=[ERROR_SHARD_NOT_HERE])
 
 
-async def watch_demand(view: Any, tunables: Tunables) -> Any:
-    """Until a scaling step is due on ``view`` (PROVISIONAL: by name until the watch's
-    stub lands)."""
-    raise NotImplementedError
+async def watch_demand(view: DemandView, pressure: Pressure,
+                       tunables: Tunables) -> DemandFound:
+    """Until a scaling step is due on ``view`` (raises ActivityError only if it cannot be
+    retried: its retries go on for ever, like the room watch's)."""
+    return await workflow.execute_activity(
+        stubs.watch_demand, WatchDemandInput(view=view, pressure=pressure),
+        task_queue=ROOM_WATCH_TASK_QUEUE, start_to_close_timeout=DEMAND_WATCH_LIFETIME,
+        heartbeat_timeout=timedelta(seconds=tunables.room_watch_heartbeat_timeout_s),
+        retry_policy=DEMAND_WATCH_RETRY)
 
 
 def _each_shard(activity: Any, arg: Any, specs: list[ShardSpec],
