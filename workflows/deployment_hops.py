@@ -396,6 +396,11 @@ def engine_log_event(kind: str, deployment_id: DeploymentId, replica_id: Replica
 #: heartbeat timeout notices a dead worker, and the workflow cancels it when its view of
 #: the keeper moves on. Retried for ever like the room watch (retries add no events).
 DEMAND_WATCH_LIFETIME = WATCH_LIFETIME
+#: ... and heartbeats at least every quarter of this (activities/demand.py): a worker that
+#: died is noticed within it, and its watches start again on another. Shorter than the
+#: room watch's 120 s because a cold start waits on it: about one heartbeat RPC per 7.5 s
+#: per deployment that follows demand.
+DEMAND_WATCH_HEARTBEAT_TIMEOUT = timedelta(seconds=30)
 DEMAND_WATCH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1),
                                  backoff_coefficient=2.0,
                                  maximum_interval=timedelta(seconds=30))
@@ -416,8 +421,7 @@ async def watch_demand(view: DemandView, pressure: Pressure,
     return await workflow.execute_activity(
         stubs.watch_demand, WatchDemandInput(view=view, pressure=pressure),
         task_queue=ROOM_WATCH_TASK_QUEUE, start_to_close_timeout=DEMAND_WATCH_LIFETIME,
-        heartbeat_timeout=timedelta(seconds=tunables.room_watch_heartbeat_timeout_s),
-        retry_policy=DEMAND_WATCH_RETRY)
+        heartbeat_timeout=DEMAND_WATCH_HEARTBEAT_TIMEOUT, retry_policy=DEMAND_WATCH_RETRY)
 
 
 def _each_shard(activity: Any, arg: Any, specs: list[ShardSpec],

@@ -1274,6 +1274,15 @@ def _on_demand_step(state: KeeperState, obs: DemandStepDue, *, now: datetime,
     step = obs.step
     match step:
         case Add():
+            sleeper = next((r for r in state.replicas if r.phase is Phase.SLEEPING
+                            and not r.standby and not r.retiring), None)
+            if sleeper is not None:
+                # A sleeping replica already counts: waking it is the addition, and far
+                # cheaper than a load.
+                state = state.model_copy(update={
+                    "demand_note": f"{now:%Y-%m-%d %H:%M:%S}: wake {sleeper.replica_id}: "
+                                   f"{step.reason}"})
+                return _wake(state, sleeper, step.reason, actions)
             was = state.spec.replicas
             state = _set_count(state, was + 1, now=now, note=f"+1: {step.reason}")
             if was == 0 and state.spec.replicas > 0:

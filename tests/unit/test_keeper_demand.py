@@ -296,3 +296,17 @@ def test_details_show_the_policy_and_the_last_step() -> None:
     text = details(k.state)
     assert "Scaling: min 0, max 2, idle stop after 600 s, sleep after 60 s" in text
     assert "Loading: loading: 1 request(s) waiting" in text
+
+
+def test_an_addition_wakes_a_sleeping_replica_before_it_loads_one() -> None:
+    k = Stepper(ScalingPolicy(min_replicas=1, max_replicas=3, sleep_after_s=60))
+    k.serve("d-r1")
+    k.step(PolicySet(policy=ScalingPolicy(min_replicas=0, max_replicas=3, sleep_after_s=60)))
+    k.due(Add(reason="busy"))
+    second = next(r.replica_id for r in k.state.replicas if r.replica_id != "d-r1")
+    k.serve(second)
+    k.due(Sleep(replica_id=ReplicaId(second), reason="unused"))
+    k.step(Slept(replica_id=ReplicaId(second)))
+    actions = k.due(Add(reason="3 waiting on 1 ready"))
+    assert [type(a) for a in actions] == [WakeReplica]
+    assert k.state.spec.replicas == 2
