@@ -241,7 +241,7 @@ class StoreActivities:
             log.info("%s: nothing to evict for %s: %s", spec.deployment_id,
                      request.replica_id, result.reason)
             return EvictionFound(reason=result.reason, fits_now=result.fits_now,
-                                 refusals=result.refusals)
+                                 refusals=result.refusals, retry_at=result.retry_at)
         log.info("%s: %s", spec.deployment_id, result.reason)
         return EvictionFound(choice=result, reason=result.reason)
 

@@ -673,7 +673,8 @@ class DeploymentWorkflow:
                 workflow.logger.info("eviction signal not delivered: %s", exc)
         # The reason becomes the demand note, and so an audit event (_drain_inbox).
         self._inbox.append(EvictionSought(
-            victim=choice.replica_id if choice else None, reason=found.reason))
+            victim=choice.replica_id if choice else None, reason=found.reason,
+            retry_at=found.retry_at))
         if found.fits_now:
             self._inbox.append(NodesChanged())
 

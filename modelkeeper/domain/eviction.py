@@ -59,7 +59,7 @@ Then, among the candidates left:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 
 from pydantic import Field
@@ -178,6 +178,9 @@ class NoVictim(Tolerant):
     #: The asking replica fits as the nodes stand: place it, evict nothing.
     fits_now: bool = False
     refusals: list[Refusal] = Field(default_factory=list)
+    #: When the first candidate refused only for its protection window leaves it: the
+    #: asking deployment seeks again then (None: none is merely protected).
+    retry_at: datetime | None = None
 
 
 def _minutes(seconds: float) -> str:
@@ -444,4 +447,8 @@ def choose_victim(request: PlacementRequest, nodes: Sequence[NodeView],
                 f"{format_gib(sum(c.freed_bytes for c in eligible))}) would not make room")
     else:
         head = f"none of {len(candidates)} replica(s) may be evicted"
-    return NoVictim(reason=_summary(head, refusals), refusals=refusals)
+    protected = {r.replica_id for r in refusals if r.reason_code is RefusalReason.PROTECTED}
+    ends = [c.ready_at + timedelta(seconds=protect_s) for c in candidates
+            if c.replica_id in protected and c.ready_at is not None]
+    return NoVictim(reason=_summary(head, refusals), refusals=refusals,
+                    retry_at=min(ends) if ends else None)

@@ -299,6 +299,12 @@ class KeeperState(Tolerant):
     #: An eviction is being sought for this deployment's placement (find_eviction in
     #: flight): one at a time.
     seeking_room: bool = False
+    #: The replica another deployment was asked to give up for this one, until this
+    #: deployment places (its room is on its way: the status stays loading).
+    evicting: ReplicaId | None = None
+    #: Seek an eviction again then: a candidate's protection window ends, or an eviction
+    #: asked has not made the room by then (its deployment refused it: used meanwhile).
+    seek_again_at: datetime | None = None
 
 
 # -- observations ------------------------------------------------------------------------
@@ -517,11 +523,18 @@ class WakeFailed(Frozen):
 
 class EvictionSought(Frozen):
     """find_eviction answered: a victim was asked to make room (``victim``), or none
-    could (``reason``)."""
+    could (``reason``; ``retry_at``: when a candidate's protection window ends)."""
 
     kind: Literal["eviction_sought"] = "eviction_sought"
     victim: ReplicaId | None = None
     reason: str = ""
+    retry_at: datetime | None = None
+
+
+#: An eviction asked that has not made the room this long after is sought again: the
+#: victim's deployment refused it (the replica was used meanwhile), or its drain is slow.
+#: A drain's grace is 30 s by default; twice that leaves room for the stop and release.
+EVICTION_RECHECK_S = 60.0
 
 
 Observation = Annotated[
@@ -815,7 +828,9 @@ def _on_placed(state: KeeperState, obs: Placed, *, actions: list[Action]) -> Kee
                                         "can_sleep": obs.can_sleep})
     state = _replace(state, placed).model_copy(update={"placement_error": None,
                                                        "placement_retry_at": None,
-                                                       "unplaceable_in_a_row": 0})
+                                                       "unplaceable_in_a_row": 0,
+                                                       "evicting": None,
+                                                       "seek_again_at": None})
     if state.deleting:
         # The deletion arrived while this placement was on its way: undo it now.
         return _stop(state, placed, "deployment deleted", actions)
@@ -1019,6 +1034,14 @@ def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
             state = _replace(state, replica.model_copy(update={"probe_in_flight": True}))
 
     state = _advance_moves(state, now, config, actions)
+
+    if (state.seek_again_at is not None and now >= state.seek_again_at
+            and not state.seeking_room and state.loading_since is not None
+            and state.placement_error is not None):
+        # A protection window ended, or an eviction asked did not make the room.
+        actions.append(SeekRoom())
+        state = state.model_copy(update={"seeking_room": True, "seek_again_at": None,
+                                         "evicting": None})
 
     desired = state.spec.replicas
     if _ready(state) >= desired:
@@ -1444,9 +1467,24 @@ def _on_wake_failed(state: KeeperState, obs: WakeFailed, *,
 def _on_eviction_sought(state: KeeperState, obs: EvictionSought, *,
                         now: datetime) -> KeeperState:
     state = state.model_copy(update={"seeking_room": False})
+    if state.loading_since is None or state.deleting:
+        return state  # served (or no longer wanted) meanwhile
     if obs.victim is None:
-        return state
-    return state.model_copy(update={"demand_note": f"{now:%Y-%m-%d %H:%M:%S}: {obs.reason}"})
+        return state.model_copy(update={
+            "evicting": None, "seek_again_at": obs.retry_at,
+            "loading_reason": (f"waiting for room until {obs.retry_at:%H:%M:%S}: "
+                               f"{obs.reason}" if obs.retry_at else state.loading_reason)})
+    return state.model_copy(update={
+        "evicting": obs.victim, "loading_reason": f"making room: {obs.reason}",
+        "seek_again_at": now + timedelta(seconds=EVICTION_RECHECK_S),
+        "demand_note": f"{now:%Y-%m-%d %H:%M:%S}: {obs.reason}"})
+
+
+def _room_on_its_way(state: KeeperState) -> bool:
+    """Asked for, and room is being made (an eviction sought or asked) or will be sought
+    again: the deployment is loading, not hopeless."""
+    return state.loading_since is not None and (
+        state.seeking_room or state.evicting is not None or state.seek_again_at is not None)
 
 
 # -- moves: changes a saga asks for --------------------------------------------------------
@@ -1778,6 +1816,8 @@ def next_wake(state: KeeperState, config: KeeperConfig) -> datetime | None:
             and len(_counted(state)) < state.spec.replicas
             and not state.parked and not state.deleting):
         times.append(attempt)
+    if state.seek_again_at is not None and not state.seeking_room:
+        times.append(state.seek_again_at)
     for r in state.replicas:
         if r.phase is Phase.UNREACHABLE and r.unreachable_since is not None:
             times.append(r.unreachable_since + timedelta(seconds=config.lost_after_s))
@@ -1844,8 +1884,10 @@ def status(state: KeeperState) -> DeploymentStatus:
     if ready == 0 and asleep and asleep == len(live):
         return DeploymentStatus.SLEEPING
     if state.loading_since is not None and ready == 0:
-        # Asked for: loading, or waking; with the reason if it finds no room.
-        return (DeploymentStatus.CANT_PLACE if state.placement_error is not None
+        # Asked for: loading, or waking; while room is being made for it (an eviction),
+        # still loading; with no way to room, cant_place and the reason.
+        return (DeploymentStatus.CANT_PLACE
+                if state.placement_error is not None and not _room_on_its_way(state)
                 else DeploymentStatus.LOADING)
     if any(r.phase is Phase.UNREACHABLE for r in state.replicas):
         # Routed around, and placing or starting a replacement, or waiting for it to be

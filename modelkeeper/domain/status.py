@@ -38,4 +38,7 @@ ROUTABLE_STATES = frozenset({ReplicaState.READY})
 #: Statuses of a deployment waiting for room on the nodes, to be told when room may have
 #: grown: cant_place (no replica fits anywhere) and degraded (a replica is unreachable and
 #: its surge replacement found no room).
-WAITING_FOR_ROOM = frozenset({DeploymentStatus.CANT_PLACE, DeploymentStatus.DEGRADED})
+#: Loading too: an on-demand deployment asked for and waiting while room is made for it
+#: (an eviction) shows loading, and must hear when the victim's room is freed.
+WAITING_FOR_ROOM = frozenset({DeploymentStatus.CANT_PLACE, DeploymentStatus.DEGRADED,
+                              DeploymentStatus.LOADING})

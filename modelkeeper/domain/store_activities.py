@@ -8,6 +8,8 @@ these, and never imports the activities' module, which holds the store.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from pydantic import Field
 
 from .base import Tolerant
@@ -94,6 +96,8 @@ class EvictionFound(Tolerant):
     fits_now: bool = False
     #: With no choice: every candidate refused, with its reason (the events' data).
     refusals: list[Refusal] = Field(default_factory=list)
+    #: With no choice: when a candidate's protection window ends (seek again then).
+    retry_at: datetime | None = None
 
 
 class ReleaseReplicaInput(Tolerant):

@@ -11,10 +11,12 @@ import pytest
 from modelkeeper.domain.demand import Add, Retire, ScalingPolicy, Sleep, Wake, WindowBounds
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import (
+    EVICTION_RECHECK_S,
     Action,
     DemandStepDue,
     DeploymentSpec,
     EvictAsked,
+    EvictionSought,
     Exited,
     KeeperConfig,
     KeeperState,
@@ -239,8 +241,24 @@ def test_a_loading_model_that_fits_nowhere_seeks_one_eviction_at_a_time() -> Non
     rid = next(r.replica_id for r in k.state.replicas)
     actions = k.step(Unplaceable(replica_id=rid, reason="node a: 1 GiB free, 2 GiB needed"))
     assert SeekRoom() in actions
-    assert status(k.state) is DeploymentStatus.CANT_PLACE
     assert k.state.seeking_room
+    # Room is being sought: still loading (the gateway holds requests), not hopeless.
+    assert status(k.state) is DeploymentStatus.LOADING
+    # Nothing evictable until a protection window ends at 300 s: loading, sought again.
+    k.step(EvictionSought(reason="d-x-r1 protected", retry_at=T0 + timedelta(seconds=300)),
+           at=1)
+    assert status(k.state) is DeploymentStatus.LOADING
+    assert "waiting for room until" in (k.state.loading_reason or "")
+    assert SeekRoom() not in k.step(Tick(), at=299)
+    assert SeekRoom() in k.step(Tick(), at=300)
+    # A victim asked: loading until placed, sought again if the room does not come.
+    k.step(EvictionSought(victim=ReplicaId("d-x-r1"), reason="evicted d-x-r1 to place d"),
+           at=301)
+    assert k.state.evicting == "d-x-r1" and status(k.state) is DeploymentStatus.LOADING
+    assert SeekRoom() in k.step(Tick(), at=301 + EVICTION_RECHECK_S)
+    # No way to room at all: cant_place, answered at once with the reason.
+    k.step(EvictionSought(reason="none of 1 replica(s) may be evicted"), at=400)
+    assert status(k.state) is DeploymentStatus.CANT_PLACE
     # A fixed deployment that cannot place seeks none.
     fixed = Stepper(None, replicas=1)
     rid = next(r.replica_id for r in fixed.state.replicas)
