@@ -18,7 +18,7 @@ import contextlib
 from typing import Any, assert_never
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
 with workflow.unsafe.imports_passed_through():
     from modelkeeper.domain.catalog import ScaleRequest
@@ -527,7 +527,8 @@ class DeploymentWorkflow:
             found = await hops.watch_demand(view, self._demand_pressure,
                                             self.state.tunables)
         except ActivityError as exc:
-            workflow.logger.warning("usage watch failed: %s", hops.describe(exc))
+            if not isinstance(exc.cause, CancelledError):  # cancelled: a new view came
+                workflow.logger.warning("usage watch failed: %s", hops.describe(exc))
             self._demand_watch_view = None
             return
         workflow.logger.info("demand: %s", found.step.reason)
