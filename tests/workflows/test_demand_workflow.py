@@ -47,6 +47,7 @@ from tests.workflows.test_deployment_workflow import (
     _open_timers,
     _quiet_history,
     _tunables,
+    record_history,
 )
 from workflows.deployment import DeploymentInput, DeploymentWorkflow
 
@@ -207,3 +208,4 @@ async def test_an_on_demand_deployment_loads_sleeps_wakes_and_stops_at_a_bounded
         assert len(notes) == 4 and "loading: 2 request(s) waiting" in notes[0]
         await run.handle.signal(DeploymentWorkflow.delete)
         await asyncio.wait_for(run.handle.result(), 30)
+        await record_history(run.handle, "demand_load_sleep_wake_stop")
