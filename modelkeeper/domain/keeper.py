@@ -1263,8 +1263,18 @@ def follows_demand(state: KeeperState) -> bool:
     parked."""
     if state.deleting or state.parked or state.finished:
         return False
+    if any(r.phase in _IN_PASSING or (r.phase is Phase.SLEEPING and not r.asleep)
+           for r in state.replicas):
+        # A replica is on its way or on its way out: no rule acts until it lands (one step
+        # at a time), and a watch opened on each phase it passes would cost history
+        # events for nothing. The watch opens again on the view it lands on.
+        return False
     return policy_of(state).follows_demand or any(
         r.phase is Phase.SLEEPING for r in state.replicas)
+
+
+#: Phases a replica only passes through: placing, starting, waking, stopping.
+_IN_PASSING = frozenset({Phase.PLACING, Phase.STARTING, Phase.WAKING, Phase.STOPPING})
 
 
 def _sleep(state: KeeperState, replica: Replica, reason: str, *, now: datetime,
