@@ -249,7 +249,7 @@ async def create_deployment(request: DeploymentRequest, store: StoreDep,
             static_summary=_summary(request),
             search_attributes=TypedSearchAttributes([
                 SearchAttributePair(MODEL_ID_KEY, request.model_id),
-                SearchAttributePair(STATUS_KEY, DeploymentStatus.PLACING.value)]))
+                SearchAttributePair(STATUS_KEY, request.first_status.value)]))
     except RPCError as exc:
         # Nothing keeps the row without its workflow: remove it, report the outage.
         await store.deployments.delete_deployment_row(deployment_id)

@@ -181,6 +181,16 @@ class DeploymentRequest(Frozen):
         return None if self.scaling is None else self.scaling.policy()
 
     @property
+    def first_status(self) -> DeploymentStatus:
+        """Its status before the keeper writes one: what the keeper would say of it (idle
+        on demand, stopped with none wanted), else placing."""
+        if self.initial_replicas > 0:
+            return DeploymentStatus.PLACING
+        policy = self.policy
+        return (DeploymentStatus.IDLE if policy is not None and policy.on_demand
+                else DeploymentStatus.STOPPED)
+
+    @property
     def initial_replicas(self) -> int:
         """The replicas wanted at first: the policy's minimum, or the fixed count."""
         if self.scaling is not None:

@@ -55,7 +55,7 @@ class DeploymentStore:
                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
                 """,
                 deployment_id, request.model_id, request.initial_replicas, request.min_nodes,
-                request.node_ids, request.labels, DeploymentStatus.PLACING.value, workflow_id,
+                request.node_ids, request.labels, request.first_status.value, workflow_id,
                 _policy_json(request.policy))
         except asyncpg.UniqueViolationError:
             raise DeploymentExistsError(request.model_id) from None

@@ -59,7 +59,7 @@ async def test_create_with_scaling_starts_at_its_minimum_and_shows_the_policy(
     assert created.status_code == 201, created.text
     view = created.json()
     policy = ScalingPolicy(**ON_DEMAND)
-    assert (view["desired_replicas"], view["status"]) == (0, "placing")
+    assert (view["desired_replicas"], view["status"]) == (0, "idle")
     assert ScalingPolicy(**view["scaling"]) == policy
     assert (view["loading_since"], view["loading_reason"], view["demand_note"]) == (
         None, None, None)
