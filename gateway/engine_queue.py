@@ -17,6 +17,11 @@ failure worth a log line, not a guess.
 Every scrape is bounded: :data:`SCRAPE_TIMEOUT_S`, :data:`MAX_METRICS_BYTES`, at most one
 in flight per endpoint. A scrape that fails leaves the value unknown (None, written as
 NULL) and is logged once per endpoint per outage; routing never hears of it.
+
+Cost, measured on the 2-core test machine against 50 endpoints on another process: one
+round takes 66 ms (median) and 25 ms of the gateway's CPU when the engines honour
+``name[]`` (vLLM's and SGLang's prometheus_client expositions do), and 140 ms and 76 ms
+when each sends its whole 88 KB page to be filtered here; at one round a second.
 """
 
 from __future__ import annotations
