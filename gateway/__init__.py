@@ -22,6 +22,8 @@ replica of its model.
 * :mod:`gateway.metrics`: Prometheus metrics, summed over workers.
 * :mod:`gateway.usage`: per-replica usage written to the store once per tick, and what
   it (and each replica's metric series) hears of replicas entering and leaving routing.
+* :mod:`gateway.engine_queue`: each routed engine's own queue (vLLM's
+  ``vllm:num_requests_waiting``), scraped once per usage tick and written with its row.
 * :mod:`gateway.server`: uvicorn, one worker or several sharing the port.
 * :mod:`gateway.keys_cli`: `modelkeeper keys create|ls|revoke`.
 

@@ -15,6 +15,9 @@ Per request, on the hot path, each part in turn:
 * :mod:`gateway.streaming`: pass the answer back, whole or event by event;
 * :mod:`gateway.usage`: the counters the usage reporter writes once per tick.
 
+Off that path, the reporter's tick also reads each engine's own queue
+(:mod:`gateway.engine_queue`), written with the usage rows.
+
 Everything else (no replica to pick, a connection failing before the answer) is decided
 off that path, in :mod:`gateway.dispatch`. This module only wires the parts together and
 answers the routes that are not completions.
@@ -53,6 +56,7 @@ from .asgi import (
     send_response,
 )
 from .edge import HostCheck, MetricsGuard, json_body_refusal
+from .engine_queue import EngineQueues
 from .forwarding import EngineKeys, Forwarder
 from .metrics import CONTENT_TYPE, UNKNOWN_MODEL, GatewayMetrics
 from .responses import ErrorReply
@@ -77,8 +81,10 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.table = RoutingTable(keys.make_endpoint)
         self.admission = Admission(settings)
+        self.engine_queues = EngineQueues(self.table)
         self.usage = UsageTracker(self.table, self.metrics, gateway_id=gateway_id,
-                                  interval_s=settings.usage_flush_interval_s)
+                                  interval_s=settings.usage_flush_interval_s,
+                                  queues=self.engine_queues)
         self.forwarder = Forwarder(settings, keys=keys, table=self.table,
                                    metrics=self.metrics, on_left=self.usage.left)
         self.router = Router(settings, table=self.table, metrics=self.metrics,

@@ -25,8 +25,8 @@ from .breaker import Breaker, BreakerState
 class Endpoint:
     """A ready replica and what the gateway knows about it right now."""
 
-    __slots__ = ("breaker", "deployment_id", "headers", "in_flight", "last_used", "leaving",
-                 "model", "replica_id", "requests", "url")
+    __slots__ = ("breaker", "deployment_id", "engine_waiting", "headers", "in_flight",
+                 "last_used", "leaving", "model", "replica_id", "requests", "url")
 
     def __init__(self, replica_id: str, url: str, deployment_id: str, model: str,
                  headers: dict[str, str], breaker: Breaker) -> None:
@@ -47,6 +47,9 @@ class Endpoint:
         #: Out of routing for good: no request picks it any more, and the ones it still
         #: has open are counted until they end (the table's :attr:`~RoutingTable.leaving`).
         self.leaving = False
+        #: Requests waiting in the engine's own queue, as last scraped
+        #: (:mod:`gateway.engine_queue`); None: unknown, or its engine has no such gauge.
+        self.engine_waiting: int | None = None
 
     def __repr__(self) -> str:
         return (f"Endpoint({self.replica_id!r}, {self.url!r}, in_flight={self.in_flight}, "

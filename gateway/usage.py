@@ -29,6 +29,7 @@ import asyncpg
 from modelkeeper.store.routing import DeploymentUsage, ReplicaUsage, RoutingStore
 
 from .breaker import BreakerState
+from .engine_queue import EngineQueues
 from .metrics import GatewayMetrics
 from .table import Endpoint, ModelRoute, RoutingTable, TableChange
 
@@ -60,16 +61,19 @@ def _add(row: ReplicaUsage | None, endpoint: Endpoint) -> ReplicaUsage:
     routing and one leaving (it moved), or several leaving, and the store keeps one row
     per worker and replica."""
     if row is None:
+        # Out of routing, its engine's queue is no longer asked: unknown.
         return ReplicaUsage(endpoint.replica_id, endpoint.in_flight, _when(endpoint.last_used))
     last = _when(endpoint.last_used)
     if row.last_used_at is not None and (last is None or row.last_used_at > last):
         last = row.last_used_at
-    return ReplicaUsage(row.replica_id, row.in_flight + endpoint.in_flight, last)
+    return ReplicaUsage(row.replica_id, row.in_flight + endpoint.in_flight, last,
+                        row.engine_waiting)
 
 
 def snapshot(table: RoutingTable) -> Snapshot:
     """The usage rows describing ``table`` right now."""
-    routed = {e.replica_id: ReplicaUsage(e.replica_id, e.in_flight, _when(e.last_used))
+    routed = {e.replica_id: ReplicaUsage(e.replica_id, e.in_flight, _when(e.last_used),
+                                         e.engine_waiting)
               for e in table.endpoints()}
     leaving: dict[str, ReplicaUsage] = {}
     done: list[Endpoint] = []
@@ -94,11 +98,14 @@ class UsageReporter:
     """Writes one worker's usage every ``interval_s``, and deletes it at close."""
 
     def __init__(self, routes: RoutingStore, table: RoutingTable, gateway_id: str,
-                 interval_s: float) -> None:
+                 interval_s: float, *, queues: EngineQueues | None = None) -> None:
         self._routes = routes
         self._table = table
         self._gateway_id = gateway_id
         self._interval_s = interval_s
+        #: Scraped once per tick, never per nudge: a storm of nudges asks no engine more.
+        self._queues = queues
+        self._next_scrape = 0.0
         self._task: asyncio.Task[None] | None = None
         #: Completed flushes (tests wait on it).
         self.flushes = 0
@@ -108,6 +115,8 @@ class UsageReporter:
 
     def start(self) -> None:
         """Start the ticking task."""
+        if self._queues is not None:
+            self._queues.open()
         self._task = asyncio.create_task(self._run(), name="usage-reporter")
 
     def nudge(self) -> None:
@@ -130,10 +139,13 @@ class UsageReporter:
 
     async def _run(self) -> None:
         while True:
+            ticked = True
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._interval_s):
                     await self._wake.wait()
+                    ticked = False
             self._wake.clear()
+            self._scrape_queues(ticked=ticked)
             try:
                 await self.flush()
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError,
@@ -148,12 +160,24 @@ class UsageReporter:
                          time.monotonic() - self._failing_since)
                 self._failing_since = None
 
+    def _scrape_queues(self, *, ticked: bool) -> None:
+        """Start a round of engine queue scrapes on a tick, or on a nudge once a tick has
+        passed since the last round (nudges in a row must not starve them). The answers
+        land on the endpoints as they come: each write takes the latest."""
+        now = time.monotonic()
+        if self._queues is None or (not ticked and now < self._next_scrape):
+            return
+        self._next_scrape = now + self._interval_s
+        self._queues.scrape()
+
     async def close(self) -> None:
         """Stop ticking and remove this worker's rows: it holds no requests any more."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self._queues is not None:
+            await self._queues.close()
         try:
             await asyncio.wait_for(self._routes.clear_usage(self._gateway_id), 5)
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
@@ -167,18 +191,19 @@ class UsageTracker:
     """
 
     def __init__(self, table: RoutingTable, metrics: GatewayMetrics, *, gateway_id: str,
-                 interval_s: float) -> None:
+                 interval_s: float, queues: EngineQueues | None = None) -> None:
         self._table = table
         self._metrics = metrics
         self._gateway_id = gateway_id
         self._interval_s = interval_s
+        self._queues = queues
         #: None until :meth:`start`: before it there is no store to write to.
         self.reporter: UsageReporter | None = None
 
     def start(self, routes: RoutingStore) -> None:
         """Start writing usage to ``routes`` once per tick."""
         self.reporter = UsageReporter(routes, self._table, self._gateway_id,
-                                      self._interval_s)
+                                      self._interval_s, queues=self._queues)
         self.reporter.start()
 
     async def close(self) -> None:

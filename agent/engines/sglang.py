@@ -83,6 +83,9 @@ class SglangAdapter:
             # SGLang's counterpart of vLLM's --gpu-memory-utilization.
             "--mem-fraction-static", memory_fraction(spec),
             "--enable-memory-saver",
+            # Its /metrics (off by default): the gateway reads its queue gauge there,
+            # sglang:num_queue_reqs (gateway/engine_queue.py).
+            "--enable-metrics",
             *optional_flags(spec.engine_args, _FLAGS),
         ]  # fmt: skip
         if spec.world_size > 1:

@@ -81,6 +81,9 @@ class DeploymentRoute:
     #: is not loading on demand.
     loading_since: datetime | None = None
     loading_reason: str | None = None
+    #: The engine its replicas run (the catalog's ``engine`` of the model it runs):
+    #: which queue gauge, if any, the gateway scrapes (:mod:`gateway.engine_queue`).
+    engine: str | None = None
 
     @property
     def loads_on_demand(self) -> bool:
@@ -115,6 +118,8 @@ class ReplicaUsage:
     replica_id: str
     in_flight: int
     last_used_at: datetime | None
+    #: Requests waiting in the engine's own queue as last scraped; None: unknown.
+    engine_waiting: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +151,8 @@ _ROUTE_SELECT = """
             WHERE m.model_id = COALESCE(d.runs_model_id, d.model_id)) AS default_max_tokens,
            (SELECT m.max_tokens_limit FROM models m
             WHERE m.model_id = COALESCE(d.runs_model_id, d.model_id)) AS max_tokens_limit,
+           (SELECT m.engine FROM models m
+            WHERE m.model_id = COALESCE(d.runs_model_id, d.model_id)) AS engine,
            COALESCE(array_agg(r.replica_id ORDER BY r.replica_id)
                     FILTER (WHERE r.replica_id IS NOT NULL), '{}') AS replica_ids,
            COALESCE(array_agg(r.endpoint ORDER BY r.replica_id)
@@ -183,6 +190,7 @@ def _route(row: asyncpg.Record) -> DeploymentRoute:
         scaling=_scaling(row["deployment_id"], row["scaling"]),
         loading_since=row["loading_since"],
         loading_reason=row["loading_reason"],
+        engine=row["engine"],
     )
 
 
@@ -308,21 +316,26 @@ class RoutingStore:
                 await conn.execute(
                     """
                     INSERT INTO replica_usage (gateway_id, replica_id, in_flight,
-                                               last_used_at, updated_at)
-                    SELECT $1, u.replica_id, u.in_flight, u.last_used_at, now()
-                    FROM unnest($2::text[], $3::int[], $4::timestamptz[], $5::bool[])
-                         AS u (replica_id, in_flight, last_used_at, routed)
+                                               last_used_at, engine_waiting, updated_at)
+                    SELECT $1, u.replica_id, u.in_flight, u.last_used_at, u.engine_waiting,
+                           now()
+                    FROM unnest($2::text[], $3::int[], $4::timestamptz[], $5::bool[],
+                                $7::int[])
+                         AS u (replica_id, in_flight, last_used_at, routed, engine_waiting)
                     JOIN replicas r USING (replica_id)
                     WHERE NOT u.routed OR r.state = ANY($6::text[])
                     ON CONFLICT (gateway_id, replica_id) DO UPDATE
                     SET in_flight = EXCLUDED.in_flight,
                         last_used_at = COALESCE(EXCLUDED.last_used_at,
                                                 replica_usage.last_used_at),
+                        -- Not kept when unknown now: an old queue is no queue.
+                        engine_waiting = EXCLUDED.engine_waiting,
                         updated_at = now()
                     """,
                     gateway_id, [u.replica_id for u, _ in rows],
                     [u.in_flight for u, _ in rows], [u.last_used_at for u, _ in rows],
-                    [routed for _, routed in rows], self._routable)
+                    [routed for _, routed in rows], self._routable,
+                    [u.engine_waiting for u, _ in rows])
             if deployments:
                 await conn.execute(
                     """
@@ -350,7 +363,7 @@ class RoutingStore:
     async def replica_usage(self, replica_id: str) -> list[ReplicaUsage]:
         """Each gateway worker's row for ``replica_id`` (for readers and tests)."""
         rows = await self._pool.fetch(
-            "SELECT replica_id, in_flight, last_used_at FROM replica_usage "
+            "SELECT replica_id, in_flight, last_used_at, engine_waiting FROM replica_usage "
             "WHERE replica_id = $1 ORDER BY gateway_id", replica_id)
         return [ReplicaUsage(**dict(row)) for row in rows]
 

@@ -55,7 +55,11 @@ class UsageStore:
         fresh row: in flight summed, last used and ``reporting_since`` the latest (rule 1
         of :mod:`modelkeeper.domain.demand`: it knows nothing from before the last worker
         began reporting). A replica no worker reports freshly is left out: unknown, not
-        idle. Per deployment: waiting summed, last request the latest. Every id asked
+        idle. Per deployment: waiting summed, last request the latest, and the engines'
+        queues summed over its replicas, each replica's the largest any worker scraped
+        (every worker scrapes the same engine, so a sum over workers would count one
+        queue once per worker; the largest, so that a worker whose scrape failed or lags
+        does not hide it; unknown counts as none). Every id asked
         for gets a sample (an empty one when nothing reports it), stamped with the
         store's clock, the clock the rows' ``updated_at`` come from.
         """
@@ -69,7 +73,10 @@ class UsageStore:
                 SELECT r.deployment_id, u.replica_id,
                        sum(u.in_flight)::int AS in_flight,
                        max(u.last_used_at) AS last_used_at,
-                       max(u.reporting_since) AS reporting_since
+                       max(u.reporting_since) AS reporting_since,
+                       -- Every worker scrapes the same engine: its queue once, not
+                       -- once per worker. NULL (unknown) where none knows it.
+                       max(u.engine_waiting) AS engine_waiting
                 FROM replica_usage u JOIN replicas r USING (replica_id)
                 WHERE r.deployment_id = ANY($1::text[])
                   AND u.updated_at > now() - make_interval(secs => $2)
@@ -84,6 +91,7 @@ class UsageStore:
             SELECT w.deployment_id, now() AS now,
                    coalesce(min(waits.waiting), 0) AS waiting,
                    min(waits.last_request_at) AS last_request_at,
+                   coalesce(sum(uses.engine_waiting), 0)::int AS engine_waiting,
                    array_agg(uses.replica_id ORDER BY uses.replica_id)
                        FILTER (WHERE uses.replica_id IS NOT NULL) AS replica_ids,
                    array_agg(uses.in_flight ORDER BY uses.replica_id)
@@ -100,6 +108,7 @@ class UsageStore:
             list(deployment_ids), stale_after_s(flush_interval_s))
         return {DeploymentId(row["deployment_id"]): DemandSample(
             at=row["now"], waiting=row["waiting"], last_request_at=row["last_request_at"],
+            engine_waiting=row["engine_waiting"],
             replicas=[ReplicaUse(replica_id=ReplicaId(r), in_flight=n, last_used_at=used,
                                  reporting_since=since)
                       for r, n, used, since in zip(

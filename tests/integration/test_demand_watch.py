@@ -195,6 +195,34 @@ async def test_a_row_fresher_than_five_flush_intervals_counts_and_an_older_one_d
     assert stale[dep].replicas == []
 
 
+async def test_engine_queues_count_once_per_replica_summed_per_deployment(
+        db: asyncpg.Connection, store: Store, gateway: RoutingStore) -> None:
+    """Every gateway worker scrapes the same engine: its queue counts once (the largest a
+    worker saw, so a worker whose scrape failed hides nothing), and the deployment's is
+    the sum over its replicas. Unknown counts as none, and a stale row not at all."""
+    dep = DeploymentId(await add_deployment(db, "m-queues", replicas=3))
+    for replica_id in ("q-a", "q-b", "q-c"):
+        await add_replica(db, dep, replica_id, ENDPOINT)
+    await gateway.write_usage("gw-1", [ReplicaUsage("q-a", 1, None, 2),
+                                       ReplicaUsage("q-b", 1, None, None),
+                                       ReplicaUsage("q-c", 1, None, 4)], [])
+    await gateway.write_usage("gw-2", [ReplicaUsage("q-a", 1, None, 3),
+                                       ReplicaUsage("q-b", 1, None, 1)], [])
+    await gateway.write_usage("gw-3", [ReplicaUsage("q-c", 1, None, 40)], [])
+    await db.execute("UPDATE replica_usage SET updated_at = now() - interval '1 hour' "
+                     "WHERE gateway_id = 'gw-3'")
+    assert [u.engine_waiting for u in await gateway.replica_usage("q-b")] == [None, 1]
+
+    sample = (await store.usage.demand_samples([dep], flush_interval_s=FLUSH_S))[dep]
+    assert sample.engine_waiting == 3 + 1 + 4
+    assert sample.waiting == 0, "the engines' queues are not the gateways' own waiting"
+
+    # A worker that no longer knows (its scrape failed) writes NULL over its old value.
+    await gateway.write_usage("gw-1", [ReplicaUsage("q-c", 1, None, None)], [])
+    sample = (await store.usage.demand_samples([dep], flush_interval_s=FLUSH_S))[dep]
+    assert sample.engine_waiting == 3 + 1
+
+
 # -- the watch ----------------------------------------------------------------------------------
 
 

@@ -165,6 +165,46 @@ def test_rule3_counts_the_engines_queue_too() -> None:
     assert isinstance(decide(v, s), Add)
 
 
+def test_rule3_requests_queued_in_the_engines_alone_held_for_the_period_grow() -> None:
+    """The gateway forwards at once while a replica is ready, so under load its own
+    waiting count stays 0 and the requests wait in the engines' queues (vLLM's
+    --max-num-seqs): those alone, per ready replica, drive a Grow."""
+    policy = ScalingPolicy(min_replicas=1, max_replicas=3, scale_up_waiting=2,
+                           scale_up_after_s=60)
+    v = view(policy, 2, replica("r1"), replica("r2"))
+    busy = (use("r1", in_flight=6), use("r2", in_flight=6))
+
+    def queued(now: float, engine_waiting: int) -> DemandSample:
+        return DemandSample(at=at(now), engine_waiting=engine_waiting, replicas=list(busy))
+
+    pressure, found = step(v, queued(0, 4), Pressure(), now=at(0))
+    assert found is None and pressure.busy_since == at(0) and pressure.quiet_since is None
+    # 3 queued on 2 ready is below 2 per replica: the period starts again.
+    broken, _ = step(v, queued(30, 3), pressure, now=at(30))
+    assert broken.busy_since is None
+    _, found = step(v, queued(60, 4), pressure, now=at(60))
+    assert isinstance(found, Add) and "4 waiting on 2 ready for 60 s" in found.reason
+
+
+def test_rule2_only_the_gateways_own_waiting_asks_for_a_load_or_a_wake() -> None:
+    """An engine's queue with no ready replica (a stale row of one going away) asks for
+    nothing: only requests held at the gateways say the model is wanted and unserved."""
+    v = view(ON_DEMAND, 0, replica("a", Standing.SLEEPING, asleep_since=0), can_sleep=True)
+    assert decide(v, DemandSample(at=at(1), engine_waiting=5)) is None
+    assert isinstance(decide(v, DemandSample(at=at(1), waiting=1)), Wake)
+
+
+def test_rule4_a_queue_in_an_engine_is_not_quiet() -> None:
+    policy = ScalingPolicy(min_replicas=1, max_replicas=3, scale_down_after_s=600)
+    v = view(policy, 2, replica("a"), replica("b"), last_change_at=0)
+    uses = [use("a", in_flight=1), use("b")]
+    pressure, _ = step(v, DemandSample(at=at(0), engine_waiting=1, replicas=uses),
+                       Pressure(), now=at(0))
+    assert pressure.quiet_since is None
+    assert step(v, DemandSample(at=at(600), engine_waiting=1, replicas=uses),
+                Pressure(quiet_since=at(0)), now=at(600))[1] is None
+
+
 def test_rule3_never_above_max_nor_while_the_last_addition_is_on_its_way() -> None:
     policy = ScalingPolicy(min_replicas=1, max_replicas=2, scale_up_after_s=0)
     busy = sample(0, use("r1", in_flight=5), waiting=5)

@@ -97,6 +97,7 @@ def test_sglang_single_gpu_plan() -> None:
     assert "--nnodes" not in argv and plan.serves_http
     # The memory saver, which release/resume_memory_occupation (its sleep) need.
     assert argv.count("--enable-memory-saver") == 1
+    assert argv.count("--enable-metrics") == 1, "the gateway reads its queue gauge"
 
 
 def test_sleep_dialects() -> None:
