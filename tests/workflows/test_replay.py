@@ -14,9 +14,10 @@ from workflows.deployment import DeploymentWorkflow
 
 pytestmark = pytest.mark.timeout(60)
 
-#: The deployment workflow's histories; the sagas' (saga_*.json) replay in test_saga_replay.
+#: The deployment workflow's histories; the sagas' (saga_*.json) replay in test_saga_replay,
+#: the schedule windows' (window_*.json) in test_window_replay.
 HISTORIES = sorted(p for p in (Path(__file__).resolve().parents[1] / "histories").glob("*.json")
-                   if not p.name.startswith("saga_"))
+                   if not p.name.startswith(("saga_", "window_")))
 
 
 def test_histories_are_committed() -> None:
