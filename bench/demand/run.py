@@ -34,12 +34,10 @@ from temporalio.client import Client
 from bench.common import ROOT, exit_now, interrupt_on_sigterm, on_fresh_fleet
 from bench.fleet.stack import NAMESPACE, Fleet, FleetError
 from bench.report import run_meta, write_results
-from modelkeeper.domain.tunables import Tunables
-from modelkeeper.settings import Settings, env_var_names
 
 from .report import draw, render
 from .scenarios import SCENARIOS, Options
-from .stack import API_TIMEOUT_S, DemandBenchError, Stack
+from .stack import API_TIMEOUT_S, DemandBenchError, Stack, protection_setting
 
 
 class FleetShape(NamedTuple):
@@ -53,20 +51,6 @@ class FleetShape(NamedTuple):
 FLEETS = {"cold": FleetShape(1, "4GiB"), "wake": FleetShape(1, "4GiB"),
           "standby": FleetShape(2, "4GiB"), "step": FleetShape(2, "4GiB"),
           "evict": FleetShape(1, "1536MiB"), "idle": FleetShape(1, "4GiB")}
-#: The words that name the eviction protection window among the settings.
-PROTECT_WORDS = ("evict", "protect")
-
-
-def protection_setting() -> tuple[str, float] | None:
-    """The eviction protection window: its environment variable and its default, looked
-    up among the settings and tunables by name; None where there is none."""
-    for model in (Settings, Tunables):
-        for name, info in model.model_fields.items():
-            if all(word in name for word in PROTECT_WORDS):
-                return env_var_names(name)[0], float(info.default)
-    return None
-
-
 def make_fleet(shape: FleetShape, extra_env: dict[str, str], root: Path) -> Fleet:
     return Fleet(root, node_memory=shape.node_memory, agent_count=shape.agents,
                  extra_env=extra_env)

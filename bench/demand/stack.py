@@ -15,6 +15,8 @@ import httpx
 from temporalio.client import Client
 
 from bench.fleet.stack import Fleet
+from modelkeeper.domain.tunables import Tunables
+from modelkeeper.settings import Settings, env_var_names
 
 MiB, GiB = 1 << 20, 1 << 30
 #: What a sim replica really holds: its claim is only declared (several on one machine
@@ -33,6 +35,19 @@ API_TIMEOUT_S = 10.0
 DEMAND_EVENT = "deployment.demand"
 #: The most events one read asks for: a scenario makes tens of steps.
 EVENTS_LIMIT = 1000
+
+#: The words that name the eviction protection window among the settings.
+PROTECT_WORDS = ("evict", "protect")
+
+
+def protection_setting() -> tuple[str, float] | None:
+    """The eviction protection window: its environment variable and its default, looked
+    up among the settings and tunables by name; None where there is none."""
+    for model in (Settings, Tunables):
+        for name, info in model.model_fields.items():
+            if all(word in name for word in PROTECT_WORDS):
+                return env_var_names(name)[0], float(info.default)
+    return None
 
 
 class DemandBenchError(RuntimeError):

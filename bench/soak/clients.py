@@ -176,12 +176,7 @@ class LoadClient:
 
     async def run(self) -> None:
         """Send on schedule until :meth:`stop`, then wait for every request still out."""
-        headers = {"Authorization": f"Bearer {self.key}"}
-        # No connection limit: requests the gateway holds must not queue in our pool.
-        connector = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                         headers=headers) as http:
+        async with session(self.key) as http:
             # Spread the clients' first requests over one pace, not all at once.
             next_at = time.monotonic() + self.rng.uniform(0, self.pace_s)
             while not self._stop.is_set():
@@ -204,18 +199,32 @@ class LoadClient:
         self._stop.set()
 
     async def _one(self, http: aiohttp.ClientSession, entry: Entry) -> None:
-        body = {"model": entry.model, "max_tokens": MAX_TOKENS, "stream": entry.stream,
-                "messages": [{"role": "user", "content": f"soak {entry.seq}"}]}
-        try:
-            async with http.post(self.url, json=body) as resp:
-                if resp.status == 200 and entry.stream:
-                    entry.verdict = judge_stream(await _events(resp))
-                else:
-                    entry.verdict = judge_reply(resp.status, await resp.read())
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            entry.verdict = judge_failure(exc)
-        finally:
-            entry.ended = time.monotonic()
+        await send(http, self.url, entry)
+
+
+def session(key: str) -> aiohttp.ClientSession:
+    """A client session as the clients use: the key, no connection limit (requests the
+    gateway holds must not queue in our pool), :data:`REQUEST_TIMEOUT_S`."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
+                                 headers={"Authorization": f"Bearer {key}"})
+
+
+async def send(http: aiohttp.ClientSession, url: str, entry: Entry) -> None:
+    """Send ``entry``'s request and judge its answer (the ledger's entry is written first:
+    a request lost on the way stays there without a verdict)."""
+    body = {"model": entry.model, "max_tokens": MAX_TOKENS, "stream": entry.stream,
+            "messages": [{"role": "user", "content": f"soak {entry.seq}"}]}
+    try:
+        async with http.post(url, json=body) as resp:
+            if resp.status == 200 and entry.stream:
+                entry.verdict = judge_stream(await _events(resp))
+            else:
+                entry.verdict = judge_reply(resp.status, await resp.read())
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        entry.verdict = judge_failure(exc)
+    finally:
+        entry.ended = time.monotonic()
 
 
 async def _events(resp: aiohttp.ClientResponse) -> list[bytes]:

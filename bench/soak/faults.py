@@ -28,6 +28,8 @@ import httpx
 from bench.fleet.stack import Agent
 from modelkeeper.infra.processes import signal_group
 
+from . import demand
+from .demand import DemandTargets
 from .fleet import SoakFleet
 from .observe import live_engines
 
@@ -44,6 +46,13 @@ class FaultKind(StrEnum):
     PARTITION = "partition"
     ROLLING_RESTART = "rolling restart"
     DRAIN = "drain"
+    SCALE_TO_ZERO = "scale to zero and back"
+    SLEEP_WAKE = "sleep and wake under load"
+    EVICTION = "eviction"
+
+
+#: Following demand (issue 21, :mod:`bench.soak.demand`): the quick soak draws these first.
+DEMAND_KINDS = (FaultKind.SCALE_TO_ZERO, FaultKind.SLEEP_WAKE, FaultKind.EVICTION)
 
 
 #: What each kind does, for the report.
@@ -62,6 +71,13 @@ DESCRIPTIONS = {
     FaultKind.ROLLING_RESTART: "POST /deployments/{id}/restart, waited until it ends",
     FaultKind.DRAIN: "POST /nodes/{id}/drain, waited until it ends; then the node is "
                      "uncordoned (the operator ends the maintenance)",
+    FaultKind.SCALE_TO_ZERO: "an idle on-demand model asked for by a burst (it loads), then "
+                             "left until its idle stop takes it back to zero",
+    FaultKind.SLEEP_WAKE: "a sleeping on-demand model asked for by three clients (a wake), "
+                          "an operator's sleep in the middle of it, then left to sleep",
+    FaultKind.EVICTION: "every node but one with room for one of two big on-demand models "
+                        "cordoned; one loaded there, then the other asked for, which must "
+                        "evict it; cordons lifted, both left to stop idle",
 }
 
 #: A frozen agent stays frozen this long (the issue's 1 to 45 s): from a stall the
@@ -104,13 +120,19 @@ class Fault:
 
 @dataclass
 class Deck:
-    """Fault kinds in a shuffled order, every kind once per round."""
+    """Fault kinds in a shuffled order, every kind once per round; ``first`` before all
+    (in its order, outside the rounds)."""
 
     kinds: Sequence[FaultKind]
     rng: random.Random
+    first: Sequence[FaultKind] = ()
     _left: list[FaultKind] = field(default_factory=list)
+    _drawn: int = 0
 
     def draw(self) -> FaultKind:
+        if self._drawn < len(self.first):
+            self._drawn += 1
+            return self.first[self._drawn - 1]
         if not self._left:
             self._left = list(self.kinds)
             self.rng.shuffle(self._left)
@@ -124,6 +146,8 @@ class Context:
     fleet: SoakFleet
     api: httpx.AsyncClient
     rng: random.Random
+    #: The demand models and where their requests go; None before they are deployed.
+    demand: DemandTargets | None = None
 
 
 async def _hosting(ctx: Context, candidates: Sequence[Agent]) -> Agent:
@@ -299,6 +323,9 @@ INJECTORS: dict[FaultKind, Injector] = {
     FaultKind.PARTITION: partition,
     FaultKind.ROLLING_RESTART: rolling_restart,
     FaultKind.DRAIN: drain,
+    FaultKind.SCALE_TO_ZERO: demand.scale_to_zero,
+    FaultKind.SLEEP_WAKE: demand.sleep_wake,
+    FaultKind.EVICTION: demand.eviction,
 }
 
 

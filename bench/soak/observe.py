@@ -329,6 +329,18 @@ async def check_claims(database_url: str, nodes: Collection[str], *, after: str,
 # -- settled --------------------------------------------------------------------------------
 
 
+def deployment_steady(status: str, states: list[str], desired: int) -> bool:
+    """Serving on every replica it wants; or, on demand, idle with none, or asleep."""
+    match status:
+        case "serving":
+            return states == ["ready"] * desired
+        case "idle":
+            return not states
+        case "sleeping":
+            return bool(states) and set(states) == {"sleeping"}
+    return False
+
+
 async def settled_now(api: httpx.AsyncClient, nodes: int) -> str | None:
     """Why things have not settled; None once they have."""
     try:
@@ -342,7 +354,7 @@ async def settled_now(api: httpx.AsyncClient, nodes: int) -> str | None:
         return f"operation {running[0]['operation_id']} running"
     for dep in deployments:
         states = sorted(r["state"] for r in dep["replicas"])
-        if dep["status"] != "serving" or states != ["ready"] * dep["desired_replicas"]:
+        if not deployment_steady(dep["status"], states, dep["desired_replicas"]):
             return f"{dep['model_id']} {dep['status']}, replicas {states}"
     unready = [n["name"] for n in node_list if n["state"] != "ready"]
     if unready or len(node_list) < nodes:

@@ -5,7 +5,7 @@ Run it from the repository root (as root: the agents run in network namespaces; 
 them the partition fault is left out, and the report says why)::
 
     .venv/bin/python -m bench.soak.run                 # the committed run: bench/results/soak
-    .venv/bin/python -m bench.soak.run --quick --out /tmp/soak   # 4 faults, no llama.cpp
+    .venv/bin/python -m bench.soak.run --quick --out /tmp/soak   # 5 faults, no llama.cpp
     .venv/bin/python -m bench.soak.run --seed 12 --duration 600 --gap 15 25 --out /tmp/soak
 
 It starts the whole stack with default settings (:mod:`bench.soak.fleet`: embedded
@@ -13,13 +13,16 @@ PostgreSQL, the Temporal dev server, two control workers, the API, the gateway, 
 ``--agents`` agents declaring ``--node-memory`` each, each in a network namespace of its
 own), deploys the sim engine with 1 and 2 replicas and real llama.cpp SmolLM2 with 1, and
 has ``--clients`` clients send a steady mix of chat and streamed completions through the
-gateway (:mod:`bench.soak.clients`). Then, every ``--gap`` seconds, one fault
-(:mod:`bench.soak.faults`), after which it waits for things to settle and compares the
-memory claimed in the store with the engines that run (:mod:`bench.soak.observe`). Once a
-second it compares what the API says of each deployment with what the gateway serves.
+gateway (:mod:`bench.soak.clients`). Four on-demand sim models stand by besides, asked
+for only by the demand faults (:mod:`bench.soak.demand`), idle or asleep between them.
+Then, every ``--gap`` seconds, one fault (:mod:`bench.soak.faults`), after which it waits
+for things to settle and compares the memory claimed in the store with the engines that
+run (:mod:`bench.soak.observe`). Once a second it compares what the API says of each
+deployment with what the gateway serves.
 
 The harness never places or repairs anything: it injects faults and asks the API for the
-operations an operator would (a rolling restart, a drain, and the uncordon after it).
+operations an operator would (a rolling restart, a drain, and the uncordon after it; the
+cordons of the eviction fault; a sleep).
 
 Results go to ``--out`` (``.md``, ``.json``, ``.png``): see :mod:`bench.soak.report` for
 what each figure means. The seed is in the report; the same seed gives the same faults in
@@ -45,12 +48,15 @@ import psutil
 import uvloop
 
 from bench.common import code_version, interrupt_on_sigterm, remove_unless_kept, stop_fleet
+from bench.demand.stack import protection_setting
 from bench.recovery.report import settings_in_force
 from cli.stack import DEMO_MODEL, DEMO_MODEL_ID
+from modelkeeper.domain.units import parse_bytes
 
 from . import netns
 from .clients import MAX_TOKENS, STREAM_SHARE, Ledger, LoadClient
-from .faults import Context, Deck, Fault, FaultKind, inject
+from .demand import PROTECT_S, DemandTargets, demand_models, pair_claim
+from .faults import DEMAND_KINDS, Context, Deck, Fault, FaultKind, inject
 from .fleet import SoakFleet
 from .observe import (
     ClaimCheck,
@@ -107,10 +113,11 @@ API_TIMEOUT_S = 10.0
 #: a cap on its length should the faults come slower than they should.
 FULL_FAULTS = 100
 FULL_DURATION_S = 3 * 3600.0
-#: --quick (the slow test tier): as many faults as three minutes held before, drawn from
-#: every kind, one right after the other has settled; the run ends when the last has
-#: settled instead of idling out its duration, which stays as the cap.
-QUICK_FAULTS = 4
+#: --quick (the slow test tier): the three demand faults first (issue 21: the quick soak
+#: covers them), then two drawn from every kind, one right after the other has settled;
+#: the run ends when the last has settled instead of idling out its duration, which stays
+#: the cap (a fault starts no later than FAULT_TAIL_S before it, so a slow run has fewer).
+QUICK_FAULTS = 5
 QUICK_DURATION_S = 180.0
 #: --quick: each fault already waits until things have settled, so a short gap from one
 #: fault's start to the next's makes them back to back.
@@ -123,23 +130,28 @@ def _sim_model(model_id: str, claim: int) -> dict[str, Any]:
                             "tokens_per_second": SIM_TOKENS_PER_SECOND}}
 
 
-async def deploy_all(api: httpx.AsyncClient, *, claim: int, llama: bool,
-                     agents: int) -> list[str]:
-    """Declare and deploy every model, then wait until all serve; returns the models."""
-    specs = [(_sim_model(m, claim), n) for m, n in SIM_DEPLOYMENTS.items()]
+async def deploy_all(api: httpx.AsyncClient, *, claim: int, llama: bool, agents: int,
+                     node_memory: int) -> tuple[list[str], dict[str, str]]:
+    """Declare and deploy every model, then wait until all serve (the demand models:
+    until idle); returns the clients' models, and the demand models' deployments."""
+    specs: list[tuple[dict[str, Any], dict[str, Any]]] = [
+        (_sim_model(m, claim), {"replicas": n}) for m, n in SIM_DEPLOYMENTS.items()]
     if llama:
-        specs.append((dict(DEMO_MODEL), 1))
-    for spec, replicas in specs:
+        specs.append((dict(DEMO_MODEL), {"replicas": 1}))
+    demand = demand_models(base=_sim_model("", claim), claim=claim, node_memory=node_memory)
+    deployed: dict[str, str] = {}
+    for spec, how in [*specs, *[(spec, {"scaling": policy}) for spec, policy in demand]]:
         for path, body in (("/models", spec),
-                           ("/deployments", {"model_id": spec["model_id"],
-                                             "replicas": replicas})):
+                           ("/deployments", {"model_id": spec["model_id"], **how})):
             resp = await api.post(path, json=body)
             if resp.status_code != 201:
                 raise SoakError(f"POST {path}: {resp.status_code} {resp.text}")
+        deployed[str(spec["model_id"])] = str(resp.json()["deployment_id"])
     settled, waited, why = await wait_settled(api, nodes=agents, timeout=DEPLOY_TIMEOUT_S)
     if not settled:
         raise SoakError(f"the deployments did not all serve within {waited:.0f}s: {why}")
-    return [str(spec["model_id"]) for spec, _ in specs]
+    return ([str(spec["model_id"]) for spec, _ in specs],
+            {str(spec["model_id"]): deployed[str(spec["model_id"])] for spec, _ in demand})
 
 
 class SoakError(RuntimeError):
@@ -150,14 +162,15 @@ async def _until(deadline: float) -> None:
     await asyncio.sleep(max(0.0, deadline - time.monotonic()))
 
 
-async def fault_loop(ctx: Context, *, kinds: Sequence[FaultKind], seed: int,
+async def fault_loop(ctx: Context, *, kinds: Sequence[FaultKind],
+                     first: Sequence[FaultKind], seed: int,
                      gap: tuple[float, float], stop_at: float, max_faults: int | None,
                      agents: int, faults: list[Fault], checks: list[ClaimCheck]) -> None:
     """One fault after another until ``stop_at`` (less the tail) or ``max_faults``."""
     # Kinds and gaps from their own generator: the same seed gives the same sequence,
     # whatever the injectors drew (their targets depend on where replicas are).
     dice = random.Random(seed)
-    deck = Deck(kinds, dice)
+    deck = Deck(kinds, dice, first)
     next_at = time.monotonic() + dice.uniform(*gap)
     while max_faults is None or len(faults) < max_faults:
         await _until(next_at)
@@ -189,8 +202,9 @@ async def soak(args: argparse.Namespace, fleet: SoakFleet, *, partition_note: st
     headers = fleet.api_headers()
     async with httpx.AsyncClient(base_url=fleet.api_url, headers=headers,
                                  timeout=API_TIMEOUT_S) as api:
-        models = await deploy_all(api, claim=args.claim_mib * MiB, llama=args.llama,
-                                  agents=args.agents)
+        models, demand = await deploy_all(api, claim=args.claim_mib * MiB, llama=args.llama,
+                                          agents=args.agents,
+                                          node_memory=parse_bytes(args.node_memory))
         print(f"serving {', '.join(models)}; soaking for {args.duration:.0f}s", flush=True)
         key = await fleet.client_key()
         ledger = Ledger()
@@ -207,10 +221,16 @@ async def soak(args: argparse.Namespace, fleet: SoakFleet, *, partition_note: st
             asyncio.create_task(w.run()) for w in (probe, sampler, watch)]
         faults: list[Fault] = []
         checks: list[ClaimCheck] = []
-        ctx = Context(fleet, api, random.Random(f"{args.seed}/targets"))
+        ctx = Context(fleet, api, random.Random(f"{args.seed}/targets"),
+                      DemandTargets(f"{fleet.gateway_url}/v1/chat/completions", key, ledger,
+                                    demand, protect_s=PROTECT_S,
+                                    pair_bytes=pair_claim(
+                                        claim=args.claim_mib * MiB,
+                                        node_memory=parse_bytes(args.node_memory))))
         stop_at = t_start + args.duration
         try:
-            await fault_loop(ctx, kinds=kinds, seed=args.seed, gap=tuple(args.gap),
+            await fault_loop(ctx, kinds=kinds, first=DEMAND_KINDS if args.quick else (),
+                             seed=args.seed, gap=tuple(args.gap),
                              stop_at=stop_at, max_faults=args.faults, agents=args.agents,
                              faults=faults, checks=checks)
             if args.faults is None:
@@ -337,8 +357,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"seed {args.seed}; fault kinds: {', '.join(k.value for k in kinds)}", flush=True)
 
     root = Path(tempfile.mkdtemp(prefix="mk-soak-"))
+    # The demand faults' eviction waits out the protection window: the default is
+    # minutes, the quick soak has three in all.
+    setting = protection_setting()
     fleet = SoakFleet(root, node_memory=args.node_memory, agent_count=args.agents,
-                      use_netns=why_not is None)
+                      use_netns=why_not is None,
+                      extra_env={setting[0]: str(PROTECT_S)} if setting else {})
     ok = False
     try:
         result = uvloop.run(soak(args, fleet, partition_note=note, kinds=kinds))

@@ -1,7 +1,8 @@
 """The soak's quick mode (bench/soak): chat and streamed completions through the gateway
-while four faults, of kinds drawn from all of them, are injected on the whole stack. No
-request may go unanswered and no claim may leak; the committed long run is
-bench/results/soak.md."""
+while the three demand faults (scale to zero and back, sleep and wake under load,
+eviction), then others drawn from every kind, are injected on the whole stack. No request
+may go unanswered (the demand faults' own included) and no claim may leak; the committed
+long run is bench/results/soak.md."""
 
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ def test_quick_soak_answers_every_request_and_leaks_no_claim(tmp_path: Path) -> 
     seed = result["meta"]["seed"]
     requests, claims = result["requests"], result["claims"]
     assert requests["sent"] > 0 and result["faults"], tail
+    demand = {"scale to zero and back", "sleep and wake under load", "eviction"}
+    injected = {f["kind"] for f in result["faults"] if not f.get("refused")}
+    assert demand <= injected, (seed, result["faults"])
     assert requests["unanswered"] == 0, (seed, requests["unanswered_list"])
     assert claims["leaked_claims"] == 0, (seed, claims["mismatches"])
     assert result["claim_episodes"]["leaks"] == 0, (seed, result["claim_episodes"])
