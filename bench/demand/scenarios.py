@@ -108,6 +108,8 @@ async def _first_tokens(stack: Stack, model: str, before_each: Callable[[], Awai
     then ``runs`` requests, each after ``before_each``; every one must be a 200."""
     async with session(stack.key) as http:
         warm = await first_token(http, stack.chat_url, model)
+        if warm.answer is not Answer.OK:
+            raise DemandBenchError(f"{model} first request: {warm.status} {warm.detail}")
         asks = []
         for index in range(1, runs + 1):
             waited = await before_each()
