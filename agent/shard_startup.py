@@ -45,6 +45,7 @@ from .engine_process import (
     engine_environment,
     read_log_tail,
     read_oom_kills,
+    ready_poll_s,
 )
 from .engines.base import EngineAdapter
 from .fetch import FetchRefused, WeightFetcher, file_sha256, is_remote
@@ -345,7 +346,7 @@ class ShardStartup:
                     detail=f"not ready after {spec.start_timeout_s:.0f}s (last probe: "
                            f"{detail})", log_tail=tail))
             on_progress(FetchProgress(phase="loading"))
-            await asyncio.sleep(POLL_INTERVAL_S)
+            await asyncio.sleep(ready_poll_s(time.time() - live.record.started_at.timestamp()))
         live.record = live.record.model_copy(update={"state": ShardState.READY})
         live.unwatched_since = time.monotonic()
         self._table.save(live.record)

@@ -96,3 +96,16 @@ def test_operator_labels_outrank_the_agents() -> None:
     record = record.model_copy(update={"agent_labels": {"zone": "a", "gpu": "x"},
                                        "operator_labels": {"zone": "b"}})
     assert record.labels == {"zone": "b", "gpu": "x"}
+
+
+def test_readiness_is_polled_fast_while_a_cold_start_waits_then_as_before() -> None:
+    from agent.engine_process import (
+        POLL_INTERVAL_S,
+        READY_FAST_FOR_S,
+        READY_POLL_FAST_S,
+        ready_poll_s,
+    )
+
+    assert ready_poll_s(0.0) == READY_POLL_FAST_S < POLL_INTERVAL_S
+    assert ready_poll_s(READY_FAST_FOR_S - 0.01) == READY_POLL_FAST_S
+    assert ready_poll_s(READY_FAST_FOR_S) == POLL_INTERVAL_S
