@@ -849,10 +849,12 @@ def _on_unplaceable(state: KeeperState, obs: Unplaceable, *, now: datetime,
     if replica.move_id is not None:
         return _move_failed(state, replica.move_id, f"no room: {obs.reason}", now=now)
     if replica.standby:
-        # Not the deployment's failure: it serves. Tried again on a node change or later.
+        # Not the deployment's failure: it serves. Kept as its placement error (shown
+        # beside "serving"; the store's waiting-for-room list includes it, so a node that
+        # joins or frees room tells it at once), and tried blind after the backstop.
         return state.model_copy(update={
-            "last_failure": f"no room for a warm standby: {obs.reason}",
-            "placement_retry_at": now + timedelta(seconds=config.cant_place_retry_s)})
+            "placement_error": f"no room for a warm standby: {obs.reason}",
+            "placement_retry_at": now + timedelta(seconds=cant_place_wait_s(config))})
     if replica.retiring or _is_surge(state):
         return _surge_failed(state, replica, "no room for a replacement", obs.reason,
                              now=now, config=config)
@@ -1822,9 +1824,10 @@ def next_wake(state: KeeperState, config: KeeperConfig) -> datetime | None:
     placing = any(r.phase is Phase.PLACING for r in state.replicas)
     # While a placement is out, its answer (not a timer) is what wakes the keeper; a timer
     # already past would otherwise wake the workflow in a loop until it lands.
-    if (attempt is not None and not placing
-            and len(_counted(state)) < state.spec.replicas
-            and not state.parked and not state.deleting):
+    short = (len(_counted(state)) < state.spec.replicas
+             or len(_standbys(state)) < _standby_wanted(state))
+    if attempt is not None and not placing and short and not state.parked \
+            and not state.deleting:
         times.append(attempt)
     if state.seek_again_at is not None and not state.seeking_room:
         times.append(state.seek_again_at)

@@ -168,8 +168,14 @@ class DeploymentStore:
 
     async def deployment_ids_waiting_for_room(self) -> list[str]:
         """Deployments that would place a replica if a node had room: those that found
-        none (:data:`WAITING_FOR_ROOM`). Whoever frees or adds room signals these."""
-        return await self.deployment_ids_with_status(*WAITING_FOR_ROOM)
+        none (:data:`WAITING_FOR_ROOM`), and those serving whose warm standby found none
+        (a placement error beside another status). Whoever frees or adds room signals
+        these."""
+        rows = await self._pool.fetch(
+            "SELECT deployment_id FROM deployments WHERE status = ANY($1::text[]) "
+            "OR placement_error IS NOT NULL ORDER BY deployment_id",
+            [s.value for s in WAITING_FOR_ROOM])
+        return [row["deployment_id"] for row in rows]
 
     async def _deployments(self, where: str, *args: Any) -> list[DeploymentView]:
         rows = await self._pool.fetch(

@@ -20,6 +20,7 @@ from modelkeeper.domain.keeper import (
     Exited,
     KeeperConfig,
     KeeperState,
+    NodesChanged,
     Observation,
     Phase,
     Placed,
@@ -44,6 +45,7 @@ from modelkeeper.domain.keeper import (
     demand_view,
     details,
     follows_demand,
+    next_wake,
     refuse_eviction,
     resume,
     status,
@@ -328,3 +330,17 @@ def test_an_addition_wakes_a_sleeping_replica_before_it_loads_one() -> None:
     actions = k.due(Add(reason="3 waiting on 1 ready"))
     assert [type(a) for a in actions] == [WakeReplica]
     assert k.state.spec.replicas == 2
+
+
+def test_a_standby_that_finds_no_room_says_so_and_is_placed_when_room_comes() -> None:
+    k = Stepper(ScalingPolicy(min_replicas=1, max_replicas=1, warm_standby=1))
+    k.serve("d-r1", node="a")
+    standby = next(r.replica_id for r in k.state.replicas if r.standby)
+    k.step(Unplaceable(replica_id=standby, reason="node b: avoided"), at=1)
+    assert status(k.state) is DeploymentStatus.SERVING
+    assert "no room for a warm standby: node b: avoided" in (k.state.placement_error or "")
+    assert next_wake(k.state, CONFIG) == T0 + timedelta(
+        seconds=1 + CONFIG.cant_place_backstop_s)
+    actions = k.step(NodesChanged(), at=2)  # a node joined: the store tells it at once
+    assert any(isinstance(a, PlaceReplica) for a in actions)
+    assert any(r.standby and r.phase is Phase.PLACING for r in k.state.replicas)
