@@ -447,7 +447,8 @@ class SetWindowRequest(Tolerant):
 
 
 class SleepRequest(Tolerant):
-    """``sleep``: put a ready replica to sleep (None: every ready one above the minimum)."""
+    """``sleep``: put a ready replica to sleep (None: every ready one; an operator is not
+    held to the minimum, and a request wakes it)."""
 
     replica_id: ReplicaId | None = None
     actor: str = ""
