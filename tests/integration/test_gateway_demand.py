@@ -145,7 +145,9 @@ async def test_a_load_that_outlasts_the_wait_is_answered_503_loading(
                                            "waiting, since ")
         assert error["loading_since"] is not None
         # Held for the policy's 0.5 s, not the gateway's 2 s wait for a replica.
-        assert 0.5 <= waited_s < 2.0
+        # Held for the policy's 0.5 s, not the gateway's 30 s default (the bound leaves
+        # room for a loaded machine: the point is which wait applied).
+        assert 0.5 <= waited_s < 10.0
         # It asked for the load while it was held.
         assert await asyncio.wait_for(demands.get(), DEMAND_WITHIN_S) == deployment
         models = (await http.get(server.url + "/v1/models")).json()["data"]
@@ -167,7 +169,7 @@ async def test_an_unknown_model_and_a_switched_off_one_ask_for_nothing(
         assert typo.status_code == 404 and typo.json()["error"]["code"] == "model_not_found"
         started = time.monotonic()
         stopped = await http.post(server.url + CHAT, json={"model": "sim-off", "messages": HI})
-        assert time.monotonic() - started < 2.0  # at once, not after the 60 s load wait
+        assert time.monotonic() - started < 10.0  # at once, not after the 60 s load wait
         assert stopped.status_code == 503 and "retry-after" not in stopped.headers
         error = stopped.json()["error"]
         assert (error["code"], error["status"]) == ("model_stopped", "stopped")
