@@ -131,8 +131,10 @@ async def test_a_load_that_outlasts_the_wait_is_answered_503_loading(
     await db.execute("UPDATE deployments SET status = 'loading', loading_since = now(), "
                      "loading_reason = 'asked for: 1 request waiting' "
                      "WHERE deployment_id = $1", deployment)
-    async with running_gateway(database_url, usage_flush_interval_s=LONG_TICK_S) as server, \
-            httpx.AsyncClient(timeout=30) as http:
+    async with running_gateway(database_url, usage_flush_interval_s=LONG_TICK_S,
+                               gateway_wait_for_replica_s=20.0,
+                               gateway_load_wait_s=30.0) as server, \
+            httpx.AsyncClient(timeout=60) as http:
         started = time.monotonic()
         resp = await http.post(server.url + CHAT, json={"model": MODEL, "messages": HI})
         waited_s = time.monotonic() - started
@@ -144,9 +146,9 @@ async def test_a_load_that_outlasts_the_wait_is_answered_503_loading(
         assert error["message"].startswith(f"`{MODEL}` is loading (asked for: 1 request "
                                            "waiting, since ")
         assert error["loading_since"] is not None
-        # Held for the policy's 0.5 s, not the gateway's 2 s wait for a replica.
-        # Held for the policy's 0.5 s, not the gateway's 30 s default (the bound leaves
-        # room for a loaded machine: the point is which wait applied).
+        # Held for the policy's 0.5 s, not the gateway's 20 s wait for a replica nor its
+        # 30 s load wait (the bound leaves room for a loaded machine: the point is which
+        # wait applied).
         assert 0.5 <= waited_s < 10.0
         # It asked for the load while it was held.
         assert await asyncio.wait_for(demands.get(), DEMAND_WITHIN_S) == deployment
