@@ -128,7 +128,7 @@ def unwritten(state: DeploymentWorkflowState) -> ReplicaStateUpdate | Deployment
     written; None when the store is up to date."""
     written = state.written_replicas
     for replica in state.keeper.replicas:
-        stored = stored_state(replica.phase)
+        stored = stored_state(replica)
         if stored is not None and written.get(replica.replica_id) != stored.value:
             return ReplicaStateUpdate(replica_id=replica.replica_id, state=stored,
                                       endpoint=replica.endpoint)

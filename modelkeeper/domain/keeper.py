@@ -994,7 +994,12 @@ def _on_stopped(state: KeeperState, obs: Stopped) -> KeeperState:
     replica = _replica_in(state, obs.replica_id, Phase.STOPPING)
     if replica is None:
         return state
-    return _drop(state, replica.replica_id)
+    state = _drop(state, replica.replica_id)
+    if state.placement_error is not None:
+        # Its claims are released: room this deployment was waiting for (an idle stop
+        # just done, and asked for again at once) may be there now. As a node change.
+        state = _on_nodes_changed(state)
+    return state
 
 
 def _reconcile(state: KeeperState, now: datetime, config: KeeperConfig,
@@ -1267,16 +1272,18 @@ def follows_demand(state: KeeperState) -> bool:
         return False
     if any(r.phase in _IN_PASSING or (r.phase is Phase.SLEEPING and not r.asleep)
            for r in state.replicas):
-        # A replica is on its way or on its way out: no rule acts until it lands (one step
-        # at a time), and a watch opened on each phase it passes would cost history
-        # events for nothing. The watch opens again on the view it lands on.
+        # A replica is on its way, or falling asleep: no rule acts until it lands (one
+        # step at a time), and a watch opened on each phase it passes would cost history
+        # events for nothing. The watch opens again on the view it lands on. A replica
+        # stopping is not waited for: a request that comes meanwhile (an idle stop just
+        # done) must load the model again at once, not after the stop.
         return False
     return policy_of(state).follows_demand or any(
         r.phase is Phase.SLEEPING for r in state.replicas)
 
 
-#: Phases a replica only passes through: placing, starting, waking, stopping.
-_IN_PASSING = frozenset({Phase.PLACING, Phase.STARTING, Phase.WAKING, Phase.STOPPING})
+#: Phases a replica only passes through on its way in: placing, starting, waking.
+_IN_PASSING = frozenset({Phase.PLACING, Phase.STARTING, Phase.WAKING})
 
 
 def _sleep(state: KeeperState, replica: Replica, reason: str, *, now: datetime,
@@ -1496,7 +1503,8 @@ def _room_on_its_way(state: KeeperState) -> bool:
     """Asked for, and room is being made (an eviction sought or asked) or will be sought
     again: the deployment is loading, not hopeless."""
     return state.loading_since is not None and (
-        state.seeking_room or state.evicting is not None or state.seek_again_at is not None)
+        state.seeking_room or state.evicting is not None or state.seek_again_at is not None
+        or any(r.phase is Phase.STOPPING for r in state.replicas))
 
 
 # -- moves: changes a saga asks for --------------------------------------------------------
@@ -1913,8 +1921,12 @@ def status(state: KeeperState) -> DeploymentStatus:
     return DeploymentStatus.PLACING
 
 
-def stored_state(phase: Phase) -> ReplicaState | None:
-    """How a phase is written to the store; None for PLACING (no row yet)."""
+def stored_state(replica: Replica) -> ReplicaState | None:
+    """How a replica's phase is written to the store; None for PLACING (no row yet). A
+    replica falling asleep is draining (out of routing, its requests finishing, then its
+    engine put to sleep) until it sleeps: ``sleeping`` says the engine is asleep."""
+    if replica.phase is Phase.SLEEPING and not replica.asleep:
+        return ReplicaState.DRAINING
     return {
         Phase.PLACING: None,
         Phase.STARTING: ReplicaState.STARTING,
@@ -1923,7 +1935,7 @@ def stored_state(phase: Phase) -> ReplicaState | None:
         Phase.STOPPING: ReplicaState.STOPPING,
         Phase.SLEEPING: ReplicaState.SLEEPING,
         Phase.WAKING: ReplicaState.SLEEPING,
-    }[phase]
+    }[replica.phase]
 
 
 # -- what the deployment shows outside the store -------------------------------------------

@@ -33,6 +33,7 @@ from modelkeeper.domain.keeper import (
     SleepReplica,
     Slept,
     Started,
+    Stopped,
     StopReplica,
     Tick,
     Unplaceable,
@@ -344,3 +345,19 @@ def test_a_standby_that_finds_no_room_says_so_and_is_placed_when_room_comes() ->
     actions = k.step(NodesChanged(), at=2)  # a node joined: the store tells it at once
     assert any(isinstance(a, PlaceReplica) for a in actions)
     assert any(r.standby and r.phase is Phase.PLACING for r in k.state.replicas)
+
+
+def test_asked_for_while_its_last_replica_stops_it_loads_again_once_the_room_is_back() -> None:
+    k = Stepper(ScalingPolicy(min_replicas=0, max_replicas=1, idle_timeout_s=60))
+    k.due(Add(reason="asked"))
+    k.serve("d-r1")
+    k.due(Retire(replica_id=ReplicaId("d-r1"), reason="idle"), at=100)
+    assert status(k.state) is DeploymentStatus.IDLE
+    assert follows_demand(k.state)  # the watch stays open while d-r1 stops
+    k.due(Add(reason="asked again"), at=101)
+    placing = next(r.replica_id for r in k.state.replicas if r.phase is Phase.PLACING)
+    k.step(Unplaceable(replica_id=placing, reason="node a: d-r1's claim"), at=101)
+    # Its own replica's room is on its way: loading, not cant_place.
+    assert status(k.state) is DeploymentStatus.LOADING
+    actions = k.step(Stopped(replica_id=ReplicaId("d-r1")), at=102)
+    assert any(isinstance(a, PlaceReplica) for a in actions)

@@ -193,6 +193,9 @@ async def test_an_on_demand_deployment_loads_sleeps_wakes_and_stops_at_a_bounded
         costs["sleep"] = len(sleeping.events) - len(serving.events)
         assert fakes.slept == ["d1-r1"] and fakes.shrunk == ["d1-r1"]
         assert cluster.drained == ["d1-r1"]
+        # The store says draining while it falls asleep, and sleeping once it sleeps.
+        states = [s for r, s in cluster.replica_states if r == "d1-r1"]
+        assert states[-2:] == ["draining", "sleeping"]
         await _adds_nothing_while_watches_beat(run, sleeping)
 
         # Asked again: woken (claims grown back first), not loaded.
