@@ -403,11 +403,12 @@ def _models_request(args: argparse.Namespace) -> Request:
     for field in ("default_max_tokens", "max_tokens_limit"):
         if getattr(args, field, None) is not None:
             model[field] = getattr(args, field)
-    if args.memory:
-        try:
-            model["memory_bytes"] = parse_bytes(args.memory)
-        except ValueError as exc:
-            raise UsageError(f"--memory: {exc}") from exc
+    for flag, field in (("memory", "memory_bytes"), ("weights", "weights_bytes")):
+        if getattr(args, flag, None):
+            try:
+                model[field] = parse_bytes(getattr(args, flag))
+            except ValueError as exc:
+                raise UsageError(f"--{flag}: {exc}") from exc
     return Request("POST", "/models", body=model)
 
 
@@ -868,6 +869,8 @@ def _models_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=[e.value for e in EngineKind])
     parser.add_argument("--source", help=SOURCE_HELP)
     parser.add_argument("--memory", help="declared working set, e.g. 12GiB")
+    parser.add_argument("--weights", help="what a sleeping replica keeps of --memory (its "
+                                          "weights), e.g. 8GiB; unset: all of it")
     parser.add_argument("--default-max-tokens", type=int, metavar="N",
                         help="max_tokens the gateway sends when a request names none")
     parser.add_argument("--max-tokens-limit", type=int, metavar="N",

@@ -206,3 +206,13 @@ def test_ls_shows_the_policy_sleeping_replicas_the_loading_reason_and_the_last_s
     ]
     assert json.loads(render(parse("ls", "--json"), [loading]))[0]["loading_reason"] == \
         "3 request(s) waiting"
+
+
+def test_models_add_sends_what_a_sleeping_replica_keeps() -> None:
+    request = request_of("models", "add", "m", "--engine", "sim", "--source", "sim",
+                         "--memory", "16GiB", "--weights", "8GiB")
+    assert request.body is not None
+    assert (request.body["memory_bytes"], request.body["weights_bytes"]) == (16 << 30, 8 << 30)
+    with pytest.raises(UsageError, match="--weights: "):
+        request_of("models", "add", "m", "--engine", "sim", "--source", "sim",
+                   "--weights", "lots")
