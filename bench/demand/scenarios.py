@@ -440,7 +440,8 @@ async def idle(stack: Stack, opts: Options) -> dict[str, Any]:
         await first_token(http, stack.chat_url, sleeping_model)
         await stack.wait_for(sleeper, is_asleep, what="asleep", timeout=STATUS_TIMEOUT_S)
         await stack.wait_status(stopped, "idle", timeout=STATUS_TIMEOUT_S)
-        before = {d: await stack.history_length(d) for d in (stopped, sleeper)}
+        # From a quiet history: the last step's trailing writes are the step's, not idle's.
+        before = {d: await stack.quiet_history(d) for d in (stopped, sleeper)}
         print(f"idle and sleeping; watching their histories for {opts.idle_window_s:.0f}s",
               flush=True)
         await asyncio.sleep(opts.idle_window_s)
@@ -450,9 +451,9 @@ async def idle(stack: Stack, opts: Options) -> dict[str, Any]:
         steps: list[tuple[str, int]] = []
 
         async def cost(what: str, dep: str, act: Callable[[], Awaitable[object]]) -> None:
-            run_before, length_before = await stack.history_length(dep)
+            run_before, length_before = await stack.quiet_history(dep)
             await act()
-            run_after, length_after = await stack.history_length(dep)
+            run_after, length_after = await stack.quiet_history(dep)
             steps.append((what, length_after - length_before if run_after == run_before
                           else -1))
         async def ask(model: str, dep: str) -> None:
@@ -480,8 +481,9 @@ async def idle(stack: Stack, opts: Options) -> dict[str, Any]:
         "rows": rows,
         "notes": ["history length from Temporal's DescribeWorkflowExecution of each "
                   "deployment workflow's current run, before and after the window",
-                  "a step's events: the history length before the request (or the wait) "
-                  "and once the deployment read the status the step leads to"],
+                  "the window and each step start from a quiet history (unchanged for 3 s), "
+                  "and a step's events end once it is quiet again after the status the "
+                  "step leads to"],
         "raw": {"before": before, "after": after, "steps": steps},
     }
 

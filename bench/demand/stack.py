@@ -23,6 +23,9 @@ MiB, GiB = 1 << 20, 1 << 30
 #: would crowd it otherwise); half of it is its weights, kept while asleep.
 SIM_REAL_MEMORY = 16 * MiB
 SIM_REAL_WEIGHTS = 8 * MiB
+#: A history unchanged this long has taken in a step's trailing writes (each an activity
+#: of tens of milliseconds; a drain before a sleep waits up to a usage flush, 1 s).
+QUIET_S = 3.0
 #: What each sim model claims of a node, and what a sleeping replica keeps of it.
 CLAIM = 1 * GiB
 WEIGHTS = 512 * MiB
@@ -137,6 +140,17 @@ class Stack:
         desc = await self.temporal.get_workflow_handle(view["workflow_id"]).describe()
         info = desc.raw_description.workflow_execution_info
         return info.execution.run_id, info.history_length
+
+    async def quiet_history(self, deployment_id: str) -> tuple[str, int]:
+        """The history length once it has stopped growing for QUIET_S: a step's last
+        store writes and watch land after the status that shows it."""
+        last = await self.history_length(deployment_id)
+        while True:
+            await asyncio.sleep(QUIET_S)
+            now = await self.history_length(deployment_id)
+            if now == last:
+                return now
+            last = now
 
 
 def ready(view: dict[str, Any]) -> int:

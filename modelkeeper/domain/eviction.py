@@ -447,8 +447,36 @@ def choose_victim(request: PlacementRequest, nodes: Sequence[NodeView],
                 f"{format_gib(sum(c.freed_bytes for c in eligible))}) would not make room")
     else:
         head = f"none of {len(candidates)} replica(s) may be evicted"
-    protected = {r.replica_id for r in refusals if r.reason_code is RefusalReason.PROTECTED}
-    ends = [c.ready_at + timedelta(seconds=protect_s) for c in candidates
-            if c.replica_id in protected and c.ready_at is not None]
     return NoVictim(reason=_summary(head, refusals), refusals=refusals,
-                    retry_at=min(ends) if ends else None)
+                    retry_at=_retry_at(candidates, refusals, now=now, protect_s=protect_s))
+
+
+#: A candidate refused for a while only (in use, its usage not reported yet, or still
+#: starting) may be a victim soon: the asking deployment seeks again this much later. A
+#: gateway reports usage every second and a request is seconds long; 15 s is a few of
+#: each, and costs one find_eviction (a few history events) per 15 s while it waits.
+RESEEK_S = 15.0
+#: Refusals that pass with time; the rest (a promise, several nodes, the asking
+#: deployment's own, too small) do not, and leave the model cant_place.
+PASSING = frozenset({RefusalReason.PROTECTED, RefusalReason.IN_USE,
+                     RefusalReason.USAGE_UNKNOWN, RefusalReason.NOT_SERVING})
+
+
+def _retry_at(candidates: Sequence[Candidate], refusals: Sequence[Refusal], *,
+              now: datetime, protect_s: float) -> datetime | None:
+    """When to seek again: the first protection window to end, or RESEEK_S from now for
+    a candidate refused for a moment (in use, unreported, starting: once ready it is
+    protected, and seeking then learns until when); None if no refusal passes with
+    time."""
+    by_id = {c.replica_id: c for c in candidates}
+    times: list[datetime] = []
+    for refusal in refusals:
+        if refusal.reason_code not in PASSING:
+            continue
+        candidate = by_id.get(refusal.replica_id)
+        if (refusal.reason_code is RefusalReason.PROTECTED and candidate is not None
+                and candidate.ready_at is not None):
+            times.append(candidate.ready_at + timedelta(seconds=protect_s))
+        else:
+            times.append(now + timedelta(seconds=RESEEK_S))
+    return min(times) if times else None

@@ -995,9 +995,9 @@ def _on_stopped(state: KeeperState, obs: Stopped) -> KeeperState:
     if replica is None:
         return state
     state = _drop(state, replica.replica_id)
-    if state.placement_error is not None:
-        # Its claims are released: room this deployment was waiting for (an idle stop
-        # just done, and asked for again at once) may be there now. As a node change.
+    if state.placement_error is not None and state.loading_since is not None:
+        # Asked for, and its own claims are released: room it was waiting for (an idle
+        # stop just done, and asked for again at once) may be there now. As a node change.
         state = _on_nodes_changed(state)
     return state
 

@@ -387,3 +387,20 @@ def test_a_victim_always_makes_the_room_and_breaks_no_rule(
         for v in victims:
             assert not isinstance(place(request, without(nodes, [x for x in victims
                                                                  if x is not v])), Placement)
+
+
+def test_a_refusal_that_passes_with_time_says_when_to_seek_again() -> None:
+    from modelkeeper.domain.eviction import RESEEK_S
+
+    fresh = candidate("f", gib=16, ready_min_ago=1)  # protected until 4 min from now
+    result = choose(asking(), [full_node(fresh)], [fresh])
+    assert isinstance(result, NoVictim)
+    assert result.retry_at == NOW + timedelta(minutes=4)
+    for waiting in (candidate("s", gib=16, state=ReplicaState.STARTING),  # soon protected
+                    candidate("b", gib=16, in_flight=1), candidate("u", gib=16, known=False)):
+        result = choose(asking(), [full_node(waiting)], [waiting])
+        assert isinstance(result, NoVictim)
+        assert result.retry_at == NOW + timedelta(seconds=RESEEK_S)
+    promise = candidate("p", gib=16, policy=ScalingPolicy(min_replicas=1, max_replicas=1))
+    result = choose(asking(), [full_node(promise)], [promise])
+    assert isinstance(result, NoVictim) and result.retry_at is None  # cant_place, honestly
