@@ -48,7 +48,7 @@ WINDOW = ScheduleWindow(name="day", days=["mon", "tue", "wed", "thu", "fri"], st
                         end="17:00", timezone="Europe/Berlin", min_replicas=2,
                         max_replicas=2, prewarm_s=600)
 #: A workflow run the schedule starts is answered in well under a second here.
-UNTIL_S = 30
+UNTIL_S = 60
 
 
 @contextlib.asynccontextmanager
