@@ -5,6 +5,7 @@ sim model, deploy it with a scaling policy, wait for a status, read its demand e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ MiB, GiB = 1 << 20, 1 << 30
 #: would crowd it otherwise); half of it is its weights, kept while asleep.
 SIM_REAL_MEMORY = 16 * MiB
 SIM_REAL_WEIGHTS = 8 * MiB
+#: A new deployment reaches the gateway in milliseconds; this long means it never will.
+ROUTED_TIMEOUT_S = 30.0
 #: A history unchanged this long has taken in a step's trailing writes (each an activity
 #: of tens of milliseconds; a drain before a sleep waits up to a usage flush, 1 s).
 QUIET_S = 3.0
@@ -88,7 +91,25 @@ class Stack:
         await self.post("/models", model)
         made = await self.post("/deployments", {"model_id": model["model_id"],
                                                 "scaling": scaling})
+        await self._routed(model["model_id"])
         return str(made["deployment_id"])
+
+    async def _routed(self, model_id: str) -> None:
+        """Until the gateway lists ``model_id``: it learns a new deployment from the store's
+        notification, milliseconds after the API's 201, and a request before that is a
+        404 (an unknown model, which loads nothing)."""
+        deadline = time.monotonic() + ROUTED_TIMEOUT_S
+        async with httpx.AsyncClient(timeout=5) as http:
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    resp = await http.get(f"{self.fleet.gateway_url}/v1/models",
+                                          headers={"Authorization": f"Bearer {self.key}"})
+                    if resp.status_code == 200 and any(
+                            m["id"] == model_id for m in resp.json()["data"]):
+                        return
+                if time.monotonic() > deadline:
+                    raise DemandBenchError(f"the gateway never listed {model_id}")
+                await asyncio.sleep(POLL_S)
 
     async def view(self, deployment_id: str) -> dict[str, Any] | None:
         try:
