@@ -264,8 +264,11 @@ class DeploymentStore:
                    endpoint_node_epoch = CASE WHEN $4 THEN NULL
                                               WHEN $3 IS NULL THEN endpoint_node_epoch
                                               ELSE $6 END,
-                   ready_at = CASE WHEN $2 = 'ready' AND ready_at IS NULL THEN now()
-                                   ELSE ready_at END,
+                   -- A wake makes it ready again: from then on it serves, and the
+                   -- eviction's protection window counts from it.
+                   ready_at = CASE WHEN $2 = 'ready'
+                                        AND (ready_at IS NULL OR state = 'sleeping')
+                                   THEN now() ELSE ready_at END,
                    left_routing_at = CASE WHEN $2 = 'ready' THEN NULL
                                           WHEN state = 'ready' THEN clock_timestamp()
                                           ELSE left_routing_at END

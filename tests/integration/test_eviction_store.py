@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
+from datetime import timedelta
 
 import asyncpg
 import pytest
@@ -216,3 +217,23 @@ async def test_every_candidate_is_read_with_its_policy_claims_and_usage(
     assert found.reason == ("evicted d-asleep (replica r-asleep, idle 40 min, asleep, 2.0 GiB on "
                       "n1) to place d-asked")
 
+
+
+async def test_a_woken_replica_is_protected_again_from_its_wake(
+    store: Store, db: asyncpg.Connection,
+) -> None:
+    """A wake makes a replica ready again, and the protection window counts from it: a
+    replica asleep for an hour is not evicted the moment it wakes."""
+    await _node(store, "n1", 16)
+    spec = await _deployment(store, db, "d-old", gib=10)
+    await _replica(store, db, spec, "r-old", ready_min_ago=60)
+    for state in (ReplicaState.DRAINING, ReplicaState.SLEEPING, ReplicaState.READY):
+        await store.deployments.record_replica_state(ReplicaStateUpdate(
+            replica_id=ReplicaId("r-old"), state=state))
+    woke = await db.fetchval("SELECT now() - ready_at FROM replicas WHERE replica_id = 'r-old'")
+    assert woke < timedelta(minutes=1)
+    await _usage(db, "r-old", used_min_ago=30)
+    asking = await _deployment(store, db, "d-new", gib=10)
+    found = await _find(store, asking)
+    assert found.choice is None
+    assert [r.reason_code for r in found.refusals] == [RefusalReason.PROTECTED]
