@@ -162,11 +162,12 @@ async def _adds_nothing_while_watches_beat(run: Running, before: WorkflowHistory
 
 
 #: Most history events one scaling step costs, from the watch's answer to the store told
-#: and the next watch open. Measured here over two runs: load 46-49, sleep 48, wake 48,
-#: stop 50-53 (each: the step's activities, the store writes of every phase it passes,
-#: the audit event, and the usage watch closed while a replica is in passing and opened
-#: again on the view it lands on).
-EVENTS_PER_STEP = 60
+#: and the next watch open. Measured here over two runs: load 46, sleep 51-57, wake 45-48,
+#: stop 53 (each: the step's activities, the store writes of every phase it passes, the
+#: audit event, and the usage watch closed while a replica is on its way in and opened
+#: again on the view it lands on). The runs differ by a workflow task or two (this
+#: server adds one when a heartbeat lands during another): the bound leaves room.
+EVENTS_PER_STEP = 70
 
 
 async def test_an_on_demand_deployment_loads_sleeps_wakes_and_stops_at_a_bounded_cost(
