@@ -5,9 +5,11 @@ One query, run by :meth:`.placement.PlacementStore.find_eviction` in the same sn
 the nodes it reads, so that the nodes' summed claims include exactly the candidates'
 claims that the choice removes on its copy.
 
-Only ``ready`` and ``sleeping`` replicas of other deployments are read: the others are
-refused by rules 1 and 4 of the choice whatever else they are, and listing every starting
-replica of the fleet would bury the refusals that say something. The policy and the
+Only ``ready``, ``sleeping`` and ``starting`` replicas of other deployments are read: the
+others (draining, stopping, unreachable) are on their way out, and their release tells
+the asking deployment anyway. A starting one is refused (rule 4) but soon serves: listed,
+it tells the asker to seek again rather than give up (a model asked for while the other
+one still loads would otherwise read cant_place until a node changed). The policy and the
 single-node rules are left to the choice, which names each replica it refuses and why.
 
 Usage follows the freshness rule of :mod:`modelkeeper.domain.draining`: a gateway
@@ -30,6 +32,10 @@ from ..domain.demand import ReplicaUse, ScalingPolicy
 from ..domain.eviction import EVICTABLE_STATES, Candidate, VictimClaim
 from ..domain.ids import DeploymentId, NodeId, ReplicaId
 from ..domain.status import ReplicaState
+
+#: What the query lists: the states eviction may choose from, and starting (refused, but
+#: a reason to seek again soon).
+LISTED_STATES = EVICTABLE_STATES | {ReplicaState.STARTING}
 
 #: The candidates: one row per claim, each with its replica, its deployment's policy and
 #: the replica's usage summed over the rows that count (``reported`` 0: none counts).
@@ -64,7 +70,7 @@ async def read_candidates(conn: asyncpg.Connection, *, for_deployment: Deploymen
     """Every ready or sleeping replica of a deployment other than ``for_deployment``, as
     the choice reads it (see the module docstring)."""
     rows = await conn.fetch(_CANDIDATES, for_deployment,
-                            sorted(s.value for s in EVICTABLE_STATES), stale_after_s)
+                            sorted(s.value for s in LISTED_STATES), stale_after_s)
     by_replica: dict[str, list[asyncpg.Record]] = {}
     for row in rows:
         by_replica.setdefault(row["replica_id"], []).append(row)

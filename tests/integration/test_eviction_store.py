@@ -205,7 +205,9 @@ async def test_every_candidate_is_read_with_its_policy_claims_and_usage(
         "r-busy": RefusalReason.IN_USE, "r-new": RefusalReason.PROTECTED,
         "r-fixed": RefusalReason.NOT_ON_DEMAND, "r-promise": RefusalReason.NOT_ON_DEMAND,
         "r-wide": RefusalReason.MULTI_NODE,
-    }  # r-starting and the asker's own r-own are not candidates at all
+        # Listed, so the asker seeks again once it serves; the asker's own r-own is not.
+        "r-starting": RefusalReason.NOT_SERVING,
+    }
     assert "r-busy (d-busy): 3 request(s) in flight" in found.reason
     assert "r-promise (d-promise): min 1: a promise" in found.reason
 
@@ -237,3 +239,23 @@ async def test_a_woken_replica_is_protected_again_from_its_wake(
     found = await _find(store, asking)
     assert found.choice is None
     assert [r.reason_code for r in found.refusals] == [RefusalReason.PROTECTED]
+
+
+async def test_a_model_asked_for_while_the_other_still_starts_seeks_again_soon(
+    store: Store, db: asyncpg.Connection,
+) -> None:
+    """The other on-demand model holds the room but is still starting: not a victim yet,
+    but listed, so the asker seeks again in RESEEK_S instead of reading cant_place until a
+    node changes (the bench's evict run met it behind the settling window)."""
+    from modelkeeper.domain.eviction import RESEEK_S
+
+    await _node(store, "n1", 16)
+    spec = await _deployment(store, db, "d-first", gib=10)
+    await _replica(store, db, spec, "r-first", ready_min_ago=None)  # starting
+    asking = await _deployment(store, db, "d-second", gib=10)
+    before = await db.fetchval("SELECT now()")
+    found = await _find(store, asking)
+    assert found.choice is None and not found.fits_now
+    assert [r.reason_code for r in found.refusals] == [RefusalReason.NOT_SERVING]
+    assert found.retry_at is not None
+    assert timedelta(0) < found.retry_at - before <= timedelta(seconds=RESEEK_S + 5)
