@@ -87,8 +87,8 @@ class ReplicaChoice(Frozen):
 
     replica_id: ReplicaId | None = Field(
         default=None, min_length=1, max_length=MAX_REPLICA_ID_CHARS,
-        description="sleep: a ready replica (none: each ready one above the minimum); "
-                    "wake: a sleeping replica (none: each sleeping one)")
+        description="sleep: a ready replica (none: each ready one; an operator is not "
+                    "held to the minimum); wake: a sleeping replica (none: each sleeping one)")
 
 
 #: The status DELETE answers when it removed the row itself, its workflow being gone. Not
@@ -403,7 +403,7 @@ async def _set_policy(deployment_id: str, policy: ScalingPolicy, *, store: Store
 async def sleep_deployment(deployment_id: str, store: StoreDep, temporal: TemporalDep, *,
                            operator: OperatorDep, choice: ReplicaChoice | None = None,
                            ) -> Accepted:
-    """Put a ready replica (none named: each above the minimum) to sleep: it keeps its
+    """Put a ready replica (none named: each ready one) to sleep: it keeps its
     weights and frees its KV cache, and a request wakes it (docs/demand.md). 409 with the
     workflow's sentence when none can sleep (llama.cpp cannot: scale it down instead)."""
     choice = choice or ReplicaChoice()
@@ -414,7 +414,7 @@ async def sleep_deployment(deployment_id: str, store: StoreDep, temporal: Tempor
             DeploymentWorkflow.sleep,
             SleepRequest(replica_id=choice.replica_id, actor=operator.name),
             rpc_timeout=UPDATE_ANSWER_TIMEOUT)
-    which = choice.replica_id or "each ready replica above the minimum"
+    which = choice.replica_id or "each ready replica"
     await store.events.record_event(change(operator, "deployment.sleep_requested",
                                            f"sleep {deployment_id}: {which}",
                                            deployment_id=view.deployment_id))
