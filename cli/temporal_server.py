@@ -7,6 +7,8 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 from modelkeeper.infra.processes import ManagedProcess, tcp_accepts
 from modelkeeper.names import SEARCH_ATTRIBUTES
 
@@ -100,6 +102,33 @@ def dev_server_argv(*, host: str, port: int, http_port: int, metrics_port: int,
     return argv
 
 
+#: How long one readiness probe of the frontend may take before it counts as not ready.
+READY_PROBE_TIMEOUT_S = 2.0
+
+
+def _frontend_answers(at: str, http_port: int, namespace: str) -> bool:
+    """Whether the frontend serves the namespace, asked through its HTTP API.
+
+    An open gRPC port is not enough: the frontend accepts connections a while before it
+    is healthy, and a client that connects then gets ``Unavailable: Frontend is not
+    healthy yet`` (seen in CI on a loaded machine, where a test connected straight after
+    the port opened). The HTTP API passes through the same frontend handler, so a 200
+    here means a gRPC client will be served, and that the namespace exists.
+    """
+    url = f"http://{_url_host(at)}:{http_port}/api/v1/namespaces/{namespace}"
+    try:
+        # Host: a loopback name, the only kind HTTP_ALLOWED_HOSTS lets in; ``at`` may be
+        # a routable address when the operator exposed Temporal.
+        answer = httpx.get(url, headers={"Host": "localhost"}, timeout=READY_PROBE_TIMEOUT_S)
+    except httpx.TransportError:
+        return False
+    return answer.status_code == httpx.codes.OK
+
+
+def _url_host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
 def http_allowed_hosts_config() -> str:
     """The dynamic config value that limits the HTTP API to HTTP_ALLOWED_HOSTS."""
     return f"frontend.httpAllowedHosts={json.dumps(list(HTTP_ALLOWED_HOSTS))}"
@@ -109,7 +138,8 @@ def start_dev_server(*, host: str, port: int, http_port: int, metrics_port: int,
                      ui: UiListener | None, db_file: Path, namespace: str, log_path: Path,
                      timeout: float = 60.0,
                      connect_host: str | None = None) -> ManagedProcess:
-    """Start the dev server and return once its frontend (and UI, if on) accept connections.
+    """Start the dev server and return once its frontend answers (and its UI, if on,
+    accepts connections).
 
     ``host`` is where the frontend, the HTTP API and the metrics listen: loopback, unless
     the operator asked for Temporal on the bind host (``expose_temporal_plaintext``).
@@ -123,9 +153,11 @@ def start_dev_server(*, host: str, port: int, http_port: int, metrics_port: int,
         db_file=db_file, namespace=namespace), log_path)
     proc.start()
 
+    at = connect_host or host
+
     def ready() -> bool:
-        at = connect_host or host
-        return tcp_accepts(at, port) and (ui is None or tcp_accepts(ui.host, ui.port))
+        return (_frontend_answers(at, http_port, namespace)
+                and (ui is None or tcp_accepts(ui.host, ui.port)))
 
     try:
         proc.wait_until(ready, timeout)

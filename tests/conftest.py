@@ -60,6 +60,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
+    # The long ones first: xdist deals tests out in collection order, and a three-minute
+    # soak dealt late was the parallel phase's last minutes, with the other workers idle.
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
 class PgServer:

@@ -77,7 +77,7 @@ STOP_TIMEOUT_S = 120.0
 #: How long a killed background block may take to be reaped.
 EXIT_TIMEOUT_S = 30.0
 
-pytestmark = [pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.long, pytest.mark.timeout(900)]
 
 
 # -- the page ------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import pytest
 from tests.integration.test_up import Up
 from tests.support.doc_blocks import marked_blocks, shell_commands
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(420)]
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 MARK = "readme-test"

@@ -22,7 +22,7 @@ SOAK_TIMEOUT_S = 390
 #: A soak asked to stop (SIGTERM) stops every process it started, namespaces included.
 CLEANUP_TIMEOUT_S = 60
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 @pytest.mark.timeout(SOAK_TIMEOUT_S + CLEANUP_TIMEOUT_S - 30)

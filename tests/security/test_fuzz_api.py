@@ -32,7 +32,7 @@ from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 from worker.main import run_worker
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.long]
 
 #: Examples per operation and phase: enough to find the classes of failure schemathesis
 #: knows (the first run of 997 cases found 27), few enough for about a minute on 2 cores.
