@@ -238,7 +238,8 @@ async def create_deployment(request: DeploymentRequest, store: StoreDep,
                           replicas=request.initial_replicas,
                           min_nodes=max(request.min_nodes, model.min_nodes),
                           node_ids=request.node_ids, labels=request.labels,
-                          scaling=request.policy)
+                          scaling=request.policy, capacity_class=request.capacity_class,
+                          owner=request.owner)
     try:
         await temporal.start_workflow(
             DeploymentWorkflow.run, DeploymentInput(spec=spec, tunables=settings.tunables()),

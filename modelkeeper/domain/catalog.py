@@ -9,6 +9,7 @@ from pydantic import Field, StringConstraints, model_validator
 
 from .base import Frozen, Tolerant
 from .bounds import MAX_REPLICAS, STRICT, JsonInt
+from .capacity import CapacityClass, OwnerPath
 from .demand import ScalingPolicy, ScalingRequest
 from .ids import DeploymentId, ModelId, NodeId, ReplicaId
 from .shards import EngineKind
@@ -165,6 +166,13 @@ class DeploymentRequest(Frozen):
     min_nodes: JsonInt = Field(default=1, ge=1, le=64)
     node_ids: list[NodeIdField] | None = Field(default=None, max_length=MAX_NODE_IDS)
     labels: Labels = Field(default_factory=dict)
+    capacity_class: CapacityClass | None = Field(
+        default=None, description="what may be stopped to place it: a lower class for a "
+                                  "higher (docs/capacity.md); unset follows the scaling "
+                                  "policy (on demand: opportunistic, else standard)")
+    owner: OwnerPath | None = Field(
+        default=None, description="who owns it in the tenancy tree: org, org/team or "
+                                  "org/team/project; quotas count it there")
 
     @model_validator(mode="after")
     def _one_count(self) -> Self:
@@ -256,6 +264,11 @@ class DeploymentView(Frozen):
     loading_reason: str | None = None
     #: The last demand step and why, with its time (an eviction's reason included).
     demand_note: str | None = None
+    #: The class declared; None: it follows the scaling policy (see ``runs_as``).
+    capacity_class: CapacityClass | None = None
+    #: The class it runs as (modelkeeper.domain.capacity.effective_class).
+    runs_as: CapacityClass = CapacityClass.STANDARD
+    owner: str | None = None
 
 
 def scaling_summary(policy: ScalingPolicy | None) -> str:

@@ -91,6 +91,7 @@ from typing import Annotated, Literal, assert_never
 from pydantic import Field
 
 from .base import Frozen, Tolerant
+from .capacity import CapacityClass
 from .catalog import Generation
 from .demand import (
     Add,
@@ -194,6 +195,11 @@ class DeploymentSpec(Tolerant):
     #: ``replicas`` (min = max), never started on demand. ``replicas`` is always the
     #: number wanted now, within the policy's bounds.
     scaling: ScalingPolicy | None = None
+    #: What may be stopped to place it (modelkeeper.domain.capacity); None: it follows
+    #: the scaling policy.
+    capacity_class: CapacityClass | None = None
+    #: Its owner in the tenancy tree; None: nobody's.
+    owner: str | None = None
 
 
 #: The defaults of every tunable (modelkeeper.domain.tunables, where their reasons are).

@@ -13,6 +13,7 @@ from typing import Any
 
 import asyncpg
 
+from ..domain.capacity import CapacityClass, effective_class
 from ..domain.catalog import (
     DeploymentRequest,
     DeploymentStatusUpdate,
@@ -51,12 +52,15 @@ class DeploymentStore:
             await self._pool.execute(
                 """
                 INSERT INTO deployments (deployment_id, model_id, replicas, min_nodes, node_ids,
-                                         labels, status, workflow_id, scaling)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                                         labels, status, workflow_id, scaling,
+                                         capacity_class, owner)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
                 """,
                 deployment_id, request.model_id, request.initial_replicas, request.min_nodes,
                 request.node_ids, request.labels, request.first_status.value, workflow_id,
-                _policy_json(request.policy))
+                _policy_json(request.policy),
+                None if request.capacity_class is None else request.capacity_class.value,
+                request.owner)
         except asyncpg.UniqueViolationError:
             raise DeploymentExistsError(request.model_id) from None
         except asyncpg.ForeignKeyViolationError:
@@ -205,7 +209,12 @@ class DeploymentStore:
                 updated_at=row["updated_at"], generation=row["generation"],
                 runs_model_id=row["runs_model_id"], placement_note=row["placement_note"],
                 scaling=row["scaling"], loading_since=row["loading_since"],
-                loading_reason=row["loading_reason"], demand_note=row["demand_note"]))
+                loading_reason=row["loading_reason"], demand_note=row["demand_note"],
+                capacity_class=row["capacity_class"], owner=row["owner"],
+                runs_as=effective_class(
+                    None if row["capacity_class"] is None
+                    else CapacityClass(row["capacity_class"]),
+                    None if row["scaling"] is None else ScalingPolicy(**row["scaling"]))))
         return views
 
     # -- replicas -------------------------------------------------------------------------
