@@ -35,6 +35,7 @@ from pydantic import Field, StringConstraints
 from .base import Frozen, Tolerant
 from .bounds import JsonInt
 from .demand import ScalingPolicy
+from .ids import DeploymentId, ReplicaId
 from .units import format_gib
 
 
@@ -238,3 +239,17 @@ def within_guarantee(owner: str | None, adding: Resources, quotas: Sequence[Quot
         return False
     held = held_by(quota.scope, holdings)
     return (held + adding).fits_in(quota.guarantee)
+
+
+class PreemptRequest(Tolerant):
+    """``preempt``: stop this replica to make room for something that outranks it (a
+    higher class's placement, a scope taking back its guarantee) or to save its node (the
+    memory watchdog). Unlike an eviction, the deployment keeps its count: it drains the
+    replica with a short grace, then holds back with ``reason`` until room returns, and
+    is placed again by itself."""
+
+    replica_id: ReplicaId
+    #: The deployment the room is for; None: no deployment (the watchdog).
+    by: DeploymentId | None = None
+    #: Shown as the victim's status reason: "preempted by d-1 (critical) for ...".
+    reason: str = Field(min_length=1, max_length=1024)
