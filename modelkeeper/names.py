@@ -111,6 +111,12 @@ UPDATE_WAKE = "wake"
 #: A signal, not an update: it comes from another deployment's workflow, which cannot
 #: send updates; the keeper checks it (modelkeeper.domain.keeper.refuse_eviction).
 SIGNAL_EVICT = "evict"
+#: Stop a replica for something that outranks it; the deployment keeps its count
+#: (modelkeeper.domain.capacity.PreemptRequest).
+SIGNAL_PREEMPT = "preempt"
+#: workflow.patched ids (docs/keeper.md, "The patch schedule"). 0.3: a deployment that
+#: fits nowhere seeks room from lower classes (issue 22).
+PATCH_PREEMPTION = "capacity-preemption"
 QUERY_STATUS = "status"
 #: A deployment as a saga sees it (modelkeeper.domain.moves.DeploymentBrief).
 QUERY_BRIEF = "brief"

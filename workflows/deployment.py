@@ -21,6 +21,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
 with workflow.unsafe.imports_passed_through():
+    from modelkeeper.domain.capacity import PreemptRequest
     from modelkeeper.domain.catalog import ScaleRequest
     from modelkeeper.domain.demand import (
         DemandView,
@@ -51,6 +52,7 @@ with workflow.unsafe.imports_passed_through():
         PlacementCrashed,
         PlaceReplica,
         PolicySet,
+        PreemptAsked,
         ProbeReplica,
         ProbeResult,
         Retry,
@@ -96,12 +98,14 @@ with workflow.unsafe.imports_passed_through():
     from modelkeeper.names import (
         ERROR_DELETING,
         ERROR_MOVE_REFUSED,
+        PATCH_PREEMPTION,
         QUERY_BRIEF,
         QUERY_STATUS,
         SIGNAL_DELETE,
         SIGNAL_EVICT,
         SIGNAL_NODE_SILENT,
         SIGNAL_NODES_CHANGED,
+        SIGNAL_PREEMPT,
         SIGNAL_RETRY,
         UPDATE_AWAIT_MOVE,
         UPDATE_CANCEL_MOVE,
@@ -264,6 +268,15 @@ class DeploymentWorkflow:
                                       for_deployment=request.for_deployment,
                                       reason=request.reason))
 
+    @workflow.signal(name=SIGNAL_PREEMPT)
+    def preempt(self, request: PreemptRequest) -> None:
+        """Something that outranks this replica needs its room (another deployment's
+        placement, or the memory watchdog): the keeper drains it with a short grace and
+        keeps the count, waiting for room to return (refuse_preemption: a replica no
+        longer ready, or leased to a saga, is kept)."""
+        self._inbox.append(PreemptAsked(replica_id=request.replica_id, by=request.by,
+                                        reason=request.reason))
+
     def _not_deleting(self) -> None:
         if self.state.keeper.deleting:
             raise ApplicationError(
@@ -382,6 +395,12 @@ class DeploymentWorkflow:
         "Write what changed" is the background writer's (:class:`StoreWriter`):
         the loop only publishes the search attributes and goes on.
         """
+        # Patch 1 of 0.3 (docs/keeper.md, "Patches and replay"): a deployment that fits
+        # nowhere seeks room from what it outranks (find_eviction), where 0.2 only waited.
+        # Read once, before any command: a run replaying a 0.2 history keeps 0.2's path
+        # to its end; its next run (continue-as-new) takes the new one.
+        self.state = self.state.model_copy(update={"config": self.state.config.model_copy(
+            update={"preemption": workflow.patched(PATCH_PREEMPTION)})})
         self._writer.start()
         for action in resume(self.state.keeper):
             self._launch(action)
@@ -556,7 +575,9 @@ class DeploymentWorkflow:
                 # stop.
                 for task in self._tasks.pop(action.replica_id, []):
                     task.cancel()
-                self._spawn(action.replica_id, self._stop(action.replica_id, drain=action.drain),
+                self._spawn(action.replica_id,
+                            self._stop(action.replica_id, drain=action.drain,
+                                       grace_s=action.grace_s),
                             busy=True)
             case Finish():
                 self._spawn("__finish__", self._finish(), busy=True)
@@ -630,9 +651,10 @@ class DeploymentWorkflow:
                                   self.state.tunables)
         self._inbox.append(ProbeResult(replica_id=replica_id, running=running))
 
-    async def _stop(self, replica_id: ReplicaId, *, drain: bool = False) -> None:
+    async def _stop(self, replica_id: ReplicaId, *, drain: bool = False,
+                    grace_s: float | None = None) -> None:
         if drain:
-            await hops.drain(replica_id, self.state.tunables)
+            await hops.drain(replica_id, self.state.tunables, grace_s=grace_s)
         # The claim is released whether or not the nodes answered.
         await hops.stop_shards(replica_id, self._replica_nodes(replica_id), self.state.tunables)
         await hops.release(replica_id)
@@ -661,6 +683,17 @@ class DeploymentWorkflow:
         found = await hops.find_eviction(keeper.spec, keeper.next_replica_seq)
         choice = found.choice
         workflow.logger.info("eviction: %s", found.reason)
+        for target in found.preempt:
+            # All together: each of them is needed to make the room (pruned by the rules),
+            # and the room they free is held for this deployment until it places.
+            try:
+                await workflow.get_external_workflow_handle(
+                    deployment_workflow_id(target.deployment_id)).signal(
+                    DeploymentWorkflow.preempt,
+                    PreemptRequest(replica_id=target.replica_id,
+                                   by=keeper.spec.deployment_id, reason=target.reason))
+            except ApplicationError as exc:
+                workflow.logger.info("preempt signal not delivered: %s", exc)
         if choice is not None:
             try:
                 await workflow.get_external_workflow_handle(
@@ -675,7 +708,7 @@ class DeploymentWorkflow:
         # The reason becomes the demand note, and so an audit event (_drain_inbox).
         self._inbox.append(EvictionSought(
             victim=choice.replica_id if choice else None, reason=found.reason,
-            retry_at=found.retry_at))
+            retry_at=found.retry_at, preempting=[t.replica_id for t in found.preempt]))
         if found.fits_now:
             self._inbox.append(NodesChanged())
 

@@ -221,15 +221,18 @@ async def watch_for_room(spec: DeploymentSpec, unplaceable: int, *, config: Keep
         retry_policy=ROOM_WATCH_RETRY)
 
 
-async def drain(replica_id: ReplicaId, tunables: Tunables) -> None:
-    """Out of routing, and its in-flight requests finish (bounded by the grace period); a
-    drain that fails for good does not hold up the stop that follows."""
+async def drain(replica_id: ReplicaId, tunables: Tunables, *,
+                grace_s: float | None = None) -> None:
+    """Out of routing, and its in-flight requests finish (bounded by the grace period,
+    ``grace_s`` or the tunables' ``drain_grace_s``); a drain that fails for good does not
+    hold up the stop that follows."""
+    grace = tunables.drain_grace_s if grace_s is None else grace_s
     with contextlib.suppress(ActivityError):
         await workflow.execute_activity(
             stubs.drain_replica,
-            DrainReplicaInput(replica_id=replica_id, grace_s=tunables.drain_grace_s),
+            DrainReplicaInput(replica_id=replica_id, grace_s=grace),
             task_queue=CONTROL_TASK_QUEUE,
-            start_to_close_timeout=timedelta(seconds=tunables.drain_grace_s) + DRAIN_SLACK,
+            start_to_close_timeout=timedelta(seconds=grace) + DRAIN_SLACK,
             heartbeat_timeout=DRAIN_HEARTBEAT_TIMEOUT, retry_policy=DRAIN_RETRY)
 
 

@@ -224,6 +224,11 @@ class KeeperConfig(Tolerant):
     room_watch_max_s: float = _DEFAULTS.room_watch_max_s
     cant_place_backstop_s: float = _DEFAULTS.cant_place_backstop_s
     max_surge: int = Field(default=_DEFAULTS.max_surge, ge=1)
+    preempt_grace_s: float = _DEFAULTS.preempt_grace_s
+    #: Patch ``capacity-preemption`` (0.3): a placement that finds no room seeks room
+    #: from what it outranks (SeekRoom), not only one asked for on demand. False replays
+    #: 0.2's histories; the workflow sets it from ``workflow.patched`` at each run's start.
+    preemption: bool = False
 
     @classmethod
     def of(cls, tunables: Tunables) -> KeeperConfig:
@@ -237,7 +242,8 @@ class KeeperConfig(Tolerant):
                    cant_place_retry_s=tunables.cant_place_retry_s,
                    room_watch_max_s=tunables.room_watch_max_s,
                    cant_place_backstop_s=tunables.cant_place_backstop_s,
-                   max_surge=tunables.max_surge)
+                   max_surge=tunables.max_surge,
+                   preempt_grace_s=tunables.preempt_grace_s)
 
 
 class Move(Tolerant):
@@ -311,6 +317,9 @@ class KeeperState(Tolerant):
     #: Seek an eviction again then: a candidate's protection window ends, or an eviction
     #: asked has not made the room by then (its deployment refused it: used meanwhile).
     seek_again_at: datetime | None = None
+    #: Preempted ("preempted by d-1 (critical) for ..."): shown as the reason while the
+    #: replica it lost waits for room; cleared when one is placed again.
+    preempted: str | None = None
 
 
 # -- observations ------------------------------------------------------------------------
@@ -495,6 +504,17 @@ class EvictAsked(Frozen):
     reason: str
 
 
+class PreemptAsked(Frozen):
+    """Something that outranks this replica needs its room (the ``preempt`` signal): a
+    higher class's placement, a scope taking back its guarantee, or the memory watchdog.
+    The replica is drained with a short grace and the count kept."""
+
+    kind: Literal["preempt_asked"] = "preempt_asked"
+    replica_id: ReplicaId
+    by: DeploymentId | None = None
+    reason: str
+
+
 class Slept(Frozen):
     """The replica's engines sleep and its claims keep only what sleep keeps."""
 
@@ -535,6 +555,9 @@ class EvictionSought(Frozen):
     victim: ReplicaId | None = None
     reason: str = ""
     retry_at: datetime | None = None
+    #: Replicas of lower classes asked to make room together (the ``preempt`` signal);
+    #: their room is held for this deployment until it places.
+    preempting: list[ReplicaId] = Field(default_factory=list)
 
 
 #: An eviction asked that has not made the room this long after is sought again: the
@@ -547,7 +570,7 @@ Observation = Annotated[
     Tick | Placed | Unplaceable | PlacementCrashed | Started | StartFailed | Exited | Silent
     | ProbeResult | Stopped | NodesChanged | Scale | Retry | Delete | MoveAsked | MoveCancelled
     | GenerationSet | DemandStepDue | PolicySet | WindowSet | SleepAsked | WakeAsked
-    | EvictAsked | Slept | SleepFailed | Woke | WakeFailed | EvictionSought,
+    | EvictAsked | Slept | SleepFailed | Woke | WakeFailed | EvictionSought | PreemptAsked,
     Field(discriminator="kind"),
 ]
 
@@ -590,6 +613,8 @@ class StopReplica(Frozen):
     reason: str
     #: It serves: leave routing and let its in-flight requests finish first (graceful).
     drain: bool = False
+    #: How long the drain waits for them; None: the tunables' ``drain_grace_s``.
+    grace_s: float | None = Field(default=None, ge=0)
 
 
 class Finish(Frozen):
@@ -683,8 +708,10 @@ def _find(state: KeeperState, replica_id: ReplicaId) -> Replica | None:
 
 
 def _stop(state: KeeperState, replica: Replica, reason: str,
-          actions: list[Action], *, drain: bool = False) -> KeeperState:
-    actions.append(StopReplica(replica_id=replica.replica_id, reason=reason, drain=drain))
+          actions: list[Action], *, drain: bool = False,
+          grace_s: float | None = None) -> KeeperState:
+    actions.append(StopReplica(replica_id=replica.replica_id, reason=reason, drain=drain,
+                               grace_s=grace_s if drain else None))
     return _replace(state, replica.model_copy(update={
         "phase": Phase.STOPPING, "stop_reason": reason, "probe_in_flight": False,
         "retiring": False}))
@@ -772,6 +799,8 @@ def _observe(state: KeeperState, obs: Observation, *, now: datetime, config: Kee
             return _on_wake_failed(state, obs, actions=actions)
         case EvictionSought():
             return _on_eviction_sought(state, obs, now=now)
+        case PreemptAsked():
+            return _on_preempt_asked(state, obs, config=config, actions=actions)
         case _:
             # mypy proves this unreachable; a new observation type fails the type check.
             assert_never(obs)
@@ -836,7 +865,8 @@ def _on_placed(state: KeeperState, obs: Placed, *, actions: list[Action]) -> Kee
                                                        "placement_retry_at": None,
                                                        "unplaceable_in_a_row": 0,
                                                        "evicting": None,
-                                                       "seek_again_at": None})
+                                                       "seek_again_at": None,
+                                                       "preempted": None})
     if state.deleting:
         # The deletion arrived while this placement was on its way: undo it now.
         return _stop(state, placed, "deployment deleted", actions)
@@ -865,12 +895,22 @@ def _on_unplaceable(state: KeeperState, obs: Unplaceable, *, now: datetime,
         return _surge_failed(state, replica, "no room for a replacement", obs.reason,
                              now=now, config=config)
     state = state.model_copy(update={
-        "placement_error": obs.reason, "unplaceable_in_a_row": state.unplaceable_in_a_row + 1,
+        "placement_error": (obs.reason if state.preempted is None
+                            else f"{state.preempted}; waiting for room: {obs.reason}"),
+        "unplaceable_in_a_row": state.unplaceable_in_a_row + 1,
         "placement_retry_at": now + timedelta(seconds=cant_place_wait_s(config))})
-    if (state.loading_since is not None and policy_of(state).on_demand
-            and not state.seeking_room):
-        # Asked for and fits nowhere: an idle replica of another on-demand model may make
-        # the room (one eviction sought at a time).
+    loading = state.loading_since is not None and policy_of(state).on_demand
+    if not state.seeking_room and (loading or (config.preemption
+                                               and state.unplaceable_in_a_row == 1
+                                               and state.preempted is None)):
+        # Fits nowhere: another deployment's replicas may make the room, as the capacity
+        # rules allow (modelkeeper.domain.eviction): an idle on-demand one for a model
+        # asked for, a lower class for a higher. Sought once per run of failures (the
+        # first; an operator's retry starts a new run), not at each of the room watch's
+        # retries: a deployment nothing can make room for would otherwise pay an activity
+        # per retry for the same answer. Asked for on demand, at each failure, as issue
+        # 21 did. A preempted deployment waits for its room to return: it seeks nothing,
+        # or two deployments could take a room from each other in turn.
         actions.append(SeekRoom())
         state = state.model_copy(update={"seeking_room": True})
     return state
@@ -1444,6 +1484,33 @@ def _on_evict_asked(state: KeeperState, obs: EvictAsked, *, now: datetime,
     return _retire_one(state, replica, obs.reason, actions)
 
 
+def refuse_preemption(state: KeeperState, replica_id: ReplicaId) -> str | None:
+    """Why this deployment will not give up ``replica_id`` to a preemption, or None: only
+    a ready or sleeping replica, not being retired and not leased to a move (a saga in
+    flight owns it; the rules already chose it as outranked)."""
+    if state.deleting:
+        return f"{state.spec.deployment_id} is being deleted"
+    replica = _find(state, replica_id)
+    if (replica is None or replica.phase not in (Phase.READY, Phase.SLEEPING)
+            or replica.retiring or replica.move_id is not None):
+        return f"{replica_id} is not a ready or sleeping replica of {state.spec.deployment_id}"
+    return None
+
+
+def _on_preempt_asked(state: KeeperState, obs: PreemptAsked, *, config: KeeperConfig,
+                      actions: list[Action]) -> KeeperState:
+    if refuse_preemption(state, obs.replica_id) is not None:
+        return state
+    replica = _find(state, obs.replica_id)
+    assert replica is not None  # refuse_preemption found it
+    # The count is kept: the replica is owed, and placed again by itself when room
+    # returns. Until then the deployment says why it lost it.
+    state = state.model_copy(update={"preempted": obs.reason,
+                                     "demand_note": obs.reason})
+    return _stop(state, replica, obs.reason, actions, drain=replica.phase is Phase.READY,
+                 grace_s=config.preempt_grace_s)
+
+
 def _on_slept(state: KeeperState, obs: Slept, *, actions: list[Action]) -> KeeperState:
     replica = _replica_in(state, obs.replica_id, Phase.SLEEPING)
     if replica is None:
@@ -1492,15 +1559,23 @@ def _on_wake_failed(state: KeeperState, obs: WakeFailed, *,
 def _on_eviction_sought(state: KeeperState, obs: EvictionSought, *,
                         now: datetime) -> KeeperState:
     state = state.model_copy(update={"seeking_room": False})
+    if obs.preempting and state.loading_since is None and not state.deleting:
+        # Not loading on demand: a deployment that outranks what it preempted. It waits
+        # in cant_place, saying why, and places when the victims' release signals it
+        # (their room is held for it meanwhile).
+        return state.model_copy(update={
+            "placement_error": f"making room: {obs.reason}",
+            "demand_note": f"{now:%Y-%m-%d %H:%M:%S}: {obs.reason}"})
     if state.loading_since is None or state.deleting:
         return state  # served (or no longer wanted) meanwhile
-    if obs.victim is None:
+    victim = obs.victim or (obs.preempting[0] if obs.preempting else None)
+    if victim is None:
         return state.model_copy(update={
             "evicting": None, "seek_again_at": obs.retry_at,
             "loading_reason": (f"waiting for room until {obs.retry_at:%H:%M:%S}: "
                                f"{obs.reason}" if obs.retry_at else state.loading_reason)})
     return state.model_copy(update={
-        "evicting": obs.victim, "loading_reason": f"making room: {obs.reason}",
+        "evicting": victim, "loading_reason": f"making room: {obs.reason}",
         "seek_again_at": now + timedelta(seconds=EVICTION_RECHECK_S),
         "demand_note": f"{now:%Y-%m-%d %H:%M:%S}: {obs.reason}"})
 

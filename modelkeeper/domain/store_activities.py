@@ -84,6 +84,14 @@ class FindEvictionInput(Tolerant):
     generation: Generation | None = None
 
 
+class PreemptTarget(Tolerant):
+    """One replica to preempt, with the reason its deployment shows."""
+
+    replica_id: ReplicaId
+    deployment_id: DeploymentId
+    reason: str
+
+
 class EvictionFound(Tolerant):
     """What `find_eviction` answers: the replica to ask its deployment to retire, or None
     with why not (every candidate refused, named with its reason)."""
@@ -98,6 +106,9 @@ class EvictionFound(Tolerant):
     refusals: list[Refusal] = Field(default_factory=list)
     #: With no choice: when a candidate's protection window ends (seek again then).
     retry_at: datetime | None = None
+    #: Replicas of others to preempt together (their deployments keep their counts and
+    #: wait for room); their room is held for the asking deployment.
+    preempt: list[PreemptTarget] = Field(default_factory=list)
 
 
 class ReleaseReplicaInput(Tolerant):

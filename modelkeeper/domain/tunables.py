@@ -77,6 +77,11 @@ class Tunables(KeeperTunables):
     #: A graceful stop waits this long at most for a retired replica's in-flight requests
     #: (a long generation is cut off past it).
     drain_grace_s: float = 30.0
+    #: A preempted replica's drain waits this long at most: a placement that outranks it
+    #: waits for the room, so its requests get a short courtesy, not the full drain
+    #: (a chat answer of a few hundred tokens finishes well within it; a longer one is
+    #: cut off, as a drain's is past its grace).
+    preempt_grace_s: float = 10.0
     #: A room watch silent this long is retried (its worker died). The SDK sends one
     #: heartbeat per 0.8 x this, at most one a minute: 60 RPCs an hour per deployment
     #: that cannot be placed, and a cancel reaches the watch within a minute.

@@ -34,6 +34,7 @@ from ..domain.shards import EngineKind, ShardSpec, share_of
 from ..domain.status import ReplicaState
 from ..domain.units import format_gib
 from .eviction import read_candidates
+from .holds import holds_against, release_holds, with_holds
 from .locks import NODE_LOCK_SPACE, PLACEMENT_LOCK, REPLICA_LOCK_SPACE, lock_key
 from .nodes import CLAIM_COLUMNS, CLAIMS_PER_NODE
 from .pool import decode_jsonb
@@ -158,10 +159,12 @@ class PlacementStore:
         async with self._pool.acquire() as conn:
             siblings = await _sibling_nodes(conn, deployment_id)
             rows = await conn.fetch(_PLACEMENT_NODE_SELECT + " ORDER BY n.node_id")
+            held = await holds_against(conn, deployment_id)
         request = request.model_copy(update={
             "deployment_id": deployment_id, "sibling_node_ids": sorted(siblings)})
-        return place(request, self._views.of(rows, now, unreachable_after_s=unreachable_after_s,
-                                             lost_after_s=lost_after_s, every_node=True))
+        return place(request, with_holds(self._views.of(
+            rows, now, unreachable_after_s=unreachable_after_s, lost_after_s=lost_after_s,
+            every_node=True), held))
 
     async def replica_weights_bytes(self, replica_id: ReplicaId) -> int | None:
         """What a sleeping replica keeps: the ``weights_bytes`` of the catalog model it
@@ -265,10 +268,11 @@ class PlacementStore:
             rows = await conn.fetch(_PLACEMENT_NODE_SELECT + " ORDER BY n.node_id")
             candidates = await read_candidates(conn, for_deployment=deployment_id,
                                                stale_after_s=stale_after_s)
+            held = await holds_against(conn, deployment_id)
         request = request.model_copy(update={
             "deployment_id": deployment_id, "sibling_node_ids": sorted(siblings)})
-        nodes = self._views.of(rows, now, unreachable_after_s=unreachable_after_s,
-                               lost_after_s=lost_after_s, every_node=True)
+        nodes = with_holds(self._views.of(rows, now, unreachable_after_s=unreachable_after_s,
+                                          lost_after_s=lost_after_s, every_node=True), held)
         return choose_victim(request, nodes, candidates, for_deployment=deployment_id,
                              now=store_now, protect_s=protect_s)
 
@@ -406,8 +410,11 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
         siblings = await _sibling_nodes(conn, args.deployment_id)
         request = args.request.model_copy(update={
             "deployment_id": args.deployment_id, "sibling_node_ids": sorted(siblings)})
-        result = place(request, args.views(
-            await conn.fetch(_PLACEMENT_NODE_SELECT + " ORDER BY n.node_id"), every_node=True))
+        # Room another deployment preempted for counts as claimed (modelkeeper.store.holds).
+        held = await holds_against(conn, args.deployment_id)
+        result = place(request, with_holds(args.views(
+            await conn.fetch(_PLACEMENT_NODE_SELECT + " ORDER BY n.node_id"), every_node=True),
+            held))
         if isinstance(result, CantPlace):
             return result
         if not serialized:
@@ -417,8 +424,9 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
             for key in sorted({lock_key(a.node_id) for a in result.assignments}):
                 await timing.lock(conn, "SELECT pg_advisory_xact_lock($1, $2)",
                                   NODE_LOCK_SPACE, key)
-            fresh = {v.node_id: v for v in args.views(await conn.fetch(
-                _PLACEMENT_NODES_BY_ID, result.node_ids), every_node=False)}
+            fresh = {v.node_id: v for v in with_holds(args.views(await conn.fetch(
+                _PLACEMENT_NODES_BY_ID, result.node_ids), every_node=False),
+                await holds_against(conn, args.deployment_id))}
             if not all(_fits_now(request, a, fresh.get(a.node_id))
                        for a in result.assignments):
                 raise _ClaimsMoved(args.replica_id)
@@ -447,6 +455,8 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
             shards.append(_shard_spec(args.replica_id, args.model, a.node_id, a.rank,
                                       len(result.assignments), a.memory_bytes, a.cpu_cores,
                                       a.gpu_indices, a.gpu_memory_bytes, args.start_timeout_s))
+        # The room held for it (a preemption) is its claims' now.
+        await release_holds(conn, args.deployment_id)
         return shards
 
 
