@@ -34,7 +34,7 @@ from ..domain.shards import EngineKind, ShardSpec, share_of
 from ..domain.status import ReplicaState
 from ..domain.units import format_gib
 from .eviction import read_candidates
-from .holds import holds_against, release_holds, with_holds
+from .holds import HoldClaim, hold_room, holds_against, release_holds, with_holds
 from .locks import NODE_LOCK_SPACE, PLACEMENT_LOCK, REPLICA_LOCK_SPACE, lock_key
 from .nodes import CLAIM_COLUMNS, CLAIMS_PER_NODE
 from .pool import decode_jsonb
@@ -275,6 +275,13 @@ class PlacementStore:
                                           lost_after_s=lost_after_s, every_node=True), held)
         return choose_victim(request, nodes, candidates, for_deployment=deployment_id,
                              now=store_now, protect_s=protect_s)
+
+    async def hold_room(self, *, deployment_id: DeploymentId, claims: Sequence[HoldClaim],
+                        reason: str, hold_s: float) -> None:
+        """Hold what ``claims`` free for ``deployment_id`` (a preemption's victims), so
+        that no other placement takes it first (:mod:`.holds`)."""
+        await hold_room(self._pool, deployment_id=deployment_id, claims=claims,
+                        reason=reason, hold_s=hold_s)
 
     async def replica_placement_note(self, replica_id: str) -> str | None:
         """Why the replica shares a node with another replica of its deployment, as its

@@ -1,0 +1,100 @@
+"""Room held for a preemptor (modelkeeper.store.holds) on a real PostgreSQL: placement,
+its dry run and the eviction's reads count another deployment's hold as claimed, the
+holder's own do not, the holder's placement deletes its holds, and a hold expires."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+from temporalio.testing import ActivityEnvironment
+
+from activities.store import StoreActivities
+from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest
+from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
+from modelkeeper.domain.keeper import DeploymentSpec
+from modelkeeper.domain.nodes import AgentRegistration, Inventory
+from modelkeeper.domain.placement import Placement, PlacementRequest
+from modelkeeper.domain.shards import EngineKind
+from modelkeeper.domain.store_activities import PlaceReplicaInput, PlaceReplicaResult
+from modelkeeper.names import deployment_workflow_id
+from modelkeeper.settings import Settings
+from modelkeeper.store import Store
+from modelkeeper.store.holds import HoldClaim
+
+pytestmark = pytest.mark.timeout(60)
+
+GIB = 1 << 30
+SETTINGS = Settings(database_url="postgresql://unused", settling_window_s=0)
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(database_url)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def _deployment(store: Store, deployment_id: str, gib: int) -> DeploymentSpec:
+    model = CatalogModel(model_id=ModelId(f"m-{deployment_id}"), engine=EngineKind.SIM,
+                         source="sim", memory_bytes=gib * GIB)
+    await store.catalog.create_model(model)
+    await store.deployments.create_deployment(
+        DeploymentId(deployment_id), DeploymentRequest(model_id=model.model_id),
+        deployment_workflow_id(DeploymentId(deployment_id)))
+    return DeploymentSpec(deployment_id=DeploymentId(deployment_id), model_id=model.model_id,
+                          replicas=1)
+
+
+async def _place(store: Store, spec: DeploymentSpec, replica_id: str) -> PlaceReplicaResult:
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(env.info, workflow_id=f"deployment/{spec.deployment_id}",
+                                   workflow_run_id="run-1", activity_id=f"place-{replica_id}")
+    return await env.run(StoreActivities(store, SETTINGS).place_replica, PlaceReplicaInput(
+        spec=spec, replica_id=ReplicaId(replica_id), start_timeout_s=60))
+
+
+async def test_held_room_is_claimed_for_all_but_its_holder_until_it_places(
+        store: Store, db: asyncpg.Connection) -> None:
+    await store.nodes.register_node(AgentRegistration(
+        node_id=NodeId("n1"), name="n1",
+        inventory=Inventory(memory_total_bytes=8 * GIB, memory_available_bytes=8 * GIB,
+                            cpu_count=16)))
+    holder = await _deployment(store, "d-holder", 6)
+    other = await _deployment(store, "d-other", 4)
+    await store.placement.hold_room(deployment_id=holder.deployment_id,
+                    claims=[HoldClaim(node_id=NodeId("n1"), memory_bytes=6 * GIB)],
+                    reason="preempted o-r1 for d-holder", hold_s=120)
+
+    # 8 GiB free, 6 held for d-holder: 4 GiB fits nowhere for anyone else.
+    refused = await _place(store, other, "d-other-r1")
+    assert not refused.shards and refused.cant_place is not None
+    assert "2.0 GiB free" in refused.cant_place
+    dry = await store.placement.dry_run_placement(
+        deployment_id=other.deployment_id,
+        request=PlacementRequest(model_id=other.model_id, memory_bytes=4 * GIB),
+        now=await db.fetchval("SELECT now()"), unreachable_after_s=60, lost_after_s=120)
+    assert not isinstance(dry, Placement)
+
+    # The holder places into its own hold, which goes with it.
+    placed = await _place(store, holder, "d-holder-r1")
+    assert placed.shards
+    assert await db.fetchval("SELECT count(*) FROM room_holds") == 0
+
+
+async def test_an_expired_hold_holds_nothing(store: Store, db: asyncpg.Connection) -> None:
+    await store.nodes.register_node(AgentRegistration(
+        node_id=NodeId("n1"), name="n1",
+        inventory=Inventory(memory_total_bytes=8 * GIB, memory_available_bytes=8 * GIB,
+                            cpu_count=16)))
+    holder = await _deployment(store, "d-holder", 6)
+    other = await _deployment(store, "d-other", 4)
+    await store.placement.hold_room(deployment_id=holder.deployment_id,
+                    claims=[HoldClaim(node_id=NodeId("n1"), memory_bytes=6 * GIB)],
+                    reason="preempted o-r1 for d-holder", hold_s=120)
+    await db.execute("UPDATE room_holds SET expires_at = now() - interval '1 second'")
+    assert (await _place(store, other, "d-other-r1")).shards
