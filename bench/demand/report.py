@@ -103,11 +103,12 @@ def scenario_markdown(name: str, scenario: dict[str, Any]) -> list[str]:
     return [*lines, ""] if scenario.get("notes") else lines
 
 
-def render(result: dict[str, Any]) -> str:
+def render(result: dict[str, Any], *,
+           title: str = "Following demand (issue 21): bench/demand") -> str:
     """The whole markdown: the header (command, date, machine, commit), a summary of every
     target, then each scenario."""
     meta, scenarios = result["meta"], result["scenarios"]
-    lines = ["# Following demand (issue 21): bench/demand", "",
+    lines = [f"# {title}", "",
              f"- command: `{meta['command']}`", f"- date: {meta['date']}, "
              f"{meta['cores']} cores, Python {meta['python']}, code {meta['code']}"]
     lines += [f"- {k}: {v}" for k, v in meta.get("settings", {}).items()]

@@ -1,0 +1,1 @@
+"""Sharing a cluster (issue 22), measured on a real stack."""
