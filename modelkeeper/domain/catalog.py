@@ -312,7 +312,8 @@ class DeploymentView(Frozen):
     generation: int = 0
     #: The catalog model behind the served name; None: ``model_id`` itself.
     runs_model_id: ModelId | None = None
-    #: Why the last replica placed shares a node with another (no other had room).
+    #: Why the last replica placed shares a node with another (no other had room), and
+    #: the hardware profiles it passed over, each with why.
     placement_note: str | None = None
     #: The scaling policy in force (a schedule window's bounds applied); None: fixed at
     #: ``desired_replicas``, never started on demand.
