@@ -209,7 +209,7 @@ class StoreActivities:
                 deployment_id=spec.deployment_id,
                 request=_placement_request(spec, model, avoid_nodes=[]), now=datetime.now(UTC),
                 unreachable_after_s=self._settings.node_unreachable_after_s,
-                lost_after_s=self._settings.node_lost_after_s)
+                lost_after_s=self._settings.node_lost_after_s, model=model)
             checks += 1
             activity.heartbeat(checks)
             if isinstance(result, Placement):

@@ -33,7 +33,8 @@ from modelkeeper.domain.demand import ScalingPolicy, SetPolicyRequest, SleepRequ
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
 from modelkeeper.domain.ids import DeploymentId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec
-from modelkeeper.domain.placement import Placement, PlacementRequest, explain, place
+from modelkeeper.domain.placement import PlacementRequest, explain
+from modelkeeper.domain.profiles import ProfilePlacement, place_profiles, profile_candidates
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.sources import SourceKind, SourcePolicy, SourceRefused, check_source
 from modelkeeper.domain.status import DeploymentStatus
@@ -115,8 +116,13 @@ class Explanation(BaseModel):
     summary: str | None
     nodes: list[NodeVerdict]
     #: When the replica would share a node with another replica of the model's deployment
-    #: (no other node has room): which node, and each other node's reason.
+    #: (no other node has room): which node, and each other node's reason; and the
+    #: hardware profiles it would pass over, each with its reason.
     note: str | None = None
+    #: The hardware profile it would run (``nodes`` are judged for it; when none fits,
+    #: for the first tried, and ``summary`` names every profile); None: the model
+    #: declares none.
+    profile: str | None = None
 
 
 def field_error(field: str, value: Any, message: str) -> RequestValidationError:
@@ -147,6 +153,13 @@ def catalog_entry(spec: ModelSpec, policy: SourcePolicy) -> CatalogModel:
         check_engine_arg_names(spec.engine, spec.engine_args, claim_bytes=spec.memory_bytes)
     except EngineConfigError as exc:
         raise field_error("engine_args", spec.engine_args, str(exc)) from None
+    for i, profile in enumerate(spec.profiles):
+        try:
+            check_engine_arg_names(profile.engine, profile.engine_args,
+                                   claim_bytes=profile.memory_bytes or spec.memory_bytes)
+        except EngineConfigError as exc:
+            raise field_error(f"profiles[{i}].engine_args", profile.engine_args,
+                              str(exc)) from None
     if spec.memory_bytes is not None:
         return CatalogModel(**spec.model_dump())
     if spec.engine is not EngineKind.LLAMACPP:
@@ -496,14 +509,18 @@ async def explain_placement(
     views = await store.placement.list_node_views(
         datetime.now(UTC), unreachable_after_s=settings.node_unreachable_after_s,
         lost_after_s=settings.node_lost_after_s)
-    decisions = explain(request, views)
-    result = place(request, views)
-    if isinstance(result, Placement):
-        chosen, summary, note = list(result.node_ids), None, result.note
+    candidates = profile_candidates(model, request)
+    result = place_profiles(candidates, views)
+    if isinstance(result, ProfilePlacement):
+        judged = result.candidate
+        chosen, summary, note = list(result.placement.node_ids), None, result.note
     else:
+        judged = next((c for c in candidates if c.refused is None), candidates[0])
         chosen, summary, note = [], result.summary, None
+    decisions = explain(judged.request, views)
     return Explanation(
         model_id=model_id, fits=bool(chosen), nodes_chosen=chosen, summary=summary, note=note,
+        profile=judged.name,
         nodes=[NodeVerdict(node_id=d.node_id, name=d.node_name, fits=d.fits,
                            reason=d.rejection.reason_code.value if d.rejection else None,
                            message=d.message) for d in decisions])

@@ -409,7 +409,25 @@ def _models_request(args: argparse.Namespace) -> Request:
                 model[field] = parse_bytes(getattr(args, flag))
             except ValueError as exc:
                 raise UsageError(f"--{flag}: {exc}") from exc
+    if getattr(args, "profiles", None):
+        model["profiles"] = _profiles_file(args.profiles)
     return Request("POST", "/models", body=model)
+
+
+def _profiles_file(path: str) -> Any:
+    """``models add --profiles FILE``: the JSON list of hardware profiles in FILE, as
+    POST /models takes it (the API judges each field and names the one it refuses)."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            profiles = json.load(file)
+    except OSError as exc:
+        raise UsageError(f"--profiles {path}: cannot be read ({exc.strerror})") from exc
+    except ValueError as exc:
+        raise UsageError(f"--profiles {path}: not JSON ({exc})") from exc
+    if not isinstance(profiles, list):
+        raise UsageError(f"--profiles {path}: must hold a JSON list of profiles, not "
+                         f"{type(profiles).__name__}")
+    return profiles
 
 
 #: ``schedule add --days``: days, and ranges that may wrap past Sunday (fri-mon).
@@ -544,13 +562,19 @@ def _deploy_text(args: argparse.Namespace, result: Any) -> str:
 
 def _notes(deployment: dict[str, Any]) -> str:
     """What an operator should know beside the status: the model behind the served name
-    after a switch, replicas on an older generation (outdated: a restart, switch or
-    reconfigure has not reached them), replicas that had to share a node, and the last
-    demand step."""
+    after a switch, the hardware profiles its replicas run, replicas on an older
+    generation (outdated: a restart, switch or reconfigure has not reached them), replicas
+    that had to share a node, and the last demand step."""
     notes = []
     runs = deployment.get("runs_model_id")
     if runs and runs != deployment["model_id"]:
         notes.append(f"runs {runs}")
+    # The hardware profiles its replicas run, so a fallback (llama.cpp on CPU where vLLM
+    # was wanted) is seen without asking for each replica.
+    profiles = sorted({r["profile"] for r in deployment.get("replicas", [])
+                       if r.get("profile")})
+    if profiles:
+        notes.append(f"profile {', '.join(profiles)}")
     stale = [r["replica_id"] for r in deployment.get("replicas", []) if r.get("outdated")]
     if stale:
         notes.append(f"outdated: {', '.join(stale)}")
@@ -624,9 +648,12 @@ def _explain_text(args: argparse.Namespace, result: Any) -> str:
     # The chosen nodes come as ids; every table shows names.
     names = {n.get("node_id"): n["name"] for n in result["nodes"]}
     chosen = ", ".join(names.get(i, i) for i in result["nodes_chosen"])
-    head = (f"{result['model_id']}: fits on {chosen}"
+    profile = f" (profile {result['profile']})" if result.get("profile") else ""
+    head = (f"{result['model_id']}: fits on {chosen}{profile}"
             if result["fits"] else f"{result['model_id']}: cannot be placed: "
                                    f"{result['summary']}")
+    if result.get("note"):
+        head += f"\n{result['note']}"
     return head + "\n" + table([[n["name"], "yes" if n["fits"] else "no", n["message"]]
                                 for n in result["nodes"]], ["node", "fits", "why"])
 
@@ -877,6 +904,10 @@ def _models_flags(parser: argparse.ArgumentParser) -> None:
                         help="most tokens one request may ask for; more is lowered to N")
     parser.add_argument("--engine-arg", dest="engine_args", action="append", default=[],
                         metavar="KEY=VALUE", help="allow-listed engine argument; repeatable")
+    parser.add_argument("--profiles", metavar="FILE",
+                        help="a JSON list of hardware profiles ({name, engine, memory_bytes, "
+                             "gpus, cpu_cores, engine_args, priority}), tried in priority "
+                             "order where a replica is placed (docs/capacity.md)")
 
 
 # ----------------------------------------------------------------------------------------

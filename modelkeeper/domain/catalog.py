@@ -60,6 +60,42 @@ NodeIdField = Annotated[NodeId, StringConstraints(min_length=1, max_length=MAX_N
 #: The packaged SmolLM2 GGUF, by name, so catalogs need no machine-specific path.
 PACKAGED_SMOLLM2 = "smollm2"
 
+#: Hardware profiles one model may declare. Real catalogs have two or three (a GPU engine,
+#: a CPU fallback); placement tries each in turn on every node, and a can't-place reason
+#: names every one, so the count is kept small.
+MAX_PROFILES = 8
+#: A profile's name: it is recorded on each replica and shown in ``ls``, so plain words.
+PROFILE_NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"
+#: Priorities a profile may give: a few levels are all anyone orders by; the bound keeps
+#: the number within the store's integer and readable.
+MAX_PROFILE_PRIORITY = 1000
+
+
+class HardwareProfile(Frozen):
+    """One way to run a catalog model: an engine with its memory, GPUs, cores and engine
+    arguments (modelkeeper.domain.profiles tries a model's profiles in priority order).
+
+    A profile stands alone: its GPUs, cores and engine arguments are its own, never the
+    model's (a llama.cpp profile must not inherit a vLLM entry's arguments or its GPU).
+    Only its memory falls back to the model's, which is always known."""
+
+    name: str = Field(pattern=PROFILE_NAME_PATTERN)
+    engine: EngineKind
+    memory_bytes: JsonInt | None = Field(
+        default=None, gt=0, le=MAX_MEMORY_BYTES,
+        description="working set per replica under this profile; unset: the model's")
+    gpus: JsonInt | None = Field(default=None, ge=0, le=MAX_GPUS,
+                                 description="GPUs per shard; unset: none")
+    cpu_cores: float | None = Field(default=None, gt=0, le=MAX_CPU_CORES,
+                                    allow_inf_nan=False, strict=STRICT,
+                                    description="cores per shard; unset: no requirement")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="this profile's engine arguments, in place of "
+                                          "the model's (the same allow-list applies)")
+    priority: JsonInt = Field(
+        default=0, ge=-MAX_PROFILE_PRIORITY, le=MAX_PROFILE_PRIORITY,
+        description="higher is tried first; equal priorities keep the declared order")
+
 
 class Generation(Tolerant):
     """What a replica runs: a catalog model, with engine arguments laid over the catalog
@@ -115,6 +151,11 @@ class ModelSpec(Frozen):
         description="most tokens one request may ask for: a larger max_tokens (or "
                     "max_completion_tokens) is lowered to it by the gateway; unset: no "
                     "limit of the model's own")
+    profiles: list[HardwareProfile] = Field(
+        default_factory=list, max_length=MAX_PROFILES,
+        description="ways to run it, tried in priority order where a replica is placed "
+                    "(docs/capacity.md, Hardware profiles); none: the model's own engine, "
+                    "memory, cores, GPUs and engine_args, as one implicit profile")
 
     @model_validator(mode="after")
     def _weights_within_memory(self) -> Self:
@@ -127,6 +168,22 @@ class ModelSpec(Frozen):
             raise ValueError(f"weights_bytes = {self.weights_bytes} is above memory_bytes = "
                              f"{self.memory_bytes}: a sleeping replica keeps at most what "
                              "it claims")
+        return self
+
+    @model_validator(mode="after")
+    def _profiles_consistent(self) -> Self:
+        seen: set[str] = set()
+        for i, profile in enumerate(self.profiles):
+            if profile.name in seen:
+                raise ValueError(f"profiles[{i}].name = {profile.name!r} is given twice: a "
+                                 "replica records the profile it runs by name")
+            seen.add(profile.name)
+            memory = profile.memory_bytes
+            if self.weights_bytes is not None and memory is not None \
+                    and self.weights_bytes > memory:
+                raise ValueError(f"weights_bytes = {self.weights_bytes} is above "
+                                 f"profiles[{i}].memory_bytes = {memory}: a sleeping replica "
+                                 "keeps at most what it claims")
         return self
 
     @model_validator(mode="after")
@@ -229,6 +286,8 @@ class ReplicaView(Frozen):
     runs_model_id: ModelId | None = None
     #: Placed on an older generation than its deployment's: due to be replaced.
     outdated: bool = False
+    #: The catalog model's hardware profile it runs; None: the model declares none.
+    profile: str | None = None
 
 
 class DeploymentView(Frozen):
@@ -253,7 +312,8 @@ class DeploymentView(Frozen):
     generation: int = 0
     #: The catalog model behind the served name; None: ``model_id`` itself.
     runs_model_id: ModelId | None = None
-    #: Why the last replica placed shares a node with another (no other had room).
+    #: Why the last replica placed shares a node with another (no other had room), and
+    #: the hardware profiles it passed over, each with why.
     placement_note: str | None = None
     #: The scaling policy in force (a schedule window's bounds applied); None: fixed at
     #: ``desired_replicas``, never started on demand.

@@ -342,6 +342,7 @@ def _policy_json(policy: ScalingPolicy | None) -> dict[str, Any] | None:
 _REPLICA_SELECT = """
     SELECT r.replica_id, r.deployment_id, d.model_id, r.state, r.endpoint, r.started_at,
            r.ready_at, r.generation, r.runs_model_id, r.generation < d.generation AS outdated,
+           r.profile,
            COALESCE((SELECT array_agg(a.node_id ORDER BY a.rank) FROM allocations a
                      WHERE a.replica_id = r.replica_id), '{}') AS nodes
     FROM replicas r JOIN deployments d USING (deployment_id)

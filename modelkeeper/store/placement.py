@@ -30,6 +30,13 @@ from ..domain.placement import (
     explain,
     place,
 )
+from ..domain.profiles import (
+    ProfileCandidate,
+    ProfilePlacement,
+    place_profiles,
+    profile_candidates,
+    profile_model,
+)
 from ..domain.shards import EngineKind, ShardSpec, share_of
 from ..domain.status import ReplicaState
 from ..domain.units import format_gib
@@ -147,10 +154,12 @@ class PlacementStore:
     async def dry_run_placement(self, *, deployment_id: DeploymentId,
                                 request: PlacementRequest, now: datetime,
                                 unreachable_after_s: float, lost_after_s: float,
+                                model: CatalogModel | None = None,
                                 ) -> Placement | CantPlace:
         """Where :meth:`place_replica` would put a replica of the deployment now: the same
         :func:`place` on the same reads (the nodes with their claims, the deployment's
         other replicas' nodes), but with no lock taken and nothing claimed or written.
+        With ``model``, its hardware profiles are tried as place_replica tries them.
 
         A room watch asks this every few minutes per deployment that cannot be placed, so
         it must never wait behind a placement or a heartbeat, nor hold one up. The answer
@@ -162,9 +171,13 @@ class PlacementStore:
             held = await holds_against(conn, deployment_id)
         request = request.model_copy(update={
             "deployment_id": deployment_id, "sibling_node_ids": sorted(siblings)})
-        return place(request, with_holds(self._views.of(
+        views = with_holds(self._views.of(
             rows, now, unreachable_after_s=unreachable_after_s, lost_after_s=lost_after_s,
-            every_node=True), held))
+            every_node=True), held)
+        if model is None:
+            return place(request, views)
+        chosen = place_profiles(profile_candidates(model, request), views)
+        return chosen.placement if isinstance(chosen, ProfilePlacement) else chosen
 
     async def replica_weights_bytes(self, replica_id: ReplicaId) -> int | None:
         """What a sleeping replica keeps: the ``weights_bytes`` of the catalog model it
@@ -388,6 +401,22 @@ class _ClaimArgs:
         return self.cache.of(records, self.now, unreachable_after_s=self.unreachable_after_s,
                              lost_after_s=self.lost_after_s, every_node=every_node)
 
+    def candidates(self, request: PlacementRequest) -> list[ProfileCandidate]:
+        """The model's hardware profiles to try, each asked as ``request`` with its
+        resources; the generation's engine arguments over each profile's."""
+        return profile_candidates(self.model, request, overrides=self._overrides)
+
+    def runs(self, profile: str | None) -> CatalogModel:
+        """The model as the replica's recorded profile runs it (a retry's claims): the
+        model itself when none was recorded, or the profile is no longer declared."""
+        declared = {p.name: p for p in self.model.profiles}
+        return profile_model(self.model, declared.get(profile or ""),
+                             overrides=self._overrides)
+
+    @property
+    def _overrides(self) -> dict[str, Any]:
+        return {} if self.generation is None else self.generation.engine_args
+
 
 async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
                  serialized: bool, timing: _Timing) -> list[ShardSpec] | CantPlace:
@@ -404,10 +433,12 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
                           REPLICA_LOCK_SPACE, lock_key(args.replica_id))
         # A sleeping claim answers with what it claims awake: that is what its shard runs.
         existing = await conn.fetch(
-            "SELECT *, COALESCE(awake_memory_bytes, memory_bytes) AS awake_bytes "
-            "FROM allocations WHERE replica_id = $1 ORDER BY rank", args.replica_id)
+            "SELECT a.*, COALESCE(a.awake_memory_bytes, a.memory_bytes) AS awake_bytes, "
+            "r.profile FROM allocations a JOIN replicas r USING (replica_id) "
+            "WHERE a.replica_id = $1 ORDER BY a.rank", args.replica_id)
         if existing:
-            return [_shard_spec(args.replica_id, args.model, a["node_id"], a["rank"],
+            runs = args.runs(existing[0]["profile"])
+            return [_shard_spec(args.replica_id, runs, a["node_id"], a["rank"],
                                 len(existing), a["awake_bytes"], float(a["cpu_cores"]),
                                 list(a["gpu_indices"]), a["gpu_memory_bytes"],
                                 args.start_timeout_s)
@@ -419,11 +450,14 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
             "deployment_id": args.deployment_id, "sibling_node_ids": sorted(siblings)})
         # Room another deployment preempted for counts as claimed (modelkeeper.store.holds).
         held = await holds_against(conn, args.deployment_id)
-        result = place(request, with_holds(args.views(
+        # Hardware profiles (modelkeeper.domain.profiles): the first that fits, its
+        # request checked again below and its model what the shards run.
+        chosen = place_profiles(args.candidates(request), with_holds(args.views(
             await conn.fetch(_PLACEMENT_NODE_SELECT + " ORDER BY n.node_id"), every_node=True),
             held))
-        if isinstance(result, CantPlace):
-            return result
+        if isinstance(chosen, CantPlace):
+            return chosen
+        result, request, runs = chosen.placement, chosen.candidate.request, chosen.candidate.model
         if not serialized:
             # Sorted keys, not rank order: two snapshots can rank the same nodes in opposite
             # orders, and two placements taking them so would each hold what the other
@@ -446,11 +480,11 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
         gen = args.generation
         await conn.execute(
             "INSERT INTO replicas (replica_id, deployment_id, state, started_at, generation, "
-            "runs_model_id, engine_args, placement_note) "
-            "VALUES ($1, $2, $3, now(), $4, $5, $6, $7)",
+            "runs_model_id, engine_args, placement_note, profile) "
+            "VALUES ($1, $2, $3, now(), $4, $5, $6, $7, $8)",
             args.replica_id, args.deployment_id, ReplicaState.STARTING.value,
             0 if gen is None else gen.number, None if gen is None else gen.model_id,
-            None if gen is None else gen.engine_args, result.note)
+            None if gen is None else gen.engine_args, chosen.note, chosen.candidate.name)
         shards = []
         for a in result.assignments:
             await conn.execute(
@@ -459,7 +493,7 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
                 "VALUES ($1, $2, $3, $4, $5, $6, $7)",
                 args.replica_id, a.node_id, a.rank, a.memory_bytes, a.cpu_cores,
                 a.gpu_indices, a.gpu_memory_bytes)
-            shards.append(_shard_spec(args.replica_id, args.model, a.node_id, a.rank,
+            shards.append(_shard_spec(args.replica_id, runs, a.node_id, a.rank,
                                       len(result.assignments), a.memory_bytes, a.cpu_cores,
                                       a.gpu_indices, a.gpu_memory_bytes, args.start_timeout_s))
         # The room held for it (a preemption) is its claims' now.
