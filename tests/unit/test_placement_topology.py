@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from modelkeeper.domain.capacity import CapacityClass, within
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId
+from modelkeeper.domain.nodes import NodeState
 from modelkeeper.domain.placement import (
     CantPlace,
-    NodeState,
     NodeView,
     Placement,
     PlacementRequest,
