@@ -14,6 +14,7 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
+from modelkeeper.domain.capacity import effective_class
 from modelkeeper.domain.catalog import (
     CatalogModel,
     DeploymentStatusUpdate,
@@ -361,7 +362,9 @@ def _placement_request(spec: DeploymentSpec, model: CatalogModel, *,
         model_id=model.model_id, memory_bytes=model.memory_bytes, cpu_cores=model.cpu_cores,
         gpus=model.gpus, min_nodes=max(spec.min_nodes, model.min_nodes),
         node_ids=spec.node_ids, labels=spec.labels, avoid_node_ids=avoid_nodes,
-        deployment_id=spec.deployment_id)
+        deployment_id=spec.deployment_id,
+        capacity_class=effective_class(spec.capacity_class, spec.scaling),
+        owner=spec.owner, watts=model.watts, spread=spec.spread)
 
 
 def _attempts_key() -> str:

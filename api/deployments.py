@@ -252,7 +252,7 @@ async def create_deployment(request: DeploymentRequest, store: StoreDep,
                           min_nodes=max(request.min_nodes, model.min_nodes),
                           node_ids=request.node_ids, labels=request.labels,
                           scaling=request.policy, capacity_class=request.capacity_class,
-                          owner=request.owner)
+                          owner=request.owner, spread=request.spread)
     try:
         await temporal.start_workflow(
             DeploymentWorkflow.run, DeploymentInput(spec=spec, tunables=settings.tunables()),

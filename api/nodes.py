@@ -1,6 +1,6 @@
 """Routes for nodes as operators see them: the list, one node, and the operator's settings
-(labels, cordon). What agents send (registration, heartbeats) is in ``agents``; their
-liveness stream in ``liveness``."""
+(labels, cordon, hold), and the facility's power caps. What agents send (registration,
+heartbeats) is in ``agents``; their liveness stream in ``liveness``."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from modelkeeper.domain.nodes import (
     NodeUpdate,
     node_state,
 )
+from modelkeeper.domain.topology import FACILITY_CAP_KEY, PduName, PowerCap
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 
@@ -143,7 +144,8 @@ async def get_node(node_id: str, store: StoreDep, settings: SettingsDep) -> Node
 async def update_node(node_id: str, update: NodeUpdate, store: StoreDep, *,
                       temporal: TemporalDep, settings: SettingsDep,
                       operator: OperatorDep) -> NodeInfo:
-    """Operator settings: labels and cordon. They outrank the agent's own."""
+    """Operator settings: labels, cordon and hold. Labels outrank the agent's own; a hold
+    reserves the node for a class or an owner scope (placement rule 5)."""
     record = await store.nodes.update_node(node_id, update)
     if record is None:
         raise HTTPException(404, f"node {node_id!r} is not registered")
@@ -152,8 +154,10 @@ async def update_node(node_id: str, update: NodeUpdate, store: StoreDep, *,
         operator, "node.updated", f"node {record.name} ({record.node_id}): "
         + (", ".join(f"{k}={v}" for k, v in changed.items()) or "nothing changed"),
         node_id=record.node_id, data=changed))
-    if update.cordoned is False or update.labels is not None:
-        # Uncordoned or relabelled: a node a waiting deployment was refused may take it now.
+    if update.cordoned is False or update.labels is not None or update.release_hold \
+            or update.hold_class is not None or update.hold_owner is not None:
+        # Uncordoned, relabelled or re-held: a node a waiting deployment was refused may
+        # take it now.
         await signal_waiting_deployments(store, temporal)
     return node_info(record, settings)
 
@@ -188,3 +192,40 @@ async def remove_node(node_id: str, store: StoreDep, *, temporal: TemporalDep,
         + (f", with {held} replica(s) on it; told {told} deployment(s)" if held else ""),
         node_id=NodeId(node_id), data=removal.model_dump(mode="json")))
     return removal
+
+
+@router.get("/power-caps", response_model=dict[str, int])
+async def list_power_caps(store: StoreDep) -> dict[str, int]:
+    """Every power cap in force, in watts, by PDU name (a node's ``topology.pdu`` label);
+    the whole facility's under ``_facility``."""
+    return await store.nodes.power_caps()
+
+
+@router.put("/power-caps/{pdu}", response_model=dict[str, int])
+async def set_power_cap(pdu: PduName, cap: PowerCap, store: StoreDep, *,
+                        temporal: TemporalDep, operator: OperatorDep) -> dict[str, int]:
+    """Cap what the nodes of PDU ``pdu`` (``_facility``: every node) may draw together, in
+    watts, counted from the declared ``watts`` of the shards placed on them. A placement
+    that would pass it is refused with the numbers; what already runs is not stopped."""
+    await store.nodes.set_power_cap(pdu, cap.watts)
+    what = "the facility" if pdu == FACILITY_CAP_KEY else f"pdu {pdu}"
+    await store.events.record_event(change(
+        operator, "power_cap.set", f"{what}: power cap {cap.watts} W",
+        data={"pdu": pdu, "watts": cap.watts}))
+    # A raised cap may make room for a deployment waiting for it.
+    await signal_waiting_deployments(store, temporal)
+    return await store.nodes.power_caps()
+
+
+@router.delete("/power-caps/{pdu}", response_model=dict[str, int], responses=problems(404))
+async def remove_power_cap(pdu: PduName, store: StoreDep, *, temporal: TemporalDep,
+                           operator: OperatorDep) -> dict[str, int]:
+    """Remove a power cap: the PDU (or the facility) is no longer capped."""
+    caps = await store.nodes.power_caps()
+    if pdu not in caps:
+        raise HTTPException(404, f"pdu {pdu!r} has no power cap")
+    await store.nodes.set_power_cap(pdu, None)
+    await store.events.record_event(change(
+        operator, "power_cap.removed", f"pdu {pdu}: power cap removed", data={"pdu": pdu}))
+    await signal_waiting_deployments(store, temporal)
+    return await store.nodes.power_caps()

@@ -28,6 +28,17 @@ Each call is timed from the caller's side (``perf_counter`` around the await), t
 database's round trips included. Before timing, a few dry runs warm the connections
 (prepared statements, the type codecs' introspection); they are not counted.
 
+With ``--pure``, no database: :func:`~modelkeeper.domain.placement.place` alone on the same
+fleet shapes as :class:`NodeView` values, timed side by side with the facility rules off
+and on (``--out`` writes the table, as bench/results/placement_alone.md and .json hold it).
+"On" is every rule issue 22 adds to the pure function: each node carries
+``topology.zone``, ``topology.rack`` (40 nodes a rack) and ``topology.pdu`` (two a rack),
+one in ten is held for a class or an owner scope, every node draws some watts; each
+request runs as a class for an owner, declares its watts under PDU and facility caps, and
+spreads its deployment's shards (three siblings already placed) over racks with max skew 1.
+Hardware profiles (another part of the issue) try place() once per profile; the hook for
+them is :func:`_pure_requests`, which would give one request per profile.
+
 The nodes heartbeat nobody here, so the calls pass node timeouts long enough that they stay
 ready throughout, as a live fleet's nodes would: what is measured is the cost of reading
 and judging N nodes, not of a fleet going quiet.
@@ -37,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import sys
@@ -50,11 +62,19 @@ import asyncpg
 
 from bench.stats import percentile
 from cli.postgres import dsn, start_postgres
+from modelkeeper.domain.capacity import CapacityClass
 from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
-from modelkeeper.domain.nodes import AgentRegistration, GpuInfo, Inventory, NodeUpdate
-from modelkeeper.domain.placement import CantPlace, PlacementRequest
+from modelkeeper.domain.nodes import AgentRegistration, GpuInfo, Inventory, NodeState, NodeUpdate
+from modelkeeper.domain.placement import CantPlace, GpuView, NodeView, PlacementRequest, place
 from modelkeeper.domain.shards import EngineKind
+from modelkeeper.domain.topology import (
+    PDU_LABEL,
+    RACK_LABEL,
+    ZONE_LABEL,
+    Spread,
+    TopologyKey,
+)
 from modelkeeper.infra.processes import free_port
 from modelkeeper.store import Store
 
@@ -207,13 +227,154 @@ async def measure(url: str, *, nodes: int, placements: int, seed: int) -> None:
     print(f"  dry_run_placement none   {_stats(none_s)}")
 
 
+#: Pure mode's fleet: nodes per rack (a rack of 1U-2U servers), PDUs per rack (A and B
+#: feeds), racks per zone; one node in HELD_EVERY held; what each node already draws.
+NODES_PER_RACK = 40
+PDUS_PER_RACK = 2
+RACKS_PER_ZONE = 5
+HELD_EVERY = 10
+NODE_DRAW_WATTS = (300, 700, 1200)
+#: A PDU's cap: room for about two more shards at the declared draw on every PDU, so the
+#: rule is met, not idle.
+PDU_CAP_WATTS = 20 * 700 + 2 * 450
+SHARD_WATTS = 450
+#: Shards of the deployment already placed, which the spread counts.
+SIBLINGS = 3
+#: What the pure mode's acceptance asks: issue 22, "Placement stays pure and fast".
+TARGET_P50_MS = 25.0
+OWNERS = ("acme/ml", "acme/web", "umbrella")
+
+
+def _pure_nodes(nodes: int, seed: int, *, facility: bool) -> list[NodeView]:
+    """The fleet of :func:`_populate` as views (claims empty, states as there), with
+    topology labels, holds and draws when ``facility``."""
+    rng = random.Random(seed)
+    views = []
+    for i in range(nodes):
+        inv, labels = _inventory(rng, i)
+        state = NodeState.READY
+        roll = rng.random()
+        if roll < SILENT_SHARE:
+            state = NodeState.UNREACHABLE
+        elif roll < SILENT_SHARE + CORDONED_SHARE:
+            state = NodeState.CORDONED
+        fields: dict[str, object] = {}
+        if facility:
+            rack = i // NODES_PER_RACK
+            labels = {**labels, ZONE_LABEL: f"z{rack // RACKS_PER_ZONE}",
+                      RACK_LABEL: f"r{rack}", PDU_LABEL: f"r{rack}-p{i % PDUS_PER_RACK}"}
+            fields["watts_claimed"] = rng.choice(NODE_DRAW_WATTS)
+            if i % HELD_EVERY == 3:
+                fields["hold_class"] = CapacityClass.CRITICAL
+            elif i % HELD_EVERY == 7:
+                fields["hold_owner"] = rng.choice(OWNERS)
+        views.append(NodeView(
+            node_id=NodeId(f"node-{i:05d}"), name=f"node-{i:05d}", state=state, labels=labels,
+            memory_total_bytes=inv.memory_total_bytes, cpu_count=inv.cpu_count,
+            gpus=[GpuView(index=g.index, memory_bytes=g.memory_bytes, healthy=g.healthy)
+                  for g in inv.gpus], **fields))
+    return views
+
+
+def _pure_requests(models: list[CatalogModel], nodes: list[NodeView], seed: int, *,
+                   facility: bool) -> list[PlacementRequest]:
+    """One request per model (hardware profiles would give one per profile, tried in
+    order: the hook for them)."""
+    rng = random.Random(seed)
+    requests = []
+    for i, model in enumerate(models):
+        request = _request(model).model_copy(update={"deployment_id": _deployment(i)})
+        if facility:
+            siblings = [n.node_id for n in rng.sample(nodes, SIBLINGS)]
+            racks = {n.labels[PDU_LABEL] for n in nodes}
+            request = PlacementRequest.model_validate({
+                **request.model_dump(), "sibling_node_ids": sorted(siblings),
+                "sibling_shards": dict.fromkeys(siblings, 1),
+                "capacity_class": list(CapacityClass)[i % 3], "owner": OWNERS[i % 3],
+                "watts": SHARD_WATTS, "pdu_caps_watts": dict.fromkeys(racks, PDU_CAP_WATTS),
+                "facility_cap_watts": len(nodes) * 2000,
+                "spread": Spread(key=TopologyKey.RACK, max_skew=1)})
+        requests.append(request)
+    return requests
+
+
+def _pure_times(requests: list[PlacementRequest], nodes: list[NodeView]
+                ) -> tuple[list[float], int]:
+    times, refused = [], 0
+    for request in requests:
+        began = time.perf_counter()
+        result = place(request, nodes)
+        times.append(time.perf_counter() - began)
+        refused += isinstance(result, CantPlace)
+    return times, refused
+
+
+def measure_pure(*, nodes: int, placements: int, seed: int) -> dict[str, object]:
+    """place() alone, facility rules off and on, on one fleet shape: p50, p95, p99 (ms)."""
+    models = [_model(i) for i in range(placements)]
+    rows: dict[str, object] = {}
+    for facility in (False, True):
+        views = _pure_nodes(nodes, seed, facility=facility)
+        requests = _pure_requests(models, views, seed, facility=facility)
+        _pure_times(requests[:WARMUP_CALLS], views)
+        times, refused = _pure_times(requests, views)
+        ms = [t * 1e3 for t in times]
+        rows["on" if facility else "off"] = {
+            "p50_ms": round(percentile(ms, 0.50), 3), "p95_ms": round(percentile(ms, 0.95), 3),
+            "p99_ms": round(percentile(ms, 0.99), 3), "mean_ms": round(statistics.fmean(ms), 3),
+            "calls": len(ms), "cant_place": refused}
+    off, on = rows["off"], rows["on"]
+    assert isinstance(off, dict) and isinstance(on, dict)
+    return {"nodes": nodes, "placements": placements, "seed": seed,
+            "target_p50_ms": TARGET_P50_MS, **rows,
+            "ratio_p50": round(on["p50_ms"] / off["p50_ms"], 2),
+            "met": on["p50_ms"] <= TARGET_P50_MS}
+
+
+def _pure_table(result: dict[str, object]) -> str:
+    lines = ["| facility rules | p50 ms | p95 ms | p99 ms | mean ms | calls | CantPlace |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for key in ("off", "on"):
+        row = result[key]
+        assert isinstance(row, dict)
+        lines.append(f"| {key} | {row['p50_ms']} | {row['p95_ms']} | {row['p99_ms']} | "
+                     f"{row['mean_ms']} | {row['calls']} | {row['cant_place']} |")
+    return "\n".join(lines)
+
+
+def _pure_markdown(result: dict[str, object], table: str) -> str:
+    return (f"# place() alone at {result['nodes']} nodes, facility rules off and on\n\n"
+            "`python -m bench.scale.placement_alone --pure --nodes "
+            f"{result['nodes']} --placements {result['placements']} --seed {result['seed']}"
+            " --out bench/results/placement_alone` (one run, both sides on one fleet shape;"
+            " the module docstring says what \"on\" turns on).\n\n"
+            f"{table}\n\n"
+            f"On/off p50 ratio: {result['ratio_p50']}. Target (issue 22): p50 <= "
+            f"{result['target_p50_ms']} ms with the rules on: "
+            f"**{'met' if result['met'] else 'not met'}**.\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale.placement_alone",
                                      description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--placements", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--pure", action="store_true",
+                        help="place() alone, no database: facility rules off and on")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="with --pure: write OUT.json and OUT.md")
     args = parser.parse_args(argv)
+    if args.pure:
+        result = measure_pure(nodes=args.nodes, placements=args.placements, seed=args.seed)
+        table = _pure_table(result)
+        print(table)
+        print(f"on/off p50 ratio {result['ratio_p50']}, target p50 <= {TARGET_P50_MS} ms: "
+              f"{'met' if result['met'] else 'NOT met'}")
+        if args.out is not None:
+            args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+            args.out.with_suffix(".md").write_text(_pure_markdown(result, table))
+        return 0
     with tempfile.TemporaryDirectory(prefix="mk-placement-alone-") as tmp:
         root = Path(tmp)
         port = free_port()

@@ -15,6 +15,7 @@ from .ids import DeploymentId, ModelId, NodeId, ReplicaId
 from .shards import EngineKind
 from .sources import SECRET_NAME_PATTERN, SHA256_PATTERN
 from .status import DeploymentStatus, ReplicaState
+from .topology import MAX_WATTS, Spread
 from .units import format_duration
 
 #: Model ids appear in URLs, workflow ids and OpenAI requests: keep them plain.
@@ -133,6 +134,10 @@ class ModelSpec(Frozen):
     gpus: JsonInt | None = Field(default=None, ge=0, le=MAX_GPUS)
     engine_args: dict[str, Any] = Field(default_factory=dict)
     min_nodes: JsonInt = Field(default=1, ge=1, le=64)
+    watts: JsonInt | None = Field(
+        default=None, ge=0, le=MAX_WATTS,
+        description="watts one shard draws, as declared; power caps per PDU and for the "
+                    "facility count it (docs/capacity.md); unset: not counted")
     sha256: str | None = Field(
         default=None, pattern=SHA256_PATTERN,
         description="SHA-256 of the weights file (a URL's or a path's), lowercase hex: the "
@@ -230,6 +235,9 @@ class DeploymentRequest(Frozen):
     owner: OwnerPath | None = Field(
         default=None, description="who owns it in the tenancy tree: org, org/team or "
                                   "org/team/project; quotas count it there")
+    spread: Spread | None = Field(
+        default=None, description="spread its replicas' shards over a topology key (zone, "
+                                  "rack or pdu) with a max skew (docs/capacity.md)")
 
     @model_validator(mode="after")
     def _one_count(self) -> Self:

@@ -116,6 +116,7 @@ from .moves import (
     ReplicaBrief,
 )
 from .status import DeploymentStatus, ReplicaState
+from .topology import Spread
 from .tunables import Tunables
 
 # -- state -------------------------------------------------------------------------------
@@ -200,6 +201,9 @@ class DeploymentSpec(Tolerant):
     capacity_class: CapacityClass | None = None
     #: Its owner in the tenancy tree; None: nobody's.
     owner: str | None = None
+    #: Spread its replicas' shards over a topology key (modelkeeper.domain.topology);
+    #: None: no spread.
+    spread: Spread | None = None
 
 
 #: The defaults of every tunable (modelkeeper.domain.tunables, where their reasons are).

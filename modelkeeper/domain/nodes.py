@@ -17,6 +17,7 @@ from pydantic import Field, field_validator, model_validator
 
 from .base import Frozen, Tolerant
 from .bounds import STRICT, JsonInt
+from .capacity import CapacityClass, OwnerPath
 from .catalog import MAX_CPU_CORES, MAX_MEMORY_BYTES, Labels
 from .ids import DeploymentId, NodeId, ReplicaId
 from .shards import ShardReport
@@ -216,6 +217,17 @@ class NodeUpdate(Frozen):
     labels: Labels | None = None
     cordoned: bool | None = Field(default=None, strict=STRICT)
     cordon_reason: str | None = Field(default=None, max_length=500)
+    #: Hold (reserve) the node for replicas running as this class, or owned within this
+    #: scope (placement rule 5); ``release_hold`` clears both.
+    hold_class: CapacityClass | None = None
+    hold_owner: OwnerPath | None = None
+    release_hold: bool | None = Field(default=None, strict=STRICT)
+
+    @model_validator(mode="after")
+    def _hold_or_release(self) -> Self:
+        if self.release_hold and (self.hold_class is not None or self.hold_owner is not None):
+            raise ValueError("give release_hold or a hold (hold_class, hold_owner), not both")
+        return self
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,14 +14,37 @@ Rules, in the order each node is checked (the first that fails is that node's re
 3. ``node_ids``: when the request names nodes, only those.
 4. ``labels``: the node must carry every requested label with the requested value.
    Labels say things capacity cannot ("this node is for coding models").
-5. memory: the node's free memory must hold one shard, ``ceil(memory_bytes / min_nodes)``
+5. hold: a node held for a capacity class takes only replicas running as that class; one
+   held for an owner scope takes only replicas whose owner is within that scope
+   (:func:`~.capacity.within`); a node held for both needs both. A hold reserves room
+   the way a label cannot: a label only attracts what asks for it, a hold refuses what
+   does not. The reason names the hold and what the replica is.
+6. memory: the node's free memory must hold one shard, ``ceil(memory_bytes / min_nodes)``
    (rounded up so the shards together never understate the model).
-6. CPU: when both the request and the node declare cores, the shard's cores must fit in
+7. CPU: when both the request and the node declare cores, the shard's cores must fit in
    the node's unclaimed cores.
-7. GPUs: the node must have enough healthy, unclaimed GPUs; the lowest indices are taken.
+8. GPUs: the node must have enough healthy, unclaimed GPUs; the lowest indices are taken.
+9. power: when the shard declares ``watts``, the draw of the node's PDU (its
+   ``topology.pdu`` label: every node on it, whatever its state, since a cordoned node
+   still draws) plus the shard must stay within that PDU's cap, and the facility's draw
+   within the facility's cap. A PDU without a cap, or a node without a PDU, is not capped
+   by it.
+10. spread: when the request spreads over a topology key (:class:`~.topology.Spread`),
+    the node must carry that key's label, and its domain's shards of the deployment
+    (``sibling_shards``) plus this one may exceed those of the emptiest eligible domain by
+    at most ``max_skew``. Eligible domains are those of the nodes that pass rules 1 to 5
+    (what could ever take the replica), full or not, as Kubernetes counts them: a full
+    domain holds the others back rather than letting them pile up.
+
+Rules 9 and 10 depend on other nodes (a PDU's draw, the domains' counts): both are summed
+once per call, in one pass, so a placement stays linear in the nodes. For a replica of
+several shards they are applied again as its nodes are picked one by one: two shards on
+one PDU draw twice, and two in one domain count twice.
 
 Then, among the nodes that fit:
 
+* topology: with a spread, a node in a domain holding fewer of the deployment's shards is
+  preferred first;
 * spread: a node holding no replica of the deployment (``sibling_node_ids``) is preferred
   over one that does, before the packing below: two replicas on one node are one crash
   from both gone. Where the replica must share (fewer such nodes fit than it needs), the
@@ -44,14 +67,16 @@ the nodes were listed in.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from pydantic import Field, field_validator, model_validator
 
 from .base import Frozen
+from .capacity import CapacityClass, within
 from .ids import DeploymentId, ModelId, NodeId
 from .nodes import NodeState
+from .topology import PDU_LABEL, Spread
 from .units import format_gib
 
 #: Slack for comparing summed fractional CPU claims: 0.1 + 0.2 must fit in 0.3 free.
@@ -87,6 +112,13 @@ class NodeView(Frozen):
     gpus: list[GpuView] = Field(default_factory=list)
     #: Indices of GPUs held by allocations, sorted and unique.
     gpu_claimed: list[int] = Field(default_factory=list)
+    #: Held (reserved) for replicas running as this class only; None: not held for one.
+    hold_class: CapacityClass | None = None
+    #: Held for replicas whose owner is within this scope only; None: not held for one.
+    hold_owner: str | None = None
+    #: Sum of the declared watts of the shards allocated here (rule 9 counts it on the
+    #: node's PDU).
+    watts_claimed: int = Field(default=0, ge=0)
 
     @field_validator("gpus")
     @classmethod
@@ -149,6 +181,28 @@ class PlacementRequest(Frozen):
     #: Nodes already holding a replica of that deployment: a node not among them is
     #: preferred, so one node's crash takes one replica, not two. A preference, not a rule.
     sibling_node_ids: list[NodeId] = Field(default_factory=list)
+    #: How many shards of that deployment's replicas each node holds, which a spread
+    #: counts per domain. Empty: each node of ``sibling_node_ids`` holds one.
+    sibling_shards: dict[NodeId, int] = Field(default_factory=dict)
+    #: The class the replica runs as and its owner: a held node takes only its own.
+    capacity_class: CapacityClass | None = None
+    owner: str | None = None
+    #: Declared watts per shard; None or 0: no draw counted, no power cap applies.
+    watts: int | None = Field(default=None, ge=0)
+    #: Spread the deployment's shards over a topology key (rule 10).
+    spread: Spread | None = None
+    #: The power caps in force, by PDU name (a ``topology.pdu`` value), and the
+    #: facility's (None: uncapped). Facts of the facility, not of the replica: the store
+    #: fills them in, as it fills in the siblings.
+    pdu_caps_watts: dict[str, int] = Field(default_factory=dict)
+    facility_cap_watts: int | None = Field(default=None, ge=0)
+
+    @property
+    def sibling_counts(self) -> dict[NodeId, int]:
+        """Shards of the deployment per node: ``sibling_shards``, else one per sibling node."""
+        if self.sibling_shards:
+            return self.sibling_shards
+        return {n: 1 for n in self.sibling_node_ids}
 
     @property
     def shard_memory_bytes(self) -> int:
@@ -173,6 +227,8 @@ class ShardAssignment(Frozen):
     #: Total memory of ``gpu_indices`` (for an engine's utilisation fraction); None
     #: when the shard holds no GPU.
     gpu_memory_bytes: int | None = Field(default=None, ge=0)
+    #: Declared watts the shard draws (0: none declared).
+    watts: int = Field(default=0, ge=0)
 
 
 class Placement(Frozen):
@@ -216,6 +272,14 @@ class RejectionReason(StrEnum):
     INSUFFICIENT_MEMORY = "insufficient_memory"
     INSUFFICIENT_CPU = "insufficient_cpu"
     INSUFFICIENT_GPUS = "insufficient_gpus"
+    #: Held for another class or owner (rule 5).
+    HELD = "held"
+    #: Its PDU, or the facility, would pass its power cap (rule 9).
+    POWER_CAP = "power_cap"
+    #: The request spreads over a key the node has no label for (rule 10).
+    NO_TOPOLOGY_DOMAIN = "no_topology_domain"
+    #: Its domain would hold more than ``max_skew`` shards over the emptiest (rule 10).
+    SPREAD_SKEW = "spread_skew"
 
 
 _STATE_REASONS: dict[NodeState, RejectionReason] = {
@@ -307,6 +371,21 @@ AVOIDED_MESSAGE = "avoided (being drained)"
 
 
 @dataclass(frozen=True, slots=True)
+class _Topology:
+    """What rules 9 and 10 count across nodes, summed once per call (the module docstring
+    says why): the draw per capped PDU and of the facility, and the deployment's shards
+    per domain of the spread key with the fewest in any eligible domain."""
+
+    pdu_draw: dict[str, int] = field(default_factory=dict)
+    facility_draw: int = 0
+    domain_counts: dict[str, int] = field(default_factory=dict)
+    #: Each eligible domain with its shards (none included).
+    eligible: dict[str, int] = field(default_factory=dict)
+    #: The eligible domain holding the fewest shards, and how many; None: no domain.
+    emptiest: tuple[int, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class _Rules:
     """One request's rules, read out once per call: every node is checked against them, and
     at 1,000 nodes re-reading the request's fields (and searching its lists) per node was a
@@ -318,20 +397,67 @@ class _Rules:
     memory_bytes: int
     cpu_cores: float | None
     gpus: int
+    capacity_class: CapacityClass | None
+    owner: str | None
+    #: Watts per shard when a cap can apply (rule 9), else 0: the rule is skipped.
+    watts: int
+    pdu_caps: dict[str, int]
+    facility_cap: int | None
+    #: The spread key's label and skew (rule 10); None: no spread.
+    spread_label: str | None
+    max_skew: int
+    topology: _Topology
 
     @classmethod
-    def of(cls, request: PlacementRequest) -> _Rules:
-        return cls(avoid=frozenset(request.avoid_node_ids),
-                   only=None if request.node_ids is None else frozenset(request.node_ids),
-                   labels=tuple(sorted(request.labels.items())),
-                   memory_bytes=request.shard_memory_bytes, cpu_cores=request.cpu_cores,
-                   gpus=request.shard_gpus)
+    def of(cls, request: PlacementRequest, nodes: Sequence[NodeView]) -> _Rules:
+        watts = request.watts or 0
+        capped = bool(request.pdu_caps_watts) or request.facility_cap_watts is not None
+        spread = request.spread
+        rules = cls(avoid=frozenset(request.avoid_node_ids),
+                    only=None if request.node_ids is None else frozenset(request.node_ids),
+                    labels=tuple(sorted(request.labels.items())),
+                    memory_bytes=request.shard_memory_bytes, cpu_cores=request.cpu_cores,
+                    gpus=request.shard_gpus, capacity_class=request.capacity_class,
+                    owner=request.owner, watts=watts if capped else 0,
+                    pdu_caps=dict(request.pdu_caps_watts),
+                    facility_cap=request.facility_cap_watts,
+                    spread_label=None if spread is None else spread.key.label,
+                    max_skew=1 if spread is None else spread.max_skew, topology=_Topology())
+        if rules.watts or rules.spread_label is not None:
+            rules = replace(rules, topology=rules._count(request, nodes))
+        return rules
 
-    def failed(self, node: NodeView) -> RejectionReason | None:
-        """The first rule (the module docstring's, in its order) that ``node`` fails for
-        one shard; None when the shard fits there. Only the verdict: :func:`place` asks it
-        of every node, and a rejection's words (:func:`_rejection_message`) are written
-        only where they are shown."""
+    def _count(self, request: PlacementRequest, nodes: Sequence[NodeView]) -> _Topology:
+        """Rules 9 and 10's sums over ``nodes``, in one pass."""
+        pdu_draw: dict[str, int] = {}
+        facility_draw = 0
+        domain_counts: dict[str, int] = {}
+        eligible: set[str] = set()
+        siblings = request.sibling_counts
+        label = self.spread_label
+        for node in nodes:
+            if self.watts:
+                facility_draw += node.watts_claimed
+                pdu = node.labels.get(PDU_LABEL)
+                if pdu is not None and pdu in self.pdu_caps:
+                    pdu_draw[pdu] = pdu_draw.get(pdu, 0) + node.watts_claimed
+            if label is None:
+                continue
+            domain = node.labels.get(label)
+            if domain is None:
+                continue
+            shards = siblings.get(node.node_id)
+            if shards:
+                domain_counts[domain] = domain_counts.get(domain, 0) + shards
+            if domain not in eligible and self._static_failed(node) is None:
+                eligible.add(domain)
+        counted = {d: domain_counts.get(d, 0) for d in eligible}
+        emptiest = min(((n, d) for d, n in counted.items()), default=None)
+        return _Topology(pdu_draw=pdu_draw, facility_draw=facility_draw,
+                         domain_counts=domain_counts, eligible=counted, emptiest=emptiest)
+
+    def _static_failed(self, node: NodeView) -> RejectionReason | None:
+        """Rules 1 to 5: what the node is, whatever it holds."""
         if node.node_id in self.avoid:
             return RejectionReason.AVOIDED
         if node.state is not NodeState.READY:
@@ -342,6 +468,25 @@ class _Rules:
             have = node.labels
             if any(have.get(key) != want for key, want in self.labels):
                 return RejectionReason.MISSING_LABELS
+        if (node.hold_class is not None or node.hold_owner is not None) and \
+                self._hold_refuses(node):
+            return RejectionReason.HELD
+        return None
+
+    def _hold_refuses(self, node: NodeView) -> bool:
+        if node.hold_class is not None and node.hold_class is not self.capacity_class:
+            return True
+        return node.hold_owner is not None and (
+            self.owner is None or not within(self.owner, node.hold_owner))
+
+    def failed(self, node: NodeView) -> RejectionReason | None:
+        """The first rule (the module docstring's, in its order) that ``node`` fails for
+        one shard; None when the shard fits there. Only the verdict: :func:`place` asks it
+        of every node, and a rejection's words (:func:`_rejection_message`) are written
+        only where they are shown."""
+        static = self._static_failed(node)
+        if static is not None:
+            return static
         # No requirement fits anywhere, even on an over-claimed node; unknown memory fits.
         if self.memory_bytes > 0:
             free_mem = node.memory_free_bytes
@@ -353,13 +498,110 @@ class _Rules:
                 return RejectionReason.INSUFFICIENT_CPU
         if self.gpus and len(node.free_gpu_indices) < self.gpus:
             return RejectionReason.INSUFFICIENT_GPUS
+        if self.watts or self.spread_label is not None:
+            return self.topology_failed(node, self.nothing_picked())
         return None
 
+    @property
+    def topological(self) -> bool:
+        """Whether rules 9 or 10 apply: then a replica's shards are picked one by one."""
+        return bool(self.watts) or self.spread_label is not None
 
-def _rejection_message(request: PlacementRequest, node: NodeView,
+    def topology_failed(self, node: NodeView, picked: _Picked) -> RejectionReason | None:
+        """Rules 9 and 10 for one more shard on ``node``, with ``picked`` (this replica's
+        shards picked so far) counted too."""
+        if self.watts and self.power_over(node, picked) is not None:
+            return RejectionReason.POWER_CAP
+        if self.spread_label is not None:
+            domain = node.labels.get(self.spread_label)
+            if domain is None:
+                return RejectionReason.NO_TOPOLOGY_DOMAIN
+            if (picked.fewest is not None
+                    and self.domain_count(domain, picked) + 1 - picked.fewest[0]
+                    > self.max_skew):
+                return RejectionReason.SPREAD_SKEW
+        return None
+
+    def power_over(self, node: NodeView, picked: _Picked) -> tuple[str, int, int] | None:
+        """The cap one more shard on ``node`` would pass: (what is capped, "pdu p1" or "the
+        facility", its draw before the shard, its cap); None when none would be."""
+        pdu = node.labels.get(PDU_LABEL)
+        if pdu is not None:
+            cap = self.pdu_caps.get(pdu)
+            if cap is not None:
+                draw = self.topology.pdu_draw.get(pdu, 0) + picked.pdu_watts.get(pdu, 0)
+                if draw + self.watts > cap:
+                    return (f"pdu {pdu}", draw, cap)
+        if self.facility_cap is not None:
+            draw = self.topology.facility_draw + picked.watts
+            if draw + self.watts > self.facility_cap:
+                return ("the facility", draw, self.facility_cap)
+        return None
+
+    def domain_count(self, domain: str, picked: _Picked) -> int:
+        """The deployment's shards in ``domain``, this replica's picks counted."""
+        return self.topology.domain_counts.get(domain, 0) + picked.domains.get(domain, 0)
+
+    def pick(self, picked: _Picked, node: NodeView) -> _Picked:
+        """``picked`` with one more shard on ``node``: its PDU's and the facility's draw,
+        its domain's count, and the emptiest eligible domain after it (once per pick, not
+        per candidate: the eligible domains are counted over again)."""
+        pdu_watts = dict(picked.pdu_watts)
+        pdu = node.labels.get(PDU_LABEL)
+        if pdu is not None:
+            pdu_watts[pdu] = pdu_watts.get(pdu, 0) + self.watts
+        domains = dict(picked.domains)
+        if self.spread_label is not None:
+            domain = node.labels.get(self.spread_label)
+            if domain is not None:
+                domains[domain] = domains.get(domain, 0) + 1
+        fewest = min(((n + domains.get(d, 0), d) for d, n in self.topology.eligible.items()),
+                     default=None)
+        return _Picked(watts=picked.watts + self.watts, pdu_watts=pdu_watts, domains=domains,
+                       fewest=fewest)
+
+    def nothing_picked(self) -> _Picked:
+        return _Picked(fewest=self.topology.emptiest)
+
+
+@dataclass(frozen=True, slots=True)
+class _Picked:
+    """The shards of this replica picked so far, as rules 9 and 10 count them."""
+
+    watts: int = 0
+    pdu_watts: dict[str, int] = field(default_factory=dict)
+    domains: dict[str, int] = field(default_factory=dict)
+    #: The emptiest eligible domain, with these picks counted: (shards, domain).
+    fewest: tuple[int, str] | None = None
+
+
+def _rejection_message(request: PlacementRequest, rules: _Rules, node: NodeView,
                        reason: RejectionReason) -> str:
     """What a node rejected for ``reason`` reads, with the numbers that make it so."""
     match reason:
+        case RejectionReason.HELD:
+            return _hold_message(request, node)
+        case RejectionReason.POWER_CAP:
+            over = rules.power_over(node, rules.nothing_picked())
+            assert over is not None  # the rule failed on it
+            what, draw, cap = over
+            return (f"{what} draws {draw} W of its {cap} W cap, a shard adds "
+                    f"{rules.watts} W")
+        case RejectionReason.NO_TOPOLOGY_DOMAIN:
+            assert request.spread is not None
+            return (f"no {request.spread.key.label} label: the replicas spread over "
+                    f"{request.spread.key}")
+        case RejectionReason.SPREAD_SKEW:
+            assert request.spread is not None and rules.spread_label is not None
+            domain = node.labels[rules.spread_label]
+            fewest = rules.topology.emptiest
+            assert fewest is not None
+            spread_key = request.spread.key
+            deployment = request.deployment_id or "this deployment"
+            after = rules.domain_count(domain, rules.nothing_picked()) + 1
+            return (f"{spread_key} {domain} would hold {after} shards of {deployment}, "
+                    f"{spread_key} {fewest[1]} holds {fewest[0]}: "
+                    f"max skew {request.spread.max_skew}")
         case RejectionReason.AVOIDED:
             return AVOIDED_MESSAGE
         case RejectionReason.NOT_IN_NODE_IDS:
@@ -399,10 +641,23 @@ def _rejection_message(request: PlacementRequest, node: NodeView,
             return str(node.state)
 
 
+def _hold_message(request: PlacementRequest, node: NodeView) -> str:
+    """ "held for class critical; this replica runs as standard, owner acme/web" """
+    held = []
+    if node.hold_class is not None:
+        held.append(f"class {node.hold_class}")
+    if node.hold_owner is not None:
+        held.append(f"owner {node.hold_owner}")
+    runs = (f"runs as {request.capacity_class}" if request.capacity_class is not None
+            else "has no class")
+    owner = f"owner {request.owner}" if request.owner is not None else "no owner"
+    return f"held for {' and '.join(held)}; this replica {runs}, {owner}"
+
+
 def _decide(request: PlacementRequest, rules: _Rules, node: NodeView) -> NodeDecision:
     reason = rules.failed(node)
     if reason is not None:
-        return _reject(node, reason, _rejection_message(request, node, reason))
+        return _reject(node, reason, _rejection_message(request, rules, node, reason))
     free_mem = node.memory_free_bytes
     return NodeDecision(
         node_id=node.node_id,
@@ -427,11 +682,12 @@ def explain(request: PlacementRequest, nodes: Sequence[NodeView]) -> list[NodeDe
 
     A node either fits (with its free memory before and after, its free cores and the
     GPUs it would give) or carries exactly one rejection: the first rule it fails, in the
-    order avoid, state, node_ids, labels, memory, CPU, GPUs. Raises ``ValueError`` if a node id
+    order avoid, state, node_ids, labels, hold, memory, CPU, GPUs, power, spread (rules 9
+    and 10 counted over ``nodes``, so pass every node, not one). Raises ``ValueError`` if a node id
     is listed twice, which means the snapshot itself is wrong.
     """
     _check_unique(nodes)
-    rules = _Rules.of(request)
+    rules = _Rules.of(request, nodes)
     return [_decide(request, rules, node) for node in sorted(nodes, key=lambda n: n.node_id)]
 
 
@@ -465,14 +721,19 @@ _CLOSENESS: dict[RejectionReason, int] = {
     RejectionReason.INSUFFICIENT_MEMORY: 0,
     RejectionReason.INSUFFICIENT_CPU: 1,
     RejectionReason.INSUFFICIENT_GPUS: 2,
-    RejectionReason.MISSING_LABELS: 3,
-    RejectionReason.NOT_IN_NODE_IDS: 4,
-    RejectionReason.CORDONED: 5,
-    RejectionReason.UNREACHABLE: 6,
-    RejectionReason.NOT_READY: 7,
-    RejectionReason.LOST: 8,
+    # A skew or a power cap moves as other replicas come and go.
+    RejectionReason.SPREAD_SKEW: 3,
+    RejectionReason.POWER_CAP: 4,
+    RejectionReason.MISSING_LABELS: 5,
+    RejectionReason.NO_TOPOLOGY_DOMAIN: 6,
+    RejectionReason.HELD: 7,
+    RejectionReason.NOT_IN_NODE_IDS: 8,
+    RejectionReason.CORDONED: 9,
+    RejectionReason.UNREACHABLE: 10,
+    RejectionReason.NOT_READY: 11,
+    RejectionReason.LOST: 12,
     # Last: an avoided node will not take this replica whatever happens to it.
-    RejectionReason.AVOIDED: 9,
+    RejectionReason.AVOIDED: 13,
 }
 
 
@@ -609,7 +870,7 @@ def place(request: PlacementRequest, nodes: Sequence[NodeView]) -> Placement | C
     Raises ``ValueError`` if a node id is listed twice.
     """
     _check_unique(nodes)
-    rules = _Rules.of(request)
+    rules = _Rules.of(request, nodes)
     # Only the verdict for every node; the decisions, with their words, for the nodes
     # chosen, or for every node when the answer must explain itself (a CantPlace, or a
     # note on sharing a node). At 1,000 nodes, a decision and its message for each was
@@ -619,7 +880,12 @@ def place(request: PlacementRequest, nodes: Sequence[NodeView]) -> Placement | C
         return _cant_place(request, explain(request, nodes))
 
     siblings = set(request.sibling_node_ids)
-    if request.min_nodes == 1:
+    if rules.topological:
+        together = _pick_by_topology(request, rules, fitting, siblings)
+        if together is None:
+            return _cant_together(request, rules, nodes)
+        picked = together
+    elif request.min_nodes == 1:
         need = rules.memory_bytes
         picked = [min(fitting, key=lambda n: (n.node_id in siblings, *_bin_pack_key(n, need)))]
     else:
@@ -640,12 +906,60 @@ def place(request: PlacementRequest, nodes: Sequence[NodeView]) -> Placement | C
                 cpu_cores=request.cpu_cores or 0.0,
                 gpu_indices=indices,
                 gpu_memory_bytes=sum(gpu_memory[i] for i in indices) if indices else None,
+                watts=request.watts or 0,
             )
         )
     note = None
     if any(n.node_id in siblings for n in picked):
         note = _sharing_note(request, explain(request, nodes), chosen)
     return Placement(assignments=assignments, note=note)
+
+
+def _pick_by_topology(request: PlacementRequest, rules: _Rules, fitting: Sequence[NodeView],
+                      siblings: set[NodeId]) -> list[NodeView] | None:
+    """The replica's nodes when rules 9 or 10 apply, picked one shard at a time so that
+    each pick counts the draw and the domain of the picks before it; None when fewer than
+    ``min_nodes`` of ``fitting`` stay within the caps and the skew together. Among the
+    nodes that still fit, the emptiest domain first (a spread), then the usual order."""
+    label = rules.spread_label
+    one = request.min_nodes == 1
+    need = rules.memory_bytes
+    state = rules.nothing_picked()
+
+    def preference(node: NodeView) -> tuple[int, bool, int, int, NodeId]:
+        in_domain = 0 if label is None else rules.domain_count(node.labels.get(label, ""),
+                                                                state)
+        pack = _bin_pack_key(node, need) if one else _emptiest_key(node)
+        return (in_domain, node.node_id in siblings, *pack)
+
+    picked: list[NodeView] = []
+    left = list(fitting)
+    for _ in range(request.min_nodes):
+        # Every node of ``fitting`` passed with nothing picked yet.
+        fit = left if not picked else [
+            n for n in left if rules.topology_failed(n, state) is None]
+        if not fit:
+            return None
+        best = min(fit, key=preference)
+        picked.append(best)
+        left.remove(best)
+        state = rules.pick(state, best)
+    return picked
+
+
+def _cant_together(request: PlacementRequest, rules: _Rules,
+                   nodes: Sequence[NodeView]) -> CantPlace:
+    """Enough nodes take a shard each, but no ``min_nodes`` of them together stay within
+    the power caps or the spread's skew: say so after the usual account."""
+    result = _cant_place(request, explain(request, nodes))
+    limits = []
+    if rules.watts:
+        limits.append(f"within the power caps at {rules.watts} W a shard")
+    if request.spread is not None:
+        limits.append(f"within max skew {request.spread.max_skew} over {request.spread.key}")
+    summary = (f"{result.summary}; no {request.min_nodes} of the nodes that fit stay "
+               f"{' and '.join(limits)} together")
+    return result.model_copy(update={"summary": _cut(summary)})
 
 
 def _cant_place(request: PlacementRequest, decisions: Sequence[NodeDecision]) -> CantPlace:
@@ -693,6 +1007,7 @@ def apply(nodes: Sequence[NodeView], placement: Placement) -> list[NodeView]:
                     "memory_claimed_bytes": node.memory_claimed_bytes + shard.memory_bytes,
                     "cpu_claimed": node.cpu_claimed + shard.cpu_cores,
                     "gpu_claimed": sorted({*node.gpu_claimed, *shard.gpu_indices}),
+                    "watts_claimed": node.watts_claimed + shard.watts,
                 }
             )
         )

@@ -53,14 +53,15 @@ class DeploymentStore:
                 """
                 INSERT INTO deployments (deployment_id, model_id, replicas, min_nodes, node_ids,
                                          labels, status, workflow_id, scaling,
-                                         capacity_class, owner)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+                                         capacity_class, owner, spread)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
                 """,
                 deployment_id, request.model_id, request.initial_replicas, request.min_nodes,
                 request.node_ids, request.labels, request.first_status.value, workflow_id,
                 _policy_json(request.policy),
                 None if request.capacity_class is None else request.capacity_class.value,
-                request.owner)
+                request.owner,
+                None if request.spread is None else request.spread.model_dump(mode="json"))
         except asyncpg.UniqueViolationError:
             raise DeploymentExistsError(request.model_id) from None
         except asyncpg.ForeignKeyViolationError:

@@ -302,12 +302,38 @@ class NodeStore:
                 operator_labels = COALESCE($2, operator_labels),
                 cordoned = COALESCE($3, cordoned),
                 cordon_reason = CASE WHEN $3 IS FALSE THEN NULL
-                                     ELSE COALESCE($4, cordon_reason) END
+                                     ELSE COALESCE($4, cordon_reason) END,
+                hold_class = CASE WHEN $7 THEN NULL ELSE COALESCE($5, hold_class) END,
+                hold_owner = CASE WHEN $7 THEN NULL ELSE COALESCE($6, hold_owner) END
             WHERE node_id = $1 RETURNING node_id
             """,
             node_id, update.labels, update.cordoned, update.cordon_reason,
+            None if update.hold_class is None else update.hold_class.value,
+            update.hold_owner, update.release_hold is True,
         )
         return None if row is None else await self.get_node(node_id)
+
+    async def node_hold(self, node_id: str) -> tuple[str | None, str | None] | None:
+        """The node's hold: (class, owner scope), each None when not held for one; None
+        when the node is unknown."""
+        row = await self._pool.fetchrow(
+            "SELECT hold_class, hold_owner FROM nodes WHERE node_id = $1", node_id)
+        return None if row is None else (row["hold_class"], row["hold_owner"])
+
+    async def set_power_cap(self, pdu: str, watts: int | None) -> None:
+        """Set a PDU's power cap (the facility's under ``FACILITY_CAP_KEY``), or remove it
+        with None."""
+        if watts is None:
+            await self._pool.execute("DELETE FROM power_caps WHERE pdu = $1", pdu)
+            return
+        await self._pool.execute(
+            "INSERT INTO power_caps (pdu, watts) VALUES ($1, $2) ON CONFLICT (pdu) "
+            "DO UPDATE SET watts = EXCLUDED.watts, updated_at = now()", pdu, watts)
+
+    async def power_caps(self) -> dict[str, int]:
+        """Every power cap in force, by PDU name (the facility's under its key)."""
+        rows = await self._pool.fetch("SELECT pdu, watts FROM power_caps ORDER BY pdu")
+        return {row["pdu"]: row["watts"] for row in rows}
 
     async def get_node(self, node_id: str) -> NodeRecord | None:
         """One node with its claims; None when unknown."""
@@ -328,7 +354,7 @@ class NodeStore:
 CLAIMS_PER_NODE = """
     LEFT JOIN LATERAL (
         SELECT SUM(a.memory_bytes)::bigint AS memory_claimed_bytes,
-               SUM(a.cpu_cores)::float8 AS cpu_claimed
+               SUM(a.cpu_cores)::float8 AS cpu_claimed, SUM(a.watts)::bigint AS watts_claimed
         FROM allocations a WHERE a.node_id = n.node_id
     ) c ON true
     LEFT JOIN LATERAL (

@@ -39,6 +39,7 @@ from ..domain.profiles import (
 )
 from ..domain.shards import EngineKind, ShardSpec, share_of
 from ..domain.status import ReplicaState
+from ..domain.topology import FACILITY_CAP_KEY
 from ..domain.units import format_gib
 from .eviction import read_candidates
 from .holds import HoldClaim, hold_room, holds_against, release_holds, with_holds
@@ -166,11 +167,9 @@ class PlacementStore:
         can be stale by the time it is read; only place_replica's locked re-check counts.
         """
         async with self._pool.acquire() as conn:
-            siblings = await _sibling_nodes(conn, deployment_id)
+            request = await _with_facts(conn, request, deployment_id)
             rows = await conn.fetch(_PLACEMENT_NODE_SELECT + " ORDER BY n.node_id")
             held = await holds_against(conn, deployment_id)
-        request = request.model_copy(update={
-            "deployment_id": deployment_id, "sibling_node_ids": sorted(siblings)})
         views = with_holds(self._views.of(
             rows, now, unreachable_after_s=unreachable_after_s, lost_after_s=lost_after_s,
             every_node=True), held)
@@ -277,13 +276,11 @@ class PlacementStore:
         async with self._pool.acquire() as conn, conn.transaction(
                 isolation="repeatable_read", readonly=True):
             store_now: datetime = await conn.fetchval("SELECT now()")
-            siblings = await _sibling_nodes(conn, deployment_id)
+            request = await _with_facts(conn, request, deployment_id)
             rows = await conn.fetch(_PLACEMENT_NODE_SELECT + " ORDER BY n.node_id")
             candidates = await read_candidates(conn, for_deployment=deployment_id,
                                                stale_after_s=stale_after_s)
             held = await holds_against(conn, deployment_id)
-        request = request.model_copy(update={
-            "deployment_id": deployment_id, "sibling_node_ids": sorted(siblings)})
         nodes = with_holds(self._views.of(rows, now, unreachable_after_s=unreachable_after_s,
                                           lost_after_s=lost_after_s, every_node=True), held)
         return choose_victim(request, nodes, candidates, for_deployment=deployment_id,
@@ -312,7 +309,8 @@ _PLACEMENT_COLUMNS = """
     SELECT n.node_id, n.name, n.agent_labels::text AS agent_labels,
            n.operator_labels::text AS operator_labels, n.cordoned,
            n.memory_total_bytes, n.cpu_count, n.gpus::text AS gpus, n.last_seen,
-           n.silent_since,
+           n.silent_since, n.hold_class, n.hold_owner,
+           COALESCE(c.watts_claimed, 0) AS watts_claimed,
 """ + CLAIM_COLUMNS
 
 #: The nodes as placement reads them (a sleeping claim counting as what it keeps, as in
@@ -325,7 +323,7 @@ _PLACEMENT_NODE_SELECT = _PLACEMENT_COLUMNS + """
     FROM nodes n
     LEFT JOIN (
         SELECT a.node_id, SUM(a.memory_bytes)::bigint AS memory_claimed_bytes,
-               SUM(a.cpu_cores)::float8 AS cpu_claimed
+               SUM(a.cpu_cores)::float8 AS cpu_claimed, SUM(a.watts)::bigint AS watts_claimed
         FROM allocations a GROUP BY a.node_id
     ) c ON c.node_id = n.node_id
     LEFT JOIN (
@@ -443,11 +441,14 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
                                 list(a["gpu_indices"]), a["gpu_memory_bytes"],
                                 args.start_timeout_s)
                     for a in existing]
+        # Power caps and spread count across nodes (a PDU's draw, a domain's shards), which
+        # the chosen nodes' locks do not cover: such a placement takes the placement lock
+        # exclusively, so that its snapshot is exact.
+        serialized = serialized or _counts_across_nodes(args.request)
         lock = "pg_advisory_xact_lock" if serialized else "pg_advisory_xact_lock_shared"
         await timing.lock(conn, f"SELECT {lock}($1, $2)", *PLACEMENT_LOCK)
-        siblings = await _sibling_nodes(conn, args.deployment_id)
-        request = args.request.model_copy(update={
-            "deployment_id": args.deployment_id, "sibling_node_ids": sorted(siblings)})
+        request = await _with_facts(conn, args.request, args.deployment_id)
+        siblings = set(request.sibling_node_ids)
         # Room another deployment preempted for counts as claimed (modelkeeper.store.holds).
         held = await holds_against(conn, args.deployment_id)
         # Hardware profiles (modelkeeper.domain.profiles): the first that fits, its
@@ -489,16 +490,41 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
         for a in result.assignments:
             await conn.execute(
                 "INSERT INTO allocations (replica_id, node_id, rank, memory_bytes, "
-                "cpu_cores, gpu_indices, gpu_memory_bytes) "
-                "VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                "cpu_cores, gpu_indices, gpu_memory_bytes, watts) "
+                "VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
                 args.replica_id, a.node_id, a.rank, a.memory_bytes, a.cpu_cores,
-                a.gpu_indices, a.gpu_memory_bytes)
+                a.gpu_indices, a.gpu_memory_bytes, a.watts)
             shards.append(_shard_spec(args.replica_id, runs, a.node_id, a.rank,
                                       len(result.assignments), a.memory_bytes, a.cpu_cores,
                                       a.gpu_indices, a.gpu_memory_bytes, args.start_timeout_s))
         # The room held for it (a preemption) is its claims' now.
         await release_holds(conn, args.deployment_id)
         return shards
+
+
+def _counts_across_nodes(request: PlacementRequest) -> bool:
+    """Whether placement rules 9 or 10 may apply: a declared draw, or a spread."""
+    return bool(request.watts) or request.spread is not None
+
+
+async def _with_facts(conn: asyncpg.Connection, request: PlacementRequest,
+                      deployment_id: DeploymentId) -> PlacementRequest:
+    """``request`` with what the store knows of the deployment and the facility: the
+    nodes holding its replicas (and how many shards each: a spread counts them), and the
+    power caps in force when the replica declares watts."""
+    rows = await conn.fetch(
+        "SELECT a.node_id, count(*)::int AS shards FROM allocations a "
+        "JOIN replicas r USING (replica_id) WHERE r.deployment_id = $1 GROUP BY a.node_id",
+        deployment_id)
+    shards = {NodeId(row["node_id"]): row["shards"] for row in rows}
+    update: dict[str, Any] = {"deployment_id": deployment_id,
+                              "sibling_node_ids": sorted(shards), "sibling_shards": shards}
+    if request.watts:
+        caps = {row["pdu"]: row["watts"]
+                for row in await conn.fetch("SELECT pdu, watts FROM power_caps")}
+        update["facility_cap_watts"] = caps.pop(FACILITY_CAP_KEY, None)
+        update["pdu_caps_watts"] = caps
+    return request.model_copy(update=update)
 
 
 async def _sibling_nodes(conn: asyncpg.Connection, deployment_id: DeploymentId
@@ -571,6 +597,8 @@ def _placement_view(row: asyncpg.Record, state: NodeState) -> NodeView:
                   "healthy": g.get("healthy", _GPU_HEALTHY_DEFAULT)}
                  for g in decode_jsonb(row["gpus"])],
         "gpu_claimed": row["gpus_claimed"],
+        "hold_class": row["hold_class"], "hold_owner": row["hold_owner"],
+        "watts_claimed": row["watts_claimed"],
     })
 
 
@@ -608,7 +636,8 @@ class _NodeViews:
                              lost_after_s=lost_after_s)
             key = (state, row["name"], row["agent_labels"], row["operator_labels"],
                    row["memory_total_bytes"], row["memory_claimed_bytes"], row["cpu_count"],
-                   row["cpu_claimed"], row["gpus"], row["gpus_claimed"])
+                   row["cpu_claimed"], row["gpus"], row["gpus_claimed"], row["hold_class"],
+                   row["hold_owner"], row["watts_claimed"])
             known = self._by_node.get(row["node_id"])
             view = known[1] if known is not None and known[0] == key \
                 else _placement_view(row, state)
