@@ -95,10 +95,13 @@ its message saying why it may not be preempted either.
 
 Order, for every kind together: the lowest class first, then the most idle (unknown or in
 use counts as not idle), then the smallest, then replica id. Victims are tried on a copy
-and pruned as above; when any victim is preempted (:attr:`EvictionChoice.together`), the
-whole pruned set is stopped together (each named in :attr:`EvictionChoice.victims` with
-its kind), since a preemption is a step the placement waits for, not a turn. Without an
-asker, classes still order the candidates but nothing is preempted.
+and pruned as above, class by class: first the lowest class's candidates (alone, then
+together), then those of the next class up with them, and so on, so that a higher class
+is stopped only when the lower ones cannot make the room. When any victim is preempted
+(:attr:`EvictionChoice.together`), the whole pruned set is stopped together (each named
+in :attr:`EvictionChoice.victims` with its kind), since a preemption is a step the
+placement waits for, not a turn. Without an asker, classes still order the candidates
+but nothing is preempted.
 """
 
 from __future__ import annotations
@@ -763,21 +766,26 @@ def choose_victim(request: PlacementRequest, nodes: Sequence[NodeView],
         return _chosen([by_id[c.replica_id] for c in victims], placement,
                        for_deployment=for_deployment, now=now)
 
-    # One victim that makes the room alone, in order of preference.
+    # Class by class, the lowest first: a higher class is stopped only when the lower
+    # ones, alone or together, cannot make the room.
     no_room: dict[ReplicaId, Refusal] = {}
-    for candidate in (j.candidate for j in eligible):
-        after = room.after([candidate])
-        if room.made(len(room.newly(after))):
-            return chosen([candidate])
-        no_room[candidate.replica_id] = Refusal(
-            replica_id=candidate.replica_id, deployment_id=candidate.deployment_id,
-            reason_code=RefusalReason.NO_ROOM,
-            message=_no_room_message(candidate, after.get(candidate.claims[0].node_id)))
-
-    # None alone: the fewest, in order, that make it together.
-    together = _fewest_together(room, [j.candidate for j in eligible])
-    if together is not None:
-        return chosen(together)
+    for rank in sorted({CLASS_RANK[j.candidate.runs_as] for j in eligible}):
+        tier = [j.candidate for j in eligible if CLASS_RANK[j.candidate.runs_as] <= rank]
+        # One victim that makes the room alone, in order of preference.
+        for candidate in tier:
+            if candidate.replica_id in no_room:
+                continue  # tried alone in a lower tier
+            after = room.after([candidate])
+            if room.made(len(room.newly(after))):
+                return chosen([candidate])
+            no_room[candidate.replica_id] = Refusal(
+                replica_id=candidate.replica_id, deployment_id=candidate.deployment_id,
+                reason_code=RefusalReason.NO_ROOM,
+                message=_no_room_message(candidate, after.get(candidate.claims[0].node_id)))
+        # None alone: the fewest, in order, that make it together.
+        together = _fewest_together(room, tier)
+        if together is not None:
+            return chosen(together)
 
     refusals.extend(no_room[j.candidate.replica_id] for j in eligible)
     refusals.sort(key=lambda r: r.replica_id)
