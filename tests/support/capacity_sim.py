@@ -14,7 +14,6 @@ from modelkeeper.domain.capacity import (
     Resources,
     held_by,
     outranks,
-    scopes_of,
     within,
     within_guarantee,
 )
@@ -178,7 +177,3 @@ def kind_violations(result: EvictionChoice | NoVictim, candidates: Sequence[Cand
     if preempts != result.together:
         found.append("together does not say whether a victim is preempted")
     return found
-
-
-def scopes_with(owner: str | None) -> list[str]:
-    return scopes_of(owner) if owner is not None else []

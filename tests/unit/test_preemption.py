@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from modelkeeper.domain.capacity import CapacityClass, Holding, Quota, Resources
+from modelkeeper.domain.capacity import CapacityClass, Holding, Limit, Quota, Resources
 from modelkeeper.domain.demand import ScalingPolicy
 from modelkeeper.domain.eviction import (
     EvictionChoice,
@@ -312,7 +312,7 @@ def test_headroom_names_only_the_replicas_that_make_the_room() -> None:
 
 
 def test_headroom_stops_at_the_owners_limit() -> None:
-    limited = Quota(scope="org/a", limit={"memory_bytes": 20 * GIB})  # type: ignore[arg-type]
+    limited = Quota(scope="org/a", limit=Limit(memory_bytes=20 * GIB))
     result = headroom(asking(8), [node("n1", mem_gib=64)], for_deployment=ASKER, now=NOW,
                       protect_s=PROTECT_S, asker=asker(STD, owner="org/a"),
                       quotas=[limited])
