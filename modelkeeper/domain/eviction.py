@@ -107,6 +107,7 @@ but nothing is preempted.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 
@@ -418,14 +419,17 @@ def _preference(candidate: Candidate, now: datetime) -> tuple[int, float, int, s
             candidate.replica_id)
 
 
-class _Judged(Frozen):
-    """A candidate rules 1-12 let go (before rule 8's and 12's running totals)."""
+@dataclass(frozen=True, slots=True)
+class _Judged:
+    """A candidate rules 1-12 let go (before rule 8's and 12's running totals). A plain
+    dataclass: one is made per candidate, and validating a thousand of them was a fifth
+    of a choice's time at 1,000 candidates."""
 
     candidate: Candidate
     kind: VictimKind
+    why: str
     #: Rule 12's: counts against its deployment's surplus.
     grown: bool = False
-    why: str
 
 
 def _common_refusal(candidate: Candidate, for_deployment: DeploymentId) -> Refusal | None:

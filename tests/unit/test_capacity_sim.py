@@ -23,6 +23,7 @@ that cannot fail proves nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -288,7 +289,7 @@ def _as_evictions(judge: Callable[[eviction._Judge, Candidate], object],
     def judged(self: eviction._Judge, c: Candidate) -> object:
         verdict = judge(self, c)
         if isinstance(verdict, eviction._Judged):
-            return verdict.model_copy(update={"kind": VictimKind.EVICT})
+            return dataclasses.replace(verdict, kind=VictimKind.EVICT)
         return verdict
     return judged
 
