@@ -209,7 +209,7 @@ class Candidate(Frozen):
 
     @property
     def beyond_min(self) -> bool:
-        """Whether it is room its deployment grew into (rule D'): asleep (a minimum
+        """Whether it is room its deployment grew into (rule 12): asleep (a minimum
         promises replicas that serve), or one of more awake replicas than the policy's
         minimum. A deployment with no policy is fixed at its count: never beyond."""
         if self.policy is None:
@@ -233,7 +233,7 @@ class Asker(Frozen):
     #: The class it runs as (already :func:`~.capacity.effective_class`).
     capacity_class: CapacityClass
     owner: str | None = None
-    #: Its awake replicas (ready or on their way), and its minimum: below it, rule D'
+    #: Its awake replicas (ready or on their way), and its minimum: below it, rule 12
     #: lets it take what another deployment of its class grew into.
     replicas: int = Field(default=0, ge=0)
     min_replicas: int = Field(default=0, ge=0)
@@ -291,12 +291,12 @@ class RefusalReason(StrEnum):
     USAGE_UNKNOWN = "usage_unknown"
     IN_USE = "in_use"
     PROTECTED = "protected"
-    #: Idle on demand, but its class outranks the asker's (rule A).
+    #: Idle on demand, but its class outranks the asker's (rule 9).
     OUTRANKS = "outranks"
-    #: Stopping it would take its owner's scope below its guarantee (rule D).
+    #: Stopping it would take its owner's scope below its guarantee (rule 8).
     GUARANTEED = "guaranteed"
     #: Same class and grown under load, but its deployment's surplus is already taken
-    #: (rule D'): one more would take it below its own minimum.
+    #: (rule 12): one more would take it below its own minimum.
     AT_MINIMUM = "at_minimum"
     #: It passed every rule, but stopping it (alone, or with the others) makes no room.
     NO_ROOM = "no_room"
@@ -321,7 +321,8 @@ class EvictionChoice(Tolerant):
     node_id: NodeId
     #: The memory its claims hold, which stopping it frees.
     freed_bytes: int = Field(ge=0)
-    #: How long it has been unused, in seconds.
+    #: How long it has been unused, in seconds (0 for a preempted one: its usage is not
+    #: what let it go).
     idle_s: float = Field(ge=0)
     #: It is asleep (holding only its weights).
     asleep: bool = False
