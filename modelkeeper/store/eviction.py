@@ -12,6 +12,12 @@ it tells the asker to seek again rather than give up (a model asked for while th
 one still loads would otherwise read cant_place until a node changed). The policy and the
 single-node rules are left to the choice, which names each replica it refuses and why.
 
+Each candidate also carries what preemption reads of it (issue 22): its deployment's
+declared class and owner, and how many awake replicas (ready or starting) that deployment
+runs, which :attr:`~modelkeeper.domain.eviction.Candidate.beyond_min` compares with its
+policy's minimum. :func:`read_asker` reads the same of the deployment asking, and
+:func:`read_holdings` what every owner's replicas hold, for the quotas' guarantees.
+
 Usage follows the freshness rule of :mod:`modelkeeper.domain.draining`: a gateway
 worker's row of a ready replica counts while it is younger than
 :func:`~modelkeeper.domain.draining.stale_after_s` (a worker routing it writes one every
@@ -28,10 +34,16 @@ from collections.abc import Sequence
 import asyncpg
 from pydantic import ValidationError
 
+from ..domain.capacity import CapacityClass, Holding, Resources, effective_class
 from ..domain.demand import ReplicaUse, ScalingPolicy
-from ..domain.eviction import EVICTABLE_STATES, Candidate, VictimClaim
+from ..domain.eviction import EVICTABLE_STATES, Asker, Candidate, VictimClaim
 from ..domain.ids import DeploymentId, NodeId, ReplicaId
+from ..domain.placement import PlacementRequest
 from ..domain.status import ReplicaState
+
+#: The replicas a deployment's minimum counts: those serving or on their way (a minimum
+#: promises replicas that serve; a sleeper beside them is not one, nor one draining).
+AWAKE_STATES = frozenset({ReplicaState.READY, ReplicaState.STARTING})
 
 #: What the query lists: the states eviction may choose from, and starting (refused, but
 #: a reason to seek again soon).
@@ -40,11 +52,12 @@ LISTED_STATES = EVICTABLE_STATES | {ReplicaState.STARTING}
 #: The candidates: one row per claim, each with its replica, its deployment's policy and
 #: the replica's usage summed over the rows that count (``reported`` 0: none counts).
 #: ``$1`` the deployment asking, ``$2`` the states, ``$3`` the seconds after which a ready
-#: replica's row is stale; "now" is the transaction's, the store clock that stamped the
-#: rows.
+#: replica's row is stale, ``$4`` the states counted awake; "now" is the transaction's,
+#: the store clock that stamped the rows.
 _CANDIDATES = """
     SELECT r.replica_id, r.deployment_id, r.state, r.ready_at,
-           d.scaling::text AS scaling,
+           d.scaling::text AS scaling, d.capacity_class, d.owner,
+           COALESCE(w.awake, 0)::int AS awake,
            a.node_id, a.memory_bytes, a.cpu_cores::float8 AS cpu_cores, a.gpu_indices,
            a.awake_memory_bytes,
            u.reported, u.in_flight, u.last_used_at, u.reporting_since
@@ -60,6 +73,10 @@ _CANDIDATES = """
           AND (r.state = 'sleeping'
                OR ru.updated_at > now() - make_interval(secs => $3::float8))
     ) u ON true
+    LEFT JOIN (
+        SELECT deployment_id, count(*) AS awake FROM replicas
+        WHERE state = ANY($4::text[]) GROUP BY deployment_id
+    ) w ON w.deployment_id = r.deployment_id
     WHERE r.deployment_id <> $1 AND r.state = ANY($2::text[])
     ORDER BY r.replica_id, a.rank
 """
@@ -70,7 +87,8 @@ async def read_candidates(conn: asyncpg.Connection, *, for_deployment: Deploymen
     """Every ready or sleeping replica of a deployment other than ``for_deployment``, as
     the choice reads it (see the module docstring)."""
     rows = await conn.fetch(_CANDIDATES, for_deployment,
-                            sorted(s.value for s in LISTED_STATES), stale_after_s)
+                            sorted(s.value for s in LISTED_STATES), stale_after_s,
+                            sorted(s.value for s in AWAKE_STATES))
     by_replica: dict[str, list[asyncpg.Record]] = {}
     for row in rows:
         by_replica.setdefault(row["replica_id"], []).append(row)
@@ -100,7 +118,68 @@ def _candidate(rows: Sequence[asyncpg.Record]) -> Candidate:
         deployment_id=DeploymentId(first["deployment_id"]),
         policy=_policy(first["scaling"]), state=ReplicaState(first["state"]),
         ready_at=first["ready_at"], use=use,
+        capacity_class=_capacity_class(first["capacity_class"]), owner=first["owner"],
+        deployment_replicas=first["awake"],
         claims=[VictimClaim(node_id=NodeId(r["node_id"]), memory_bytes=r["memory_bytes"],
                             cpu_cores=r["cpu_cores"], gpu_indices=list(r["gpu_indices"]),
                             awake_memory_bytes=r["awake_memory_bytes"])
                 for r in rows])
+
+
+def _capacity_class(text: str | None) -> CapacityClass | None:
+    """The stored class (the column's CHECK keeps it one of the three)."""
+    return CapacityClass(text) if text is not None else None
+
+
+#: The deployment asking, as preemption reads it: its class, owner, policy, fixed count
+#: (its minimum when it has no policy) and awake replicas (``$2`` the awake states).
+_ASKER = """
+    SELECT d.capacity_class, d.owner, d.scaling::text AS scaling, d.replicas,
+           (SELECT count(*) FROM replicas r
+            WHERE r.deployment_id = d.deployment_id AND r.state = ANY($2::text[]))::int
+               AS awake
+    FROM deployments d WHERE d.deployment_id = $1
+"""
+
+
+async def read_asker(conn: asyncpg.Connection, deployment_id: DeploymentId,
+                     request: PlacementRequest) -> Asker | None:
+    """The deployment asking for room for ``request`` (one replica), or None when it is
+    gone. Its minimum is its policy's, or its fixed count with no policy (a promise to
+    run that many); what the replica would hold is the request's, all shards together."""
+    row = await conn.fetchrow(_ASKER, deployment_id, sorted(s.value for s in AWAKE_STATES))
+    if row is None:
+        return None
+    policy = _policy(row["scaling"])
+    shards = request.min_nodes
+    return Asker(
+        deployment_id=deployment_id,
+        capacity_class=effective_class(_capacity_class(row["capacity_class"]), policy),
+        owner=row["owner"], replicas=row["awake"],
+        min_replicas=policy.min_replicas if policy is not None else row["replicas"],
+        holds=Resources(memory_bytes=request.memory_bytes,
+                        gpus=request.shard_gpus * shards,
+                        cpu_cores=(request.cpu_cores or 0.0) * shards))
+
+
+#: What every owner's replicas hold now (their claims), one row per owner; replicas of
+#: deployments with no owner belong to no scope and are not read.
+_HOLDINGS = """
+    SELECT d.owner, SUM(a.memory_bytes)::bigint AS memory_bytes,
+           SUM(cardinality(a.gpu_indices))::int AS gpus,
+           SUM(a.cpu_cores)::float8 AS cpu_cores
+    FROM allocations a
+    JOIN replicas r ON r.replica_id = a.replica_id
+    JOIN deployments d ON d.deployment_id = r.deployment_id
+    WHERE d.owner IS NOT NULL
+    GROUP BY d.owner ORDER BY d.owner
+"""
+
+
+async def read_holdings(conn: asyncpg.Connection) -> list[Holding]:
+    """What each owner's replicas hold, summed per owner (what
+    :func:`~modelkeeper.domain.capacity.held_by` sums per scope)."""
+    return [Holding(owner=r["owner"],
+                    resources=Resources(memory_bytes=r["memory_bytes"], gpus=r["gpus"],
+                                        cpu_cores=r["cpu_cores"]))
+            for r in await conn.fetch(_HOLDINGS)]

@@ -17,6 +17,7 @@ from typing import Any
 
 import asyncpg
 
+from ..domain.capacity import Quota
 from ..domain.catalog import CatalogModel, Generation
 from ..domain.eviction import EvictionChoice, NoVictim, choose_victim
 from ..domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
@@ -41,7 +42,7 @@ from ..domain.shards import EngineKind, ShardSpec, share_of
 from ..domain.status import ReplicaState
 from ..domain.topology import FACILITY_CAP_KEY
 from ..domain.units import format_gib
-from .eviction import read_candidates
+from .eviction import read_asker, read_candidates, read_holdings
 from .holds import HoldClaim, hold_room, holds_against, release_holds, with_holds
 from .locks import NODE_LOCK_SPACE, PLACEMENT_LOCK, REPLICA_LOCK_SPACE, lock_key
 from .nodes import CLAIM_COLUMNS, CLAIMS_PER_NODE
@@ -260,6 +261,7 @@ class PlacementStore:
                             request: PlacementRequest, now: datetime,
                             unreachable_after_s: float, lost_after_s: float,
                             stale_after_s: float, protect_s: float,
+                            preempting: bool = False, quotas: Sequence[Quota] = (),
                             ) -> EvictionChoice | NoVictim:
         """Which replica of another on-demand deployment to stop so that a replica of
         this one (``request``) fits: :func:`choose_victim` on the nodes and the
@@ -272,6 +274,13 @@ class PlacementStore:
         exactly the candidates' claims that the choice removes on its copy. Idle time and
         protection are measured on the store's clock, which stamped the usage rows and
         ``ready_at``; node states on ``now``, as every placement's are.
+
+        ``preempting`` turns on preemption (issue 22): the deployment asking is read in
+        the same snapshot (:func:`.eviction.read_asker`: its class, owner, minimum and
+        awake replicas), so lower classes, replicas grown under load and borrowed room
+        may be chosen too. ``quotas`` (the scopes' guarantees) guard replicas within
+        their owner's guarantee; what each owner holds is read with the rest
+        (:func:`.eviction.read_holdings`) whenever quotas are given.
         """
         async with self._pool.acquire() as conn, conn.transaction(
                 isolation="repeatable_read", readonly=True):
@@ -281,10 +290,14 @@ class PlacementStore:
             candidates = await read_candidates(conn, for_deployment=deployment_id,
                                                stale_after_s=stale_after_s)
             held = await holds_against(conn, deployment_id)
+            asker = (await read_asker(conn, deployment_id, request) if preempting
+                     else None)
+            holdings = await read_holdings(conn) if quotas else []
         nodes = with_holds(self._views.of(rows, now, unreachable_after_s=unreachable_after_s,
                                           lost_after_s=lost_after_s, every_node=True), held)
         return choose_victim(request, nodes, candidates, for_deployment=deployment_id,
-                             now=store_now, protect_s=protect_s)
+                             now=store_now, protect_s=protect_s, asker=asker,
+                             quotas=quotas, holdings=holdings)
 
     async def hold_room(self, *, deployment_id: DeploymentId, claims: Sequence[HoldClaim],
                         reason: str, hold_s: float) -> None:

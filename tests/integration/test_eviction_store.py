@@ -12,20 +12,22 @@ Temporal runs it (``ActivityEnvironment``), on replicas placed by ``place_replic
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
-from datetime import timedelta
+from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import pytest
 from temporalio.testing import ActivityEnvironment
 
 from activities.store import StoreActivities
+from modelkeeper.domain.capacity import CapacityClass, Holding, Quota, Resources
 from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest, ReplicaStateUpdate
 from modelkeeper.domain.demand import ScalingPolicy
-from modelkeeper.domain.eviction import RefusalReason
+from modelkeeper.domain.eviction import EvictionChoice, NoVictim, RefusalReason, VictimKind
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec
 from modelkeeper.domain.nodes import AgentRegistration, Inventory
+from modelkeeper.domain.placement import PlacementRequest
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.status import ReplicaState
 from modelkeeper.domain.store_activities import (
@@ -36,6 +38,7 @@ from modelkeeper.domain.store_activities import (
 from modelkeeper.names import deployment_workflow_id
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
+from modelkeeper.store.eviction import read_asker, read_candidates, read_holdings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -259,3 +262,74 @@ async def test_a_model_asked_for_while_the_other_still_starts_seeks_again_soon(
     assert [r.reason_code for r in found.refusals] == [RefusalReason.NOT_SERVING]
     assert found.retry_at is not None
     assert timedelta(0) < found.retry_at - before <= timedelta(seconds=RESEEK_S + 5)
+
+
+async def test_candidates_and_the_asker_are_read_with_class_owner_and_counts(
+    store: Store, db: asyncpg.Connection,
+) -> None:
+    """Preemption's fields come from the tables: a deployment's declared class, owner and
+    awake replicas (ready or starting, not asleep); the asker's effective class, minimum
+    and what its replica would hold; every owner's holdings; and the quotas given guard
+    what is within a guarantee."""
+    await _node(store, "n1", 16)
+    await _node(store, "n2", 8)
+    grown = ScalingPolicy(min_replicas=1, max_replicas=3)
+    exp = await _deployment(store, db, "d-exp", gib=4, policy=grown, node_ids=["n1"])
+    for r in ("r-exp1", "r-exp2", "r-exp3"):
+        await _replica(store, db, exp, r)
+    await db.execute("UPDATE replicas SET state = 'sleeping' WHERE replica_id = 'r-exp3'")
+    await db.execute("UPDATE deployments SET capacity_class = 'opportunistic', "
+                     "owner = 'org/b' WHERE deployment_id = 'd-exp'")
+    other = await _deployment(store, db, "d-other", gib=4, policy=None, node_ids=["n1"])
+    await _replica(store, db, other, "r-other")
+    await _usage(db, "r-other", in_flight=1)
+    crit = await _deployment(store, db, "d-crit", gib=8, policy=grown)
+    await db.execute("UPDATE deployments SET capacity_class = 'critical', owner = 'org/a' "
+                     "WHERE deployment_id = 'd-crit'")
+    # n2 is full of a critical replica nobody owns: only n1's room can be made.
+    filler = await _deployment(store, db, "d-filler", gib=8, policy=None, node_ids=["n2"])
+    await _replica(store, db, filler, "r-filler")
+    await db.execute("UPDATE deployments SET capacity_class = 'critical' "
+                     "WHERE deployment_id = 'd-filler'")
+    request = PlacementRequest(model_id=crit.model_id, memory_bytes=8 * GIB, cpu_cores=2.0)
+
+    read = {str(c.replica_id): c for c in await read_candidates(
+        db, for_deployment=DeploymentId("d-crit"), stale_after_s=5.0)}
+    asker = await read_asker(db, DeploymentId("d-crit"), request)
+    holdings = await read_holdings(db)
+    exp1 = read["r-exp1"]
+    assert (exp1.capacity_class, exp1.owner, exp1.deployment_replicas) == (
+        CapacityClass.OPPORTUNISTIC, "org/b", 2)  # two awake; the sleeper is not counted
+    assert exp1.beyond_min and read["r-exp3"].beyond_min
+    fixed = read["r-other"]
+    assert (fixed.capacity_class, fixed.runs_as, fixed.owner) == (
+        None, CapacityClass.STANDARD, None)
+    assert asker is not None
+    assert (asker.capacity_class, asker.owner, asker.replicas, asker.min_replicas) == (
+        CapacityClass.CRITICAL, "org/a", 0, 1)
+    assert asker.holds == Resources(memory_bytes=8 * GIB, cpu_cores=2.0)
+    assert holdings == [Holding(owner="org/b", resources=Resources(memory_bytes=12 * GIB))]
+
+    async def find(*, preempting: bool = False, quotas: Sequence[Quota] = (),
+                   ) -> EvictionChoice | NoVictim:
+        return await store.placement.find_eviction(
+            deployment_id=DeploymentId("d-crit"), request=request, now=datetime.now(UTC),
+            unreachable_after_s=SETTINGS.node_unreachable_after_s,
+            lost_after_s=SETTINGS.node_lost_after_s, stale_after_s=5.0, protect_s=300.0,
+            preempting=preempting, quotas=quotas)
+
+    # Eviction alone (issue 21's callers): nothing on n1 is idle on demand.
+    assert isinstance(await find(), NoVictim)
+    # Preempting: the lowest class first; d-exp's usage is unknown (not idle) and its
+    # replicas are the same size, so by replica id: two of 4 GiB make the 8.
+    found = await find(preempting=True)
+    assert isinstance(found, EvictionChoice), found
+    assert {v.replica_id: v.kind for v in found.victims} == {
+        "r-exp1": VictimKind.PREEMPT, "r-exp2": VictimKind.PREEMPT}
+    assert found.together and found.place_on == ["n1"]
+    # org/b is guaranteed 8 GiB of the 12 it holds: one replica of 4 may go, not two; the
+    # rest of the room is made by d-other, fixed and in use but standard, below critical.
+    guarded = await find(preempting=True, quotas=[
+        Quota(scope="org/b", guarantee=Resources(memory_bytes=8 * GIB))])
+    assert isinstance(guarded, EvictionChoice), guarded
+    assert [v.replica_id for v in guarded.victims] == ["r-exp1", "r-other"]
