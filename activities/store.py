@@ -24,7 +24,7 @@ from modelkeeper.domain.catalog import (
 from modelkeeper.domain.draining import stale_after_s
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
 from modelkeeper.domain.events import Event, NewEvent
-from modelkeeper.domain.eviction import NoVictim
+from modelkeeper.domain.eviction import NoVictim, VictimKind
 from modelkeeper.domain.ids import NodeId
 from modelkeeper.domain.keeper import DeploymentSpec
 from modelkeeper.domain.nodes import NodeState
@@ -34,9 +34,11 @@ from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.domain.store_activities import (
     DeleteDeploymentInput,
     EvictionFound,
+    EvictTarget,
     FindEvictionInput,
     PlaceReplicaInput,
     PlaceReplicaResult,
+    PreemptTarget,
     RegrowClaimsInput,
     RegrowClaimsResult,
     ReleaseReplicaInput,
@@ -62,6 +64,7 @@ from modelkeeper.names import (
 )
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
+from modelkeeper.store.holds import HoldClaim
 
 log = logging.getLogger(__name__)
 
@@ -230,9 +233,9 @@ class StoreActivities:
         that began serving less than ``eviction_protect_s`` ago is never chosen."""
         spec = request.spec
         model = await self._runs(spec, request.generation)
+        asking = _placement_request(spec, model, avoid_nodes=request.avoid_nodes)
         result = await self._store.placement.find_eviction(
-            deployment_id=spec.deployment_id,
-            request=_placement_request(spec, model, avoid_nodes=request.avoid_nodes),
+            deployment_id=spec.deployment_id, preempting=True, request=asking,
             now=datetime.now(UTC),
             unreachable_after_s=self._settings.node_unreachable_after_s,
             lost_after_s=self._settings.node_lost_after_s,
@@ -244,7 +247,32 @@ class StoreActivities:
             return EvictionFound(reason=result.reason, fits_now=result.fits_now,
                                  refusals=result.refusals, retry_at=result.retry_at)
         log.info("%s: %s", spec.deployment_id, result.reason)
-        return EvictionFound(choice=result, reason=result.reason)
+        if not result.together:
+            return EvictionFound(choice=result, reason=result.reason)
+        # A preemption: the whole set stops together, each victim by its own kind, and
+        # what the replica needs on the nodes it would go to is held for it until it
+        # places (an idempotent replace, so a retried attempt holds it once). The need,
+        # not what the victims free: room that was free already would otherwise go to
+        # the first victim placing again, and the preemption would start over.
+        victims = result.victims
+        await self._store.placement.hold_room(
+            deployment_id=spec.deployment_id,
+            claims=[HoldClaim(node_id=node, memory_bytes=asking.shard_memory_bytes,
+                              cpu_cores=asking.cpu_cores or 0.0)
+                    for node in result.place_on],
+            reason=result.reason, hold_s=self._settings.preempt_hold_s)
+        await self._append(NewEvent(
+            kind="deployment.preempting", deployment_id=spec.deployment_id,
+            message=result.reason,
+            data={"victims": [v.model_dump(mode="json") for v in victims]}))
+        return EvictionFound(
+            reason=result.reason,
+            preempt=[PreemptTarget(replica_id=v.replica_id, deployment_id=v.deployment_id,
+                                   reason=v.preempt_request(spec.deployment_id).reason)
+                     for v in victims if v.kind is VictimKind.PREEMPT],
+            also_evict=[EvictTarget(replica_id=v.replica_id, deployment_id=v.deployment_id,
+                                    reason=result.reason)
+                        for v in victims if v.kind is VictimKind.EVICT])
 
     async def _runs(self, spec: DeploymentSpec, generation: Generation | None
                     ) -> CatalogModel:

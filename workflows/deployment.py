@@ -683,6 +683,16 @@ class DeploymentWorkflow:
         found = await hops.find_eviction(keeper.spec, keeper.next_replica_seq)
         choice = found.choice
         workflow.logger.info("eviction: %s", found.reason)
+        for evicted in found.also_evict:
+            try:
+                await workflow.get_external_workflow_handle(
+                    deployment_workflow_id(evicted.deployment_id)).signal(
+                    DeploymentWorkflow.evict,
+                    EvictRequest(replica_id=evicted.replica_id,
+                                 for_deployment=keeper.spec.deployment_id,
+                                 reason=evicted.reason))
+            except ApplicationError as exc:
+                workflow.logger.info("eviction signal not delivered: %s", exc)
         for target in found.preempt:
             # All together: each of them is needed to make the room (pruned by the rules),
             # and the room they free is held for this deployment until it places.
@@ -708,7 +718,9 @@ class DeploymentWorkflow:
         # The reason becomes the demand note, and so an audit event (_drain_inbox).
         self._inbox.append(EvictionSought(
             victim=choice.replica_id if choice else None, reason=found.reason,
-            retry_at=found.retry_at, preempting=[t.replica_id for t in found.preempt]))
+            retry_at=found.retry_at,
+            preempting=[*(t.replica_id for t in found.preempt),
+                        *(t.replica_id for t in found.also_evict)]))
         if found.fits_now:
             self._inbox.append(NodesChanged())
 

@@ -92,6 +92,15 @@ class PreemptTarget(Tolerant):
     reason: str
 
 
+class EvictTarget(Tolerant):
+    """An idle on-demand replica of a preemption's set: retired (``evict``), its
+    deployment's count lowered, as issue 21's evictions are."""
+
+    replica_id: ReplicaId
+    deployment_id: DeploymentId
+    reason: str
+
+
 class EvictionFound(Tolerant):
     """What `find_eviction` answers: the replica to ask its deployment to retire, or None
     with why not (every candidate refused, named with its reason)."""
@@ -109,6 +118,8 @@ class EvictionFound(Tolerant):
     #: Replicas of others to preempt together (their deployments keep their counts and
     #: wait for room); their room is held for the asking deployment.
     preempt: list[PreemptTarget] = Field(default_factory=list)
+    #: Idle on-demand replicas of the same set, evicted with them.
+    also_evict: list[EvictTarget] = Field(default_factory=list)
 
 
 class ReleaseReplicaInput(Tolerant):

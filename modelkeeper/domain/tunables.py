@@ -105,6 +105,13 @@ class Tunables(KeeperTunables):
 class ControlTunables(Tolerant):
     """The API's and the control worker's timeouts and limits (Settings reads these)."""
 
+    preempt_hold_s: float = Field(
+        default=120.0, gt=0,
+        description="How long the room a preemption frees is held for the deployment that "
+        "asked (counted as claimed for every other placement): the victims' drains "
+        "(preempt_grace_s), their stops and its own placement fit well within it; past it, "
+        "a holder that never came frees the room for the victims again.",
+    )
     api_header_timeout_s: float = Field(
         default=10.0, gt=0,
         description="Longest a client of the API may take to send a request's headers (and "

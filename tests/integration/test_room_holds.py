@@ -12,13 +12,19 @@ import pytest
 from temporalio.testing import ActivityEnvironment
 
 from activities.store import StoreActivities
-from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest
+from modelkeeper.domain.capacity import CapacityClass
+from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest, ReplicaStateUpdate
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec
 from modelkeeper.domain.nodes import AgentRegistration, Inventory
 from modelkeeper.domain.placement import Placement, PlacementRequest
 from modelkeeper.domain.shards import EngineKind
-from modelkeeper.domain.store_activities import PlaceReplicaInput, PlaceReplicaResult
+from modelkeeper.domain.status import ReplicaState
+from modelkeeper.domain.store_activities import (
+    FindEvictionInput,
+    PlaceReplicaInput,
+    PlaceReplicaResult,
+)
 from modelkeeper.names import deployment_workflow_id
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
@@ -39,23 +45,32 @@ async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
         await conn.close()
 
 
-async def _deployment(store: Store, deployment_id: str, gib: int) -> DeploymentSpec:
+async def _deployment(store: Store, deployment_id: str, gib: int, *,
+                      capacity_class: CapacityClass | None = None,
+                      node_ids: list[NodeId] | None = None) -> DeploymentSpec:
     model = CatalogModel(model_id=ModelId(f"m-{deployment_id}"), engine=EngineKind.SIM,
                          source="sim", memory_bytes=gib * GIB)
     await store.catalog.create_model(model)
     await store.deployments.create_deployment(
-        DeploymentId(deployment_id), DeploymentRequest(model_id=model.model_id),
+        DeploymentId(deployment_id),
+        DeploymentRequest(model_id=model.model_id, capacity_class=capacity_class,
+                          node_ids=node_ids),
         deployment_workflow_id(DeploymentId(deployment_id)))
     return DeploymentSpec(deployment_id=DeploymentId(deployment_id), model_id=model.model_id,
-                          replicas=1)
+                          replicas=1, capacity_class=capacity_class, node_ids=node_ids)
+
+
+def _env(activity_id: str, deployment_id: str = "d") -> ActivityEnvironment:
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(env.info, workflow_id=f"deployment/{deployment_id}",
+                                   workflow_run_id="run-1", activity_id=activity_id)
+    return env
 
 
 async def _place(store: Store, spec: DeploymentSpec, replica_id: str) -> PlaceReplicaResult:
-    env = ActivityEnvironment()
-    env.info = dataclasses.replace(env.info, workflow_id=f"deployment/{spec.deployment_id}",
-                                   workflow_run_id="run-1", activity_id=f"place-{replica_id}")
-    return await env.run(StoreActivities(store, SETTINGS).place_replica, PlaceReplicaInput(
-        spec=spec, replica_id=ReplicaId(replica_id), start_timeout_s=60))
+    return await _env(f"place-{replica_id}", spec.deployment_id).run(
+        StoreActivities(store, SETTINGS).place_replica, PlaceReplicaInput(
+            spec=spec, replica_id=ReplicaId(replica_id), start_timeout_s=60))
 
 
 async def test_held_room_is_claimed_for_all_but_its_holder_until_it_places(
@@ -98,3 +113,43 @@ async def test_an_expired_hold_holds_nothing(store: Store, db: asyncpg.Connectio
                     reason="preempted o-r1 for d-holder", hold_s=120)
     await db.execute("UPDATE room_holds SET expires_at = now() - interval '1 second'")
     assert (await _place(store, other, "d-other-r1")).shards
+
+
+async def test_a_critical_deployment_preempts_what_makes_its_room_and_holds_it(
+        store: Store, db: asyncpg.Connection) -> None:
+    """find_eviction as the activity runs it: the opportunistic replicas of one node make
+    a 2 GiB critical replica's room (n1's two, or n2's one beside its free GiB), each is
+    named for the preempt signal, and the room is held for the critical one until it
+    places: a victim placing again first finds none."""
+    for node in ("n1", "n2"):
+        await store.nodes.register_node(AgentRegistration(
+            node_id=NodeId(node), name=node,
+            inventory=Inventory(memory_total_bytes=2 * GIB, memory_available_bytes=2 * GIB,
+                                cpu_count=16)))
+    low = []
+    for name, node in (("d-a", "n1"), ("d-b", "n1"), ("d-c", "n2")):
+        spec = await _deployment(store, name, 1, capacity_class=CapacityClass.OPPORTUNISTIC,
+                                 node_ids=[NodeId(node)])
+        assert (await _place(store, spec, f"{name}-r1")).shards
+        await store.deployments.record_replica_state(ReplicaStateUpdate(
+            replica_id=ReplicaId(f"{name}-r1"), state=ReplicaState.READY))
+        low.append(spec)
+    crit = await _deployment(store, "d-crit", 2, capacity_class=CapacityClass.CRITICAL)
+    found = await _env("find").run(StoreActivities(store, SETTINGS).find_eviction,
+                                   FindEvictionInput(spec=crit,
+                                                     replica_id=ReplicaId("d-crit-r1")))
+    assert found.choice is None
+    assert sorted(t.replica_id for t in found.preempt) in (["d-a-r1", "d-b-r1"],
+                                                           ["d-c-r1"]), found
+    assert all(t.reason.startswith("preempted by d-crit") for t in found.preempt)
+    # What the critical replica needs is held on the node it will go to (not only what
+    # the victims free: n2's free 1 GiB would go to the first victim placing again).
+    held = await db.fetch("SELECT deployment_id, node_id, memory_bytes FROM room_holds")
+    assert [(r["deployment_id"], r["memory_bytes"]) for r in held] == [("d-crit", 2 * GIB)]
+    # The victims stop (their deployments' workflows do it): the room is the holder's.
+    for target in found.preempt:
+        assert await store.deployments.release_replica(target.replica_id)
+    victim = next(s for s in low if s.deployment_id == found.preempt[0].deployment_id)
+    assert not (await _place(store, victim, f"{victim.deployment_id}-r2")).shards
+    assert (await _place(store, crit, "d-crit-r1")).shards
+    assert await db.fetchval("SELECT count(*) FROM room_holds") == 0
