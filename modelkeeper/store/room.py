@@ -1,0 +1,88 @@
+"""What the room surfaces read (``GET /fleet``, headroom, fit plans;
+:mod:`modelkeeper.domain.fleet` and :mod:`modelkeeper.domain.fit_plans` decide on it):
+the nodes as placement sees them, every listed replica with its claims and usage as
+eviction reads them, and the deployments a plan may act on, in one snapshot.
+
+Read by :meth:`.placement.PlacementStore.read_room`, which owns the nodes' query and its
+cache of views; the candidates are :func:`.eviction.read_candidates` asked for no
+deployment in particular, so that the nodes' summed claims hold exactly the claims a
+copy removes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime
+
+import asyncpg
+from pydantic import ValidationError
+
+from ..domain.demand import ScalingPolicy
+from ..domain.eviction import Candidate
+from ..domain.fit_plans import Holder
+from ..domain.ids import DeploymentId
+from ..domain.placement import NodeView
+from ..domain.shards import EngineKind, can_sleep
+from .locks import FIT_PLAN_LOCK
+
+#: Each deployment with its count, its policy, and what its model keeps asleep (NULL when
+#: its engine cannot sleep: llama.cpp). The model is the one it runs (a switch's).
+_HOLDERS = """
+    SELECT d.deployment_id, d.replicas, d.scaling::text AS scaling, m.engine, m.weights_bytes
+    FROM deployments d
+    JOIN models m ON m.model_id = COALESCE(d.runs_model_id, d.model_id)
+    ORDER BY d.deployment_id
+"""
+
+
+@dataclass(frozen=True)
+class RoomSnapshot:
+    """One consistent read of what room there is and who holds it."""
+
+    #: The store's clock when it was read (idle times are measured on it).
+    at: datetime
+    nodes: list[NodeView]
+    candidates: list[Candidate]
+    holders: list[Holder]
+
+
+def _policy(text: str | None) -> ScalingPolicy | None:
+    if text is None:
+        return None
+    try:
+        return ScalingPolicy.model_validate_json(text)
+    except ValidationError:
+        # A policy this version cannot read is not one a plan may change by hand: treat
+        # the deployment as having one (never offered for a scale-down).
+        return ScalingPolicy(min_replicas=0, max_replicas=1)
+
+
+async def read_holders(conn: asyncpg.Connection) -> list[Holder]:
+    """Every deployment as a fit plan reads it."""
+    holders = []
+    for row in await conn.fetch(_HOLDERS):
+        keeps = row["weights_bytes"] if can_sleep(EngineKind(row["engine"])) else None
+        holders.append(Holder(deployment_id=DeploymentId(row["deployment_id"]),
+                              desired_replicas=row["replicas"],
+                              scaling=_policy(row["scaling"]), sleep_keeps_bytes=keeps))
+    return holders
+
+
+class RoomStore:
+    """The fit-plan lock on the pool :class:`~.stores.Store` owns (the room's reads are
+    :meth:`.placement.PlacementStore.read_room`, beside the nodes' query they share)."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    @asynccontextmanager
+    async def plan_lock(self) -> AsyncIterator[None]:
+        """Hold :data:`~.locks.FIT_PLAN_LOCK` for the block: a transaction-scoped advisory
+        lock on a connection of its own, so a process that dies lets go of it with its
+        connection. Placements never take it: it orders plans among themselves, and a
+        plan re-checks its room after its actions (``api/room.py``)."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1, $2)", *FIT_PLAN_LOCK)
+            yield
