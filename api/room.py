@@ -281,7 +281,7 @@ async def room_made(*, store: Store, settings: Settings, acts: Acts, operator: O
             applied.append(action)
         if failed is None:
             fresh = await read_room(store, settings, for_deployment=for_deployment)
-            if not room_after(chosen, request, fresh.nodes, fresh.candidates, count=count):
+            if not room_after(chosen, request, fresh.nodes, fresh.held, count=count):
                 failed = "the room is not made any more (something else took it)"
         if failed is not None:
             incomplete = await undo_all(acts, applied)

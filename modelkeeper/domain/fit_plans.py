@@ -373,21 +373,38 @@ def _plan(number: int, chosen: Sequence[_Option]) -> FitPlan:
                    text="; then ".join(a.text for a in actions))
 
 
+class Held(Frozen):
+    """A replica holding claims, in any state (one draining or stopping still holds
+    them): what :func:`room_after` reads to see how far an action has got."""
+
+    replica_id: ReplicaId
+    state: ReplicaState
+    claims: list[VictimClaim] = Field(min_length=1)
+
+
 def room_after(plan: FitPlan, request: PlacementRequest, nodes: Sequence[NodeView],
-               candidates: Sequence[Candidate], *, count: int) -> bool:
+               held: Sequence[Held], *, count: int) -> bool:
     """Whether ``count`` replicas fit once ``plan``'s actions have taken effect, on a
-    snapshot read after they were asked for: the actions' workflows carry them out in
-    their own time (a drain, a sleep), so an action not yet seen in the snapshot is
-    counted as done; one whose replica has gone, or is already asleep, is done."""
-    by_id = {c.replica_id: c for c in candidates}
+    snapshot read after they were asked for. The actions' workflows carry them out in
+    their own time (a drain, then a stop or a sleep), so what an action frees is counted
+    as freed while its replica still holds it: a scaled-down replica's claims while it
+    has any, a sleep's part while its replica is not asleep yet. A replica with no claims
+    left has freed them already (they are gone from the nodes' sums too)."""
+    by_id = {h.replica_id: h for h in held}
     freed: list[Candidate] = []
     for action in plan.actions:
         replica = by_id.get(action.replica_id)
         if replica is None:
-            continue  # gone: its claims are gone from the snapshot too
+            continue
+        claim = replica.claims[0]
         if action.kind is ActionKind.SCALE_DOWN:
-            freed.append(replica)
-        elif replica.state is ReplicaState.READY:
-            freed.append(_part(replica, action.frees_bytes, whole=False))
+            parts = replica.claims
+        elif replica.state is ReplicaState.SLEEPING:
+            continue  # asleep: its claim holds only what it keeps already
+        else:
+            parts = [VictimClaim(node_id=claim.node_id,
+                                 memory_bytes=min(action.frees_bytes, claim.memory_bytes))]
+        freed.append(Candidate(replica_id=replica.replica_id,
+                               deployment_id=action.deployment_id, policy=None,
+                               state=replica.state, claims=parts))
     return fits(request, without(nodes, freed), count)
-

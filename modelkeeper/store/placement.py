@@ -38,7 +38,7 @@ from .eviction import read_candidates
 from .locks import NODE_LOCK_SPACE, PLACEMENT_LOCK, REPLICA_LOCK_SPACE, lock_key
 from .nodes import CLAIM_COLUMNS, CLAIMS_PER_NODE
 from .pool import decode_jsonb
-from .room import RoomSnapshot, read_holders
+from .room import RoomSnapshot, read_held, read_holders
 
 #: One DEBUG line per placement, with its time split into waiting for a connection, waiting
 #: for locks and the rest (bench/scale reads them). Its own logger, so that it can be
@@ -296,10 +296,11 @@ class PlacementStore:
             candidates = await read_candidates(conn, for_deployment=for_deployment,
                                                stale_after_s=stale_after_s)
             holders = await read_holders(conn)
+            held = await read_held(conn)
         nodes = self._views.of(rows, now, unreachable_after_s=unreachable_after_s,
                                lost_after_s=lost_after_s, every_node=True)
         return RoomSnapshot(at=store_now, nodes=nodes, candidates=candidates,
-                            holders=holders)
+                            holders=holders, held=held)
 
 
 #: Only the columns :class:`NodeView` is built from (:func:`_placement_view`).

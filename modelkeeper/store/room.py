@@ -20,11 +20,12 @@ import asyncpg
 from pydantic import ValidationError
 
 from ..domain.demand import ScalingPolicy
-from ..domain.eviction import Candidate
-from ..domain.fit_plans import Holder
-from ..domain.ids import DeploymentId
+from ..domain.eviction import Candidate, VictimClaim
+from ..domain.fit_plans import Held, Holder
+from ..domain.ids import DeploymentId, NodeId, ReplicaId
 from ..domain.placement import NodeView
 from ..domain.shards import EngineKind, can_sleep
+from ..domain.status import ReplicaState
 from .locks import FIT_PLAN_LOCK
 
 #: Each deployment with its count, its policy, and what its model keeps asleep (NULL when
@@ -34,6 +35,14 @@ _HOLDERS = """
     FROM deployments d
     JOIN models m ON m.model_id = COALESCE(d.runs_model_id, d.model_id)
     ORDER BY d.deployment_id
+"""
+
+#: Every claim with its replica's state, whatever the state.
+_HELD = """
+    SELECT r.replica_id, r.state, a.node_id, a.memory_bytes,
+           a.cpu_cores::float8 AS cpu_cores, a.gpu_indices
+    FROM replicas r JOIN allocations a ON a.replica_id = r.replica_id
+    ORDER BY r.replica_id, a.rank
 """
 
 
@@ -46,6 +55,8 @@ class RoomSnapshot:
     nodes: list[NodeView]
     candidates: list[Candidate]
     holders: list[Holder]
+    #: Every replica holding claims, in any state.
+    held: list[Held]
 
 
 def _policy(text: str | None) -> ScalingPolicy | None:
@@ -68,6 +79,19 @@ async def read_holders(conn: asyncpg.Connection) -> list[Holder]:
                               desired_replicas=row["replicas"],
                               scaling=_policy(row["scaling"]), sleep_keeps_bytes=keeps))
     return holders
+
+
+async def read_held(conn: asyncpg.Connection) -> list[Held]:
+    """Every replica holding claims, with its state."""
+    by_replica: dict[str, list[asyncpg.Record]] = {}
+    for row in await conn.fetch(_HELD):
+        by_replica.setdefault(row["replica_id"], []).append(row)
+    return [Held(replica_id=ReplicaId(rows[0]["replica_id"]),
+                 state=ReplicaState(rows[0]["state"]),
+                 claims=[VictimClaim(node_id=NodeId(r["node_id"]),
+                                     memory_bytes=r["memory_bytes"], cpu_cores=r["cpu_cores"],
+                                     gpu_indices=list(r["gpu_indices"])) for r in rows])
+            for rows in by_replica.values()]
 
 
 class RoomStore:

@@ -18,6 +18,7 @@ from modelkeeper.domain.fit_plans import (
     ActionKind,
     FitPlan,
     Headroom,
+    Held,
     Holder,
     fit_plans,
     fits,
@@ -206,20 +207,27 @@ def test_count_asks_room_for_every_replica() -> None:
     assert len(one.actions) == 1
 
 
+def held(c: Candidate) -> Held:
+    return Held(replica_id=c.replica_id, state=c.state, claims=c.claims)
+
+
 def test_room_after_counts_actions_not_yet_seen_and_sees_what_took_the_room() -> None:
     v = replica("d-v-r1", deployment="d-v", gib=10, policy=None)
     nodes = [node("n1", mem_gib=12, claimed_gib=10)]
     plan = plans_for(asking(8), nodes, [v], [holder("d-v", keeps_gib=2)])[0]
     assert [a.kind for a in plan.actions] == [ActionKind.SLEEP]
     # Asked for, not yet carried out: counted as done.
-    assert room_after(plan, asking(8), nodes, [v], count=1)
+    assert room_after(plan, asking(8), nodes, [held(v)], count=1)
+    # Draining on its way to sleep, still holding it all: counted as done too.
+    draining = held(v).model_copy(update={"state": ReplicaState.DRAINING})
+    assert room_after(plan, asking(8), nodes, [draining], count=1)
     # Carried out (asleep, its claim shrunk): still made.
     slept = v.model_copy(update={"state": ReplicaState.SLEEPING, "claims": [
         VictimClaim(node_id=NodeId("n1"), memory_bytes=2 * GIB)]})
-    assert room_after(plan, asking(8), [node("n1", mem_gib=12, claimed_gib=2)], [slept],
+    assert room_after(plan, asking(8), [node("n1", mem_gib=12, claimed_gib=2)], [held(slept)],
                       count=1)
     # Something else took the room meanwhile: not made.
-    assert not room_after(plan, asking(8), [node("n1", mem_gib=12, claimed_gib=14)], [v],
+    assert not room_after(plan, asking(8), [node("n1", mem_gib=12, claimed_gib=14)], [held(v)],
                           count=1)
 
 
@@ -244,11 +252,12 @@ def test_every_plan_makes_the_room_and_needs_each_action(
     if fits(request, nodes, count):
         assert plans == []
     for plan in plans:
-        assert room_after(plan, request, nodes, candidates, count=count)
+        assert room_after(plan, request, nodes, [held(c) for c in candidates], count=count)
         ids = [a.replica_id for a in plan.actions]
         assert len(ids) == len(set(ids))
         for dropped in plan.actions:
             rest = plan.model_copy(update={"actions": [a for a in plan.actions
                                                        if a is not dropped]})
             if rest.actions:
-                assert not room_after(rest, request, nodes, candidates, count=count)
+                assert not room_after(rest, request, nodes, [held(c) for c in candidates],
+                                      count=count)
