@@ -213,14 +213,12 @@ async def delete_model(model_id: str, store: StoreDep, operator: OperatorDep) ->
 
 @router.post("/deployments", status_code=201, response_model=DeploymentView,
              responses=problems(409, 503))
-async def create_deployment(order: room.DeploymentOrder, store: StoreDep,
+async def create_deployment(request: DeploymentRequest, store: StoreDep,
                             temporal: TemporalDep, *, settings: SettingsDep,
                             operator: OperatorDep) -> DeploymentView | JSONResponse:
     """Keep a model served. 409 if it already has a deployment (also under a race); with
     ``if_no_room: plan``, 409 with the plans that would make room when it does not fit,
     and ``plan: N`` applies one first (docs/capacity.md, "Fit plans")."""
-    request = DeploymentRequest(**order.model_dump(exclude={"if_no_room", "plan"},
-                                                   exclude_unset=True))
     model = await store.catalog.get_model(request.model_id)
     if model is None:
         known = ", ".join(m.model_id for m in await store.catalog.list_models()) or "none"
@@ -236,8 +234,8 @@ async def create_deployment(order: room.DeploymentOrder, store: StoreDep,
         raise HTTPException(409, f"model {request.model_id!r} already has a deployment")
     async with room.room_made(
             store=store, settings=settings, acts=RouteActs(store, temporal, operator),
-            operator=operator, count=request.initial_replicas, if_no_room=order.if_no_room,
-            plan=order.plan, what=f"a deployment of {request.model_id}",
+            operator=operator, count=request.initial_replicas, if_no_room=request.if_no_room,
+            plan=request.plan, what=f"a deployment of {request.model_id}",
             request=room.placement_request(model, min_nodes=request.min_nodes,
                                            node_ids=request.node_ids,
                                            labels=request.labels)) as refused:

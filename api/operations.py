@@ -30,8 +30,8 @@ from modelkeeper.domain.bounds import MAX_REPLICAS, JsonInt
 from modelkeeper.domain.catalog import DeploymentView
 from modelkeeper.domain.demand import ScalingRequest
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
-from modelkeeper.domain.fit_plans import IfNoRoom
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId
+from modelkeeper.domain.no_room import IF_NO_ROOM_HELP, MAX_PLAN_NUMBER, PLAN_HELP, IfNoRoom
 from modelkeeper.domain.operations import (
     MAX_DRAIN_GRACE_S,
     DrainInput,
@@ -53,7 +53,6 @@ from workflows.switch import SwitchSaga
 from .auth import OperatorDep, change
 from .deps import StoreDep, TemporalDep
 from .problems import problems
-from .room import IF_NO_ROOM_HELP, MAX_PLAN_NUMBER, PLAN_HELP
 
 router = APIRouter()
 

@@ -22,15 +22,13 @@ from fastapi import APIRouter, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from modelkeeper.domain.bounds import JsonInt
-from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest, DeploymentView
+from modelkeeper.domain.catalog import CatalogModel, DeploymentView
 from modelkeeper.domain.draining import stale_after_s
 from modelkeeper.domain.fit_plans import (
     NOT_DEPLOYED,
     ActionKind,
     FitPlan,
     Headroom,
-    IfNoRoom,
     PlanAction,
     fit_plans,
     fits,
@@ -39,6 +37,7 @@ from modelkeeper.domain.fit_plans import (
 )
 from modelkeeper.domain.fleet import FleetNode, FleetSummary, summarise
 from modelkeeper.domain.ids import DeploymentId, NodeId
+from modelkeeper.domain.no_room import IfNoRoom
 from modelkeeper.domain.nodes import node_state
 from modelkeeper.domain.operators import Operator
 from modelkeeper.domain.placement import PlacementRequest
@@ -52,23 +51,6 @@ from .problems import problems
 
 router = APIRouter()
 log = logging.getLogger(__name__)
-
-
-#: The most a ``plan`` field may name: far above :data:`~.fit_plans.MAX_PLANS`, so a
-#: number past the plans there are is answered with them (a 409), not a 422.
-MAX_PLAN_NUMBER = 64
-IF_NO_ROOM_HELP = ("without room on the ready nodes: 'queue' (accepted, waits for room: "
-                   "the default) or 'plan' (409 with the plans that would make it fit)")
-PLAN_HELP = ("apply this plan (its number in a 409's plans) first: its actions under a "
-             "lock, undone in reverse if the room is not made")
-
-
-class DeploymentOrder(DeploymentRequest):
-    """POST /deployments: the deployment, and what to do if it does not fit now."""
-
-    if_no_room: IfNoRoom = Field(default=IfNoRoom.QUEUE, description=IF_NO_ROOM_HELP)
-    plan: JsonInt | None = Field(default=None, ge=1, le=MAX_PLAN_NUMBER,
-                                 description=PLAN_HELP)
 
 
 class HeadroomView(BaseModel):

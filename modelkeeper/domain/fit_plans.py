@@ -157,17 +157,6 @@ def headroom(request: PlacementRequest, nodes: Sequence[NodeView],
 # -- fit plans --------------------------------------------------------------------------
 
 
-class IfNoRoom(StrEnum):
-    """What a deploy or a scale-up that does not fit on the ready nodes does."""
-
-    #: Accepted, and waits for room (cant_place) as it always has. The default: a
-    #: deployment made before any node joined is accepted and placed when one does, and
-    #: a script that deploys keeps working.
-    QUEUE = "queue"
-    #: Refused with 409 and the plans that would make it fit.
-    PLAN = "plan"
-
-
 class ActionKind(StrEnum):
     """What a plan does to a replica. Stable strings: clients match on them."""
 
