@@ -52,7 +52,6 @@ from enum import StrEnum
 from pydantic import Field
 
 from .base import Frozen, Tolerant
-from .demand import ScalingPolicy
 from .eviction import Candidate, EvictionChoice, VictimClaim, choose_victim, without
 from .ids import DeploymentId, NodeId, ReplicaId
 from .placement import CantPlace, NodeView, PlacementRequest, apply, place
@@ -176,8 +175,9 @@ class Holder(Frozen):
 
     deployment_id: DeploymentId
     desired_replicas: int = Field(ge=0)
-    #: None: fixed at its count (may be scaled down by one).
-    scaling: ScalingPolicy | None = None
+    #: Fixed at its count (no scaling policy): it may be scaled down by one. One with a
+    #: policy is not (the policy would bring it back; its idle replicas are eviction's).
+    fixed_count: bool = True
     #: What one of its replicas keeps asleep (its model's ``weights_bytes``); None: it
     #: cannot sleep (llama.cpp) or a sleep frees nothing in the accounting.
     sleep_keeps_bytes: int | None = None
@@ -269,7 +269,7 @@ def _options(candidates: Sequence[Candidate], holders: Sequence[Holder], *,
                 text=f"sleep {r.deployment_id}'s replica {r.replica_id} (frees "
                      f"{format_gib(frees)} on {node})")))
         retired = _retired_first(replicas)
-        if (holder.scaling is None and retired is not None and len(retired.claims) == 1
+        if (holder.fixed_count and retired is not None and len(retired.claims) == 1
                 and len(replicas) == holder.desired_replicas):
             node = retired.claims[0].node_id
             n = holder.desired_replicas

@@ -17,9 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import asyncpg
-from pydantic import ValidationError
 
-from ..domain.demand import ScalingPolicy
 from ..domain.eviction import Candidate, VictimClaim
 from ..domain.fit_plans import Held, Holder
 from ..domain.ids import DeploymentId, NodeId, ReplicaId
@@ -28,10 +26,12 @@ from ..domain.shards import EngineKind, can_sleep
 from ..domain.status import ReplicaState
 from .locks import FIT_PLAN_LOCK
 
-#: Each deployment with its count, its policy, and what its model keeps asleep (NULL when
-#: its engine cannot sleep: llama.cpp). The model is the one it runs (a switch's).
+#: Each deployment with its count, whether it has a scaling policy (one this version
+#: cannot read is a policy still), and its model's engine and ``weights_bytes`` (what a
+#: sleeping replica keeps). The model is the one it runs (a switch's).
 _HOLDERS = """
-    SELECT d.deployment_id, d.replicas, d.scaling::text AS scaling, m.engine, m.weights_bytes
+    SELECT d.deployment_id, d.replicas, d.scaling IS NULL AS fixed_count, m.engine,
+           m.weights_bytes
     FROM deployments d
     JOIN models m ON m.model_id = COALESCE(d.runs_model_id, d.model_id)
     ORDER BY d.deployment_id
@@ -59,17 +59,6 @@ class RoomSnapshot:
     held: list[Held]
 
 
-def _policy(text: str | None) -> ScalingPolicy | None:
-    if text is None:
-        return None
-    try:
-        return ScalingPolicy.model_validate_json(text)
-    except ValidationError:
-        # A policy this version cannot read is not one a plan may change by hand: treat
-        # the deployment as having one (never offered for a scale-down).
-        return ScalingPolicy(min_replicas=0, max_replicas=1)
-
-
 async def read_holders(conn: asyncpg.Connection) -> list[Holder]:
     """Every deployment as a fit plan reads it."""
     holders = []
@@ -77,7 +66,7 @@ async def read_holders(conn: asyncpg.Connection) -> list[Holder]:
         keeps = row["weights_bytes"] if can_sleep(EngineKind(row["engine"])) else None
         holders.append(Holder(deployment_id=DeploymentId(row["deployment_id"]),
                               desired_replicas=row["replicas"],
-                              scaling=_policy(row["scaling"]), sleep_keeps_bytes=keeps))
+                              fixed_count=row["fixed_count"], sleep_keeps_bytes=keeps))
     return holders
 
 

@@ -119,7 +119,7 @@ def test_rule2_prunes_to_the_replicas_needed_and_never_counts_one_twice() -> Non
 def holder(deployment: str, *, desired: int = 1, scaling: ScalingPolicy | None = None,
            keeps_gib: int | None = None) -> Holder:
     return Holder(deployment_id=DeploymentId(deployment), desired_replicas=desired,
-                  scaling=scaling, sleep_keeps_bytes=None if keeps_gib is None
+                  fixed_count=scaling is None, sleep_keeps_bytes=None if keeps_gib is None
                   else keeps_gib * GIB)
 
 
