@@ -36,6 +36,7 @@ from . import (
     monitoring,
     nodes,
     operations,
+    room,
     spec,
     swagger,
     windows,
@@ -61,7 +62,10 @@ def create_app(settings: Settings) -> FastAPI:
     # On the router, not per route: a route added to an operator router later is guarded.
     guarded = [Depends(auth.require_operator)]
     routers = [(monitoring.health, False), (monitoring.router, True), (agents.router, False),
-               (nodes.router, True), (liveness.router, False), (deployments.router, True),
+               (nodes.router, True), (liveness.router, False),
+               # Before deployments: its /models/{id}/headroom must not be read as a model
+               # id ending in "/headroom" by GET /models/{model_id:path}.
+               (room.router, True), (deployments.router, True),
                (operations.router, True), (windows.router, True)]
     for router, operators in routers:
         if operators:

@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, Query, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from temporalio.api.errordetails.v1 import NotFoundFailure
 from temporalio.client import Client, WorkflowUpdateFailedError
@@ -33,6 +34,7 @@ from modelkeeper.domain.demand import ScalingPolicy, SetPolicyRequest, SleepRequ
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
 from modelkeeper.domain.ids import DeploymentId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec
+from modelkeeper.domain.operators import Operator
 from modelkeeper.domain.placement import PlacementRequest, explain
 from modelkeeper.domain.profiles import ProfilePlacement, place_profiles, profile_candidates
 from modelkeeper.domain.shards import EngineKind
@@ -59,7 +61,7 @@ from workflows.deployment import (
     DeploymentWorkflow,
 )
 
-from . import operations
+from . import operations, room
 from .auth import OperatorDep, change
 from .deps import SettingsDep, StoreDep, TemporalDep
 from .nodes import resolve_node_ids
@@ -226,8 +228,10 @@ async def delete_model(model_id: str, store: StoreDep, operator: OperatorDep) ->
              responses=problems(409, 503))
 async def create_deployment(request: DeploymentRequest, store: StoreDep,
                             temporal: TemporalDep, *, settings: SettingsDep,
-                            operator: OperatorDep) -> DeploymentView:
-    """Keep a model served. 409 if it already has a deployment (also under a race)."""
+                            operator: OperatorDep) -> DeploymentView | JSONResponse:
+    """Keep a model served. 409 if it already has a deployment (also under a race); with
+    ``if_no_room: plan``, 409 with the plans that would make room when it does not fit,
+    and ``plan: N`` applies one first (docs/capacity.md, "Fit plans")."""
     model = await store.catalog.get_model(request.model_id)
     if model is None:
         known = ", ".join(m.model_id for m in await store.catalog.list_models()) or "none"
@@ -238,6 +242,26 @@ async def create_deployment(request: DeploymentRequest, store: StoreDep,
         # it is renamed.
         request = request.model_copy(update={"node_ids": await resolve_node_ids(
             store, request.node_ids, loc=("body", "node_ids"))})
+    if await store.deployments.get_deployment_by_model(request.model_id) is not None:
+        # Before any plan is applied: room made for a deploy refused anyway is for nothing.
+        raise HTTPException(409, f"model {request.model_id!r} already has a deployment")
+    async with room.room_made(
+            store=store, settings=settings, acts=RouteActs(store, temporal, operator),
+            operator=operator, count=request.initial_replicas, if_no_room=request.if_no_room,
+            plan=request.plan, what=f"a deployment of {request.model_id}",
+            request=room.placement_request(model, min_nodes=request.min_nodes,
+                                           node_ids=request.node_ids,
+                                           labels=request.labels)) as refused:
+        if refused is not None:
+            return refused
+        return await _create(request, model.min_nodes, store=store, temporal=temporal,
+                             settings=settings, operator=operator)
+
+
+async def _create(request: DeploymentRequest, model_min_nodes: int, *, store: Store,
+                  temporal: TemporalDep, settings: SettingsDep,
+                  operator: OperatorDep) -> DeploymentView:
+    """The deployment's row, then its workflow, then the audit entry."""
     deployment_id = DeploymentId(f"d-{uuid.uuid4().hex[:10]}")
     workflow_id = deployment_workflow_id(deployment_id)
     try:
@@ -249,7 +273,7 @@ async def create_deployment(request: DeploymentRequest, store: StoreDep,
         raise field_error("model_id", request.model_id, "unknown model_id") from None
     spec = DeploymentSpec(deployment_id=deployment_id, model_id=request.model_id,
                           replicas=request.initial_replicas,
-                          min_nodes=max(request.min_nodes, model.min_nodes),
+                          min_nodes=max(request.min_nodes, model_min_nodes),
                           node_ids=request.node_ids, labels=request.labels,
                           scaling=request.policy, capacity_class=request.capacity_class,
                           owner=request.owner, spread=request.spread)
@@ -363,11 +387,11 @@ async def retry_deployment(deployment_id: str, store: StoreDep,
                          **problems(404, 409, 503)})
 async def scale_deployment(deployment_id: str, patch: operations.DeploymentPatch,
                            store: StoreDep, *, temporal: TemporalDep, response: Response,
-                           operator: OperatorDep,
-                           ) -> DeploymentView | operations.OperationStarted:
+                           operator: OperatorDep, settings: SettingsDep,
+                           ) -> DeploymentView | operations.OperationStarted | JSONResponse:
     """Change the replica count or the scaling policy (Temporal updates, validated by the
     workflow), or, given ``engine_args``, start a reconfigure as POST .../reconfigure does
-    (202)."""
+    (202). A scale-up takes ``if_no_room`` and ``plan`` as a deploy does."""
     if patch.engine_args is not None:
         response.status_code = 202
         return await operations.start_reconfigure(deployment_id, patch.engine_args,
@@ -377,18 +401,63 @@ async def scale_deployment(deployment_id: str, patch: operations.DeploymentPatch
         return await _set_policy(deployment_id, patch.scaling.policy(), store=store,
                                  temporal=temporal, operator=operator)
     assert patch.replicas is not None  # DeploymentPatch holds exactly one of the three
-    request = ScaleRequest(replicas=patch.replicas)
     view = await _existing(store, deployment_id)
-    with _answered(deployment_id, "scale"):
+    model = await store.catalog.get_model(view.runs_model_id or view.model_id)
+    if model is None:  # a model in use cannot be removed from the catalog
+        raise HTTPException(409, f"deployment {deployment_id} runs a model that is not in "
+                                 "the catalog")
+    async with room.room_made(
+            store=store, settings=settings, acts=RouteActs(store, temporal, operator),
+            operator=operator, count=patch.replicas - view.desired_replicas,
+            if_no_room=patch.if_no_room, plan=patch.plan,
+            what=f"scaling {deployment_id} to {patch.replicas}",
+            for_deployment=view.deployment_id,
+            request=room.placement_request(model, min_nodes=view.min_nodes,
+                                           node_ids=view.node_ids, labels=view.labels,
+                                           deployment=view)) as refused:
+        if refused is not None:
+            return refused
+        await _scale(view, patch.replicas, store=store, temporal=temporal, operator=operator)
+    return await _existing(store, deployment_id)
+
+
+async def _scale(view: DeploymentView, replicas: int, *, store: Store, temporal: TemporalDep,
+                 operator: OperatorDep) -> None:
+    """The scale path: the workflow's ``scale`` update, then the row and the audit log."""
+    request = ScaleRequest(replicas=replicas)
+    with _answered(view.deployment_id, "scale"):
         await execute_update(
             temporal.get_workflow_handle_for(DeploymentWorkflow.run, view.workflow_id),
             DeploymentWorkflow.scale, request, rpc_timeout=UPDATE_ANSWER_TIMEOUT)
-    await store.deployments.set_desired_replicas(deployment_id, request.replicas)
+    await store.deployments.set_desired_replicas(view.deployment_id, request.replicas)
     await store.events.record_event(change(operator, "deployment.scaled",
-                                           f"scale {deployment_id} from {view.desired_replicas} to "
+                                           f"scale {view.deployment_id} from "
+                                           f"{view.desired_replicas} to "
                                            f"{request.replicas} replica(s)",
                                            deployment_id=view.deployment_id))
-    return await _existing(store, deployment_id)
+
+
+class RouteActs:
+    """A fit plan's actions and their undos (api/room.py) through these routes' own
+    paths: the same workflow updates, the same refusals and the same audit entries as an
+    operator's sleep, wake and scale."""
+
+    def __init__(self, store: Store, temporal: Client, operator: Operator) -> None:
+        self._store, self._temporal, self._operator = store, temporal, operator
+
+    async def sleep(self, deployment_id: DeploymentId, replica_id: str) -> None:
+        await sleep_deployment(deployment_id, self._store, self._temporal,
+                               operator=self._operator,
+                               choice=ReplicaChoice(replica_id=ReplicaId(replica_id)))
+
+    async def wake(self, deployment_id: DeploymentId, replica_id: str) -> None:
+        await wake_deployment(deployment_id, self._store, self._temporal,
+                              operator=self._operator,
+                              choice=ReplicaChoice(replica_id=ReplicaId(replica_id)))
+
+    async def scale(self, deployment_id: DeploymentId, replicas: int) -> None:
+        await _scale(await _existing(self._store, deployment_id), replicas,
+                     store=self._store, temporal=self._temporal, operator=self._operator)
 
 
 async def _set_policy(deployment_id: str, policy: ScalingPolicy, *, store: Store,

@@ -31,6 +31,7 @@ from modelkeeper.domain.catalog import DeploymentView
 from modelkeeper.domain.demand import ScalingRequest
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId
+from modelkeeper.domain.no_room import IF_NO_ROOM_HELP, MAX_PLAN_NUMBER, PLAN_HELP, IfNoRoom
 from modelkeeper.domain.operations import (
     MAX_DRAIN_GRACE_S,
     DrainInput,
@@ -106,6 +107,10 @@ class DeploymentPatch(Frozen):
     replicas: JsonInt | None = Field(default=None, ge=0, le=MAX_REPLICAS)
     scaling: ScalingRequest | None = None
     engine_args: dict[str, Any] | None = None
+    #: A scale-up (``replicas``) without room: as POST /deployments (docs/capacity.md).
+    if_no_room: IfNoRoom = Field(default=IfNoRoom.QUEUE, description=IF_NO_ROOM_HELP)
+    plan: JsonInt | None = Field(default=None, ge=1, le=MAX_PLAN_NUMBER,
+                                 description=PLAN_HELP)
 
     @model_validator(mode="after")
     def _one_change(self) -> Self:
@@ -115,6 +120,10 @@ class DeploymentPatch(Frozen):
             raise ValueError("give one of replicas (scale), scaling (a policy) or "
                              "engine_args (reconfigure); "
                              + (f"got {' and '.join(given)}" if given else "got none"))
+        if self.replicas is None and (self.plan is not None
+                                      or self.if_no_room is not IfNoRoom.QUEUE):
+            raise ValueError("if_no_room and plan go with replicas (a scale-up); "
+                             f"got them with {given[0]}")
         return self
 
 

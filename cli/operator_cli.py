@@ -1,9 +1,9 @@
-"""`modelkeeper deploy / ls / rm / nodes / explain / models`, the changes (`scale`, `sleep`,
-`wake`, `retry`, `restart`, `switch`, `reconfigure`, `cordon`, `uncordon`, `drain`),
-`operations` (alias `ops`), which lists, shows and cancels the sagas, and `schedule`, a
-deployment's windows of scaling by the clock: thin wrappers over the API, sending the
-operator token (:func:`operator_token`). `tokens` makes, lists and revokes those tokens
-straight in the database, so the first admin token needs no API.
+"""`modelkeeper deploy / ls / status / headroom / rm / nodes / explain / models`, the
+changes (`scale`, `sleep`, `wake`, `retry`, `restart`, `switch`, `reconfigure`, `cordon`,
+`uncordon`, `drain`), `operations` (alias `ops`), which lists, shows and cancels the
+sagas, and `schedule`, a deployment's windows of scaling by the clock: thin wrappers
+over the API, sending the operator token (:func:`operator_token`). `tokens` makes, lists
+and revokes those tokens straight in the database, so the first admin token needs no API.
 
 One table, ``COMMANDS``, holds every operator command: its flags, the request it sends
 (method, path and body, built from the parsed arguments alone) and how it shows the
@@ -38,6 +38,7 @@ import httpx
 from modelkeeper.domain.bounds import MAX_REPLICAS
 from modelkeeper.domain.catalog import DEFAULT_REPLICAS, scaling_summary
 from modelkeeper.domain.demand import MAX_LOAD_WAIT_S, MAX_PERIOD_S, ScalingPolicy
+from modelkeeper.domain.no_room import MAX_PLAN_NUMBER, IfNoRoom
 from modelkeeper.domain.operators import OperatorRole, name_problem
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.units import format_duration, format_gib, parse_bytes, parse_duration
@@ -213,6 +214,7 @@ def _deploy_request(args: argparse.Namespace) -> Request:
     body: dict[str, Any] = {
         "model_id": args.model_id, "min_nodes": args.min_nodes, "node_ids": args.node_ids,
         "labels": parse_pairs(args.require_labels, flag="--require-label")}
+    body.update(_room_fields(args))
     policy = _policy_fields(args)
     if not policy:
         body["replicas"] = DEFAULT_REPLICAS if args.replicas is None else args.replicas
@@ -228,8 +230,37 @@ def _deploy_request(args: argparse.Namespace) -> Request:
     return Request("POST", "/deployments", body={**body, "scaling": policy})
 
 
+def _room_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """``if_no_room`` and ``plan`` as given (none: the API's default, queue)."""
+    fields: dict[str, Any] = {}
+    if args.if_no_room is not None:
+        fields["if_no_room"] = args.if_no_room
+    if args.plan is not None:
+        if not 1 <= args.plan <= MAX_PLAN_NUMBER:
+            raise UsageError(f"--plan {args.plan}: must be a plan's number, 1 to "
+                             f"{MAX_PLAN_NUMBER} (a 409 lists them)")
+        fields["plan"] = args.plan
+    return fields
+
+
 def _ls_request(args: argparse.Namespace) -> Request:
     return Request("GET", "/deployments")
+
+
+def _status_request(args: argparse.Namespace) -> Request:
+    return Request("GET", "/fleet")
+
+
+def _headroom_request(args: argparse.Namespace) -> Request:
+    """A deployment's headroom when ``target`` names one (by id or model id), else the
+    catalog model's (the API answers 404 for neither)."""
+    def then(deployments: list[dict[str, Any]]) -> Request:
+        match = next((d for d in deployments
+                      if args.target in (d["deployment_id"], d["model_id"])), None)
+        if match is not None:
+            return Request("GET", f"/deployments/{match['deployment_id']}/headroom")
+        return Request("GET", f"/models/{args.target}/headroom")
+    return Request("GET", "/deployments", then=then)
 
 
 def _rm_request(args: argparse.Namespace) -> Request:
@@ -289,9 +320,12 @@ def _scale_request(args: argparse.Namespace) -> Request:
     if count is not None and policy:
         raise UsageError(f"give --replicas (a fixed count) or policy flags, not both: "
                          f"--replicas {count} and {_given(args)} were given")
+    room = _room_fields(args)
+    if room and count is None:
+        raise UsageError("--if-no-room and --plan go with a replica count (a scale-up)")
     if count is not None:
         return _on_deployment(args, lambda d: Request("PATCH", f"/deployments/{d}",
-                                                      body={"replicas": count}))
+                                                      body={"replicas": count, **room}))
     if not policy:
         raise UsageError("give --replicas N (a fixed count) or policy flags ("
                          + ", ".join(f.flag for f in POLICY_FLAGS) + ")")
@@ -761,6 +795,70 @@ def _schedule_text(args: argparse.Namespace, result: Any) -> str:
                     f"{now}\n" + table([_window_line(result)], _WINDOW_HEADERS))
 
 
+def _idle(seconds: float) -> str:
+    """Idle time in whole hours and minutes: ``2h 05m``, ``14m``."""
+    minutes = int(seconds // 60)
+    return f"{minutes // 60}h {minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m"
+
+
+def _status_text(args: argparse.Namespace, result: Any) -> str:
+    """GET /fleet for a person: the aggregates first, then the lists."""
+    nodes = ", ".join(f"{n} {state}" for state, n in result["nodes"].items()) or "none"
+    memory = result["memory"]
+    unknown = result["nodes_memory_unknown"]
+    lines = [f"nodes: {nodes}",
+             f"memory: {format_gib(memory['used_bytes'])} used of "
+             f"{format_gib(memory['total_bytes'])}, {format_gib(memory['free_bytes'])} free"
+             + (f" ({unknown} ready node(s) do not report memory)" if unknown else "")]
+    if result["gpus"]:
+        lines.append(table([[g["gpu_class"], str(g["total"]), str(g["used"]), str(g["free"]),
+                             str(g["unhealthy"])] for g in result["gpus"]],
+                           ["gpu class", "total", "used", "free", "unhealthy"]))
+    whole = result["free_whole_nodes"]
+    lines.append(f"free whole nodes: {len(whole)}" + (f" ({', '.join(whole)})" if whole
+                                                      else ""))
+    replicas = ", ".join(f"{n} {state}" for state, n in result["replicas"].items())
+    lines.append(f"deployments: {result['deployments']}; replicas: "
+                 f"{sum(result['replicas'].values())}" + (f" ({replicas})" if replicas else "")
+                 + f"; models: {result['models_deployed']} deployed of "
+                 f"{result['models_in_catalog']} in the catalog")
+    if result["cant_place"]:
+        lines.append("cannot be placed:")
+        lines.append(table([[w["deployment_id"], w["model_id"], w["status"], w["reason"]]
+                            for w in result["cant_place"]],
+                           ["deployment", "model", "status", "reason"]))
+    hours = format_duration(result["unasked_after_s"])
+    if result["unasked"]:
+        lines.append(f"asked for by nobody in {hours} or more:")
+        lines.append(table([[u["replica_id"], u["deployment_id"], u["state"],
+                             _idle(u["idle_s"]), format_gib(u["memory_bytes"]),
+                             ",".join(u["nodes"])] for u in result["unasked"]],
+                           ["replica", "deployment", "state", "idle", "memory", "nodes"]))
+    if result["usage_unknown"]:
+        lines.append("usage unknown (no gateway reports it; unknown is not idle): "
+                     + ", ".join(u["replica_id"] for u in result["usage_unknown"]))
+    return "\n".join(lines)
+
+
+def _headroom_text(args: argparse.Namespace, result: Any) -> str:
+    room = result["headroom"]
+    more = "or more " if room["capped"] else ""
+    name = result["model_id"] + (f" ({result['deployment_id']})" if result["deployment_id"]
+                                 else " (not deployed)")
+    lines = [f"{name}, {format_gib(result['memory_bytes'])} a replica: {room['fits_now']} "
+             f"more fit now; {len(room['by_stopping'])} {more}more by stopping others"]
+    if room["by_stopping"]:
+        lines.append(table([[f"+{i}", ", ".join(s["victims"]), format_gib(s["frees_bytes"]),
+                             ",".join(s["place_on"])]
+                            for i, s in enumerate(room["by_stopping"], start=1)],
+                           ["replica", "stopping", "frees", "on"]))
+    if room["why_not_now"]:
+        lines.append(f"not more now: {room['why_not_now']}")
+    if room["why_not_by_stopping"]:
+        lines.append(f"not more by stopping: {room['why_not_by_stopping']}")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------
 # The flags each command adds to the common ones (--api-url, --json)
 
@@ -795,10 +893,26 @@ def _deploy_flags(parser: argparse.ArgumentParser) -> None:
                         help="only this node, by name or id; repeatable")
     parser.add_argument("--require-label", dest="require_labels", action="append",
                         default=[], metavar="KEY=VALUE", help="node label; repeatable")
+    _room_flags(parser)
+
+
+def _room_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--if-no-room", choices=[c.value for c in IfNoRoom],
+                        help="without room on the ready nodes: queue (accepted, waits: the "
+                             "default) or plan (refused, listing the plans that make room)")
+    parser.add_argument("--plan", type=int, metavar="N",
+                        help="apply plan N of those listed first (its sleeps and "
+                             "scale-downs, undone if the room is not made)")
 
 
 def _no_flags(parser: argparse.ArgumentParser) -> None:
     pass
+
+
+def _headroom_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", metavar="MODEL_OR_DEPLOYMENT",
+                        help="a deployment (by id or model id), or a catalog model not "
+                             "deployed yet")
 
 
 def _rm_flags(parser: argparse.ArgumentParser) -> None:
@@ -820,6 +934,7 @@ def _scale_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, metavar="N",
                         help="a fixed count, min = max = N (the policy goes)")
     _policy_flags(parser)
+    _room_flags(parser)
 
 
 def _sleep_flags(parser: argparse.ArgumentParser) -> None:
@@ -930,6 +1045,11 @@ class Command:
 COMMANDS: tuple[Command, ...] = (
     Command("deploy", "keep a model served", _deploy_flags, _deploy_request, _deploy_text),
     Command("ls", "list deployments", _no_flags, _ls_request, _ls_text),
+    Command("status", "the fleet at a glance: capacity used and free, free whole nodes, "
+            "what cannot be placed, what nobody asked for lately", _no_flags,
+            _status_request, _status_text),
+    Command("headroom", "how many more replicas of a model fit, and by stopping which",
+            _headroom_flags, _headroom_request, _headroom_text),
     Command("rm", "delete a deployment (by id or model id)", _rm_flags, _rm_request,
             _rm_text),
     Command("nodes", "list nodes, or remove one (nodes rm NODE [--force])", _nodes_flags,

@@ -12,6 +12,7 @@ from .bounds import MAX_REPLICAS, STRICT, JsonInt
 from .capacity import CapacityClass, OwnerPath
 from .demand import ScalingPolicy, ScalingRequest
 from .ids import DeploymentId, ModelId, NodeId, ReplicaId
+from .no_room import IF_NO_ROOM_HELP, MAX_PLAN_NUMBER, PLAN_HELP, IfNoRoom
 from .shards import EngineKind
 from .sources import SECRET_NAME_PATTERN, SHA256_PATTERN
 from .status import DeploymentStatus, ReplicaState
@@ -238,6 +239,10 @@ class DeploymentRequest(Frozen):
     spread: Spread | None = Field(
         default=None, description="spread its replicas' shards over a topology key (zone, "
                                   "rack or pdu) with a max skew (docs/capacity.md)")
+    #: What happens when it does not fit now (fit plans); not stored with it.
+    if_no_room: IfNoRoom = Field(default=IfNoRoom.QUEUE, description=IF_NO_ROOM_HELP)
+    plan: JsonInt | None = Field(default=None, ge=1, le=MAX_PLAN_NUMBER,
+                                 description=PLAN_HELP)
 
     @model_validator(mode="after")
     def _one_count(self) -> Self:

@@ -23,6 +23,10 @@ NODE_NAME_LOCK_SPACE = int.from_bytes(b"mkNn", "big", signed=True)
 #: The placement lock: every optimistic attempt holds it shared, the serialized last
 #: attempt exclusively, which is what makes that attempt's snapshot exact.
 PLACEMENT_LOCK = (int.from_bytes(b"mkPl", "big", signed=True), 0)
+#: The fit-plan lock: one plan is applied at a time, in every API process, from its first
+#: action to its deployment's creation (or its undo), so two plans never count the same
+#: freed room (:meth:`.room.RoomStore.plan_lock`).
+FIT_PLAN_LOCK = (int.from_bytes(b"mkFp", "big", signed=True), 0)
 
 
 def lock_key(entity_id: str) -> int:

@@ -20,6 +20,7 @@ import asyncpg
 from ..domain.capacity import Quota
 from ..domain.catalog import CatalogModel, Generation
 from ..domain.eviction import EvictionChoice, NoVictim, choose_victim
+from ..domain.fit_plans import NOT_DEPLOYED
 from ..domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from ..domain.nodes import GpuInfo, NodeState, effective_labels, state_at
 from ..domain.placement import (
@@ -47,6 +48,7 @@ from .holds import HoldClaim, hold_room, holds_against, release_holds, with_hold
 from .locks import NODE_LOCK_SPACE, PLACEMENT_LOCK, REPLICA_LOCK_SPACE, lock_key
 from .nodes import CLAIM_COLUMNS, CLAIMS_PER_NODE
 from .pool import decode_jsonb
+from .room import RoomSnapshot, read_held, read_holders
 
 #: One DEBUG line per placement, with its time split into waiting for a connection, waiting
 #: for locks and the rest (bench/scale reads them). Its own logger, so that it can be
@@ -313,6 +315,26 @@ class PlacementStore:
         note: str | None = await self._pool.fetchval(
             "SELECT placement_note FROM replicas WHERE replica_id = $1", replica_id)
         return note
+
+    async def read_room(self, *, now: datetime, unreachable_after_s: float,
+                        lost_after_s: float, stale_after_s: float,
+                        for_deployment: DeploymentId = NOT_DEPLOYED) -> RoomSnapshot:
+        """The nodes, every replica eviction lists (but ``for_deployment``'s) with its
+        claims and usage, and the deployments a fit plan may act on, in one REPEATABLE
+        READ snapshot as :meth:`find_eviction` reads them (:mod:`.room`). No lock, nothing
+        written: what headroom, fit plans and the fleet summary read."""
+        async with self._pool.acquire() as conn, conn.transaction(
+                isolation="repeatable_read", readonly=True):
+            store_now: datetime = await conn.fetchval("SELECT now()")
+            rows = await conn.fetch(_PLACEMENT_NODE_SELECT + " ORDER BY n.node_id")
+            candidates = await read_candidates(conn, for_deployment=for_deployment,
+                                               stale_after_s=stale_after_s)
+            holders = await read_holders(conn)
+            held = await read_held(conn)
+        nodes = self._views.of(rows, now, unreachable_after_s=unreachable_after_s,
+                               lost_after_s=lost_after_s, every_node=True)
+        return RoomSnapshot(at=store_now, nodes=nodes, candidates=candidates,
+                            holders=holders, held=held)
 
 
 #: Only the columns :class:`NodeView` is built from (:func:`_placement_view`).
