@@ -12,7 +12,8 @@ and its migration only. Each aggregate's queries live in a module of its own:
 - :mod:`.usage`: the gateways' usage rows, as a drain reads them;
 - :mod:`.events`: the audit log;
 - :mod:`.operations`: the sagas' records;
-- :mod:`.tokens`: operator tokens.
+- :mod:`.tokens`: operator tokens;
+- :mod:`.quotas`: quotas per scope, and what each owner holds.
 
 The migration runner is :mod:`.schema`; the gateway's reads are :mod:`.routing`, on a
 pool of its own.
@@ -33,6 +34,7 @@ from .nodes import NodeStore
 from .operations import OperationsStore
 from .placement import PlacementStore
 from .pool import open_pool
+from .quotas import QuotasStore
 from .schema import Migration, apply_migrations
 from .tokens import TokensStore
 from .usage import UsageStore
@@ -52,6 +54,7 @@ class Store:
         self.events = EventStore(pool)
         self.operations = OperationsStore(pool)
         self.tokens = TokensStore(pool)
+        self.quotas = QuotasStore(pool)
 
     @classmethod
     async def connect(cls, dsn: str, *, min_size: int = 1, max_size: int = 10,
