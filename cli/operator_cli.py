@@ -818,22 +818,22 @@ _WINDOW_HEADERS = ["name", "days", "hours", "timezone", "min", "max", "prewarm",
                    "next open (utc)", "next close (utc)"]
 
 
-def _resources(resources: dict[str, Any]) -> str:
+def _resources(resources: dict[str, Any], *, limit: bool = False) -> str:
+    """``16.0 GiB, 2 GPU, 4 cores``: the parts that are set. A part of 0 is left out,
+    except in a limit, where 0 allows nothing (an unset limit part is null)."""
     parts = []
-    if resources.get("memory_bytes") is not None:
-        parts.append(_mem(resources["memory_bytes"]))
-    if resources.get("gpus") is not None:
-        parts.append(f"{resources['gpus']} GPU")
-    if resources.get("cpu_cores") is not None:
-        parts.append(f"{resources['cpu_cores']:g} cores")
-    return ", ".join(parts) or "-"
+    for field, show in (("memory_bytes", _mem), ("gpus", lambda v: f"{v} GPU"),
+                        ("cpu_cores", lambda v: f"{v:g} cores")):
+        value = resources.get(field)
+        if value is not None and (limit or value):
+            parts.append(show(value))
+    return ", ".join(parts) or ("unlimited" if limit else "-")
 
 
 def _quota_line(view: dict[str, Any]) -> list[str]:
-    limit = {k: v for k, v in view["limit"].items() if v is not None}
-    return [view["scope"], _resources(view["guarantee"]), _resources(limit) if limit
-            else "unlimited", _resources(view["held"]), _resources(view["borrowed"]),
-            ", ".join(view["at_limit"]) or "-"]
+    return [view["scope"], _resources(view["guarantee"]),
+            _resources(view["limit"], limit=True), _resources(view["held"]),
+            _resources(view["borrowed"]), ", ".join(view["at_limit"]) or "-"]
 
 
 def _quota_text(args: argparse.Namespace, result: Any) -> str:
