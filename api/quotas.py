@@ -85,7 +85,9 @@ class LimitProblem(BaseModel):
     """409: a deployment or a scale-up that would pass a scope's limit."""
 
     detail: str
-    quota: LimitBreach
+    #: The limit passed, as numbers; absent on a 409 for another conflict (the
+    #: deployment exists, a workflow's refusal).
+    quota: LimitBreach | None = None
 
 
 def replica_resources(model: CatalogModel, min_nodes: int) -> Resources:
