@@ -226,7 +226,8 @@ async def create_deployment(request: DeploymentRequest, store: StoreDep,
     if request.owner is None and operator.scope is not None:
         # A scoped token's deployment is its scope's unless it names one beneath.
         request = request.model_copy(update={"owner": operator.scope})
-    _within_scope(operator, request.owner, f"a deployment of {request.model_id}")
+    _within_scope(operator, request.owner, action=f"deploy {request.model_id}",
+                  what="the deployment")
     await quotas.refuse_over_limit(store, request.owner, quotas.times(
         quotas.replica_resources(model, request.min_nodes), _most_replicas(
             request.policy, request.initial_replicas)))
@@ -421,12 +422,12 @@ def _most_replicas(policy: ScalingPolicy | None, replicas: int) -> int:
     return replicas if policy is None else policy.max_replicas
 
 
-def _within_scope(operator: Operator, owner: str | None, what: str) -> None:
+def _within_scope(operator: Operator, owner: str | None, *, action: str, what: str) -> None:
     """A 403 naming the scope when ``operator``'s token is bound to one that ``owner`` is
-    not within."""
+    not within: "token 'x' cannot {action}: ... and {what} is owned by ..."."""
     why = scope_refusal(operator.scope, owner, what)
     if why is not None:
-        raise HTTPException(403, f"token {operator.name!r} cannot make {what}: {why}")
+        raise HTTPException(403, f"token {operator.name!r} cannot {action}: {why}")
 
 
 async def _refuse_scale_over_limit(store: Store, view: DeploymentView, replicas: int) -> None:
@@ -452,8 +453,9 @@ async def _set_tenancy(deployment_id: str, patch: operations.DeploymentPatch, *,
     it is told (the lead's wiring forwards it)."""
     view = await _existing(store, deployment_id)
     if patch.owner is not None and patch.owner != view.owner:
-        _within_scope(operator, patch.owner, f"deployment {deployment_id} owned by "
-                                             f"{patch.owner!r}")
+        _within_scope(operator, patch.owner,
+                      action=f"move deployment {deployment_id} to {patch.owner!r}",
+                      what="the deployment, once moved,")
         model = await store.catalog.get_model(view.runs_model_id or view.model_id)
         if model is not None:
             await quotas.refuse_over_limit(

@@ -19,11 +19,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, Field
 
 from modelkeeper.domain.base import Frozen
+from modelkeeper.domain.bounds import JsonInt
 from modelkeeper.domain.capacity import (
     MAX_OWNER_LENGTH,
+    MAX_QUOTA_REQUEST_BYTES,
+    MAX_QUOTA_UNITS,
     OWNER_PATTERN,
     Holding,
     Limit,
@@ -49,16 +52,23 @@ router = APIRouter()
 ScopePath = Annotated[str, Path(pattern=OWNER_PATTERN, max_length=MAX_OWNER_LENGTH)]
 
 
-class GuaranteeSetting(Resources):
-    """A guarantee as an operator sends it: a misspelt part is a 422 naming it."""
+class GuaranteeSetting(Frozen):
+    """A guarantee as an operator sends it: JSON numbers only (``true`` is not 1), a
+    misspelt part a 422 naming it, and memory bounded where a JSON client agrees on the
+    bound (``MAX_QUOTA_REQUEST_BYTES``)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    memory_bytes: JsonInt = Field(default=0, ge=0, le=MAX_QUOTA_REQUEST_BYTES)
+    gpus: JsonInt = Field(default=0, ge=0, le=MAX_QUOTA_UNITS)
+    cpu_cores: float = Field(default=0.0, ge=0, le=MAX_QUOTA_UNITS, strict=True)
 
 
-class LimitSetting(Limit):
-    """A limit as an operator sends it: a misspelt part is a 422 naming it."""
+class LimitSetting(Frozen):
+    """A limit as an operator sends it, as :class:`GuaranteeSetting`; a part null or left
+    out is unlimited."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    memory_bytes: JsonInt | None = Field(default=None, ge=0, le=MAX_QUOTA_REQUEST_BYTES)
+    gpus: JsonInt | None = Field(default=None, ge=0, le=MAX_QUOTA_UNITS)
+    cpu_cores: float | None = Field(default=None, ge=0, le=MAX_QUOTA_UNITS, strict=True)
 
 
 class QuotaSetting(Frozen):

@@ -41,7 +41,7 @@ from modelkeeper.domain.bounds import MAX_REPLICAS
 from modelkeeper.domain.capacity import (
     MAX_OWNER_DEPTH,
     MAX_OWNER_LENGTH,
-    MAX_QUOTA_BYTES,
+    MAX_QUOTA_REQUEST_BYTES,
     MAX_QUOTA_UNITS,
     OWNER_PATTERN,
     CapacityClass,
@@ -459,8 +459,8 @@ class QuotaFlag:
                 value: int | float = parse_bytes(raw)
             except ValueError as exc:
                 raise UsageError(f"{self.flag}: {exc}") from None
-            high: int | float = MAX_QUOTA_BYTES
-            shown = format_gib(MAX_QUOTA_BYTES)
+            high: int | float = MAX_QUOTA_REQUEST_BYTES
+            shown = format_gib(MAX_QUOTA_REQUEST_BYTES)
         else:
             try:
                 value = int(raw) if self.field == "gpus" else float(raw)

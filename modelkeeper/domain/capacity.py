@@ -98,6 +98,11 @@ def within(owner: str, scope: str) -> bool:
 MAX_QUOTA_BYTES = 2**60
 #: The most GPUs or cores a quota may name.
 MAX_QUOTA_UNITS = 1_000_000
+#: The most memory a quota set through the API may name: 4 PiB (2**52), far past any
+#: cluster, and below 2**53, so that a JSON client comparing it as a float
+#: (a JSON Schema validator does) agrees with the API on what passes the bound; at 2**60
+#: a number a little past the bound reads as equal to it.
+MAX_QUOTA_REQUEST_BYTES = 1 << 52
 
 
 class Resources(Tolerant):

@@ -179,6 +179,10 @@ async def test_quotas_show_held_borrowed_and_at_limit(
     # A misspelt part or a scope no owner could be is a 422 naming it.
     typo = await api.put("/quotas/acme", json={"limit": {"memory": 1}})
     assert typo.status_code == 422 and "memory" in typo.text
+    for bad in ({"guarantee": {"gpus": True}}, {"guarantee": {"cpu_cores": False}},
+                {"limit": {"memory_bytes": (1 << 52) + 1}}, {"limit": {"gpus": "2"}}):
+        refused = await api.put("/quotas/acme", json=bad)
+        assert refused.status_code == 422, (bad, refused.text)
     assert (await api.put("/quotas/Acme", json={})).status_code == 422
     assert (await api.put("/quotas/a/b/c/d", json={})).status_code == 422
 

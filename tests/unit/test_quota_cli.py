@@ -70,6 +70,7 @@ def test_quota_rm_and_owner_send_after_their_lookup() -> None:
      "--guarantee-cores -1: must be at least 0 and at most 1,000,000"),
     (["quota", "set", "acme", "--limit-cores", "nan"], "--limit-cores nan: must be at least 0"),
     (["quota", "set", "acme", "--limit-memory", "2EiB"], "--limit-memory: invalid byte"),
+    (["quota", "set", "acme", "--limit-memory", str(5 << 50)], "at most 4194304.0 GiB"),
     (["deploy", "m", "--owner", "Team A"], "--owner 'Team A': a scope is org"),
     (["owner", "big", "acme//a"], "SCOPE 'acme//a': a scope is org"),
 ])
@@ -83,7 +84,7 @@ def test_a_limit_past_the_largest_is_refused_naming_it() -> None:
     with pytest.raises(UsageError) as info:
         request("quota", "set", "acme", "--limit-memory", str(2**61))
     assert str(info.value) == (f"--limit-memory {2**61}: must be at least 0 and at most "
-                               "1073741824.0 GiB")
+                               "4194304.0 GiB")
 
 
 def test_a_class_outside_the_three_is_argparses_exit_2() -> None:
