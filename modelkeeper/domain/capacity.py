@@ -186,9 +186,10 @@ class LimitBreach(Frozen):
 
     scope: str
     part: str
-    held: float
-    asked: float
-    limit: float
+    #: Whole numbers stay whole (bytes, GPUs); cores may be fractional.
+    held: int | float
+    asked: int | float
+    limit: int | float
 
     @property
     def message(self) -> str:

@@ -94,6 +94,7 @@ async def test_a_limit_refuses_a_deploy_a_scale_up_and_a_move_with_the_numbers(
     over = await _deploy(api, "m2", replicas=2, owner="acme/a/p")
     assert over.status_code == 409, over.text
     body = over.json()
+    assert '"held":17179869184,' in over.text  # bytes as a JSON integer
     assert body["quota"] == {"scope": "acme/a", "part": "memory", "held": 16 * GIB,
                              "asked": 16 * GIB, "limit": 24 * GIB}
     assert body["detail"] == ("scope 'acme/a' would pass its memory limit: it holds "
