@@ -2,7 +2,7 @@
 
 The routes live on module-level routers (``monitoring``, ``agents`` and ``liveness`` (what
 agents call), ``nodes``, ``deployments``,
-``operations``, ``windows``) and reach the store, Temporal and the settings through the
+``operations``, ``windows``, ``quotas``) and reach the store, Temporal and the settings through the
 dependencies in ``deps``, all read from ``app.state``: building an app is only wiring.
 
 Who may call what is wired here too (``auth``): every route answers only to the allowed
@@ -36,6 +36,7 @@ from . import (
     monitoring,
     nodes,
     operations,
+    quotas,
     room,
     spec,
     swagger,
@@ -66,7 +67,7 @@ def create_app(settings: Settings) -> FastAPI:
                # Before deployments: its /models/{id}/headroom must not be read as a model
                # id ending in "/headroom" by GET /models/{model_id:path}.
                (room.router, True), (deployments.router, True),
-               (operations.router, True), (windows.router, True)]
+               (operations.router, True), (windows.router, True), (quotas.router, True)]
     for router, operators in routers:
         if operators:
             app.include_router(router, dependencies=guarded, responses=auth.AUTH_RESPONSES)
@@ -75,6 +76,7 @@ def create_app(settings: Settings) -> FastAPI:
     # Middleware, innermost first. The body limit, sparing only the liveness streams (and
     # 422s that echo any input); outside it, the operators' token, checked before anything
     # of a body is read; outermost, the Host, refused before any token lookup.
+    app.add_exception_handler(quotas.QuotaExceeded, quotas.quota_exceeded)
     limits.install(app, streams=liveness.router.routes)
     app.add_middleware(auth.OperatorsFirst, routes=[
         (route, operators) for router, operators in routers for route in router.routes])

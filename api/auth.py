@@ -6,6 +6,12 @@
   also changes (:func:`modelkeeper.domain.operators.refusal` decides). 401 without a valid
   token, 403 for a viewer that writes, each saying what is needed. The agents' routes are
   not the operators': agents authenticate as nodes.
+
+  A token bound to a scope of the tenancy tree (``tokens create --scope``) changes only
+  the deployments owned there (:func:`modelkeeper.domain.operators.scope_refusal`): a
+  change under ``/deployments/{id}`` is refused with a 403 naming the scope unless that
+  deployment's owner is within it; ``POST /deployments`` is judged by the route, on the
+  owner it asks for; any other change (nodes, models, quotas, operations) is refused.
 * :class:`HostAllowlist`: middleware on the whole app, agents' routes included. A request
   whose ``Host`` is not a name the API is reached by gets a 400 naming it. A web page on
   a name its owner points at 127.0.0.1 (DNS rebinding) sends its own name, so the
@@ -29,7 +35,14 @@ from starlette.websockets import WebSocketClose
 
 from modelkeeper.domain.events import NewEvent
 from modelkeeper.domain.ids import DeploymentId, NodeId
-from modelkeeper.domain.operators import Operator, OperatorRole, refusal
+from modelkeeper.domain.operators import (
+    READ_METHODS,
+    Operator,
+    OperatorRole,
+    refusal,
+    scope_refusal,
+    unscoped_refusal,
+)
 from modelkeeper.infra import hosts
 from modelkeeper.infra.hosts import ANY_HOST as ANY_HOST
 from modelkeeper.infra.hosts import LOOPBACK_HOSTS as LOOPBACK_HOSTS
@@ -61,7 +74,8 @@ _OPERATOR_STATE = "modelkeeper_operator"
 #: What a refusal answers, documented on every operator route (``create_app``).
 AUTH_RESPONSES: dict[int | str, dict[str, str]] = {
     401: {"description": "No operator token, or one unknown or revoked."},
-    403: {"description": "A viewer token on a route that changes something."},
+    403: {"description": "A viewer token on a route that changes something, or a token "
+                         "bound to a scope changing what is not that scope's."},
 }
 
 
@@ -85,7 +99,31 @@ async def authenticate_operator(*, store: Store, settings: Settings, method: str
     if why is not None:
         raise HTTPException(403, f"token {record.name!r} ({record.token_id}) cannot "
                                  f"{method} {path}: {why}")
-    return Operator(name=record.name, role=record.role)
+    if record.scope is not None and method.upper() not in READ_METHODS:
+        why = await _outside_scope(store, record.scope, method=method, path=path)
+        if why is not None:
+            raise HTTPException(403, f"token {record.name!r} ({record.token_id}) cannot "
+                                     f"{method} {path}: {why}")
+    return Operator(name=record.name, role=record.role, scope=record.scope)
+
+
+#: The path of every change to one deployment: ``/deployments/{id}`` and what is beneath.
+_DEPLOYMENTS_PREFIX = "/deployments/"
+
+
+async def _outside_scope(store: Store, scope: str, *, method: str, path: str) -> str | None:
+    """Why a token bound to ``scope`` may not send this change; None when it may (or
+    when the route is to judge: a create, by the owner it asks for; an unknown
+    deployment, by its 404)."""
+    if path.rstrip("/") == "/deployments":
+        return None
+    if not path.startswith(_DEPLOYMENTS_PREFIX):
+        return unscoped_refusal(scope, f"{method} {path}")
+    deployment_id = path.removeprefix(_DEPLOYMENTS_PREFIX).split("/", 1)[0]
+    view = await store.deployments.get_deployment(deployment_id)
+    if view is None:
+        return None
+    return scope_refusal(scope, view.owner, f"deployment {deployment_id}")
 
 
 async def require_operator(

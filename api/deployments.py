@@ -34,7 +34,7 @@ from modelkeeper.domain.demand import ScalingPolicy, SetPolicyRequest, SleepRequ
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
 from modelkeeper.domain.ids import DeploymentId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec
-from modelkeeper.domain.operators import Operator
+from modelkeeper.domain.operators import Operator, scope_refusal
 from modelkeeper.domain.placement import PlacementRequest, explain
 from modelkeeper.domain.profiles import ProfilePlacement, place_profiles, profile_candidates
 from modelkeeper.domain.shards import EngineKind
@@ -61,7 +61,7 @@ from workflows.deployment import (
     DeploymentWorkflow,
 )
 
-from . import operations, room
+from . import operations, quotas, room
 from .auth import OperatorDep, change
 from .deps import SettingsDep, StoreDep, TemporalDep
 from .nodes import resolve_node_ids
@@ -225,18 +225,28 @@ async def delete_model(model_id: str, store: StoreDep, operator: OperatorDep) ->
 # -- deployments -----------------------------------------------------------------------
 
 @router.post("/deployments", status_code=201, response_model=DeploymentView,
-             responses=problems(409, 503))
+             responses={**problems(503), **quotas.LIMIT_RESPONSES})
 async def create_deployment(request: DeploymentRequest, store: StoreDep,
                             temporal: TemporalDep, *, settings: SettingsDep,
                             operator: OperatorDep) -> DeploymentView | JSONResponse:
-    """Keep a model served. 409 if it already has a deployment (also under a race); with
-    ``if_no_room: plan``, 409 with the plans that would make room when it does not fit,
-    and ``plan: N`` applies one first (docs/capacity.md, "Fit plans")."""
+    """Keep a model served. 409 if it already has a deployment (also under a race), or if
+    its replicas (a policy: its maximum) would pass a limit of a scope on its owner's
+    path, with the numbers; with ``if_no_room: plan``, 409 with the plans that would make
+    room when it does not fit, and ``plan: N`` applies one first (docs/capacity.md, "Fit
+    plans")."""
     model = await store.catalog.get_model(request.model_id)
     if model is None:
         known = ", ".join(m.model_id for m in await store.catalog.list_models()) or "none"
         raise field_error("model_id", request.model_id,
                           f"unknown model_id; known models: {known}")
+    if request.owner is None and operator.scope is not None:
+        # A scoped token's deployment is its scope's unless it names one beneath.
+        request = request.model_copy(update={"owner": operator.scope})
+    _within_scope(operator, request.owner, action=f"deploy {request.model_id}",
+                  what="the deployment")
+    await quotas.refuse_over_limit(store, request.owner, quotas.times(
+        quotas.replica_resources(model, request.min_nodes), _most_replicas(
+            request.policy, request.initial_replicas)))
     if request.node_ids:
         # Names become ids here, once: the deployment keeps ids, which a node keeps when
         # it is renamed.
@@ -384,14 +394,19 @@ async def retry_deployment(deployment_id: str, store: StoreDep,
               response_model=DeploymentView | operations.OperationStarted,
               responses={202: {"model": operations.OperationStarted,
                                "description": "engine_args given: a reconfigure started."},
-                         **problems(404, 409, 503)})
+                         **problems(404, 503), **quotas.LIMIT_RESPONSES})
 async def scale_deployment(deployment_id: str, patch: operations.DeploymentPatch,
                            store: StoreDep, *, temporal: TemporalDep, response: Response,
                            operator: OperatorDep, settings: SettingsDep,
                            ) -> DeploymentView | operations.OperationStarted | JSONResponse:
     """Change the replica count or the scaling policy (Temporal updates, validated by the
     workflow), or, given ``engine_args``, start a reconfigure as POST .../reconfigure does
-    (202). A scale-up takes ``if_no_room`` and ``plan`` as a deploy does."""
+    (202), or the owner and/or the class. A scale-up (a count, or a policy's maximum,
+    above what it was) or a new owner is refused with a 409 naming the numbers when it
+    would pass a limit of a scope on the owner's path. A scale-up takes ``if_no_room``
+    and ``plan`` as a deploy does."""
+    if patch.tenancy:
+        return await _set_tenancy(deployment_id, patch, store=store, operator=operator)
     if patch.engine_args is not None:
         response.status_code = 202
         return await operations.start_reconfigure(deployment_id, patch.engine_args,
@@ -402,6 +417,7 @@ async def scale_deployment(deployment_id: str, patch: operations.DeploymentPatch
                                  temporal=temporal, operator=operator)
     assert patch.replicas is not None  # DeploymentPatch holds exactly one of the three
     view = await _existing(store, deployment_id)
+    await _refuse_scale_over_limit(store, view, patch.replicas)
     model = await store.catalog.get_model(view.runs_model_id or view.model_id)
     if model is None:  # a model in use cannot be removed from the catalog
         raise HTTPException(409, f"deployment {deployment_id} runs a model that is not in "
@@ -465,6 +481,7 @@ async def _set_policy(deployment_id: str, policy: ScalingPolicy, *, store: Store
     """PATCH with ``scaling``: the workflow's ``set_policy`` update, then the row (the
     policy, and the replicas the keeper wants under it) and the audit log."""
     view = await _existing(store, deployment_id)
+    await _refuse_scale_over_limit(store, view, policy.max_replicas)
     with _answered(deployment_id, "scaling policy"):
         replicas = await execute_update(
             temporal.get_workflow_handle_for(DeploymentWorkflow.run, view.workflow_id),
@@ -478,6 +495,69 @@ async def _set_policy(deployment_id: str, policy: ScalingPolicy, *, store: Store
         f"set {deployment_id}'s scaling to {scaling_summary(policy)} (was {was}); "
         f"{replicas} replica(s) wanted", deployment_id=view.deployment_id,
         data={"scaling": policy.model_dump(mode="json")}))
+    return await _existing(store, deployment_id)
+
+
+def _most_replicas(policy: ScalingPolicy | None, replicas: int) -> int:
+    """The most replicas a deployment may run: its policy's maximum, else its count. A
+    limit counts this, since on-demand replicas start without asking."""
+    return replicas if policy is None else policy.max_replicas
+
+
+def _within_scope(operator: Operator, owner: str | None, *, action: str, what: str) -> None:
+    """A 403 naming the scope when ``operator``'s token is bound to one that ``owner`` is
+    not within: "token 'x' cannot {action}: ... and {what} is owned by ..."."""
+    why = scope_refusal(operator.scope, owner, what)
+    if why is not None:
+        raise HTTPException(403, f"token {operator.name!r} cannot {action}: {why}")
+
+
+async def _refuse_scale_over_limit(store: Store, view: DeploymentView, replicas: int) -> None:
+    """A scale-up to at most ``replicas`` is refused (409) when the owner's scopes would
+    pass a limit; a scale-down never is, even past a limit lowered since."""
+    if view.owner is None or replicas <= _most_replicas(view.scaling, view.desired_replicas):
+        return
+    model = await store.catalog.get_model(view.runs_model_id or view.model_id)
+    if model is None:
+        return  # a model cannot be removed while deployed: nothing to count
+    await quotas.refuse_over_limit(
+        store, view.owner, quotas.times(quotas.replica_resources(model, view.min_nodes),
+                                        replicas), replacing=view.deployment_id)
+
+
+async def _set_tenancy(deployment_id: str, patch: operations.DeploymentPatch, *,
+                       store: Store, operator: Operator) -> DeploymentView:
+    """PATCH with ``owner`` and/or ``capacity_class``: the row and the audit log. A new
+    owner must be within the token's scope, and takes the deployment's replicas (its most)
+    under its scopes' limits.
+
+    Only the row changes here: the running workflow keeps the spec it started with until
+    it is told (the lead's wiring forwards it)."""
+    view = await _existing(store, deployment_id)
+    if patch.owner is not None and patch.owner != view.owner:
+        _within_scope(operator, patch.owner,
+                      action=f"move deployment {deployment_id} to {patch.owner!r}",
+                      what="the deployment, once moved,")
+        model = await store.catalog.get_model(view.runs_model_id or view.model_id)
+        if model is not None:
+            await quotas.refuse_over_limit(
+                store, patch.owner,
+                quotas.times(quotas.replica_resources(model, view.min_nodes),
+                             _most_replicas(view.scaling, view.desired_replicas)),
+                replacing=view.deployment_id)
+    await store.deployments.set_tenancy(deployment_id, owner=patch.owner,
+                                        capacity_class=patch.capacity_class)
+    changed = []
+    if patch.owner is not None:
+        changed.append(f"owner {view.owner or 'none'} -> {patch.owner}")
+    if patch.capacity_class is not None:
+        was = view.capacity_class.value if view.capacity_class else "unset"
+        changed.append(f"class {was} -> {patch.capacity_class.value}")
+    await store.events.record_event(change(
+        operator, "deployment.tenancy_set", f"{deployment_id}: {', '.join(changed)}",
+        deployment_id=view.deployment_id,
+        data=patch.model_dump(mode="json", include={"owner", "capacity_class"},
+                              exclude_none=True)))
     return await _existing(store, deployment_id)
 
 

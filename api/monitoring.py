@@ -21,6 +21,7 @@ from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.names import CONTROL_TASK_QUEUE
 
 from .deps import SettingsDep, StoreDep, TemporalDep
+from .quotas import QuotaView, quota_views
 
 router = APIRouter()
 health = APIRouter()
@@ -59,8 +60,10 @@ async def healthz(response: Response, store: StoreDep, temporal: TemporalDep, *,
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics(store: StoreDep) -> Response:
-    """Prometheus gauges per deployment, read from the store at scrape time."""
-    return Response(deployment_metrics(await store.deployments.list_deployments()),
+    """Prometheus gauges per deployment and per quota's scope, read from the store at
+    scrape time."""
+    return Response(deployment_metrics(await store.deployments.list_deployments())
+                    + quota_metrics(await quota_views(store)),
                     media_type=CONTENT_TYPE_LATEST)
 
 
@@ -105,6 +108,42 @@ def deployment_metrics(deployments: list[DeploymentView]) -> bytes:
         failures.labels(*key).set(d.consecutive_failures)
         for each in DeploymentStatus:
             status.labels(*key, each.value).set(int(d.status is each))
+    return generate_latest(registry)
+
+
+#: The resources a quota counts, as the ``resource`` label names them, with each part's
+#: field in Resources and Limit.
+QUOTA_RESOURCES = (("memory_bytes", "memory_bytes"), ("gpus", "gpus"),
+                   ("cpu_cores", "cpu_cores"))
+
+
+def quota_metrics(views: list[QuotaView]) -> bytes:
+    """The gauges of each scope that has a quota, in Prometheus' text format:
+    ``modelkeeper_quota_held``, ``_guarantee`` and ``_limit`` per resource (a limit
+    only where one is set: an unset part is unlimited, not 0), and
+    ``modelkeeper_quota_at_limit`` (1 when any part has reached its limit, which the
+    ``ModelkeeperScopeAtLimit`` alert watches; every scope has it, 0 included)."""
+    registry = CollectorRegistry()
+    labels = ["scope", "resource"]
+    held = Gauge("modelkeeper_quota_held", "What the scope and those beneath it hold.",
+                 labels, registry=registry)
+    guarantee = Gauge("modelkeeper_quota_guarantee", "The scope's guarantee.", labels,
+                      registry=registry)
+    limit = Gauge("modelkeeper_quota_limit", "The scope's limit (absent: unlimited).",
+                  labels, registry=registry)
+    borrowed = Gauge("modelkeeper_quota_borrowed", "What the scope holds beyond its "
+                     "guarantee: what may be taken back.", labels, registry=registry)
+    reached = Gauge("modelkeeper_quota_at_limit", "1 when a part has reached its limit.",
+                    ["scope"], registry=registry)
+    for view in views:
+        for resource, field in QUOTA_RESOURCES:
+            held.labels(view.scope, resource).set(getattr(view.held, field))
+            guarantee.labels(view.scope, resource).set(getattr(view.guarantee, field))
+            borrowed.labels(view.scope, resource).set(getattr(view.borrowed, field))
+            cap = getattr(view.limit, field)
+            if cap is not None:
+                limit.labels(view.scope, resource).set(cap)
+        reached.labels(view.scope).set(int(bool(view.at_limit)))
     return generate_latest(registry)
 
 

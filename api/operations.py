@@ -27,6 +27,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from modelkeeper.domain.base import Frozen
 from modelkeeper.domain.bounds import MAX_REPLICAS, JsonInt
+from modelkeeper.domain.capacity import CapacityClass, OwnerPath
 from modelkeeper.domain.catalog import DeploymentView
 from modelkeeper.domain.demand import ScalingRequest
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
@@ -101,8 +102,9 @@ class DrainRequest(Frozen):
 
 class DeploymentPatch(Frozen):
     """PATCH /deployments/{id}: one of a replica count (scale: min = max = N), a scaling
-    policy (docs/demand.md) or engine arguments (a reconfigure, as POST
-    /deployments/{id}/reconfigure)."""
+    policy (docs/demand.md), engine arguments (a reconfigure, as POST
+    /deployments/{id}/reconfigure), or its tenancy: an owner and/or a capacity class
+    (docs/capacity.md)."""
 
     replicas: JsonInt | None = Field(default=None, ge=0, le=MAX_REPLICAS)
     scaling: ScalingRequest | None = None
@@ -111,20 +113,33 @@ class DeploymentPatch(Frozen):
     if_no_room: IfNoRoom = Field(default=IfNoRoom.QUEUE, description=IF_NO_ROOM_HELP)
     plan: JsonInt | None = Field(default=None, ge=1, le=MAX_PLAN_NUMBER,
                                  description=PLAN_HELP)
+    owner: OwnerPath | None = Field(
+        default=None, description="move it to this scope of the tenancy tree: org, "
+                                  "org/team or org/team/project")
+    capacity_class: CapacityClass | None = Field(
+        default=None, description="what may be stopped to place it: critical, standard "
+                                  "or opportunistic")
 
     @model_validator(mode="after")
     def _one_change(self) -> Self:
         given = [name for name in ("replicas", "scaling", "engine_args")
                  if getattr(self, name) is not None]
+        if self.tenancy:
+            given.append("owner/capacity_class")
         if len(given) != 1:
-            raise ValueError("give one of replicas (scale), scaling (a policy) or "
-                             "engine_args (reconfigure); "
+            raise ValueError("give one of replicas (scale), scaling (a policy), "
+                             "engine_args (reconfigure) or owner and/or capacity_class; "
                              + (f"got {' and '.join(given)}" if given else "got none"))
         if self.replicas is None and (self.plan is not None
                                       or self.if_no_room is not IfNoRoom.QUEUE):
             raise ValueError("if_no_room and plan go with replicas (a scale-up); "
                              f"got them with {given[0]}")
         return self
+
+    @property
+    def tenancy(self) -> bool:
+        """Whether it changes the owner or the class."""
+        return self.owner is not None or self.capacity_class is not None
 
 
 # -- starts ----------------------------------------------------------------------------

@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                               help="who holds it: the actor the event history records")
     create_token.add_argument("--role", required=True, choices=[r.value for r in OperatorRole],
                               help="viewer: reads only; admin: every change too")
+    create_token.add_argument("--scope", metavar="SCOPE",
+                              help="bind it to a scope of the tenancy tree (org, org/team "
+                                   "or org/team/project): it changes only the deployments "
+                                   "owned there, and nothing else")
     list_tokens = tokens_sub.add_parser("ls", help="list tokens (prefixes, names and roles, "
                                                    "never tokens)")
     revoke_token = tokens_sub.add_parser("revoke", help="revoke a token (at once)")

@@ -1,9 +1,10 @@
-"""`modelkeeper deploy / ls / status / headroom / rm / nodes / explain / models`, the
-changes (`scale`, `sleep`, `wake`, `retry`, `restart`, `switch`, `reconfigure`, `cordon`,
-`uncordon`, `drain`), `operations` (alias `ops`), which lists, shows and cancels the
-sagas, and `schedule`, a deployment's windows of scaling by the clock: thin wrappers
-over the API, sending the operator token (:func:`operator_token`). `tokens` makes, lists
-and revokes those tokens straight in the database, so the first admin token needs no API.
+"""`modelkeeper deploy / ls / status / headroom / rm / nodes / explain / models / quota`,
+the changes (`scale`, `owner`, `sleep`, `wake`, `retry`, `restart`, `switch`,
+`reconfigure`, `cordon`, `uncordon`, `drain`), `operations` (alias `ops`), which lists,
+shows and cancels the sagas, and `schedule`, a deployment's windows of scaling by the
+clock: thin wrappers over the API, sending the operator token (:func:`operator_token`).
+`tokens` makes, lists and revokes those tokens straight in the database, so the first
+admin token needs no API.
 
 One table, ``COMMANDS``, holds every operator command: its flags, the request it sends
 (method, path and body, built from the parsed arguments alone) and how it shows the
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -36,6 +38,14 @@ from typing import Any
 import httpx
 
 from modelkeeper.domain.bounds import MAX_REPLICAS
+from modelkeeper.domain.capacity import (
+    MAX_OWNER_DEPTH,
+    MAX_OWNER_LENGTH,
+    MAX_QUOTA_REQUEST_BYTES,
+    MAX_QUOTA_UNITS,
+    OWNER_PATTERN,
+    CapacityClass,
+)
 from modelkeeper.domain.catalog import DEFAULT_REPLICAS, scaling_summary
 from modelkeeper.domain.demand import MAX_LOAD_WAIT_S, MAX_PERIOD_S, ScalingPolicy
 from modelkeeper.domain.no_room import MAX_PLAN_NUMBER, IfNoRoom
@@ -215,6 +225,10 @@ def _deploy_request(args: argparse.Namespace) -> Request:
         "model_id": args.model_id, "min_nodes": args.min_nodes, "node_ids": args.node_ids,
         "labels": parse_pairs(args.require_labels, flag="--require-label")}
     body.update(_room_fields(args))
+    if args.owner is not None:
+        body["owner"] = parse_scope(args.owner, flag="--owner")
+    if args.capacity_class is not None:
+        body["capacity_class"] = args.capacity_class
     policy = _policy_fields(args)
     if not policy:
         body["replicas"] = DEFAULT_REPLICAS if args.replicas is None else args.replicas
@@ -462,6 +476,88 @@ def _profiles_file(path: str) -> Any:
         raise UsageError(f"--profiles {path}: must hold a JSON list of profiles, not "
                          f"{type(profiles).__name__}")
     return profiles
+
+
+def parse_scope(value: str, *, flag: str) -> str:
+    """A scope of the tenancy tree as typed; a UsageError naming ``flag``, the value and
+    the rule."""
+    if len(value) > MAX_OWNER_LENGTH or re.fullmatch(OWNER_PATTERN, value) is None:
+        raise UsageError(f"{flag} {value!r}: a scope is org, org/team or org/team/project, "
+                         f"each part 1 to 63 lowercase letters, digits, '-' or '_' "
+                         f"(starting and ending with a letter or digit), at most "
+                         f"{MAX_OWNER_DEPTH} parts")
+    return value
+
+
+@dataclass(frozen=True)
+class QuotaFlag:
+    """A flag of ``quota set``: one part of the guarantee or the limit."""
+
+    flag: str
+    #: "guarantee" or "limit".
+    side: str
+    #: The part's field in Resources and Limit.
+    field: str
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    def parse(self, raw: str) -> int | float:
+        """The part's value from what was typed; a UsageError naming the flag, the value
+        and the limit."""
+        if self.field == "memory_bytes":
+            try:
+                value: int | float = parse_bytes(raw)
+            except ValueError as exc:
+                raise UsageError(f"{self.flag}: {exc}") from None
+            high: int | float = MAX_QUOTA_REQUEST_BYTES
+            shown = format_gib(MAX_QUOTA_REQUEST_BYTES)
+        else:
+            try:
+                value = int(raw) if self.field == "gpus" else float(raw)
+            except ValueError:
+                kind = "a whole number" if self.field == "gpus" else "a number"
+                raise UsageError(f"{self.flag} {raw!r}: must be {kind}") from None
+            high, shown = MAX_QUOTA_UNITS, f"{MAX_QUOTA_UNITS:,}"
+        if not 0 <= value <= high:
+            raise UsageError(f"{self.flag} {raw}: must be at least 0 and at most {shown}")
+        return value
+
+
+QUOTA_FLAGS = tuple(QuotaFlag(f"--{side}-{name}", side, field)
+                    for side in ("guarantee", "limit")
+                    for name, field in (("memory", "memory_bytes"), ("gpus", "gpus"),
+                                        ("cores", "cpu_cores")))
+
+
+def _quota_request(args: argparse.Namespace) -> Request:
+    if args.action == "ls":
+        return Request("GET", "/quotas")
+    if not args.scope:
+        raise UsageError(f"quota {args.action} needs a SCOPE, and none was given")
+    scope = parse_scope(args.scope, flag="SCOPE")
+    if args.action == "rm":
+        return Request("DELETE", f"/quotas/{scope}", then=partial(_quota_removed, scope))
+    body: dict[str, dict[str, int | float]] = {"guarantee": {}, "limit": {}}
+    for flag in QUOTA_FLAGS:
+        raw = getattr(args, flag.dest)
+        if raw is not None:
+            body[flag.side][flag.field] = flag.parse(raw)
+    if not body["guarantee"] and not body["limit"]:
+        raise UsageError(f"quota set {scope}: give at least one of "
+                         + ", ".join(f.flag for f in QUOTA_FLAGS))
+    return Request("PUT", f"/quotas/{scope}", body=body)
+
+
+def _quota_removed(scope: str, _answer: None) -> dict[str, Any]:
+    return {"scope": scope, "removed": True}
+
+
+def _owner_request(args: argparse.Namespace) -> Request:
+    scope = parse_scope(args.scope, flag="SCOPE")
+    return _on_deployment(args, lambda d: Request("PATCH", f"/deployments/{d}",
+                                                  body={"owner": scope}))
 
 
 #: ``schedule add --days``: days, and ranges that may wrap past Sunday (fri-mon).
@@ -783,6 +879,36 @@ _WINDOW_HEADERS = ["name", "days", "hours", "timezone", "min", "max", "prewarm",
                    "next open (utc)", "next close (utc)"]
 
 
+def _resources(resources: dict[str, Any], *, limit: bool = False) -> str:
+    """``16.0 GiB, 2 GPU, 4 cores``: the parts that are set. A part of 0 is left out,
+    except in a limit, where 0 allows nothing (an unset limit part is null)."""
+    parts = []
+    for field, show in (("memory_bytes", _mem), ("gpus", lambda v: f"{v} GPU"),
+                        ("cpu_cores", lambda v: f"{v:g} cores")):
+        value = resources.get(field)
+        if value is not None and (limit or value):
+            parts.append(show(value))
+    return ", ".join(parts) or ("unlimited" if limit else "-")
+
+
+def _quota_line(view: dict[str, Any]) -> list[str]:
+    return [view["scope"], _resources(view["guarantee"]),
+            _resources(view["limit"], limit=True), _resources(view["held"]),
+            _resources(view["borrowed"]), ", ".join(view["at_limit"]) or "-"]
+
+
+def _quota_text(args: argparse.Namespace, result: Any) -> str:
+    if args.action == "rm":
+        return f"quota of {result['scope']} removed"
+    rows = result if isinstance(result, list) else [result]
+    return table([_quota_line(v) for v in rows],
+                 ["scope", "guarantee", "limit", "held", "borrowed", "at limit"])
+
+
+def _owner_text(args: argparse.Namespace, result: Any) -> str:
+    return f"deployment {result['deployment_id']} of {result['model_id']}: owner {result['owner']}"
+
+
 def _schedule_text(args: argparse.Namespace, result: Any) -> str:
     match args.action:
         case "ls":
@@ -893,6 +1019,12 @@ def _deploy_flags(parser: argparse.ArgumentParser) -> None:
                         help="only this node, by name or id; repeatable")
     parser.add_argument("--require-label", dest="require_labels", action="append",
                         default=[], metavar="KEY=VALUE", help="node label; repeatable")
+    parser.add_argument("--owner", metavar="SCOPE",
+                        help="its owner in the tenancy tree: org, org/team or "
+                             "org/team/project (a scoped token's scope by default)")
+    parser.add_argument("--class", dest="capacity_class", choices=list(CapacityClass),
+                        help="what may be stopped to place it (default: follows its "
+                             "scaling: on demand is opportunistic, else standard)")
     _room_flags(parser)
 
 
@@ -1005,6 +1137,26 @@ def _schedule_flags(parser: argparse.ArgumentParser) -> None:
                              f"{_PREWARM_ACCEPTED}")
 
 
+def _quota_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", nargs="?", choices=["ls", "set", "rm"], default="ls")
+    parser.add_argument("scope", nargs="?", metavar="SCOPE",
+                        help="org, org/team or org/team/project")
+    helps = {"memory": "e.g. 16GiB", "gpus": "a whole number", "cores": "e.g. 4 or 0.5"}
+    for flag in QUOTA_FLAGS:
+        kind = flag.flag.rsplit("-", 1)[1]
+        parser.add_argument(flag.flag, dest=flag.dest, metavar="N",
+                            help=f"{flag.side} of {kind}, {helps[kind]} (set replaces the "
+                                 "whole quota: a part not given is not "
+                                 + ("guaranteed)" if flag.side == "guarantee"
+                                    else "limited)"))
+
+
+def _owner_flags(parser: argparse.ArgumentParser) -> None:
+    _deployment_flags(parser)
+    parser.add_argument("scope", metavar="SCOPE",
+                        help="its new owner: org, org/team or org/team/project")
+
+
 def _models_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", nargs="?", choices=["ls", "add", "rm"], default="ls")
     parser.add_argument("model_id", nargs="?")
@@ -1084,6 +1236,11 @@ COMMANDS: tuple[Command, ...] = (
     Command("schedule", "add, list or remove a deployment's windows of scaling by the "
             "clock (own min and max on set days and hours, in a time zone)", _schedule_flags,
             _schedule_request, _schedule_text),
+    Command("quota", "list the quotas of the tenancy tree's scopes, or set or remove one "
+            "(guarantee and limit of memory, GPUs and cores)", _quota_flags, _quota_request,
+            _quota_text),
+    Command("owner", "move a deployment to another owner (org, org/team or "
+            "org/team/project)", _owner_flags, _owner_request, _owner_text),
 )
 
 OPERATOR_COMMANDS: Mapping[str, Command] = {c.name: c for c in COMMANDS}
@@ -1160,23 +1317,24 @@ def operator_token(settings: Settings) -> str | None:
 def _token_row(record: OperatorTokenRecord) -> list[str]:
     revoked = record.revoked_at.isoformat(timespec="seconds") if record.revoked_at else "-"
     return [record.token_id, record.prefix + "…", record.name, record.role.value,
-            record.created_at.isoformat(timespec="seconds"), revoked]
+            record.scope or "-", record.created_at.isoformat(timespec="seconds"), revoked]
 
 
 async def _tokens(database_url: str, args: argparse.Namespace, out: Out) -> int:
     async with await TokensStore.connect(database_url) as tokens:
         match args.tokens_action:
             case "create":
-                record, token = await tokens.create_token(args.token_name,
-                                                          OperatorRole(args.role))
+                record, token = await tokens.create_token(
+                    args.token_name, OperatorRole(args.role), scope=args.scope)
                 out(token)
-                out(f"# token {record.token_id} ({record.name}, {record.role.value}); it is "
+                bound = f", bound to {record.scope}" if record.scope else ""
+                out(f"# token {record.token_id} ({record.name}, {record.role.value}{bound}); it is "
                     "shown this once, only its hash is stored. The CLI sends it from "
                     "MODELKEEPER_TOKEN or the file MODELKEEPER_TOKEN_FILE; others send "
                     "`Authorization: Bearer <token>`.")
             case "ls":
                 out(table([_token_row(r) for r in await tokens.list_tokens()],
-                          ["id", "prefix", "name", "role", "created", "revoked"]))
+                          ["id", "prefix", "name", "role", "scope", "created", "revoked"]))
             case _:
                 revoked = await tokens.revoke_tokens(args.token_id)
                 if not revoked:
@@ -1197,4 +1355,6 @@ def run_tokens_command(database_url: str, args: argparse.Namespace, out: Out) ->
         problem = name_problem(args.token_name)
         if problem is not None:
             raise UsageError(f"tokens create: {problem}")
+        if args.scope is not None:
+            parse_scope(args.scope, flag="--scope")
     return asyncio.run(_tokens(database_url, args, out))

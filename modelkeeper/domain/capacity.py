@@ -98,6 +98,11 @@ def within(owner: str, scope: str) -> bool:
 MAX_QUOTA_BYTES = 2**60
 #: The most GPUs or cores a quota may name.
 MAX_QUOTA_UNITS = 1_000_000
+#: The most memory a quota set through the API may name: 4 PiB (2**52), far past any
+#: cluster, and below 2**53, so that a JSON client comparing it as a float
+#: (a JSON Schema validator does) agrees with the API on what passes the bound; at 2**60
+#: a number a little past the bound reads as equal to it.
+MAX_QUOTA_REQUEST_BYTES = 1 << 52
 
 
 class Resources(Tolerant):
@@ -174,11 +179,30 @@ def held_by(scope: str, holdings: Iterable[Holding]) -> Resources:
     return total
 
 
-def limit_refusal(owner: str | None, adding: Resources, quotas: Sequence[Quota],
-                  holdings: Iterable[Holding]) -> str | None:
-    """Why ``owner`` may not take ``adding`` more (a new deployment's replicas, or a
-    scale-up's), or None: it names the first scope on the owner's path whose limit it
-    would pass, with what the scope holds, what was asked and the limit."""
+class LimitBreach(Frozen):
+    """A limit a deployment or a scale-up would pass: the scope, the part (``memory``,
+    ``gpus`` or ``cpu_cores``), what the scope holds, what was asked and the limit (bytes
+    for memory, units for the rest)."""
+
+    scope: str
+    part: str
+    #: Whole numbers stay whole (bytes, GPUs); cores may be fractional.
+    held: int | float
+    asked: int | float
+    limit: int | float
+
+    @property
+    def message(self) -> str:
+        unit = "bytes" if self.part == "memory" else "units"
+        return (f"scope {self.scope!r} would pass its {self.part} limit: it holds "
+                f"{_show(self.held, unit)}, this asks {_show(self.asked, unit)} more, and "
+                f"its limit is {_show(self.limit, unit)}")
+
+
+def limit_breach(owner: str | None, adding: Resources, quotas: Sequence[Quota],
+                 holdings: Iterable[Holding]) -> LimitBreach | None:
+    """The first limit on ``owner``'s path, outermost first, that taking ``adding`` more
+    would pass, as numbers; None when none would be."""
     if owner is None:
         return None
     by_scope = {q.scope: q for q in quotas}
@@ -189,17 +213,37 @@ def limit_refusal(owner: str | None, adding: Resources, quotas: Sequence[Quota],
             continue
         held = held_by(scope, listed)
         limit = quota.limit
-        checks: tuple[tuple[str, float, float, float | None, str], ...] = (
-            ("memory", held.memory_bytes, adding.memory_bytes, limit.memory_bytes, "bytes"),
-            ("gpus", held.gpus, adding.gpus, limit.gpus, "units"),
-            ("cpu_cores", held.cpu_cores, adding.cpu_cores, limit.cpu_cores, "units"),
+        checks: tuple[tuple[str, float, float, float | None], ...] = (
+            ("memory", held.memory_bytes, adding.memory_bytes, limit.memory_bytes),
+            ("gpus", held.gpus, adding.gpus, limit.gpus),
+            ("cpu_cores", held.cpu_cores, adding.cpu_cores, limit.cpu_cores),
         )
-        for part, have, add, cap, unit in checks:
+        for part, have, add, cap in checks:
             if cap is not None and have + add > cap + _CPU_EPSILON:
-                return (f"scope {scope!r} would pass its {part} limit: it holds "
-                        f"{_show(have, unit)}, this asks {_show(add, unit)} more, and its "
-                        f"limit is {_show(cap, unit)}")
+                return LimitBreach(scope=scope, part=part, held=have, asked=add, limit=cap)
     return None
+
+
+def limit_refusal(owner: str | None, adding: Resources, quotas: Sequence[Quota],
+                  holdings: Iterable[Holding]) -> str | None:
+    """Why ``owner`` may not take ``adding`` more (a new deployment's replicas, or a
+    scale-up's), or None: it names the first scope on the owner's path whose limit it
+    would pass, with what the scope holds, what was asked and the limit."""
+    breach = limit_breach(owner, adding, quotas, holdings)
+    return None if breach is None else breach.message
+
+
+def at_limit(held: Resources, limit: Limit) -> list[str]:
+    """The parts of ``limit`` that ``held`` has reached (``memory``, ``gpus``,
+    ``cpu_cores``): where the next replica of any size is refused. An unset part is
+    never reached."""
+    parts: tuple[tuple[str, float, float | None], ...] = (
+        ("memory", held.memory_bytes, limit.memory_bytes),
+        ("gpus", held.gpus, limit.gpus),
+        ("cpu_cores", held.cpu_cores, limit.cpu_cores),
+    )
+    return [part for part, have, cap in parts
+            if cap is not None and have + _CPU_EPSILON >= cap]
 
 
 def _show(value: float, unit: str) -> str:

@@ -3,7 +3,7 @@
 - :mod:`.schema`: the versioned migrations in ``migrations/`` and their runner;
 - :mod:`.stores`: :class:`Store`, the control plane's pool and a store per aggregate on
   it (:mod:`.nodes`, :mod:`.placement`, :mod:`.catalog`, :mod:`.deployments`,
-  :mod:`.usage`, :mod:`.events`, :mod:`.operations`, :mod:`.tokens`);
+  :mod:`.usage`, :mod:`.events`, :mod:`.operations`, :mod:`.tokens`, :mod:`.quotas`);
 - :mod:`.routing`: the gateway's reads, client keys and usage, on a pool of its own.
 """
 
@@ -13,6 +13,7 @@ from .events import EventStore
 from .nodes import NodeStore
 from .operations import OperationConflictError, OperationsStore
 from .placement import PlacementStore
+from .quotas import QuotasStore
 from .schema import MIGRATIONS_DIR, Migration, load_migrations
 from .stores import Store
 from .tokens import TokensStore
@@ -20,5 +21,5 @@ from .usage import UsageStore
 
 __all__ = ["MIGRATIONS_DIR", "CatalogStore", "DeploymentExistsError", "DeploymentStore",
            "EventStore", "Migration", "ModelExistsError", "ModelInUseError", "NodeStore",
-           "OperationConflictError", "OperationsStore", "PlacementStore", "Store",
+           "OperationConflictError", "OperationsStore", "PlacementStore", "QuotasStore", "Store",
            "TokensStore", "UnknownModelError", "UsageStore", "load_migrations"]

@@ -123,6 +123,15 @@ class DeploymentStore:
             "UPDATE deployments SET replicas = $2, scaling = NULL, updated_at = now() "
             "WHERE deployment_id = $1", deployment_id, replicas)
 
+    async def set_tenancy(self, deployment_id: str, *, owner: str | None,
+                          capacity_class: CapacityClass | None) -> None:
+        """Record a new owner and/or class (PATCH); a None leaves that column as it is."""
+        await self._pool.execute(
+            "UPDATE deployments SET owner = coalesce($2, owner), "
+            "capacity_class = coalesce($3, capacity_class), updated_at = now() "
+            "WHERE deployment_id = $1", deployment_id, owner,
+            None if capacity_class is None else capacity_class.value)
+
     async def set_scaling(self, deployment_id: str, policy: ScalingPolicy,
                           replicas: int) -> None:
         """Record a scaling policy the keeper accepted, and the replicas it wants under it

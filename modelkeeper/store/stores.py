@@ -14,6 +14,7 @@ and its migration only. Each aggregate's queries live in a module of its own:
 - :mod:`.operations`: the sagas' records;
 - :mod:`.tokens`: operator tokens;
 - :mod:`.room`: the fit-plan lock (and what the room surfaces read).
+- :mod:`.quotas`: quotas per scope, and what each owner holds.
 
 The migration runner is :mod:`.schema`; the gateway's reads are :mod:`.routing`, on a
 pool of its own.
@@ -34,6 +35,7 @@ from .nodes import NodeStore
 from .operations import OperationsStore
 from .placement import PlacementStore
 from .pool import open_pool
+from .quotas import QuotasStore
 from .room import RoomStore
 from .schema import Migration, apply_migrations
 from .tokens import TokensStore
@@ -55,6 +57,7 @@ class Store:
         self.operations = OperationsStore(pool)
         self.tokens = TokensStore(pool)
         self.room = RoomStore(pool)
+        self.quotas = QuotasStore(pool)
 
     @classmethod
     async def connect(cls, dsn: str, *, min_size: int = 1, max_size: int = 10,

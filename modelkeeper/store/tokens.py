@@ -31,7 +31,7 @@ OPERATOR_TOKEN_PREFIX = "mko-"
 #: client keys (48 bits: enough to tell tokens apart, far too few to guess the rest).
 TOKEN_PREFIX_CHARS = len(OPERATOR_TOKEN_PREFIX) + 8
 
-_COLUMNS = "token_id, name, role, prefix, created_at, revoked_at"
+_COLUMNS = "token_id, name, role, prefix, created_at, revoked_at, scope"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +44,9 @@ class OperatorTokenRecord:
     prefix: str
     created_at: datetime
     revoked_at: datetime | None
+    #: The scope of the tenancy tree it is bound to (migration 0019): it changes only the
+    #: deployments owned there. None: unbound.
+    scope: str | None = None
 
 
 def _token(row: asyncpg.Record) -> OperatorTokenRecord:
@@ -80,19 +83,19 @@ class TokensStore:
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         await self.close()
 
-    async def create_token(self, name: str, role: OperatorRole
+    async def create_token(self, name: str, role: OperatorRole, *, scope: str | None = None
                            ) -> tuple[OperatorTokenRecord, str]:
         """Store a new token's hash; return its record and the token, which exists
-        nowhere else."""
+        nowhere else. ``scope``: bind it to that scope of the tenancy tree."""
         token = new_operator_token()
         row = await self._pool.fetchrow(
             f"""
-            INSERT INTO operator_tokens (token_id, name, role, prefix, token_sha256)
-            VALUES ($1, $2, $3, $4, $5)
+            INSERT INTO operator_tokens (token_id, name, role, prefix, token_sha256, scope)
+            VALUES ($1, $2, $3, $4, $5, $6)
             RETURNING {_COLUMNS}
             """,
             "tok-" + secrets.token_hex(6), name, role.value, token[:TOKEN_PREFIX_CHARS],
-            hash_key(token))
+            hash_key(token), scope)
         assert row is not None
         return _token(row), token
 

@@ -74,7 +74,8 @@ POSITIONALS: dict[str, list[str]] = {
     "deploy": ["x"], "rm": ["x"], "explain": ["x"], "scale": ["x", "1"], "sleep": ["x"],
     "wake": ["x"], "retry": ["x"],
     "restart": ["x"], "switch": ["x", "m"], "reconfigure": ["x", "k=v"], "cordon": ["n"],
-    "uncordon": ["n"], "drain": ["n"], "schedule": ["ls", "x"], "headroom": ["x"]}
+    "uncordon": ["n"], "drain": ["n"], "schedule": ["ls", "x"], "headroom": ["x"],
+    "owner": ["x", "acme"]}
 
 
 # --- The table ---------------------------------------------------------------------------
@@ -84,7 +85,7 @@ def test_the_table_holds_every_command_in_help_order() -> None:
     assert [c.name for c in COMMANDS] == [
         "deploy", "ls", "status", "headroom", "rm", "nodes", "explain", "models", "scale",
         "sleep", "wake", "retry", "restart", "switch", "reconfigure", "cordon", "uncordon",
-        "drain", "operations", "schedule"]
+        "drain", "operations", "schedule", "quota", "owner"]
     assert set(OPERATOR_COMMANDS) == {c.name for c in COMMANDS}
     for command in COMMANDS:  # each is registered with the common flags
         args = parse(command.name, *POSITIONALS.get(command.name, []), "--json",
