@@ -1,7 +1,7 @@
 """`modelkeeper api`: the FastAPI application.
 
 The routes live on module-level routers (``monitoring``, ``agents`` and ``liveness`` (what
-agents call), ``nodes``, ``deployments``,
+agents call), ``nodes``, ``measured``, ``deployments``,
 ``operations``, ``windows``) and reach the store, Temporal and the settings through the
 dependencies in ``deps``, all read from ``app.state``: building an app is only wiring.
 
@@ -33,6 +33,7 @@ from . import (
     deployments,
     limits,
     liveness,
+    measured,
     monitoring,
     nodes,
     operations,
@@ -61,7 +62,9 @@ def create_app(settings: Settings) -> FastAPI:
     # On the router, not per route: a route added to an operator router later is guarded.
     guarded = [Depends(auth.require_operator)]
     routers = [(monitoring.health, False), (monitoring.router, True), (agents.router, False),
-               (nodes.router, True), (liveness.router, False), (deployments.router, True),
+               (nodes.router, True), (liveness.router, False),
+               # Before deployments: its /models/{model_id:path} would take x/capacity.
+               (measured.router, True), (deployments.router, True),
                (operations.router, True), (windows.router, True)]
     for router, operators in routers:
         if operators:
