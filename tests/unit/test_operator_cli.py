@@ -74,7 +74,7 @@ POSITIONALS: dict[str, list[str]] = {
     "deploy": ["x"], "rm": ["x"], "explain": ["x"], "scale": ["x", "1"], "sleep": ["x"],
     "wake": ["x"], "retry": ["x"],
     "restart": ["x"], "switch": ["x", "m"], "reconfigure": ["x", "k=v"], "cordon": ["n"],
-    "uncordon": ["n"], "drain": ["n"], "schedule": ["ls", "x"]}
+    "uncordon": ["n"], "drain": ["n"], "schedule": ["ls", "x"], "size": ["x", "--rps", "1"]}
 
 
 # --- The table ---------------------------------------------------------------------------
@@ -82,9 +82,9 @@ POSITIONALS: dict[str, list[str]] = {
 
 def test_the_table_holds_every_command_in_help_order() -> None:
     assert [c.name for c in COMMANDS] == [
-        "deploy", "ls", "rm", "nodes", "explain", "models", "scale", "sleep", "wake", "retry",
-        "restart", "switch", "reconfigure", "cordon", "uncordon", "drain", "operations",
-        "schedule"]
+        "deploy", "ls", "rm", "nodes", "explain", "models", "size", "scale", "sleep", "wake",
+        "retry", "restart", "switch", "reconfigure", "cordon", "uncordon", "drain",
+        "operations", "schedule"]
     assert set(OPERATOR_COMMANDS) == {c.name for c in COMMANDS}
     for command in COMMANDS:  # each is registered with the common flags
         args = parse(command.name, *POSITIONALS.get(command.name, []), "--json",
