@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from fastapi import APIRouter, HTTPException, Query
 from pydantic import Field
 
+from modelkeeper.domain.bounds import MAX_REPLICAS
 from modelkeeper.domain.catalog import CatalogModel
 from modelkeeper.domain.ids import ModelId
 from modelkeeper.domain.measured import (
@@ -117,5 +118,7 @@ async def size_model(model_id: str, store: StoreDep, settings: SettingsDep, *,
     views = await store.placement.list_node_views(
         datetime.now(UTC), unreachable_after_s=settings.node_unreachable_after_s,
         lost_after_s=settings.node_lost_after_s)
+    # Bounded: a node that reports no memory fits any replica, and a deployment never
+    # holds more than MAX_REPLICAS anyway.
     return size(capacity, rps=rps, replicas_now=now,
-                fit_now=room_for(request, views, limit=wanted))
+                fit_now=room_for(request, views, limit=min(wanted, MAX_REPLICAS)))
