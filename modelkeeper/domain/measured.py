@@ -54,6 +54,11 @@ DEFAULT_MAX_CONCURRENCY = 256
 #: replica, is what is measured.
 MAX_CONCURRENCY = 4096
 
+#: The shortest mean request a report may give: no streamed completion through a gateway
+#: ends within a millisecond, and a shorter one would make a replica's requests/s
+#: (concurrency / mean) overflow.
+MIN_REQUEST_S = 0.001
+
 #: A replica is removed only if the rest would serve under 70 % of their measured
 #: concurrency: room for a burst of 1/0.7 = 1.43x today's load before the next addition
 #: is due, and a gap between adding (above 100 %) and removing (below 70 %) wide enough
@@ -153,7 +158,9 @@ def per_unit(tokens_per_s: float, *, gpus: int | None,
     if gpus:
         return Unit.GPU, tokens_per_s / gpus
     if cpu_cores:
-        return Unit.CORE, tokens_per_s / cpu_cores
+        value = tokens_per_s / cpu_cores
+        # A catalog may declare a sliver of a core: a figure past a float is no figure.
+        return (Unit.CORE, value) if math.isfinite(value) else (None, None)
     return None, None
 
 
@@ -169,7 +176,8 @@ class CapacityReport(Frozen):
                                              "within the objective")
     tokens_per_s: float = Field(ge=0, le=1e9, allow_inf_nan=False, strict=STRICT,
                                 description="tokens/s one replica streamed at that level")
-    mean_request_s: float = Field(gt=0, le=86_400, allow_inf_nan=False, strict=STRICT,
+    mean_request_s: float = Field(ge=MIN_REQUEST_S, le=86_400, allow_inf_nan=False,
+                                  strict=STRICT,
                                   description="mean request duration at that level")
     ttft_p95_s: float = Field(ge=0, le=86_400, allow_inf_nan=False, strict=STRICT)
     itl_p95_s: float | None = Field(default=None, ge=0, le=86_400, allow_inf_nan=False,

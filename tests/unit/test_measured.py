@@ -110,6 +110,16 @@ def test_a_report_out_of_bounds_is_refused() -> None:
     with pytest.raises(ValueError, match="concurrency"):
         CapacityReport(concurrency=0, tokens_per_s=1.0, mean_request_s=1.0, ttft_p95_s=0.1,
                        objective=SLO, replicas=1, max_tokens=1)
+    # Found by the API's fuzzing: a mean of 5e-324 s made requests/s infinite.
+    with pytest.raises(ValueError, match="mean_request_s"):
+        CapacityReport(concurrency=1, tokens_per_s=1.0, mean_request_s=5e-324,
+                       ttft_p95_s=0.1, objective=SLO, replicas=1, max_tokens=1)
+
+
+def test_a_sliver_of_a_core_gives_no_per_core_figure_rather_than_infinity() -> None:
+    tiny = measured_of(report(1e9), model_id=ModelId("m"), engine=EngineKind.LLAMACPP,
+                       gpus=None, cpu_cores=5e-324, at=WHEN)
+    assert (tiny.unit, tiny.tokens_per_s_per_unit) == (None, None)
 
 
 # -- sizing -------------------------------------------------------------------------------
