@@ -394,7 +394,9 @@ def step(view: DemandView, sample: DemandSample, pressure: Pressure,
     # Rule 4: shrink after a quiet period.
     if measured is not None:
         retire = _least_loaded(view, sample)
-        if (awake > shrink_base and view.desired > shrink_base
+        # Quiet checked itself, not only its period: with scale_down_after_s 0 a period
+        # that never began has held for 0 s too.
+        if (quiet and awake > shrink_base and view.desired > shrink_base
                 and policy.min_replicas < policy.max_replicas and retire is not None):
             held = _since(quiet_since, now)
             since_change = _since(view.last_change_at, now) if view.last_change_at else held

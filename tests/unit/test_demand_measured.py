@@ -5,6 +5,9 @@ are issue 21's (tests/unit/test_demand.py)."""
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from modelkeeper.domain.demand import (
     Add,
     DemandSample,
@@ -130,3 +133,41 @@ def test_a_replica_nobody_reports_is_never_the_one_removed() -> None:
     # r2 is unknown (no row): not idle, not a victim; r1 is the only candidate.
     only_r1 = decide(v, measured(0, ("r1", 2)))
     assert isinstance(only_r1, Retire) and only_r1.replica_id == rid("r1")
+
+
+# -- simulation: steady load settles inside the band and stays ------------------------------
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(load=st.integers(min_value=0, max_value=80), concurrency=st.integers(1, 16),
+       start=st.integers(1, 8))
+def test_steady_load_settles_between_the_two_lines_and_never_flaps(
+        load: int, concurrency: int, start: int) -> None:
+    """Whatever the load, the measured concurrency and the replicas it starts with, the
+    count settles where no rule fires (the load fits under the measured concurrency, or
+    max is reached; one fewer would not stay under 70 %, or one is left) and stays."""
+    policy = ScalingPolicy(min_replicas=1, max_replicas=8, scale_up_after_s=0,
+                           scale_down_after_s=0)
+    names = [f"r{i}" for i in range(start)]
+    born, pressure, changes = start, Pressure(), []
+    for tick in range(60):
+        ready = [replica(n) for n in names]
+        v = view(policy, len(names), *ready)
+        # The load spread evenly over the ready replicas, as the gateway spreads it.
+        share = [load // len(names) + (1 if i < load % len(names) else 0)
+                 for i in range(len(names))]
+        pressure, found = step(v, measured(tick, *zip(names, share, strict=True),
+                                           concurrency=concurrency), pressure, now=at(tick))
+        match found:
+            case Add():
+                names.append(f"r{born}")
+                born += 1
+                changes.append(tick)
+            case Retire(replica_id=victim):
+                names.remove(victim)
+                changes.append(tick)
+    r = len(names)
+    assert load <= concurrency * r or r == policy.max_replicas
+    assert r == 1 or load >= SCALE_IN_FRACTION * concurrency * (r - 1)
+    # Settled within the 7 steps 1 -> 8 takes, then never changed again.
+    assert not [t for t in changes if t >= 8], changes
