@@ -319,6 +319,13 @@ def rank(measurements: Sequence[MeasuredCapacity]) -> list[MeasuredCapacity]:
         -m.tokens_per_s, m.profile))
 
 
+def scores(measurements: Sequence[MeasuredCapacity]) -> dict[str, float]:
+    """Tokens/s per GPU or per core by profile name, for those with a unit: what a
+    profile-order hook taking ``measured: Mapping[str, float]`` reads."""
+    return {m.profile: m.tokens_per_s_per_unit for m in measurements
+            if m.tokens_per_s_per_unit is not None}
+
+
 T = TypeVar("T")
 
 

@@ -22,6 +22,7 @@ from modelkeeper.domain.measured import (
     order_equal_priority,
     percentile,
     rank,
+    scores,
     size,
     sustained,
 )
@@ -195,3 +196,8 @@ def test_equal_priority_tries_the_most_measured_first_and_never_jumps_a_priority
     # Nothing measured: the declared order, unchanged.
     assert order_equal_priority(profiles, priority=lambda p: p.priority,
                                 profile=lambda p: p.name, measured={}) == profiles
+
+
+def test_scores_by_profile_name_leave_out_those_with_no_unit() -> None:
+    assert scores([capacity("gpu", per_unit=900.0, unit=Unit.GPU),
+                   capacity("none", tokens_per_s=5000.0)]) == {"gpu": 900.0}
