@@ -168,7 +168,9 @@ class CapacityReport(Frozen):
     """What ``bench`` sends (PUT /models/{id}/capacity): the level it found, the objective
     it held the levels to, and where it ran. The API adds the rest from the catalog."""
 
-    profile: str = Field(default="", max_length=64, pattern=r"^[a-z0-9._-]*$",
+    # The catalog's profile names (PROFILE_NAME_PATTERN on main, once merged), or empty.
+    profile: str = Field(default="", max_length=63,
+                         pattern=r"^([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?$",
                          description="the hardware profile measured; empty: the model's "
                                      "own resources (no named profile)")
     concurrency: JsonInt = Field(ge=1, le=MAX_CONCURRENCY,
