@@ -1,7 +1,7 @@
 """`modelkeeper api`: the FastAPI application.
 
 The routes live on module-level routers (``monitoring``, ``agents`` and ``liveness`` (what
-agents call), ``nodes``, ``deployments``,
+agents call), ``nodes``, ``measured``, ``deployments``,
 ``operations``, ``windows``, ``quotas``) and reach the store, Temporal and the settings through the
 dependencies in ``deps``, all read from ``app.state``: building an app is only wiring.
 
@@ -33,6 +33,7 @@ from . import (
     deployments,
     limits,
     liveness,
+    measured,
     monitoring,
     nodes,
     operations,
@@ -64,9 +65,9 @@ def create_app(settings: Settings) -> FastAPI:
     guarded = [Depends(auth.require_operator)]
     routers = [(monitoring.health, False), (monitoring.router, True), (agents.router, False),
                (nodes.router, True), (liveness.router, False),
-               # Before deployments: its /models/{id}/headroom must not be read as a model
-               # id ending in "/headroom" by GET /models/{model_id:path}.
-               (room.router, True), (deployments.router, True),
+               # Before deployments: its /models/{model_id:path} would take x/headroom and
+               # x/capacity as model ids.
+               (room.router, True), (measured.router, True), (deployments.router, True),
                (operations.router, True), (windows.router, True), (quotas.router, True)]
     for router, operators in routers:
         if operators:

@@ -64,6 +64,7 @@ from workflows.deployment import (
 from . import operations, quotas, room
 from .auth import OperatorDep, change
 from .deps import SettingsDep, StoreDep, TemporalDep
+from .measured import ModelView
 from .nodes import resolve_node_ids
 from .problems import problems
 
@@ -201,13 +202,13 @@ async def list_models(store: StoreDep) -> list[CatalogModel]:
     return await store.catalog.list_models()
 
 
-@router.get("/models/{model_id:path}", response_model=CatalogModel, responses=problems(404))
-async def get_model(model_id: str, store: StoreDep) -> CatalogModel:
-    """One catalog entry; 404 when unknown."""
+@router.get("/models/{model_id:path}", response_model=ModelView, responses=problems(404))
+async def get_model(model_id: str, store: StoreDep) -> ModelView:
+    """One catalog entry, with its measured capacity; 404 when unknown."""
     model = await store.catalog.get_model(model_id)
     if model is None:
         raise HTTPException(404, f"model {model_id!r} is not in the catalog")
-    return model
+    return ModelView(**model.model_dump(), measured=await store.measured.measured_of(model_id))
 
 
 @router.delete("/models/{model_id:path}", status_code=204, responses=problems(404, 409))

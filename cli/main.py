@@ -19,6 +19,7 @@ from modelkeeper.domain.operators import OperatorRole
 from modelkeeper.infra.files import private_files
 from modelkeeper.settings import Settings, config_table_markdown
 
+from .bench import add_bench_flags, run_bench
 from .operator_cli import (
     OPERATOR_COMMANDS,
     ApiError,
@@ -51,7 +52,8 @@ def _description() -> str:
             "that runs engines (`leave` stops the engines a stopped agent left, when its "
             "node goes for good). `keys` and `tokens` manage the gateway's client API keys "
             "and the API's operator tokens. Through the API: "
-            + ", ".join(f"`{name}`" for name in OPERATOR_COMMANDS) + ".")
+            + ", ".join(f"`{name}`" for name in OPERATOR_COMMANDS) + "; through the "
+            "gateway and the API: `bench`.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
         _add_common(action, ["postgres_port"])
 
     add_operator_commands(sub, lambda p: _add_common(p, []))
+
+    bench = sub.add_parser("bench", help="measure through the gateway how many concurrent "
+                           "requests a replica of a deployed model serves within a latency "
+                           "objective, and store it (docs/capacity.md)")
+    bench.add_argument("--api-url", help="overrides MODELKEEPER_API_URL")
+    bench.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_common(bench, ["gateway_port"])
+    add_bench_flags(bench)
 
     sub.add_parser("config-doc", help="print the configuration table (markdown)")
     return parser
@@ -385,6 +395,14 @@ def _cmd_tokens(settings: Settings, args: argparse.Namespace) -> int:
     return run_tokens_command(_database_url(settings), args, out=print)
 
 
+def _local_gateway_url(settings: Settings) -> str:
+    """This machine's gateway: the bind host (loopback for a wildcard) and gateway port."""
+    from modelkeeper.infra.network import is_wildcard
+
+    host = "127.0.0.1" if is_wildcard(settings.bind_host) else settings.bind_host
+    return f"http://{host}:{settings.gateway_port}"
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Run one `modelkeeper` command; its exit code (see ``operator_cli`` for 1 and 2)."""
     args = build_parser().parse_args(argv)
@@ -392,6 +410,11 @@ def run(argv: Sequence[str] | None = None) -> int:
         if args.command == "config-doc":
             print(config_table_markdown(), end="")
             return 0
+        if args.command == "bench":
+            client = load_settings(args)
+            return run_bench(args, api_url=client.api_url,
+                             gateway_url=args.gateway_url or _local_gateway_url(client),
+                             out=print, token=operator_token(client))
         if args.command in OPERATOR_COMMANDS:
             client = load_settings(args)
             return run_operator_command(args, client.api_url, out=print,

@@ -1,4 +1,4 @@
-"""`modelkeeper deploy / ls / status / headroom / rm / nodes / explain / models / quota`,
+"""`modelkeeper deploy / ls / status / headroom / rm / nodes / explain / models / quota / size`,
 the changes (`scale`, `owner`, `sleep`, `wake`, `retry`, `restart`, `switch`,
 `reconfigure`, `cordon`, `uncordon`, `drain`), `operations` (alias `ops`), which lists,
 shows and cancels the sagas, and `schedule`, a deployment's windows of scaling by the
@@ -427,6 +427,15 @@ def _nodes_request(args: argparse.Namespace) -> Request:
         lambda node_id: Request("DELETE", f"/nodes/{node_id}", params=params)))
 
 
+def _size_request(args: argparse.Namespace) -> Request:
+    if not args.rps > 0:
+        raise UsageError(f"--rps {args.rps:g}: a target rate must be above 0 requests/s")
+    params = {"rps": str(args.rps)}
+    if args.profile is not None:
+        params["profile"] = args.profile
+    return Request("GET", f"/models/{args.model_id}/size", params=params)
+
+
 def _explain_request(args: argparse.Namespace) -> Request:
     return Request("GET", "/placement/explain", params={"model_id": args.model_id})
 
@@ -439,6 +448,8 @@ def _models_request(args: argparse.Namespace) -> Request:
     if args.action == "rm":
         return Request("DELETE", f"/models/{args.model_id}",
                        then=partial(_removed, args.model_id))
+    if args.action == "show":
+        return Request("GET", f"/models/{args.model_id}")
     if not args.engine:
         raise UsageError(f"models add {args.model_id!r}: --engine is required, one of "
                          f"{', '.join(EngineKind)}")
@@ -798,8 +809,46 @@ def _models_text(args: argparse.Namespace, result: Any) -> str:
                          ["model", "engine", "source", "memory", "min nodes"])
         case "rm":
             return f"model {result['model_id']} removed"
+        case "show":
+            return _model_text(result)
         case _:
             return f"model {result['model_id']} added ({_mem(result['memory_bytes'])})"
+
+
+def measured_line(m: dict[str, Any]) -> str:
+    """One measured capacity (modelkeeper.domain.measured.MeasuredCapacity), as a line."""
+    per = ("" if m.get("unit") is None else
+           f", {m['tokens_per_s_per_unit']:.1f} tokens/s per {m['unit']}")
+    objective = m["objective"]
+    return (f"{m['concurrency']} concurrent request(s) per replica, "
+            f"{m['tokens_per_s']:.1f} tokens/s{per}, within TTFT p95 "
+            f"{objective['ttft_p95_s']:g} s and inter-token p95 {objective['itl_p95_s']:g} s "
+            f"(measured {m['measured_at']}, {m['max_tokens']} max_tokens, "
+            f"{m['mean_request_s']:.2f} s mean request)")
+
+
+def _model_text(m: dict[str, Any]) -> str:
+    lines = [f"model {m['model_id']}: {m['engine']}, {m['source']}, "
+             f"{_mem(m['memory_bytes'])}" + (" (estimated)" if m["memory_estimated"] else "")
+             + (f", {m['gpus']} GPU(s)" if m.get("gpus") else "")
+             + (f", {m['cpu_cores']:g} core(s)" if m.get("cpu_cores") else "")]
+    measured = m.get("measured") or []
+    if not measured:
+        lines.append("  measured: never (modelkeeper bench MODEL measures it)")
+    for entry in measured:
+        profile = entry["profile"] or "(own resources)"
+        lines.append(f"  measured as {profile}: {measured_line(entry)}")
+    return "\n".join(lines)
+
+
+def _size_text(args: argparse.Namespace, r: Any) -> str:
+    room = ("there is room for them now" if r["enough_room"] else
+            f"only {r['fit_now']} more fit now")
+    more = (f"{r['more_needed']} more than the {r['replicas_now']} there are; {room}"
+            if r["more_needed"] else f"it has {r['replicas_now']}: enough")
+    return (f"{r['model_id']} at {r['rps']:g} req/s needs {r['replicas_needed']} "
+            f"replica(s) ({r['per_replica_rps']:g} req/s each): {more}\n"
+            f"  how: {r['assumption']}")
 
 
 def _scale_text(args: argparse.Namespace, result: Any) -> str:
@@ -1157,8 +1206,17 @@ def _owner_flags(parser: argparse.ArgumentParser) -> None:
                         help="its new owner: org, org/team or org/team/project")
 
 
+def _size_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_id", metavar="MODEL", help="the catalog model")
+    parser.add_argument("--rps", type=float, required=True, metavar="R",
+                        help="the target rate, requests per second")
+    parser.add_argument("--profile", help="size by this profile's measurement (default: "
+                                          "the most cautious of the model's)")
+
+
 def _models_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", nargs="?", choices=["ls", "add", "rm"], default="ls")
+    parser.add_argument("action", nargs="?", choices=["ls", "show", "add", "rm"],
+                        default="ls")
     parser.add_argument("model_id", nargs="?")
     parser.add_argument("--engine", choices=[e.value for e in EngineKind])
     parser.add_argument("--source", help=SOURCE_HELP)
@@ -1208,8 +1266,10 @@ COMMANDS: tuple[Command, ...] = (
             _nodes_request, _nodes_text),
     Command("explain", "dry-run placement of one replica of a model", _explain_flags,
             _explain_request, _explain_text),
-    Command("models", "list the model catalog, or add/remove a model", _models_flags,
-            _models_request, _models_text),
+    Command("models", "list the model catalog, show one (with its measured capacity), or "
+            "add/remove a model", _models_flags, _models_request, _models_text),
+    Command("size", "how many replicas a target rate needs, by the model's measured "
+            "capacity, against the room there is", _size_flags, _size_request, _size_text),
     Command("scale", "set a deployment's replica count, or its scaling policy", _scale_flags,
             _scale_request, _scale_text),
     Command("sleep", "put a deployment's replicas to sleep (vLLM, SGLang, sim)", _sleep_flags,

@@ -27,10 +27,17 @@ The rules, in order; the first that applies is the step (each has its test in
 3. **Grow:** requests waiting per ready replica at or above ``scale_up_waiting``,
    continuously for ``scale_up_after_s``, adds one replica, up to max. Never while a
    replica is placing, starting or waking (the last addition is still on its way).
+   *Measured* (the sample carries the model's measured concurrency,
+   :mod:`modelkeeper.domain.measured`): requests per ready replica, in flight and
+   waiting, beyond the measured concurrency is the condition instead.
 4. **Shrink:** nothing waiting for ``scale_down_after_s`` (and as long since the last
    change) removes one replica above ``min_replicas``: the one idle longest, unused now.
    Never the last one awake: nothing waiting is also what light use looks like, and a
    model in use stays loaded (zero is rule 6's, which asks for no use at all).
+   *Measured*: the condition is instead that the ready replicas but one would each
+   serve under ``SCALE_IN_FRACTION`` (70 %) of the measured concurrency, and the
+   replica removed is the least loaded (then the one idle longest): it is drained
+   first, so a replica still serving a few requests may go.
 5. **Sleep:** a ready replica above the minimum, unused for ``sleep_after_s``, sleeps
    (engines that can; llama.cpp cannot, and is stopped by rule 6 instead).
 6. **Idle stop:** a replica above the minimum unused for ``idle_timeout_s`` (a sleeping
@@ -54,6 +61,7 @@ from pydantic import Field, model_validator
 from .base import Frozen, Tolerant
 from .bounds import MAX_REPLICAS, STRICT, JsonInt
 from .ids import DeploymentId, ReplicaId
+from .measured import SCALE_IN_FRACTION, beyond_measured, rest_would_stay_under
 
 #: A timeout or period longer than 30 days is a typo (seconds for minutes), not a policy.
 MAX_PERIOD_S = 30 * 86_400.0
@@ -232,6 +240,10 @@ class DemandSample(Tolerant):
     replicas: list[ReplicaUse] = Field(default_factory=list)
     #: The engines' own queues (vLLM ``vllm:num_requests_waiting``), where they say.
     engine_waiting: int = Field(default=0, ge=0)
+    #: Concurrent requests one replica of the model was measured to serve within its
+    #: latency objective (``modelkeeper bench``), read with the rows; None: never
+    #: measured, and rules 3 and 4 read waiting requests as they always did.
+    measured_concurrency: int | None = Field(default=None, ge=1)
 
     def use_of(self, replica_id: ReplicaId) -> ReplicaUse | None:
         return next((u for u in self.replicas if u.replica_id == replica_id), None)
@@ -294,6 +306,18 @@ def _since(start: datetime | None, now: datetime) -> float:
     return (now - start).total_seconds() if start is not None else 0.0
 
 
+def _least_loaded(view: DemandView, sample: DemandSample) -> ReplicaStanding | None:
+    """Rule 4's replica when measured: the ready one with the fewest requests in flight,
+    then the one unused longest; only one the gateways report (unknown is not idle, rule
+    1)."""
+    known = [(use, r) for r in view.replicas if r.standing is Standing.READY
+             and (use := sample.use_of(r.replica_id)) is not None]
+    if not known:
+        return None
+    return min(known, key=lambda pair: (pair[0].in_flight, pair[0].idle_since,
+                                        pair[1].replica_id))[1]
+
+
 def step(view: DemandView, sample: DemandSample, pressure: Pressure,
          now: datetime) -> tuple[Pressure, Add | Retire | Sleep | Wake | None]:
     """The change due now, if any, and what to remember for the next sample."""
@@ -317,15 +341,26 @@ def step(view: DemandView, sample: DemandSample, pressure: Pressure,
             return pressure, Add(reason=f"loading: {sample.waiting} request(s) waiting")
         return pressure, None
 
-    # Rule 3: grow.
-    busy = ready > 0 and waiting / ready >= policy.scale_up_waiting
+    # Rule 3: grow. Measured, the load is every request the gateways hold for it: in
+    # flight (an engine's own queue is in there already) and waiting for a replica.
+    measured = sample.measured_concurrency
+    load = sum(u.in_flight for u in sample.replicas) + sample.waiting
+    if measured is None:
+        busy = ready > 0 and waiting / ready >= policy.scale_up_waiting
+        quiet = waiting == 0
+    else:
+        busy = beyond_measured(load, ready, measured)
+        quiet = rest_would_stay_under(load, ready, measured)
     busy_since = (pressure.busy_since or now) if busy else None
-    quiet = waiting == 0
     quiet_since = (pressure.quiet_since or now) if quiet else None
     pressure = Pressure(busy_since=busy_since, quiet_since=quiet_since)
     if busy and coming == 0 and view.desired < policy.max_replicas:
         held = _since(busy_since, now)
         if held >= policy.scale_up_after_s:
+            if measured is not None:
+                return Pressure(quiet_since=quiet_since), Add(reason=(
+                    f"{load} request(s) on {ready} ready for {_fmt(held)} (> {measured} "
+                    f"per replica, as measured, for {_fmt(policy.scale_up_after_s)})"))
             return Pressure(quiet_since=quiet_since), Add(reason=(
                 f"{waiting} waiting on {ready} ready for {_fmt(held)} "
                 f"(>= {policy.scale_up_waiting:g} per replica for "
@@ -357,7 +392,23 @@ def step(view: DemandView, sample: DemandSample, pressure: Pressure,
                    and (s := unused(r)) is not None), key=lambda pair: -pair[0])
 
     # Rule 4: shrink after a quiet period.
-    if (awake > shrink_base and view.desired > shrink_base
+    if measured is not None:
+        retire = _least_loaded(view, sample)
+        # Quiet checked itself, not only its period: with scale_down_after_s 0 a period
+        # that never began has held for 0 s too.
+        if (quiet and awake > shrink_base and view.desired > shrink_base
+                and policy.min_replicas < policy.max_replicas and retire is not None):
+            held = _since(quiet_since, now)
+            since_change = _since(view.last_change_at, now) if view.last_change_at else held
+            if (held >= policy.scale_down_after_s
+                    and since_change >= policy.scale_down_after_s):
+                return Pressure(busy_since=busy_since), Retire(
+                    replica_id=retire.replica_id,
+                    reason=f"{load} request(s) would leave the {ready - 1} other ready "
+                           f"replica(s) under {SCALE_IN_FRACTION:.0%} of the measured "
+                           f"{measured} each, for {_fmt(held)}; {retire.replica_id} is "
+                           "the least loaded")
+    elif (awake > shrink_base and view.desired > shrink_base
             and policy.min_replicas < policy.max_replicas and idle):
         held = _since(quiet_since, now)
         since_change = _since(view.last_change_at, now) if view.last_change_at else held

@@ -10,6 +10,7 @@ and its migration only. Each aggregate's queries live in a module of its own:
 - :mod:`.catalog`: the model catalog;
 - :mod:`.deployments`: deployments and their replicas;
 - :mod:`.usage`: the gateways' usage rows, as a drain reads them;
+- :mod:`.measured`: what a replica of each model was measured to serve;
 - :mod:`.events`: the audit log;
 - :mod:`.operations`: the sagas' records;
 - :mod:`.tokens`: operator tokens;
@@ -31,6 +32,7 @@ import asyncpg
 from .catalog import CatalogStore
 from .deployments import DeploymentStore
 from .events import EventStore
+from .measured import MeasuredStore
 from .nodes import NodeStore
 from .operations import OperationsStore
 from .placement import PlacementStore
@@ -53,6 +55,7 @@ class Store:
         self.catalog = CatalogStore(pool)
         self.deployments = DeploymentStore(pool)
         self.usage = UsageStore(pool)
+        self.measured = MeasuredStore(pool)
         self.events = EventStore(pool)
         self.operations = OperationsStore(pool)
         self.tokens = TokensStore(pool)

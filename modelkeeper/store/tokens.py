@@ -44,7 +44,7 @@ class OperatorTokenRecord:
     prefix: str
     created_at: datetime
     revoked_at: datetime | None
-    #: The scope of the tenancy tree it is bound to (migration 0019): it changes only the
+    #: The scope of the tenancy tree it is bound to (migration 0021): it changes only the
     #: deployments owned there. None: unbound.
     scope: str | None = None
 

@@ -59,7 +59,8 @@ class UsageStore:
         queues summed over its replicas, each replica's the largest any worker scraped
         (every worker scrapes the same engine, so a sum over workers would count one
         queue once per worker; the largest, so that a worker whose scrape failed or lags
-        does not hide it; unknown counts as none). Every id asked
+        does not hide it; unknown counts as none); the model's measured concurrency,
+        the least of its profiles' (None when never measured). Every id asked
         for gets a sample (an empty one when nothing reports it), stamped with the
         store's clock, the clock the rows' ``updated_at`` come from.
         """
@@ -89,6 +90,13 @@ class UsageStore:
                   AND updated_at > now() - make_interval(secs => $2)
                 GROUP BY deployment_id)
             SELECT w.deployment_id, now() AS now,
+                   -- What one replica was measured to serve: the least of the model's
+                   -- profiles (modelkeeper.domain.measured.most_cautious).
+                   -- (of the catalog model it runs: a switch changes it.)
+                   (SELECT min(mc.concurrency) FROM deployments d
+                    JOIN measured_capacity mc
+                        ON mc.model_id = COALESCE(d.runs_model_id, d.model_id)
+                    WHERE d.deployment_id = w.deployment_id) AS measured_concurrency,
                    coalesce(min(waits.waiting), 0) AS waiting,
                    min(waits.last_request_at) AS last_request_at,
                    coalesce(sum(uses.engine_waiting), 0)::int AS engine_waiting,
@@ -109,6 +117,7 @@ class UsageStore:
         return {DeploymentId(row["deployment_id"]): DemandSample(
             at=row["now"], waiting=row["waiting"], last_request_at=row["last_request_at"],
             engine_waiting=row["engine_waiting"],
+            measured_concurrency=row["measured_concurrency"],
             replicas=[ReplicaUse(replica_id=ReplicaId(r), in_flight=n, last_used_at=used,
                                  reporting_since=since)
                       for r, n, used, since in zip(

@@ -75,7 +75,7 @@ POSITIONALS: dict[str, list[str]] = {
     "wake": ["x"], "retry": ["x"],
     "restart": ["x"], "switch": ["x", "m"], "reconfigure": ["x", "k=v"], "cordon": ["n"],
     "uncordon": ["n"], "drain": ["n"], "schedule": ["ls", "x"], "headroom": ["x"],
-    "owner": ["x", "acme"]}
+    "owner": ["x", "acme"], "size": ["x", "--rps", "1"]}
 
 
 # --- The table ---------------------------------------------------------------------------
@@ -83,9 +83,9 @@ POSITIONALS: dict[str, list[str]] = {
 
 def test_the_table_holds_every_command_in_help_order() -> None:
     assert [c.name for c in COMMANDS] == [
-        "deploy", "ls", "status", "headroom", "rm", "nodes", "explain", "models", "scale",
-        "sleep", "wake", "retry", "restart", "switch", "reconfigure", "cordon", "uncordon",
-        "drain", "operations", "schedule", "quota", "owner"]
+        "deploy", "ls", "status", "headroom", "rm", "nodes", "explain", "models", "size",
+        "scale", "sleep", "wake", "retry", "restart", "switch", "reconfigure", "cordon",
+        "uncordon", "drain", "operations", "schedule", "quota", "owner"]
     assert set(OPERATOR_COMMANDS) == {c.name for c in COMMANDS}
     for command in COMMANDS:  # each is registered with the common flags
         args = parse(command.name, *POSITIONALS.get(command.name, []), "--json",
