@@ -408,7 +408,7 @@ def step(view: DemandView, sample: DemandSample, pressure: Pressure,
                            f"replica(s) under {SCALE_IN_FRACTION:.0%} of the measured "
                            f"{measured} each, for {_fmt(held)}; {retire.replica_id} is "
                            "the least loaded")
-    elif (awake > shrink_base and view.desired > shrink_base
+    elif (quiet and awake > shrink_base and view.desired > shrink_base
             and policy.min_replicas < policy.max_replicas and idle):
         held = _since(quiet_since, now)
         since_change = _since(view.last_change_at, now) if view.last_change_at else held

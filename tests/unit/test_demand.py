@@ -228,6 +228,16 @@ def test_rule4_a_quiet_period_retires_the_replica_idle_longest() -> None:
     assert "quiet: nothing waiting for 10 min" in found.reason
 
 
+def test_rule4_with_no_quiet_period_still_never_shrinks_while_requests_wait() -> None:
+    """scale_down_after_s 0: a quiet period that never began must not count as held for
+    0 s (found by a seeded simulation: 5 waiting on 2 ready retired one)."""
+    policy = ScalingPolicy(min_replicas=1, max_replicas=3, scale_down_after_s=0)
+    v = view(policy, 2, replica("a"), replica("b"), last_change_at=0)
+    idle = (use("a"), use("b", last_used=100))
+    assert step(v, sample(600, *idle, waiting=5), Pressure(), now=at(600))[1] is None
+    assert isinstance(step(v, sample(600, *idle), Pressure(), now=at(600))[1], Retire)
+
+
 def test_rule4_waits_as_long_since_the_last_change() -> None:
     policy = ScalingPolicy(min_replicas=1, max_replicas=3, scale_down_after_s=600)
     v = view(policy, 2, replica("a"), replica("b"), last_change_at=300)
