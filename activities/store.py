@@ -234,8 +234,11 @@ class StoreActivities:
         spec = request.spec
         model = await self._runs(spec, request.generation)
         asking = _placement_request(spec, model, avoid_nodes=request.avoid_nodes)
+        # The scopes' guarantees guard their replicas, and let a scope within its own
+        # take back what others borrowed (modelkeeper.domain.eviction, rules 8 and 10).
+        quotas = await self._store.quotas.list_quotas()
         result = await self._store.placement.find_eviction(
-            deployment_id=spec.deployment_id, preempting=True, request=asking,
+            deployment_id=spec.deployment_id, preempting=True, request=asking, quotas=quotas,
             now=datetime.now(UTC),
             unreachable_after_s=self._settings.node_unreachable_after_s,
             lost_after_s=self._settings.node_lost_after_s,

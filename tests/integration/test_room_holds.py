@@ -12,7 +12,7 @@ import pytest
 from temporalio.testing import ActivityEnvironment
 
 from activities.store import StoreActivities
-from modelkeeper.domain.capacity import CapacityClass
+from modelkeeper.domain.capacity import CapacityClass, Quota, Resources
 from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest, ReplicaStateUpdate
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec
@@ -47,17 +47,19 @@ async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
 
 async def _deployment(store: Store, deployment_id: str, gib: int, *,
                       capacity_class: CapacityClass | None = None,
-                      node_ids: list[NodeId] | None = None) -> DeploymentSpec:
+                      node_ids: list[NodeId] | None = None,
+                      owner: str | None = None) -> DeploymentSpec:
     model = CatalogModel(model_id=ModelId(f"m-{deployment_id}"), engine=EngineKind.SIM,
                          source="sim", memory_bytes=gib * GIB)
     await store.catalog.create_model(model)
     await store.deployments.create_deployment(
         DeploymentId(deployment_id),
         DeploymentRequest(model_id=model.model_id, capacity_class=capacity_class,
-                          node_ids=node_ids),
+                          node_ids=node_ids, owner=owner),
         deployment_workflow_id(DeploymentId(deployment_id)))
     return DeploymentSpec(deployment_id=DeploymentId(deployment_id), model_id=model.model_id,
-                          replicas=1, capacity_class=capacity_class, node_ids=node_ids)
+                          replicas=1, capacity_class=capacity_class, node_ids=node_ids,
+                          owner=owner)
 
 
 def _env(activity_id: str, deployment_id: str = "d") -> ActivityEnvironment:
@@ -153,3 +155,33 @@ async def test_a_critical_deployment_preempts_what_makes_its_room_and_holds_it(
     assert not (await _place(store, victim, f"{victim.deployment_id}-r2")).shards
     assert (await _place(store, crit, "d-crit-r1")).shards
     assert await db.fetchval("SELECT count(*) FROM room_holds") == 0
+
+
+async def test_a_scope_within_its_guarantee_takes_back_what_another_borrowed(
+        store: Store, db: asyncpg.Connection) -> None:
+    """Team a is guaranteed 2 GiB; team b, promised nothing, fills the node with
+    standard replicas. a's standard deployment is outranked by nobody, yet its replica
+    takes back b's borrowed room (rule 10), read through the activity with the quotas
+    table; a replica within its own guarantee would not be taken."""
+    await store.nodes.register_node(AgentRegistration(
+        node_id=NodeId("n1"), name="n1",
+        inventory=Inventory(memory_total_bytes=2 * GIB, memory_available_bytes=2 * GIB,
+                            cpu_count=16)))
+    await store.quotas.set_quota(Quota(scope="a", guarantee=Resources(memory_bytes=2 * GIB)))
+    for name in ("d-b1", "d-b2"):
+        spec = await _deployment(store, name, 1, owner="b")
+        assert (await _place(store, spec, f"{name}-r1")).shards
+        await store.deployments.record_replica_state(ReplicaStateUpdate(
+            replica_id=ReplicaId(f"{name}-r1"), state=ReplicaState.READY))
+    asking = await _deployment(store, "d-a", 2, owner="a")
+    found = await _env("find").run(StoreActivities(store, SETTINGS).find_eviction,
+                                   FindEvictionInput(spec=asking,
+                                                     replica_id=ReplicaId("d-a-r1")))
+    assert sorted(t.replica_id for t in found.preempt) == ["d-b1-r1", "d-b2-r1"], found
+    # Once a holds its guarantee, b's deployment is refused a's room back.
+    await store.quotas.set_quota(Quota(scope="b", guarantee=Resources(memory_bytes=2 * GIB)))
+    await db.execute("DELETE FROM room_holds")
+    found = await _env("find-2").run(StoreActivities(store, SETTINGS).find_eviction,
+                                     FindEvictionInput(spec=asking,
+                                                       replica_id=ReplicaId("d-a-r1")))
+    assert found.preempt == [] and found.choice is None
