@@ -37,6 +37,7 @@ from modelkeeper.domain.placement import Placement, PlacementRequest, explain, p
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.sources import SourceKind, SourcePolicy, SourceRefused, check_source
 from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.domain.watchdog import CalibrationView, calibration_view, with_calibration
 from modelkeeper.infra import schedules
 from modelkeeper.infra.model_files import resolve_model_path, source_policy
 from modelkeeper.infra.temporal import execute_update
@@ -117,6 +118,16 @@ class Explanation(BaseModel):
     #: When the replica would share a node with another replica of the model's deployment
     #: (no other node has room): which node, and each other node's reason.
     note: str | None = None
+    #: The model was killed for memory: what it was seen to take, and the memory placed
+    #: for it now (OOM calibration, docs/capacity.md).
+    calibration: CalibrationView | None = None
+
+
+class ModelView(CatalogModel):
+    """GET /models/{id}: the catalog entry, and its OOM calibration when it has one (the
+    key is absent otherwise, so an entry reads as it always did)."""
+
+    calibration: CalibrationView | None = None
 
 
 def field_error(field: str, value: Any, message: str) -> RequestValidationError:
@@ -186,13 +197,20 @@ async def list_models(store: StoreDep) -> list[CatalogModel]:
     return await store.catalog.list_models()
 
 
-@router.get("/models/{model_id:path}", response_model=CatalogModel, responses=problems(404))
-async def get_model(model_id: str, store: StoreDep) -> CatalogModel:
-    """One catalog entry; 404 when unknown."""
+@router.get("/models/{model_id:path}", response_model=ModelView, responses=problems(404),
+            response_model_exclude_unset=True)
+async def get_model(model_id: str, store: StoreDep, settings: SettingsDep) -> ModelView:
+    """One catalog entry, with its OOM calibration when it was killed for memory; 404
+    when unknown."""
     model = await store.catalog.get_model(model_id)
     if model is None:
         raise HTTPException(404, f"model {model_id!r} is not in the catalog")
-    return model
+    fields: dict[str, Any] = model.model_dump()
+    calibration = await store.watchdog.calibration(model_id)
+    if calibration is not None:
+        fields["calibration"] = calibration_view(
+            model.memory_bytes, calibration, margin=settings.oom_calibration_margin)
+    return ModelView.model_validate(fields)
 
 
 @router.delete("/models/{model_id:path}", status_code=204, responses=problems(404, 409))
@@ -484,6 +502,11 @@ async def explain_placement(
     model = await store.catalog.get_model(model_id)
     if model is None:
         raise HTTPException(404, f"model {model_id!r} is not in the catalog")
+    calibration = await store.watchdog.calibration(model_id)
+    shown = None if calibration is None else calibration_view(
+        model.memory_bytes, calibration, margin=settings.oom_calibration_margin)
+    # Placement claims the calibrated memory (activities.store): so does its dry run.
+    model = with_calibration(model, calibration, margin=settings.oom_calibration_margin)
     deployment = await store.deployments.get_deployment_by_model(model_id)
     request = PlacementRequest(
         model_id=model.model_id, memory_bytes=model.memory_bytes, cpu_cores=model.cpu_cores,
@@ -504,6 +527,7 @@ async def explain_placement(
         chosen, summary, note = [], result.summary, None
     return Explanation(
         model_id=model_id, fits=bool(chosen), nodes_chosen=chosen, summary=summary, note=note,
+        calibration=shown,
         nodes=[NodeVerdict(node_id=d.node_id, name=d.node_name, fits=d.fits,
                            reason=d.rejection.reason_code.value if d.rejection else None,
                            message=d.message) for d in decisions])

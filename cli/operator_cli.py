@@ -627,6 +627,8 @@ def _explain_text(args: argparse.Namespace, result: Any) -> str:
     head = (f"{result['model_id']}: fits on {chosen}"
             if result["fits"] else f"{result['model_id']}: cannot be placed: "
                                    f"{result['summary']}")
+    if result.get("calibration"):
+        head += f"\nOOM calibration: {result['calibration']['note']}"
     return head + "\n" + table([[n["name"], "yes" if n["fits"] else "no", n["message"]]
                                 for n in result["nodes"]], ["node", "fits", "why"])
 

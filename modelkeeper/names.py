@@ -111,6 +111,10 @@ UPDATE_WAKE = "wake"
 #: A signal, not an update: it comes from another deployment's workflow, which cannot
 #: send updates; the keeper checks it (modelkeeper.domain.keeper.refuse_eviction).
 SIGNAL_EVICT = "evict"
+#: Stop one replica and hold its place back until room returns
+#: (modelkeeper.domain.capacity.PreemptRequest): sent by a placement that outranks it and
+#: by the API's memory watchdog (api/watchdog.py) on a critical node.
+SIGNAL_PREEMPT = "preempt"
 QUERY_STATUS = "status"
 #: A deployment as a saga sees it (modelkeeper.domain.moves.DeploymentBrief).
 QUERY_BRIEF = "brief"

@@ -347,5 +347,6 @@ CLAIM_COLUMNS = """
 _NODE_SELECT = """
     SELECT n.node_id, n.name, n.agent_labels, n.operator_labels, n.cordoned, n.cordon_reason,
            n.memory_total_bytes, n.memory_available_bytes, n.cpu_count, n.gpus, n.last_seen,
-           n.registered_at, n.silent_since,""" + CLAIM_COLUMNS + """
+           n.registered_at, n.silent_since, n.memory_level, n.memory_level_since,
+           n.memory_level_reason, n.memory_level_changes,""" + CLAIM_COLUMNS + """
     FROM nodes n""" + CLAIMS_PER_NODE

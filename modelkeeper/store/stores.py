@@ -12,7 +12,8 @@ and its migration only. Each aggregate's queries live in a module of its own:
 - :mod:`.usage`: the gateways' usage rows, as a drain reads them;
 - :mod:`.events`: the audit log;
 - :mod:`.operations`: the sagas' records;
-- :mod:`.tokens`: operator tokens.
+- :mod:`.tokens`: operator tokens;
+- :mod:`.watchdog`: node memory levels, watchdog actions and OOM calibrations.
 
 The migration runner is :mod:`.schema`; the gateway's reads are :mod:`.routing`, on a
 pool of its own.
@@ -36,6 +37,7 @@ from .pool import open_pool
 from .schema import Migration, apply_migrations
 from .tokens import TokensStore
 from .usage import UsageStore
+from .watchdog import WatchdogStore
 
 
 class Store:
@@ -52,6 +54,7 @@ class Store:
         self.events = EventStore(pool)
         self.operations = OperationsStore(pool)
         self.tokens = TokensStore(pool)
+        self.watchdog = WatchdogStore(pool)
 
     @classmethod
     async def connect(cls, dsn: str, *, min_size: int = 1, max_size: int = 10,
