@@ -383,7 +383,7 @@ async def heartbeat_node(node_id: str, beat: AgentHeartbeat, store: StoreDep, *,
         await signal_waiting_deployments(store, temporal)
     if beat.memory is not None or beat.oom_kills:
         await watch_memory(NodeId(node_id), beat, store=store, temporal=temporal,
-                           settings=settings, now=received_at)
+                           settings=settings, now=received_at, stored=recorded.memory_level)
     # Read after this heartbeat arrived: the agent stops what it ran before sending it and
     # is not here (HeartbeatAnswer says why).
     return HeartbeatAnswer(claimed_replica_ids=sorted(recorded.claimed_replica_ids))

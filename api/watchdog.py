@@ -48,15 +48,18 @@ EVENT_OOM_CALIBRATED = "model.oom_calibrated"
 
 
 async def watch_memory(node_id: NodeId, beat: AgentHeartbeat, *, store: Store,
-                       temporal: Client, settings: Settings, now: datetime) -> None:
+                       temporal: Client, settings: Settings, now: datetime,
+                       stored: MemoryLevel | None = None) -> None:
     """Everything a heartbeat's memory report and memory kills call for (see the module
-    docstring)."""
+    docstring). ``stored``: the level the heartbeat's own statement read for the node;
+    when it is the report's, nothing is written (None: unknown, the write decides)."""
     for kill in beat.oom_kills:
         await _calibrate(node_id, kill, store=store, settings=settings)
     report = beat.memory
     if report is None:
         return
-    previous = await store.watchdog.record_memory_level(node_id, report)
+    previous = (None if report.level is stored
+                else await store.watchdog.record_memory_level(node_id, report))
     if previous is not None:
         worse = report.level is not MemoryLevel.OK
         (log.warning if worse else log.info)(

@@ -240,6 +240,9 @@ class HeartbeatRecorded:
     changed: bool
     #: The replicas holding a claim on the node, read after the heartbeat arrived.
     claimed_replica_ids: list[ReplicaId]
+    #: The memory level stored for the node (the watchdog writes it only when the
+    #: agent's differs: most heartbeats then cost no second statement).
+    memory_level: MemoryLevel = MemoryLevel.OK
 
 
 class NodeAuth(Frozen):
