@@ -510,8 +510,17 @@ async def _heartbeat_loop(http: httpx.AsyncClient, node: Node, settings: Setting
         sent_wall = time.time()
         try:
             resp = await http.post(f"/nodes/{node.node_id}/heartbeat",
-                                   json=beat.model_dump(mode="json"),
+                                   json=_heartbeat_json(beat),
                                    headers=node.identity.node_headers())
+            if resp.status_code == 422 and (beat.memory is not None or beat.oom_kills):
+                # An API older than the watchdog refuses a heartbeat with fields it does
+                # not know (AgentHeartbeat is strict): send it again without them, so an
+                # agent upgraded before its API keeps its node alive. Each heartbeat tries
+                # with them first, so the watchdog speaks again once the API is upgraded.
+                beat = AgentHeartbeat(inventory=beat.inventory, shards=beat.shards)
+                resp = await http.post(f"/nodes/{node.node_id}/heartbeat",
+                                       json=_heartbeat_json(beat),
+                                       headers=node.identity.node_headers())
             if on_heartbeat is not None:
                 on_heartbeat(sent_wall, time.monotonic() - sent_at)
             if resp.status_code in (200, 204) and node.watchdog is not None:
@@ -540,6 +549,17 @@ async def _heartbeat_loop(http: httpx.AsyncClient, node: Node, settings: Setting
             # Engines keep serving; an operator must act (the log says how).
             log.error("%s", exc)
         await manager.reap_orphans(settings.orphan_grace_s)
+
+
+def _heartbeat_json(beat: AgentHeartbeat) -> dict[str, object]:
+    """The heartbeat's body, without the watchdog's fields when they say nothing: an API
+    older than the watchdog refuses any key it does not know."""
+    body = beat.model_dump(mode="json")
+    if beat.memory is None:
+        del body["memory"]
+    if not beat.oom_kills:
+        del body["oom_kills"]
+    return body
 
 
 def _heartbeat(node: Node) -> AgentHeartbeat:

@@ -3,21 +3,28 @@ agent's measurement of a real process, the metrics and the alert rule that reads
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agent.engines.sim_server import MAX_GROW_BYTES, HttpError, grow_bytes
+from agent.main import Node, NodeIdentity, _heartbeat_loop
+from agent.shards import ShardManager
 from agent.watchdog import Watchdog, node_sample, parse_gpu_free, tree_rss
 from api.monitoring import node_memory_metrics
 from modelkeeper.domain.capacity import CapacityClass
 from modelkeeper.domain.catalog import CatalogModel
 from modelkeeper.domain.demand import ScalingPolicy
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
-from modelkeeper.domain.nodes import NodeRecord
+from modelkeeper.domain.nodes import Inventory, NodeRecord, PortRange
 from modelkeeper.domain.shards import EngineKind, ShardReport, ShardState
 from modelkeeper.domain.tunables import WatchdogTunables
 from modelkeeper.domain.watchdog import (
@@ -36,6 +43,7 @@ from modelkeeper.domain.watchdog import (
     raw_level,
     with_calibration,
 )
+from modelkeeper.settings import Settings
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -245,3 +253,47 @@ def test_the_sim_grows_by_a_bounded_whole_number_of_bytes() -> None:
                 b'{"bytes": ' + str(MAX_GROW_BYTES + 1).encode() + b"}"):
         with pytest.raises(HttpError):
             grow_bytes(bad)
+
+
+# -- version skew: an API older than the watchdog --------------------------------------------
+
+class _OldHeartbeat(BaseModel):
+    """AgentHeartbeat as an API before the watchdog validates it: strict, two fields."""
+
+    model_config = ConfigDict(extra="forbid")
+    inventory: dict[str, Any]
+    shards: list[dict[str, Any]]
+
+
+async def test_an_api_older_than_the_watchdog_still_gets_heartbeats(tmp_path: Path) -> None:
+    """It refuses the watchdog's fields (422); the agent sends the heartbeat again without
+    them, at once, and every heartbeat tries with them first."""
+    bodies: list[dict[str, Any]] = []
+    stop = asyncio.Event()
+
+    def old_api(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        try:
+            _OldHeartbeat.model_validate(body)
+        except ValidationError as err:
+            return httpx.Response(422, json={"detail": str(err)})
+        if sum("memory" not in b for b in bodies) == 2:
+            stop.set()
+        return httpx.Response(200, json={"claimed_replica_ids": []})
+
+    settings = Settings(database_url="postgresql://unused", heartbeat_interval_s=0.01,
+                        data_dir=tmp_path)
+    manager = ShardManager(node_id=NodeId("n-old"), agent_dir=tmp_path / "agent",
+                           engine_host="127.0.0.1", port_range=(20000, 20010))
+    node = Node(node_id=NodeId("n-old"), name="old", labels={},
+                identity=NodeIdentity(tmp_path / "agent", None), manager=manager,
+                inventory=Inventory, engine_host="127.0.0.1",
+                engine_ports=PortRange(low=20000, high=20010),
+                watchdog=Watchdog(T, declared_memory=GIB, gpu_free=lambda: None))
+    async with httpx.AsyncClient(transport=httpx.MockTransport(old_api),
+                                 base_url="http://api") as http:
+        await asyncio.wait_for(_heartbeat_loop(http, node, settings, stop), 10)
+    await manager.close()
+    assert ["memory" in b for b in bodies] == [True, False, True, False]
+    assert bodies[0]["memory"]["level"] == "ok"
