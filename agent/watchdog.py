@@ -48,23 +48,43 @@ GPU_QUERY_TIMEOUT_S = 10
 #: whose engines die in a loop must not grow its heartbeats without bound (the oldest are
 #: dropped; the calibration keeps the largest peak anyway).
 MAX_PENDING_KILLS = 32
+#: How far up the process tree :func:`trees_rss` looks for an engine: engines start
+#: workers a level or two deep (vLLM's, a sidecar's); 64 is far past any of them.
+MAX_TREE_DEPTH = 64
 
 
 def tree_rss(pid: int) -> int:
     """Resident memory of process ``pid`` and its descendants (an engine's sidecars and
     workers); 0 for a process that is gone or not ours to read."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return 0
-    total = 0
-    for proc in procs:
-        try:
-            total += proc.memory_info().rss
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return total
+    return trees_rss([pid])[pid]
+
+
+def trees_rss(pids: Iterable[int]) -> dict[int, int]:
+    """:func:`tree_rss` of each of ``pids`` from one pass over the machine's processes
+    (psutil's ``children`` walks them all for every call: once per engine at every
+    heartbeat would be one walk per engine)."""
+    wanted = set(pids)
+    if not wanted:
+        return {}
+    parent: dict[int, int] = {}
+    rss: dict[int, int] = {}
+    for proc in psutil.process_iter(["ppid", "memory_info"]):
+        info = proc.info
+        if info["memory_info"] is None:
+            continue  # not ours to read, or gone meanwhile
+        parent[proc.pid] = info["ppid"] or 0
+        rss[proc.pid] = info["memory_info"].rss
+    totals = dict.fromkeys(wanted, 0)
+    for pid, resident in rss.items():
+        # Climb to the first wanted ancestor (the process itself included): an engine's
+        # workers count towards it. Bounded: a pid table has no cycles, but a reused pid
+        # read mid-change must not loop.
+        node, hops = pid, 0
+        while node not in wanted and node > 1 and hops < MAX_TREE_DEPTH:
+            node, hops = parent.get(node, 0), hops + 1
+        if node in wanted:
+            totals[node] += resident
+    return totals
 
 
 def read_gpu_free() -> int | None:
@@ -127,10 +147,11 @@ class Watchdog:
     def check(self, shards: Iterable[ShardReport]) -> MemoryReport:
         """Measure once (each engine's resident memory, the machine's, the GPUs') and
         return the level to report; keeps each engine's peak."""
+        running = [s for s in shards if s.pid > 0]
+        by_pid = trees_rss(s.pid for s in running)
         rss: dict[ReplicaId, int] = {}
-        for shard in shards:
-            if shard.pid > 0:
-                rss[shard.replica_id] = rss.get(shard.replica_id, 0) + tree_rss(shard.pid)
+        for shard in running:
+            rss[shard.replica_id] = rss.get(shard.replica_id, 0) + by_pid.get(shard.pid, 0)
         for replica_id, now in rss.items():
             self.peaks[replica_id] = max(now, self.peaks.get(replica_id, 0))
         sample = node_sample(declared_memory=self.declared_memory,

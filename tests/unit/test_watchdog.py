@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -18,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from agent.engines.sim_server import MAX_GROW_BYTES, HttpError, grow_bytes
 from agent.main import Node, NodeIdentity, _heartbeat_loop
 from agent.shards import ShardManager
-from agent.watchdog import Watchdog, node_sample, parse_gpu_free, tree_rss
+from agent.watchdog import Watchdog, node_sample, parse_gpu_free, tree_rss, trees_rss
 from api.monitoring import node_memory_metrics
 from modelkeeper.domain.capacity import CapacityClass
 from modelkeeper.domain.catalog import CatalogModel
@@ -163,6 +166,26 @@ def test_the_agent_measures_a_real_process_and_reports_its_peak_when_it_is_kille
 
 def test_a_process_that_is_gone_holds_nothing() -> None:
     assert tree_rss(2**22 + 12345) == 0
+
+
+def test_an_engine_counts_what_its_children_hold() -> None:
+    """A real child holding 64 MiB counts towards its parent (this process), as an
+    engine's workers count towards the engine."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; x = bytearray(64 << 20); x[::4096] = "
+         "b'1' * len(range(0, 64 << 20, 4096)); print('ok', flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ok\n"
+        mine = psutil.Process().memory_info().rss
+        held = psutil.Process(child.pid).memory_info().rss
+        total = trees_rss([os.getpid(), 2**22 + 12345])
+        assert total[2**22 + 12345] == 0
+        assert total[os.getpid()] >= mine + held - 8 * MIB  # both sampled a moment apart
+        assert held >= 64 * MIB
+    finally:
+        child.kill()
+        child.wait()
 
 
 # -- rule 4: the victim ------------------------------------------------------------------------
