@@ -46,6 +46,7 @@ from modelkeeper.domain.store_activities import (
     ShrinkClaimsInput,
     WatchForRoomInput,
 )
+from modelkeeper.domain.watchdog import with_calibration
 from modelkeeper.infra.temporal import signal_unplaceable
 from modelkeeper.names import (
     ACTIVITY_DELETE_DEPLOYMENT,
@@ -287,6 +288,11 @@ class StoreActivities:
         if model is None:
             raise ApplicationError(f"model {model_id!r} is not in the catalog",
                                    type=ERROR_UNKNOWN_MODEL, non_retryable=True)
+        # OOM calibration: a model killed for memory is claimed at what it was seen to
+        # take (modelkeeper.domain.watchdog, rule 6), by every placement, dry run and
+        # eviction search alike.
+        model = with_calibration(model, await self._store.watchdog.calibration(model_id),
+                                 margin=self._settings.oom_calibration_margin)
         if generation is None:
             return model
         engine_args = {**model.engine_args, **generation.engine_args}

@@ -65,6 +65,7 @@ from modelkeeper.domain.nodes import (
     PortRange,
     is_loopback,
 )
+from modelkeeper.domain.tunables import WatchdogTunables
 from modelkeeper.domain.units import parse_bytes
 from modelkeeper.infra import temporal
 from modelkeeper.infra.files import make_private_dir
@@ -75,6 +76,7 @@ from modelkeeper.settings import Settings
 from .identity import load_credential, load_or_create_node_id, save_credential
 from .inventory import read_available_memory, read_inventory
 from .shards import ShardManager
+from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -344,6 +346,10 @@ class Node:
     engine_ports: PortRange
     #: Each node thins out its own failure lines: one node's outage is not another's.
     notes: LogBackoff = field(default_factory=LogBackoff)
+    #: Measures the node's real memory at each heartbeat (agent.watchdog). None: the
+    #: heartbeat carries no memory report (the benchmarks' fleet, whose nodes share one
+    #: process and one machine's memory).
+    watchdog: Watchdog | None = None
 
     def registration(self) -> AgentRegistration:
         return AgentRegistration(node_id=self.node_id, name=self.name, labels=self.labels,
@@ -412,7 +418,9 @@ async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
     node = Node(node_id=node_id, name=name, labels=settings.node_labels,
                 identity=NodeIdentity(settings.agent_dir, join_token), manager=manager,
                 inventory=_inventory_reader(settings), engine_host=engine_host,
-                engine_ports=ports)
+                engine_ports=ports,
+                watchdog=Watchdog(WatchdogTunables.model_validate(settings.model_dump(
+                    include=set(WatchdogTunables.model_fields))), declared_memory=memory))
     adopted, killed = manager.recover()
     log.info("node %s (%s): adopted %d shard(s), killed %d unidentified engine(s)",
              node_id, node.name, len(adopted), len(killed))
@@ -497,15 +505,27 @@ async def _heartbeat_loop(http: httpx.AsyncClient, node: Node, settings: Setting
             await asyncio.wait_for(stop.wait(), interval)
         if stop.is_set():
             return
-        beat = AgentHeartbeat(inventory=node.inventory(), shards=manager.reports())
+        beat = _heartbeat(node)
         sent_at = time.monotonic()
         sent_wall = time.time()
         try:
             resp = await http.post(f"/nodes/{node.node_id}/heartbeat",
-                                   json=beat.model_dump(mode="json"),
+                                   json=_heartbeat_json(beat),
                                    headers=node.identity.node_headers())
+            if resp.status_code == 422 and (beat.memory is not None or beat.oom_kills):
+                # An API older than the watchdog refuses a heartbeat with fields it does
+                # not know (AgentHeartbeat is strict): send it again without them, so an
+                # agent upgraded before its API keeps its node alive. Each heartbeat tries
+                # with them first, so the watchdog speaks again once the API is upgraded.
+                beat = AgentHeartbeat(inventory=beat.inventory, shards=beat.shards)
+                resp = await http.post(f"/nodes/{node.node_id}/heartbeat",
+                                       json=_heartbeat_json(beat),
+                                       headers=node.identity.node_headers())
             if on_heartbeat is not None:
                 on_heartbeat(sent_wall, time.monotonic() - sent_at)
+            if resp.status_code in (200, 204) and node.watchdog is not None:
+                # Recorded: the kills it carried need not be sent again.
+                node.watchdog.kills_reported(len(beat.oom_kills))
             if resp.status_code == 200:
                 # An API one version behind answers 204 with no body: nothing to compare.
                 answer = HeartbeatAnswer.model_validate(resp.json())
@@ -529,6 +549,34 @@ async def _heartbeat_loop(http: httpx.AsyncClient, node: Node, settings: Setting
             # Engines keep serving; an operator must act (the log says how).
             log.error("%s", exc)
         await manager.reap_orphans(settings.orphan_grace_s)
+
+
+def _heartbeat_json(beat: AgentHeartbeat) -> dict[str, object]:
+    """The heartbeat's body, without the watchdog's fields when they say nothing: an API
+    older than the watchdog refuses any key it does not know."""
+    body = beat.model_dump(mode="json")
+    if beat.memory is None:
+        del body["memory"]
+    if not beat.oom_kills:
+        del body["oom_kills"]
+    return body
+
+
+def _heartbeat(node: Node) -> AgentHeartbeat:
+    """This heartbeat's body: the inventory, the shards, and the watchdog's report with
+    the memory kills not yet answered."""
+    shards = node.manager.reports()
+    watchdog = node.watchdog
+    if watchdog is None:
+        return AgentHeartbeat(inventory=node.inventory(), shards=shards)
+    kills = node.manager.memory_kills
+    # Taken before the check, which forgets the peaks of engines that are gone.
+    watchdog.take_kills([(spec.replica_id, spec.model_id, ended.detail)
+                         for spec, ended in kills])
+    kills.clear()
+    report = watchdog.check(shards)
+    return AgentHeartbeat(inventory=node.inventory(), shards=shards, memory=report,
+                          oom_kills=list(watchdog.pending_kills))
 
 
 async def _liveness_loop(http: httpx.AsyncClient, node_id: str, identity: NodeIdentity,

@@ -131,6 +131,9 @@ class ShardManager:
         self._records = agent_dir / "shards"
         self._node_key = node_key
         self._shards: dict[ReplicaId, LiveShard] = {}
+        #: Engines killed for memory with evidence, since the watchdog last took them
+        #: (agent.watchdog: it adds the peak it saw and reports them for calibration).
+        self.memory_kills: list[tuple[ShardSpec, ShardExit]] = []
         self._owns_http = http is None
         self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(10.0))
         self._gate = StartupGate(max_concurrent_startups)
@@ -280,6 +283,8 @@ class ShardManager:
             exit_code=code if code is not None and code >= 0 else None,
             signal=-code if code is not None and code < 0 else None,
             detail=detail, log_tail=read_log_tail(Path(record.log_path)))
+        if kind is ExitKind.OOM_KILLED:
+            self.memory_kills.append((record.spec, live.exit))
         return live.exit
 
     async def watch(self, replica_id: ReplicaId, heartbeat: Callable[[], None]) -> ShardExit:

@@ -40,6 +40,7 @@ from fastapi import APIRouter, FastAPI, Header, HTTPException, Request
 
 from modelkeeper.domain.engine_keys import derive_node_key
 from modelkeeper.domain.events import NewEvent
+from modelkeeper.domain.ids import NodeId
 from modelkeeper.domain.nodes import (
     NODE_CREDENTIAL_HEADER,
     Admitted,
@@ -77,6 +78,7 @@ from modelkeeper.store import Store
 from .auth import host_name
 from .deps import SettingsDep, StoreDep, TemporalDep
 from .signals import signal_waiting_deployments
+from .watchdog import watch_memory
 
 log = logging.getLogger(__name__)
 
@@ -379,6 +381,9 @@ async def heartbeat_node(node_id: str, beat: AgentHeartbeat, store: StoreDep, *,
     if recorded.changed:
         # Memory reported (nodes join in pieces), or the node is back: retry now.
         await signal_waiting_deployments(store, temporal)
+    if beat.memory is not None or beat.oom_kills:
+        await watch_memory(NodeId(node_id), beat, store=store, temporal=temporal,
+                           settings=settings, now=received_at, stored=recorded.memory_level)
     # Read after this heartbeat arrived: the agent stops what it ran before sending it and
     # is not here (HeartbeatAnswer says why).
     return HeartbeatAnswer(claimed_replica_ids=sorted(recorded.claimed_replica_ids))

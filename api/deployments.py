@@ -40,6 +40,7 @@ from modelkeeper.domain.profiles import ProfilePlacement, place_profiles, profil
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.sources import SourceKind, SourcePolicy, SourceRefused, check_source
 from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.domain.watchdog import CalibrationView, calibration_view, with_calibration
 from modelkeeper.infra import schedules
 from modelkeeper.infra.model_files import resolve_model_path, source_policy
 from modelkeeper.infra.temporal import execute_update
@@ -126,6 +127,9 @@ class Explanation(BaseModel):
     #: for the first tried, and ``summary`` names every profile); None: the model
     #: declares none.
     profile: str | None = None
+    #: The model was killed for memory: what it was seen to take, and the memory placed
+    #: for it now (OOM calibration, docs/capacity.md).
+    calibration: CalibrationView | None = None
 
 
 def field_error(field: str, value: Any, message: str) -> RequestValidationError:
@@ -202,13 +206,21 @@ async def list_models(store: StoreDep) -> list[CatalogModel]:
     return await store.catalog.list_models()
 
 
-@router.get("/models/{model_id:path}", response_model=ModelView, responses=problems(404))
-async def get_model(model_id: str, store: StoreDep) -> ModelView:
-    """One catalog entry, with its measured capacity; 404 when unknown."""
+@router.get("/models/{model_id:path}", response_model=ModelView, responses=problems(404),
+            response_model_exclude_unset=True)
+async def get_model(model_id: str, store: StoreDep, settings: SettingsDep) -> ModelView:
+    """One catalog entry, with its measured capacity, and its OOM calibration when it
+    was killed for memory; 404 when unknown."""
     model = await store.catalog.get_model(model_id)
     if model is None:
         raise HTTPException(404, f"model {model_id!r} is not in the catalog")
-    return ModelView(**model.model_dump(), measured=await store.measured.measured_of(model_id))
+    fields: dict[str, Any] = {**model.model_dump(),
+                              "measured": await store.measured.measured_of(model_id)}
+    calibration = await store.watchdog.calibration(model_id)
+    if calibration is not None:
+        fields["calibration"] = calibration_view(
+            model.memory_bytes, calibration, margin=settings.oom_calibration_margin)
+    return ModelView.model_validate(fields)
 
 
 @router.delete("/models/{model_id:path}", status_code=204, responses=problems(404, 409))
@@ -647,6 +659,11 @@ async def explain_placement(
     model = await store.catalog.get_model(model_id)
     if model is None:
         raise HTTPException(404, f"model {model_id!r} is not in the catalog")
+    calibration = await store.watchdog.calibration(model_id)
+    shown = None if calibration is None else calibration_view(
+        model.memory_bytes, calibration, margin=settings.oom_calibration_margin)
+    # Placement claims the calibrated memory (activities.store): so does its dry run.
+    model = with_calibration(model, calibration, margin=settings.oom_calibration_margin)
     deployment = await store.deployments.get_deployment_by_model(model_id)
     request = PlacementRequest(
         model_id=model.model_id, memory_bytes=model.memory_bytes, cpu_cores=model.cpu_cores,
@@ -671,6 +688,7 @@ async def explain_placement(
     return Explanation(
         model_id=model_id, fits=bool(chosen), nodes_chosen=chosen, summary=summary, note=note,
         profile=judged.name,
+        calibration=shown,
         nodes=[NodeVerdict(node_id=d.node_id, name=d.node_name, fits=d.fits,
                            reason=d.rejection.reason_code.value if d.rejection else None,
                            message=d.message) for d in decisions])

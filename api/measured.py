@@ -27,6 +27,7 @@ from modelkeeper.domain.measured import (
 from modelkeeper.domain.placement import PlacementRequest
 from modelkeeper.domain.sizing import room_for
 from modelkeeper.domain.status import ReplicaState
+from modelkeeper.domain.watchdog import CalibrationView
 from modelkeeper.store import Store
 
 from .auth import OperatorDep, change
@@ -43,10 +44,12 @@ _COUNTED = frozenset({ReplicaState.STARTING, ReplicaState.READY, ReplicaState.SL
 
 
 class ModelView(CatalogModel):
-    """GET /models/{id}: the catalog entry and what a replica was measured to serve."""
+    """GET /models/{id}: the catalog entry, what a replica was measured to serve, and
+    its OOM calibration when it has one (the key is absent otherwise)."""
 
     #: One per profile measured; empty: never measured.
     measured: list[MeasuredCapacity] = Field(default_factory=list)
+    calibration: CalibrationView | None = None
 
 
 async def _model(store: Store, model_id: str) -> CatalogModel:

@@ -5,8 +5,12 @@ call it without a token. Metrics and the audit log need a viewer (``router``).""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from fastapi import APIRouter, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from pydantic import BaseModel
 from temporalio.api.enums.v1 import TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
@@ -17,7 +21,9 @@ from temporalio.service import RPCError
 from modelkeeper import __version__
 from modelkeeper.domain.catalog import DeploymentView
 from modelkeeper.domain.events import Event
+from modelkeeper.domain.nodes import NodeRecord
 from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.domain.watchdog import LEVEL_RANK
 from modelkeeper.names import CONTROL_TASK_QUEUE
 
 from .deps import SettingsDep, StoreDep, TemporalDep
@@ -60,10 +66,11 @@ async def healthz(response: Response, store: StoreDep, temporal: TemporalDep, *,
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics(store: StoreDep) -> Response:
-    """Prometheus gauges per deployment and per quota's scope, read from the store at
-    scrape time."""
+    """Prometheus gauges per deployment, per quota's scope and per node, read from the
+    store at scrape time."""
     return Response(deployment_metrics(await store.deployments.list_deployments())
-                    + quota_metrics(await quota_views(store)),
+                    + quota_metrics(await quota_views(store))
+                    + node_memory_metrics(await store.nodes.list_nodes()),
                     media_type=CONTENT_TYPE_LATEST)
 
 
@@ -144,6 +151,38 @@ def quota_metrics(views: list[QuotaView]) -> bytes:
             if cap is not None:
                 limit.labels(view.scope, resource).set(cap)
         reached.labels(view.scope).set(int(bool(view.at_limit)))
+    return generate_latest(registry)
+
+
+class _NodeMemoryCollector(Collector):
+    """The memory watchdog's series (docs/capacity.md, "The memory watchdog"): each
+    node's level as a number (0 ok, 1 warn, 2 critical; the alert
+    ``ModelkeeperNodeMemoryCritical`` fires on 2) and its changes as a counter, both read
+    from the nodes' rows, so every API process answers the same."""
+
+    def __init__(self, nodes: list[NodeRecord]) -> None:
+        self._nodes = nodes
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["node_id", "node"]
+        level = GaugeMetricFamily("modelkeeper_node_memory_level",
+                                  "The node's memory level: 0 ok, 1 warn, 2 critical.",
+                                  labels=labels)
+        changes = CounterMetricFamily("modelkeeper_node_memory_level_changes",
+                                      "Times the node's memory level changed.",
+                                      labels=labels)
+        for node in self._nodes:
+            key = [node.node_id, node.name]
+            level.add_metric(key, LEVEL_RANK[node.memory_level])
+            changes.add_metric(key, node.memory_level_changes)
+        yield level
+        yield changes
+
+
+def node_memory_metrics(nodes: list[NodeRecord]) -> bytes:
+    """The per-node memory series in Prometheus' text format."""
+    registry = CollectorRegistry()
+    registry.register(_NodeMemoryCollector(nodes))
     return generate_latest(registry)
 
 

@@ -21,6 +21,7 @@ from modelkeeper.domain.nodes import (
     node_state,
 )
 from modelkeeper.domain.topology import FACILITY_CAP_KEY, PduName, PowerCap
+from modelkeeper.domain.watchdog import MemoryLevel
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 
@@ -105,6 +106,11 @@ class NodeInfo(BaseModel):
     last_seen: datetime
     #: Since when the liveness channel finds the node silent (its state is unreachable).
     silent_since: datetime | None = None
+    #: The memory watchdog's level as the node's agent last reported it, since when and
+    #: why (docs/capacity.md, "The memory watchdog").
+    memory_level: MemoryLevel = MemoryLevel.OK
+    memory_level_since: datetime | None = None
+    memory_level_reason: str | None = None
 
 
 def node_info(record: NodeRecord, settings: Settings) -> NodeInfo:
@@ -122,7 +128,9 @@ def node_info(record: NodeRecord, settings: Settings) -> NodeInfo:
         gpus_claimed=record.gpus_claimed, labels=record.labels,
         agent_labels=record.agent_labels, operator_labels=record.operator_labels,
         cordoned=record.cordoned, cordon_reason=record.cordon_reason,
-        last_seen=record.last_seen, silent_since=record.silent_since)
+        last_seen=record.last_seen, silent_since=record.silent_since,
+        memory_level=record.memory_level, memory_level_since=record.memory_level_since,
+        memory_level_reason=record.memory_level_reason)
 
 
 @router.get("/nodes", response_model=list[NodeInfo])

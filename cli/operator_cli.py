@@ -795,6 +795,8 @@ def _explain_text(args: argparse.Namespace, result: Any) -> str:
                                    f"{result['summary']}")
     if result.get("note"):
         head += f"\n{result['note']}"
+    if result.get("calibration"):
+        head += f"\nOOM calibration: {result['calibration']['note']}"
     return head + "\n" + table([[n["name"], "yes" if n["fits"] else "no", n["message"]]
                                 for n in result["nodes"]], ["node", "fits", "why"])
 

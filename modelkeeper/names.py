@@ -111,8 +111,9 @@ UPDATE_WAKE = "wake"
 #: A signal, not an update: it comes from another deployment's workflow, which cannot
 #: send updates; the keeper checks it (modelkeeper.domain.keeper.refuse_eviction).
 SIGNAL_EVICT = "evict"
-#: Stop a replica for something that outranks it; the deployment keeps its count
-#: (modelkeeper.domain.capacity.PreemptRequest).
+#: Stop one replica and hold its place back until room returns
+#: (modelkeeper.domain.capacity.PreemptRequest): sent by a placement that outranks it and
+#: by the API's memory watchdog (api/watchdog.py) on a critical node.
 SIGNAL_PREEMPT = "preempt"
 #: workflow.patched ids (docs/keeper.md, "The patch schedule"). 0.3: a deployment that
 #: fits nowhere seeks room from lower classes (issue 22).

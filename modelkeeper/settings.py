@@ -23,6 +23,7 @@ from .domain.tunables import (
     KeeperTunables,
     LivenessTunables,
     Tunables,
+    WatchdogTunables,
 )
 
 Port = int
@@ -45,7 +46,7 @@ def _default_data_dir() -> Path:
 
 
 class Settings(BaseSettings, KeeperTunables, ControlTunables, LivenessTunables, AgentTunables,
-               GatewayTunables):
+               GatewayTunables, WatchdogTunables):
     """Process settings, read from the environment (and flags, which override them).
 
     The timings and limits are the tunables' fields (modelkeeper.domain.tunables),

@@ -17,6 +17,10 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the extension loads only when the engine serves
+    import xllamacpp
 
 log = logging.getLogger("agent.engines.llamacpp_main")
 
@@ -53,6 +57,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def server_params(args: argparse.Namespace, api_key: str) -> xllamacpp.CommonParams:
+    """xllamacpp's parameters for ``args``. ``--threads`` (the replica's reserved cores,
+    agent.engines.base.threads_for) sets both the generation and the batch (prompt) thread
+    counts: a prompt processed on more threads than the replica reserved would take
+    another replica's cores."""
+    import xllamacpp
+
+    params = xllamacpp.CommonParams()
+    params.model.path = args.model
+    params.hostnames = [args.host]
+    params.port = args.port
+    params.n_ctx = args.ctx
+    params.n_parallel = args.parallel
+    params.cpuparams.n_threads = args.threads
+    params.cpuparams_batch.n_threads = args.threads
+    params.api_keys = [api_key]
+    if args.alias:
+        params.model_alias = {args.alias}
+    return params
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve until SIGTERM or SIGINT; returns the process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -67,17 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Imported here so that --help and the key check work without loading the extension.
     import xllamacpp
 
-    params = xllamacpp.CommonParams()
-    params.model.path = args.model
-    params.hostnames = [args.host]
-    params.port = args.port
-    params.n_ctx = args.ctx
-    params.n_parallel = args.parallel
-    params.cpuparams.n_threads = args.threads
-    params.cpuparams_batch.n_threads = args.threads
-    params.api_keys = [api_key]
-    if args.alias:
-        params.model_alias = {args.alias}
+    params = server_params(args, api_key)
 
     # Block the stop signals before the server starts its threads, which inherit the
     # mask: the signal then stays pending until sigwait() below takes it, instead of

@@ -24,6 +24,10 @@ seconds with that memory taken back. Its ``/metrics`` has vLLM's two queue gauge
 ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``, from its own queue
 (``--max-num-seqs`` requests run at once, as in vLLM; the rest wait).
 
+One route is the sim's own: ``POST /sim/grow`` with ``{"bytes": N}`` (behind the key)
+makes it hold N more bytes, really resident, as an engine that outgrows its claim does:
+the memory watchdog's tests cross a node's line with it.
+
 Tests start hundreds of these at once on one machine, so the module deliberately uses
 only the standard library (asyncio streams and a minimal HTTP/1.1 parser) and nothing
 that pulls in pydantic, starlette or httpx: every imported megabyte is multiplied by
@@ -80,6 +84,12 @@ SLEEP_LEVEL = "1"
 
 #: vLLM's sleep endpoints (see the module docstring).
 SLEEP_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping"})
+#: The sim's own control, for the memory watchdog's tests: ``POST /sim/grow`` with
+#: ``{"bytes": N}`` allocates and touches N more bytes, really resident, and answers the
+#: process's resident memory after it (``{"rss_bytes": ...}``).
+GROW_PATH = "/sim/grow"
+#: The most one grow may add: tests share a machine, and a mistyped size must not take it.
+MAX_GROW_BYTES = 4 << 30
 #: What a completion asked of a sleeping engine is answered, with a 503.
 SLEEPING_MESSAGE = "The model is sleeping: wake it up with POST /wake_up first"
 
@@ -546,6 +556,18 @@ def memory_to_hold(target_bytes: int, rss_bytes: int | None) -> int:
     return max(0, target_bytes - (rss_bytes or 0))
 
 
+def grow_bytes(body: bytes) -> int:
+    """The ``bytes`` of a ``/sim/grow`` body: a whole number from 0 to MAX_GROW_BYTES."""
+    try:
+        value = json.loads(body or b"{}").get("bytes")
+    except (ValueError, AttributeError):
+        raise HttpError(400, "the body must be a JSON object: {\"bytes\": N}") from None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_GROW_BYTES:
+        raise HttpError(400, f"bytes must be a whole number from 0 to {MAX_GROW_BYTES}, "
+                             f"not {value!r}", code="bytes")
+    return value
+
+
 async def _hold(blocks: list[bytearray], size: int) -> None:
     """Allocate and touch ``size`` bytes into ``blocks``, in chunks, yielding between them."""
     remaining = size
@@ -596,6 +618,8 @@ class SimEngine:
         #: What the KV share holds once loaded (it may be less than kv_bytes: the
         #: interpreter's own resident memory counts towards --memory-bytes).
         self._kv_hold = 0
+        #: Memory added by POST /sim/grow, kept referenced so it stays resident.
+        self._grown: list[bytearray] = []
         #: Never set: --hang waits on it.
         self._never = asyncio.Event()
         #: Asleep, or waking: completions are refused until a wake has ended.
@@ -753,6 +777,18 @@ class SimEngine:
             if not is_authorized(head.headers, self.api_key):
                 raise HttpError(401, "Invalid API key", code="invalid_api_key")
             payload = await self._sleep_route(head, method)
+            writer.write(render_response(200, payload, keep_alive=keep_alive))
+            await writer.drain()
+            return keep_alive
+
+        if path == GROW_PATH:
+            # Behind the key: whoever can reach an engine must not make it eat the node.
+            if not is_authorized(head.headers, self.api_key):
+                raise HttpError(401, "Invalid API key", code="invalid_api_key")
+            if method != "POST":
+                raise HttpError(405, "use POST")
+            await _hold(self._grown, grow_bytes(body))
+            payload = json_bytes({"rss_bytes": current_rss_bytes()})
             writer.write(render_response(200, payload, keep_alive=keep_alive))
             await writer.drain()
             return keep_alive

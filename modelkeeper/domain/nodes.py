@@ -21,6 +21,7 @@ from .capacity import CapacityClass, OwnerPath
 from .catalog import MAX_CPU_CORES, MAX_MEMORY_BYTES, Labels
 from .ids import DeploymentId, NodeId, ReplicaId
 from .shards import ShardReport
+from .watchdog import MemoryLevel, MemoryReport, OomKill
 
 #: GPUs in one node: the largest servers hold 16; a report of more is not a machine.
 MAX_GPUS_PER_NODE = 64
@@ -139,10 +140,13 @@ class AgentRegistration(Frozen):
 
 
 class AgentHeartbeat(Frozen):
-    """An agent's periodic report."""
+    """An agent's periodic report: with the memory watchdog's (``memory``, None from an
+    older agent) and the engines killed for memory not yet reported (``oom_kills``)."""
 
     inventory: Inventory
     shards: list[ShardReport] = Field(default_factory=list, max_length=MAX_SHARDS_PER_NODE)
+    memory: MemoryReport | None = None
+    oom_kills: list[OomKill] = Field(default_factory=list, max_length=MAX_SHARDS_PER_NODE)
 
 
 class HeartbeatAnswer(Tolerant):
@@ -196,6 +200,12 @@ class NodeRecord(Frozen):
     registered_at: datetime
     #: When the API's liveness channel found the node silent; None while it is not.
     silent_since: datetime | None = None
+    #: The memory watchdog's level as the agent last reported it, since when and why,
+    #: and how many times it changed (modelkeeper.domain.watchdog).
+    memory_level: MemoryLevel = MemoryLevel.OK
+    memory_level_since: datetime | None = None
+    memory_level_reason: str | None = None
+    memory_level_changes: int = 0
     memory_claimed_bytes: int = 0
     cpu_claimed: float = 0.0
     gpus_claimed: list[int] = Field(default_factory=list)
@@ -242,6 +252,9 @@ class HeartbeatRecorded:
     changed: bool
     #: The replicas holding a claim on the node, read after the heartbeat arrived.
     claimed_replica_ids: list[ReplicaId]
+    #: The memory level stored for the node (the watchdog writes it only when the
+    #: agent's differs: most heartbeats then cost no second statement).
+    memory_level: MemoryLevel = MemoryLevel.OK
 
 
 class NodeAuth(Frozen):

@@ -324,3 +324,59 @@ class GatewayTunables(Tolerant):
         description="Longest a client may take to send a request's body once its headers "
         "are in: the largest body (32 MiB) at 1 MB/s, with room.",
     )
+
+
+class WatchdogTunables(Tolerant):
+    """The memory watchdog's thresholds (the agent's) and what the control plane does
+    about a critical node (Settings reads these; docs/capacity.md, "The memory
+    watchdog")."""
+
+    watchdog_margin_bytes: int = Field(
+        default=8 << 30, ge=0,
+        description="Memory a node keeps free (bytes): available memory below it is "
+        "critical, below watchdog_warn_factor times it a warning. 8 GiB, the seed's: room "
+        "for a kernel's page cache and a burst of allocations while a replica is stopped. "
+        "A node smaller than 10 times this uses watchdog_margin_fraction of its memory "
+        "instead, so a small node is not critical for ever.",
+    )
+    watchdog_margin_fraction: float = Field(
+        default=0.1, gt=0, lt=1,
+        description="The margin of a node whose memory is under 10 x watchdog_margin_bytes, "
+        "as a fraction of that memory: 10 %, about what engines' allocators overshoot "
+        "their steady use by.",
+    )
+    watchdog_warn_factor: float = Field(
+        default=1.5, gt=1,
+        description="Available memory below this many margins is a warning: early enough "
+        "to stop or move a replica by hand before the margin is gone.",
+    )
+    watchdog_clear_fraction: float = Field(
+        default=0.1, ge=0, lt=1,
+        description="Hysteresis: a level is left for a better one only once available "
+        "memory is this fraction of the margin above that level's line, so a node hovering "
+        "at a line does not flap between levels (each change is an event and an alert).",
+    )
+    watchdog_gpu_margin_bytes: int = Field(
+        default=1 << 30, ge=0,
+        description="GPU memory each GPU keeps free: below it on any GPU is critical, "
+        "below watchdog_warn_factor times it a warning. 1 GiB: vLLM claims 90 % of a GPU "
+        "by design, so only the last gigabyte says a process outgrew its share.",
+    )
+    watchdog_auto_protect: bool = Field(
+        default=False,
+        description="On a critical node, stop one replica (the lowest class, the largest "
+        "first within it) by preempting it, at most once every "
+        "watchdog_action_interval_s. Off: the watchdog only warns (events, metrics, the "
+        "ModelkeeperNodeMemoryCritical alert).",
+    )
+    watchdog_action_interval_s: float = Field(
+        default=60.0, gt=0,
+        description="Least time between two stops on one node: a stopped engine frees its "
+        "memory within seconds, and the next heartbeats must see that before another goes.",
+    )
+    oom_calibration_margin: float = Field(
+        default=1.2, ge=1,
+        description="A model killed for memory is placed next with its measured peak "
+        "resident memory times this: the peak is what it reached when killed, not what "
+        "it would have reached, so 20 % more.",
+    )

@@ -24,6 +24,7 @@ from ..domain.nodes import (
     NodeRemoval,
     NodeUpdate,
 )
+from ..domain.watchdog import MemoryLevel
 from .locks import NODE_NAME_LOCK_SPACE, lock_key
 from .pool import port_range, record
 
@@ -232,7 +233,8 @@ class NodeStore:
                        OR prev.gpus IS DISTINCT FROM $5::jsonb
                        OR prev.last_seen < now() - make_interval(secs => $6)
                        OR (prev.silent_since IS NOT NULL AND nodes.silent_since IS NULL)
-                       AS changed
+                       AS changed,
+                       nodes.memory_level
             )
             -- The claims as of this statement's snapshot, which is taken after the
             -- heartbeat arrived: what the answer needs (HeartbeatAnswer: an engine that ran
@@ -241,7 +243,7 @@ class NodeStore:
             -- them in the same statement answers what a read just after it would. An
             -- allocation's replica always exists (foreign key, ON DELETE CASCADE): no
             -- join needed.
-            SELECT beat.changed,
+            SELECT beat.changed, beat.memory_level,
                    ARRAY(SELECT replica_id FROM allocations WHERE node_id = $1) AS claimed
             FROM beat
             """,
@@ -252,7 +254,8 @@ class NodeStore:
         if row is None:
             return None
         return HeartbeatRecorded(changed=bool(row["changed"]),
-                                 claimed_replica_ids=[ReplicaId(r) for r in row["claimed"]])
+                                 claimed_replica_ids=[ReplicaId(r) for r in row["claimed"]],
+                                 memory_level=MemoryLevel(row["memory_level"]))
 
     async def mark_node_silent(self, node_id: str, *, since: datetime) -> bool:
         """Record that the liveness channel found the node silent: placement treats it as
@@ -373,5 +376,6 @@ CLAIM_COLUMNS = """
 _NODE_SELECT = """
     SELECT n.node_id, n.name, n.agent_labels, n.operator_labels, n.cordoned, n.cordon_reason,
            n.memory_total_bytes, n.memory_available_bytes, n.cpu_count, n.gpus, n.last_seen,
-           n.registered_at, n.silent_since,""" + CLAIM_COLUMNS + """
+           n.registered_at, n.silent_since, n.memory_level, n.memory_level_since,
+           n.memory_level_reason, n.memory_level_changes,""" + CLAIM_COLUMNS + """
     FROM nodes n""" + CLAIMS_PER_NODE

@@ -16,6 +16,7 @@ and its migration only. Each aggregate's queries live in a module of its own:
 - :mod:`.tokens`: operator tokens;
 - :mod:`.room`: the fit-plan lock (and what the room surfaces read).
 - :mod:`.quotas`: quotas per scope, and what each owner holds.
+- :mod:`.watchdog`: node memory levels, watchdog actions and OOM calibrations.
 
 The migration runner is :mod:`.schema`; the gateway's reads are :mod:`.routing`, on a
 pool of its own.
@@ -42,6 +43,7 @@ from .room import RoomStore
 from .schema import Migration, apply_migrations
 from .tokens import TokensStore
 from .usage import UsageStore
+from .watchdog import WatchdogStore
 
 
 class Store:
@@ -61,6 +63,7 @@ class Store:
         self.tokens = TokensStore(pool)
         self.room = RoomStore(pool)
         self.quotas = QuotasStore(pool)
+        self.watchdog = WatchdogStore(pool)
 
     @classmethod
     async def connect(cls, dsn: str, *, min_size: int = 1, max_size: int = 10,

@@ -53,7 +53,8 @@ async def test_engine_serves_with_its_key_and_only_with_it(tmp_path: Path) -> No
         engine=EngineKind.LLAMACPP,
         source="smollm2",
         memory_bytes=512 * 2**20,
-        cpu_cores=1.0,
+        # Two cores reserved: llama.cpp itself must say it runs two threads (below).
+        cpu_cores=2.0,
         engine_args={"ctx_size": 2048, "parallel": 2},
     )
     key = derive_engine_key(SECRET, spec.replica_id)
@@ -71,6 +72,9 @@ async def test_engine_serves_with_its_key_and_only_with_it(tmp_path: Path) -> No
     try:
         check = await wait_ready(adapter, proc, base_url, key, spec.model_id)
         assert "/health 200" in check.detail
+        # The replica's reserved cores are the engine's threads, as llama.cpp logs them
+        # when it sets up its thread pool.
+        assert "n_threads = 2" in (tmp_path / "engine.log").read_text(), proc.log_tail()
 
         # Everyone on the node can read this; the key must not be in it.
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()

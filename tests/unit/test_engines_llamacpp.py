@@ -215,3 +215,16 @@ def test_entry_point_rejects_bad_numbers(bad: list[str]) -> None:
     base = ["--model", "/x.gguf", "--host", "127.0.0.1", "--port", "1"]
     with pytest.raises(SystemExit):
         llamacpp_main.parse_args(base + bad)
+
+
+@pytest.mark.parametrize(("cpu_cores", "threads"), [(None, 1), (1.0, 1), (2.5, 3), (4.0, 4)])
+def test_reserved_cores_reach_xllamacpp_threads(cpu_cores: float | None, threads: int) -> None:
+    """The replica's reserved cores (the shard's ``cpu_cores``, what placement claimed)
+    become the entry point's --threads, and those xllamacpp's own thread counts, for
+    generation and for prompt batches alike: the command line the agent runs, parsed by
+    the entry point, into the parameters it hands the server."""
+    plan = plan_for(shard(cpu_cores=cpu_cores))
+    args = llamacpp_main.parse_args(plan.argv[3:])
+    params = llamacpp_main.server_params(args, KEY)
+    assert (params.cpuparams.n_threads, params.cpuparams_batch.n_threads) == (threads, threads)
+    assert params.api_keys == [KEY]

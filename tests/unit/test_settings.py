@@ -17,6 +17,7 @@ from modelkeeper.domain.tunables import (
     KeeperTunables,
     LivenessTunables,
     Tunables,
+    WatchdogTunables,
 )
 from modelkeeper.settings import ROOT_DATA_DIR, Settings, config_table_markdown
 
@@ -118,7 +119,8 @@ def test_each_tunable_default_lives_once() -> None:
     defaults, limits and reasons, re-declared nowhere. A deployment started without the
     API runs with exactly what the API would send (Settings.tunables), and the keeper's
     own config defaults are the tunables'."""
-    groups = (KeeperTunables, ControlTunables, LivenessTunables, AgentTunables, GatewayTunables)
+    groups = (KeeperTunables, ControlTunables, LivenessTunables, AgentTunables, GatewayTunables,
+              WatchdogTunables)
     settings = Settings.model_construct()  # the defaults, whatever the environment says
     for group in groups:
         for name, field in group.model_fields.items():
