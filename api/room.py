@@ -22,25 +22,27 @@ from fastapi import APIRouter, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from modelkeeper.domain.capacity import Resources, effective_class
 from modelkeeper.domain.catalog import CatalogModel, DeploymentView
 from modelkeeper.domain.draining import stale_after_s
+from modelkeeper.domain.eviction import Asker
 from modelkeeper.domain.fit_plans import (
     NOT_DEPLOYED,
     ActionKind,
     FitPlan,
-    Headroom,
     PlanAction,
     fit_plans,
     fits,
-    headroom,
     room_after,
 )
 from modelkeeper.domain.fleet import FleetNode, FleetSummary, summarise
+from modelkeeper.domain.headroom import Headroom, headroom
 from modelkeeper.domain.ids import DeploymentId, NodeId
 from modelkeeper.domain.no_room import IfNoRoom
 from modelkeeper.domain.nodes import node_state
 from modelkeeper.domain.operators import Operator
 from modelkeeper.domain.placement import PlacementRequest
+from modelkeeper.domain.status import ReplicaState
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 from modelkeeper.store.room import RoomSnapshot
@@ -59,6 +61,8 @@ class HeadroomView(BaseModel):
     model_id: str
     deployment_id: str | None
     memory_bytes: int
+    #: More replicas in all: fitting now, plus by stopping others.
+    total: int
     headroom: Headroom
 
 
@@ -115,18 +119,41 @@ def placement_request(model: CatalogModel, *, min_nodes: int,
 
 async def _headroom(store: Store, settings: Settings, model: CatalogModel,
                     deployment: DeploymentView | None) -> HeadroomView:
+    """Headroom on the capacity rules (modelkeeper.domain.headroom): the deployment asks
+    as its class and owner, within its scope's limits; a model not deployed yet asks as
+    a fixed deployment with no owner would (standard)."""
     for_deployment = NOT_DEPLOYED if deployment is None else deployment.deployment_id
     request = placement_request(
         model, min_nodes=1 if deployment is None else deployment.min_nodes,
         node_ids=None if deployment is None else deployment.node_ids,
         labels={} if deployment is None else deployment.labels, deployment=deployment)
     snapshot = await read_room(store, settings, for_deployment=for_deployment)
+    shards = request.min_nodes
+    asker = Asker(
+        deployment_id=for_deployment,
+        capacity_class=(effective_class(None, None) if deployment is None
+                        else deployment.runs_as),
+        owner=None if deployment is None else deployment.owner,
+        replicas=0 if deployment is None else sum(
+            1 for r in deployment.replicas if r.state in _AWAKE),
+        min_replicas=0 if deployment is None else (
+            deployment.scaling.min_replicas if deployment.scaling is not None
+            else deployment.desired_replicas),
+        holds=Resources(memory_bytes=request.memory_bytes,
+                        gpus=request.shard_gpus * shards,
+                        cpu_cores=(request.cpu_cores or 0.0) * shards))
     found = headroom(request, snapshot.nodes, snapshot.candidates,
                      for_deployment=for_deployment, now=snapshot.at,
-                     protect_s=settings.eviction_protect_s)
+                     protect_s=settings.eviction_protect_s, asker=asker,
+                     quotas=await store.quotas.list_quotas(),
+                     holdings=await store.quotas.holdings())
     return HeadroomView(model_id=model.model_id, memory_bytes=model.memory_bytes,
                         deployment_id=None if deployment is None else deployment.deployment_id,
-                        headroom=found)
+                        total=found.total, headroom=found)
+
+
+#: A deployment's replicas that count as running for its minimum (ready or on the way).
+_AWAKE = frozenset({ReplicaState.READY, ReplicaState.STARTING})
 
 
 @router.get("/deployments/{deployment_id}/headroom", response_model=HeadroomView,

@@ -1022,17 +1022,17 @@ def _headroom_text(args: argparse.Namespace, result: Any) -> str:
     more = "or more " if room["capped"] else ""
     name = result["model_id"] + (f" ({result['deployment_id']})" if result["deployment_id"]
                                  else " (not deployed)")
-    lines = [f"{name}, {format_gib(result['memory_bytes'])} a replica: {room['fits_now']} "
+    lines = [f"{name}, {format_gib(result['memory_bytes'])} a replica: {room['now']} "
              f"more fit now; {len(room['by_stopping'])} {more}more by stopping others"]
     if room["by_stopping"]:
-        lines.append(table([[f"+{i}", ", ".join(s["victims"]), format_gib(s["frees_bytes"]),
-                             ",".join(s["place_on"])]
+        lines.append(table([[f"+{i}", ", ".join(
+                                 f"{v['replica_id']} ({v['kind']}, {v['runs_as']})"
+                                 for v in s["victims"]) or "(room already made)",
+                             format_gib(s["frees"]["memory_bytes"]), ",".join(s["place_on"])]
                             for i, s in enumerate(room["by_stopping"], start=1)],
                            ["replica", "stopping", "frees", "on"]))
-    if room["why_not_now"]:
-        lines.append(f"not more now: {room['why_not_now']}")
-    if room["why_not_by_stopping"]:
-        lines.append(f"not more by stopping: {room['why_not_by_stopping']}")
+    if room["reason"]:
+        lines.append(f"no more: {room['reason']}")
     return "\n".join(lines)
 
 

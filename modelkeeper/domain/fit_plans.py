@@ -1,32 +1,17 @@
-"""Room for more replicas of a model: how many fit now, how many more by stopping others
-(headroom), and what an operator could sleep or scale down to make a deploy or a
-scale-up fit (fit plans). Pure: the request, the nodes with their claims, the replicas
-that could make room and the time come in as arguments.
+"""What an operator could sleep or scale down to make a deploy or a scale-up fit (fit
+plans). Pure: the request, the nodes with their claims, the replicas that could make room
+and the time come in as arguments. How many more replicas fit, now and by stopping others
+(headroom), is :mod:`.headroom`'s, on the capacity rules of :mod:`.eviction`.
 
 Everything here is tried on copies of the nodes with :func:`~.placement.place`,
 :func:`~.placement.apply` and :func:`~.eviction.without`; nothing is stopped or claimed.
 The answers can be stale by the time they are read: only a placement's locked re-check
 counts, and applying a plan checks again under a lock (``api/room.py``).
 
-**Headroom** (:func:`headroom`), each rule with its test in
-``tests/unit/test_fit_plans.py``:
-
-1. **Now:** replicas are placed one after another on the copy, each one's claims added
-   before the next is tried, until one does not fit or :data:`HEADROOM_CAP` is reached.
-2. **By stopping others:** then, while one more does not fit, the rules of
-   :func:`~.eviction.choose_victim` choose what to stop for it, on the copy as it stands
-   (with the replicas counted so far). So whatever those rules are (idle on-demand
-   replicas today; what a class outranks once classes preempt) is what headroom names,
-   and only the replicas that make the room: the choice prunes the rest. Each further
-   replica is one :class:`RoomStep` naming its exact victims; a victim is never counted
-   twice.
-3. **Why no more:** the placement's summary (why not now), and the choice's reason
-   (why not by stopping: every candidate refused, and why).
-
 **Fit plans** (:func:`fit_plans`): when ``count`` more replicas do not fit, the ways an
 operator could make them fit, each a list of actions on other deployments' replicas:
 
-4. **Actions.** ``sleep`` a ready replica whose engine can sleep and whose model keeps
+1. **Actions.** ``sleep`` a ready replica whose engine can sleep and whose model keeps
    less than it claims (it frees the difference: its KV cache), or ``scale_down`` a
    deployment with a fixed count by one (it frees the replica its keeper retires first:
    a sleeping or starting one, else the newest ready one). An operator applies a plan
@@ -34,10 +19,10 @@ operator could make them fit, each a list of actions on other deployments' repli
    only single-node replicas are offered (a replica across nodes costs every shard's
    load), and a deployment whose replicas are not all listed (one placing, unreachable
    or draining) is not scaled down: which replica its keeper would retire is not known.
-5. **Each plan makes the room,** tried on the copy, and **only with what it needs:**
+2. **Each plan makes the room,** tried on the copy, and **only with what it needs:**
    actions are added in a preferred order until ``count`` replicas fit, then each is
    dropped, least preferred first, if the rest still make it.
-6. **Smallest disruption first:** plans are ranked by how many replicas they stop
+3. **Smallest disruption first:** plans are ranked by how many replicas they stop
    (``scale_down``), then by how many actions they take, then by the memory they free
    (less is less disruption); a replica is in one action of a plan at most. At most
    :data:`MAX_PLANS` are listed, numbered from 1.
@@ -46,111 +31,22 @@ operator could make them fit, each a list of actions on other deployments' repli
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from datetime import datetime
 from enum import StrEnum
 
 from pydantic import Field
 
 from .base import Frozen, Tolerant
-from .eviction import Candidate, EvictionChoice, VictimClaim, choose_victim, without
+from .eviction import Candidate, VictimClaim, without
 from .ids import DeploymentId, NodeId, ReplicaId
 from .placement import CantPlace, NodeView, PlacementRequest, apply, place
 from .status import ReplicaState
 from .units import format_gib
 
-#: Headroom counts at most this many more replicas (rule 1): each is a placement on the
-#: copy (milliseconds at 1,000 nodes), and past a few dozen the answer "64 or more" is
-#: what an operator needs to know.
-HEADROOM_CAP = 64
-#: A 409 lists at most this many plans (rule 6): an operator reads them and picks one.
+#: A 409 lists at most this many plans (rule 3): an operator reads them and picks one.
 MAX_PLANS = 3
 #: The deployment id headroom asks for when the model is not deployed yet: no
 #: deployment has it, so no replica is excluded as the asker's own.
 NOT_DEPLOYED = DeploymentId("")
-
-
-class RoomStep(Tolerant):
-    """One more replica, by stopping exactly these replicas (rule 2)."""
-
-    victims: list[ReplicaId]
-    deployments: list[DeploymentId]
-    #: The memory stopping them frees.
-    frees_bytes: int = Field(ge=0)
-    #: Where the replica would go then.
-    place_on: list[NodeId]
-    #: The choice's reason for its first victim.
-    reason: str
-
-
-class Headroom(Tolerant):
-    """How many more replicas fit now, and how many more by stopping which replicas."""
-
-    fits_now: int = Field(ge=0)
-    by_stopping: list[RoomStep] = Field(default_factory=list)
-    #: Counting stopped at :data:`HEADROOM_CAP`: there may be room for more.
-    capped: bool = False
-    #: Why one more does not fit without stopping anything: the placement's summary
-    #: (None when capped first).
-    why_not_now: str | None = None
-    #: Why nothing (more) is to be stopped for one more: the choice's reason, naming
-    #: every candidate refused (None when capped first).
-    why_not_by_stopping: str | None = None
-
-    @property
-    def total(self) -> int:
-        return self.fits_now + len(self.by_stopping)
-
-
-def _placed(request: PlacementRequest, nodes: list[NodeView]
-            ) -> tuple[PlacementRequest, list[NodeView]] | CantPlace:
-    """One more replica on the copy: the request with its nodes added as siblings (the
-    next one prefers other nodes, as the keeper's would), and the nodes with its claims."""
-    result = place(request, nodes)
-    if isinstance(result, CantPlace):
-        return result
-    siblings = sorted({*request.sibling_node_ids, *result.node_ids})
-    return request.model_copy(update={"sibling_node_ids": siblings}), apply(nodes, result)
-
-
-def headroom(request: PlacementRequest, nodes: Sequence[NodeView],
-             candidates: Sequence[Candidate], *, for_deployment: DeploymentId,
-             now: datetime, protect_s: float, cap: int = HEADROOM_CAP) -> Headroom:
-    """How many more replicas like ``request`` fit on ``nodes`` (see the module
-    docstring's rules 1-3). ``nodes`` must include every candidate's claims in their sums
-    (read in one snapshot), as :func:`~.eviction.choose_victim` requires."""
-    current = list(nodes)
-    fits_now = 0
-    why_not_now: str | None = None
-    while fits_now < cap:
-        step = _placed(request, current)
-        if isinstance(step, CantPlace):
-            why_not_now = step.summary
-            break
-        request, current = step
-        fits_now += 1
-    steps: list[RoomStep] = []
-    left = list(candidates)
-    why_not_by_stopping: str | None = None
-    while why_not_now is not None and fits_now + len(steps) < cap:
-        choice = choose_victim(request, current, left, for_deployment=for_deployment,
-                               now=now, protect_s=protect_s)
-        if not isinstance(choice, EvictionChoice):
-            why_not_by_stopping = choice.reason
-            break
-        ids = {choice.replica_id, *choice.also_needed}
-        victims = [c for c in left if c.replica_id in ids]
-        current = without(current, victims)
-        placed = _placed(request, current)
-        assert not isinstance(placed, CantPlace)  # the choice made the room on this copy
-        request, current = placed
-        left = [c for c in left if c.replica_id not in ids]
-        steps.append(RoomStep(
-            victims=[choice.replica_id, *choice.also_needed],
-            deployments=sorted({v.deployment_id for v in victims}),
-            frees_bytes=sum(v.freed_bytes for v in victims), place_on=choice.place_on,
-            reason=choice.reason))
-    return Headroom(fits_now=fits_now, by_stopping=steps, capped=fits_now + len(steps) >= cap,
-                    why_not_now=why_not_now, why_not_by_stopping=why_not_by_stopping)
 
 
 # -- fit plans --------------------------------------------------------------------------
@@ -165,7 +61,7 @@ class ActionKind(StrEnum):
     SCALE_DOWN = "scale_down"
 
 
-#: Disruption of each kind (rule 6): a sleeping replica wakes on the next request; a
+#: Disruption of each kind (rule 3): a sleeping replica wakes on the next request; a
 #: stopped one is gone until scaled up again.
 _DISRUPTION = {ActionKind.SLEEP: 0, ActionKind.SCALE_DOWN: 1}
 
@@ -247,7 +143,7 @@ def _part(replica: Candidate, memory_bytes: int, *, whole: bool) -> Candidate:
 
 def _options(candidates: Sequence[Candidate], holders: Sequence[Holder], *,
              for_deployment: DeploymentId) -> list[_Option]:
-    """Every action a plan may take (rule 4)."""
+    """Every action a plan may take (rule 1)."""
     by_holder: dict[DeploymentId, list[Candidate]] = {}
     for c in candidates:
         by_holder.setdefault(c.deployment_id, []).append(c)
@@ -281,6 +177,17 @@ def _options(candidates: Sequence[Candidate], holders: Sequence[Holder], *,
                      f"retires {retired.replica_id} (frees {format_gib(retired.freed_bytes)} "
                      f"on {node})")))
     return options
+
+
+def _placed(request: PlacementRequest, nodes: list[NodeView]
+            ) -> tuple[PlacementRequest, list[NodeView]] | CantPlace:
+    """One more replica on the copy: the request with its nodes added as siblings (the
+    next one prefers other nodes, as the keeper's would), and the nodes with its claims."""
+    result = place(request, nodes)
+    if isinstance(result, CantPlace):
+        return result
+    siblings = sorted({*request.sibling_node_ids, *result.node_ids})
+    return request.model_copy(update={"sibling_node_ids": siblings}), apply(nodes, result)
 
 
 def fits(request: PlacementRequest, nodes: Sequence[NodeView], count: int) -> bool:

@@ -151,13 +151,15 @@ async def test_fleet_headroom_and_a_409_with_plans(roomy: httpx.AsyncClient,
     # on-demand replica there; the fixed one is a promise, named as why no more.
     room = (await api.get("/models/new/headroom")).json()
     assert (room["deployment_id"], room["memory_bytes"]) == (None, 8 * GIB)
-    assert room["headroom"]["fits_now"] == 1
-    assert [s["victims"] for s in room["headroom"]["by_stopping"]] == [[od_r1]]
-    assert big_r1 in room["headroom"]["why_not_by_stopping"]
+    assert (room["headroom"]["now"], room["total"]) == (1, 2)
+    assert [[v["replica_id"] for v in s["victims"]]
+            for s in room["headroom"]["by_stopping"]] == [[od_r1]]
+    assert big_r1 in room["headroom"]["reason"]
     # A deployment: its own replica is never its victim.
     room = (await api.get(f"/deployments/{big}/headroom")).json()
-    assert room["headroom"]["fits_now"] == 0
-    assert [s["victims"] for s in room["headroom"]["by_stopping"]] == [[od_r1]]
+    assert room["headroom"]["now"] == 0
+    assert [[v["replica_id"] for v in s["victims"]]
+            for s in room["headroom"]["by_stopping"]] == [[od_r1]]
     assert (await api.get("/models/missing/headroom")).status_code == 404
     assert (await api.get("/deployments/d-missing/headroom")).status_code == 404
 

@@ -1,6 +1,7 @@
-"""Headroom and fit plans: one test per rule of modelkeeper.domain.fit_plans' docstring,
-in its order, then a property over random clusters: every plan makes the room on the
-copy, and none keeps an action it does not need."""
+"""Fit plans: one test per rule of modelkeeper.domain.fit_plans' docstring, in its order,
+then a property over random clusters: every plan makes the room on the copy, and none
+keeps an action it does not need. (Headroom's tests are tests/unit/test_preemption.py's
+and the capacity simulation's.)"""
 
 from __future__ import annotations
 
@@ -13,16 +14,13 @@ from hypothesis import strategies as st
 from modelkeeper.domain.demand import ReplicaUse, ScalingPolicy
 from modelkeeper.domain.eviction import Candidate, VictimClaim
 from modelkeeper.domain.fit_plans import (
-    HEADROOM_CAP,
     MAX_PLANS,
     ActionKind,
     FitPlan,
-    Headroom,
     Held,
     Holder,
     fit_plans,
     fits,
-    headroom,
     room_after,
 )
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
@@ -60,58 +58,6 @@ def replica(replica_id: str, *, deployment: str, on: str = "n1", gib: int = 8,
         use=ReplicaUse(replica_id=ReplicaId(replica_id), in_flight=0,
                        last_used_at=NOW - timedelta(minutes=idle_min),
                        reporting_since=NOW - timedelta(hours=5)) if known else None)
-
-
-def room(request: PlacementRequest, nodes: list[NodeView], candidates: list[Candidate],
-         cap: int = HEADROOM_CAP) -> Headroom:
-    return headroom(request, nodes, candidates, for_deployment=ASKER, now=NOW,
-                    protect_s=PROTECT_S, cap=cap)
-
-
-# -- headroom ---------------------------------------------------------------------------
-
-def test_rule1_counts_the_replicas_that_fit_one_after_another() -> None:
-    # 16 + 12 GiB free: two 8 GiB replicas on the first, one on the second (4 left over).
-    found = room(asking(8), [node("n1"), node("n2", claimed_gib=4)], [])
-    assert found.fits_now == 3 and found.by_stopping == []
-    assert found.why_not_now is not None and "needs 8.0 GiB" in found.why_not_now
-    assert found.why_not_by_stopping == "no replica of another deployment is serving or asleep"
-
-
-def test_rule1_stops_counting_at_the_cap() -> None:
-    found = room(asking(1), [node("n1", mem_gib=100)], [], cap=5)
-    assert (found.fits_now, found.capped, found.why_not_now) == (5, True, None)
-
-
-def test_rule2_names_exactly_the_replicas_that_make_each_more() -> None:
-    # n1 is full with two idle on-demand replicas; n2 holds one busy with 0 s idle: the
-    # eviction's rules pick idle ones only, the most idle first.
-    a = replica("a-r1", deployment="d-a", idle_min=90)
-    b = replica("b-r1", deployment="d-b", idle_min=30)
-    fixed = replica("f-r1", deployment="d-f", on="n2", policy=None, gib=16)
-    found = room(asking(8), [node("n1", claimed_gib=16), node("n2", claimed_gib=16)],
-                 [a, b, fixed])
-    assert found.fits_now == 0
-    assert [s.victims for s in found.by_stopping] == [["a-r1"], ["b-r1"]]
-    assert [s.frees_bytes for s in found.by_stopping] == [8 * GIB, 8 * GIB]
-    assert found.total == 2
-    # Why no more: the fixed one is a promise, named with its reason.
-    assert found.why_not_by_stopping is not None and "f-r1" in found.why_not_by_stopping
-
-
-def test_rule2_prunes_to_the_replicas_needed_and_never_counts_one_twice() -> None:
-    # 12 GiB asked: two 4 GiB replicas on n1 (with 4 GiB free) make it; the one on n2
-    # frees room on the wrong node.
-    small = [replica(f"s{i}-r1", deployment=f"d-s{i}", gib=4, idle_min=100 - i)
-             for i in range(3)]
-    other = replica("o-r1", deployment="d-o", on="n2", gib=8, idle_min=200)
-    found = room(asking(12), [node("n1", claimed_gib=12), node("n2", mem_gib=10,
-                                                                claimed_gib=8)],
-                 [*small, other])
-    first = found.by_stopping[0]
-    assert "o-r1" not in first.victims and len(first.victims) == 2
-    every = [v for s in found.by_stopping for v in s.victims]
-    assert len(every) == len(set(every))
 
 
 # -- fit plans --------------------------------------------------------------------------

@@ -34,13 +34,16 @@ FLEET: dict[str, Any] = {
     "unasked_after_s": 3600.0}
 HEADROOM: dict[str, Any] = {
     "model_id": "chat", "deployment_id": "d1", "memory_bytes": 8 * GiB,
-    "headroom": {"fits_now": 1, "capped": False,
-                 "by_stopping": [{"victims": ["d2-r1"], "deployments": ["d2"],
-                                  "frees_bytes": 8 * GiB, "place_on": ["n2"],
-                                  "reason": "evicted d2 ..."}],
-                 "why_not_now": "node n1: 4.0 GiB free, needs 8.0 GiB",
-                 "why_not_by_stopping": "none of 1 replica(s) may be evicted: d1-r1 (d1): "
-                                        "a replica of the deployment asking"}}
+    "total": 2,
+    "headroom": {"now": 1, "capped": False,
+                 "by_stopping": [{"victims": [{"replica_id": "d2-r1", "deployment_id": "d2",
+                                               "kind": "preempt",
+                                               "runs_as": "opportunistic"}],
+                                  "frees": {"memory_bytes": 8 * GiB, "gpus": 0,
+                                            "cpu_cores": 0.0},
+                                  "place_on": ["n2"]}],
+                 "reason": "no more by stopping others: d1-r1 (d1): a replica of the "
+                           "deployment asking"}}
 
 
 def parse(*argv: str) -> Any:
@@ -80,11 +83,10 @@ def test_headroom_asks_the_deployment_else_the_model() -> None:
     assert other.then(DEPLOYMENTS).path == "/models/new/headroom"
     assert render(parse("headroom", "chat"), HEADROOM).splitlines() == [
         "chat (d1), 8.0 GiB a replica: 1 more fit now; 1 more by stopping others",
-        "REPLICA  STOPPING  FREES    ON",
-        "+1       d2-r1     8.0 GiB  n2",
-        "not more now: node n1: 4.0 GiB free, needs 8.0 GiB",
-        "not more by stopping: none of 1 replica(s) may be evicted: d1-r1 (d1): a replica "
-        "of the deployment asking"]
+        "REPLICA  STOPPING                        FREES    ON",
+        "+1       d2-r1 (preempt, opportunistic)  8.0 GiB  n2",
+        "no more: no more by stopping others: d1-r1 (d1): a replica of the deployment "
+        "asking"]
 
 
 def test_deploy_and_scale_send_if_no_room_and_plan_only_when_given() -> None:
