@@ -145,4 +145,67 @@ async def _view(stack: Stack, deployment_id: str) -> dict[str, Any]:
     return view
 
 
-SCENARIOS: dict[str, Scenario] = {"preempt": preempt}
+#: The quota scenario's sizes: each replica claims 8 GiB of the two 16 GiB nodes (declared;
+#: a sim holds a few MiB for real); team a is guaranteed two of them and limited to three.
+QUOTA_REPLICA = 8 * GiB
+QUOTA_GUARANTEE = 16 * GiB
+QUOTA_LIMIT = 24 * GiB
+
+
+async def quota(stack: Stack, opts: Options) -> dict[str, Any]:
+    engine = {"load_time_s": opts.load_time_s}
+    (await stack.api.put("/quotas/team-a", json={
+        "guarantee": {"memory_bytes": QUOTA_GUARANTEE},
+        "limit": {"memory_bytes": QUOTA_LIMIT}})).raise_for_status()
+    # Team b, promised nothing, borrows the whole cluster while team a is idle.
+    borrowers = {m: await _deploy(stack, {**sim_model(m, **engine),
+                                          "memory_bytes": QUOTA_REPLICA},
+                                  replicas=1, owner="team-b")
+                 for m in (f"cap-b-{i}" for i in range(4))}
+    for dep in borrowers.values():
+        await stack.wait_for(dep, lambda v: ready(v) == 1, what="serving",
+                             timeout=FILL_TIMEOUT_S)
+    t0 = time.monotonic()
+    a = await _deploy(stack, {**sim_model("cap-a", **engine), "memory_bytes": QUOTA_REPLICA},
+                      replicas=2, owner="team-a")
+    await stack.wait_for(a, lambda v: ready(v) == 2, what="serving both replicas",
+                         timeout=SERVE_TIMEOUT_S)
+    serve_s = time.monotonic() - t0
+    views = {m: await _view(stack, d) for m, d in borrowers.items()}
+    taken = sorted(m for m, v in views.items() if ready(v) == 0)
+    said = [m for m in taken if "preempted by" in " ".join(
+        str(views[m].get(k) or "") for k in ("placement_error", "demand_note"))]
+    # Over the limit: a second deployment of 2 x 8 GiB would take team a to 32 GiB.
+    await stack.post("/models", {**sim_model("cap-a-more", **engine),
+                                 "memory_bytes": QUOTA_REPLICA})
+    over = await stack.api.post("/deployments", json={"model_id": "cap-a-more", "replicas": 2,
+                                                      "owner": "team-a"})
+    refusal = over.json() if over.status_code == 409 else {}
+    numbers = refusal.get("quota") or {}
+    quotas = {q["scope"]: q for q in (await stack.api.get("/quotas")).json()}
+    held = quotas.get("team-a", {}).get("held", {}).get("memory_bytes")
+    return {
+        "title": "2. Team a guaranteed 16 GiB (limit 24 GiB); team b borrowing the whole "
+                 "cluster",
+        "rows": [
+            row("team a's 2 x 8 GiB: POST to both serving (s)", round(serve_s, 2)),
+            row("team b's replicas taken back", len(taken), "2", len(taken) == 2),
+            row("... showing 'preempted by'", len(said), str(len(taken)),
+                len(said) == len(taken) and bool(taken)),
+            row("team a holds (GiB)", None if held is None else held / GiB, "16",
+                held == QUOTA_GUARANTEE),
+            row("a deploy over team a's limit", over.status_code, "409",
+                over.status_code == 409),
+            row("... naming scope, held, asked and limit",
+                "yes" if {"scope", "held", "asked", "limit"} <= set(numbers) else "no",
+                "yes", {"scope", "held", "asked", "limit"} <= set(numbers)),
+        ],
+        "notes": ["2 nodes of 16 GiB; team b: 4 standard deployments of one 8 GiB sim "
+                  "replica each; team a: one standard deployment of two",
+                  f"taken back: {taken}",
+                  f"refusal: {refusal.get('detail', over.text[:300])}"],
+        "raw": {"serve_s": serve_s, "taken": taken, "refusal": refusal},
+    }
+
+
+SCENARIOS: dict[str, Scenario] = {"preempt": preempt, "quota": quota}
