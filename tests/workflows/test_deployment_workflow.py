@@ -158,6 +158,8 @@ class FakeCluster:
     events: list[NewEvent] = field(default_factory=list)
     #: Each drain_replica (a graceful stop), and each stop_shard, in one order.
     drained: list[str] = field(default_factory=list)
+    #: Each drain's grace (a preemption's is short).
+    drain_graces: dict[str, float] = field(default_factory=dict)
     stop_order: list[str] = field(default_factory=list)
     #: list_shards answers only once this status was written to the store. The store
     #: writes coalesce (each writes what is current when it starts), so a status that
@@ -310,6 +312,7 @@ class FakeCluster:
         @activity.defn(name="drain_replica")
         async def drain_replica(req: DrainReplicaInput) -> DrainReplicaResult:
             self.drained.append(req.replica_id)
+            self.drain_graces[req.replica_id] = req.grace_s
             self.stop_order.append(f"drain {req.replica_id}")
             return DrainReplicaResult(waited_s=0.0, in_flight_left=0, timed_out=False)
 
