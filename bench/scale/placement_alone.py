@@ -36,8 +36,10 @@ and on (``--out`` writes the table, as bench/results/placement_alone.md and .jso
 one in ten is held for a class or an owner scope, every node draws some watts; each
 request runs as a class for an owner, declares its watts under PDU and facility caps, and
 spreads its deployment's shards (three siblings already placed) over racks with max skew 1.
-Hardware profiles (another part of the issue) try place() once per profile; the hook for
-them is :func:`_pure_requests`, which would give one request per profile.
+With the rules on, every model also declares two hardware profiles, the first asking
+for more GPUs than any node has, so each placement judges the fleet twice
+(:func:`~modelkeeper.domain.profiles.place_profiles`: the first refused, the second placed),
+as a vLLM-on-GPU profile falling back to llama.cpp on CPU does.
 
 The nodes heartbeat nobody here, so the calls pass node timeouts long enough that they stay
 ready throughout, as a live fleet's nodes would: what is measured is the cost of reading
@@ -63,10 +65,11 @@ import asyncpg
 from bench.stats import percentile
 from cli.postgres import dsn, start_postgres
 from modelkeeper.domain.capacity import CapacityClass
-from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest
+from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest, HardwareProfile
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.nodes import AgentRegistration, GpuInfo, Inventory, NodeState, NodeUpdate
-from modelkeeper.domain.placement import CantPlace, GpuView, NodeView, PlacementRequest, place
+from modelkeeper.domain.placement import CantPlace, GpuView, NodeView, PlacementRequest
+from modelkeeper.domain.profiles import ProfileCandidate, place_profiles, profile_candidates
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.topology import (
     PDU_LABEL,
@@ -298,26 +301,44 @@ def _pure_requests(models: list[CatalogModel], nodes: list[NodeView], seed: int,
     return requests
 
 
-def _pure_times(requests: list[PlacementRequest], nodes: list[NodeView]
+#: The rules-on models' profiles: one no node can take (more GPUs per shard than any node
+#: has), then the model's own shape on CPU: each placement tries both.
+UNFIT_PROFILE = HardwareProfile(name="gpu-16", engine=EngineKind.SIM, gpus=UNPLACEABLE_GPUS,
+                                priority=10)
+FALLBACK_PROFILE = HardwareProfile(name="cpu", engine=EngineKind.SIM)
+
+
+def _pure_candidates(models: list[CatalogModel], requests: list[PlacementRequest], *,
+                     profiles: bool) -> list[list[ProfileCandidate]]:
+    """Each request's candidates: itself alone, or one per profile with ``profiles``."""
+    return [profile_candidates(
+        model.model_copy(update={"profiles": [UNFIT_PROFILE, FALLBACK_PROFILE]})
+        if profiles else model, request) for model, request in zip(models, requests,
+                                                                   strict=True)]
+
+
+def _pure_times(candidates: list[list[ProfileCandidate]], nodes: list[NodeView]
                 ) -> tuple[list[float], int]:
     times, refused = [], 0
-    for request in requests:
+    for each in candidates:
         began = time.perf_counter()
-        result = place(request, nodes)
+        result = place_profiles(each, nodes)
         times.append(time.perf_counter() - began)
         refused += isinstance(result, CantPlace)
     return times, refused
 
 
 def measure_pure(*, nodes: int, placements: int, seed: int) -> dict[str, object]:
-    """place() alone, facility rules off and on, on one fleet shape: p50, p95, p99 (ms)."""
+    """place() alone, issue 22's rules off and on (facility rules and profiles), on one
+    fleet shape: p50, p95, p99 (ms)."""
     models = [_model(i) for i in range(placements)]
     rows: dict[str, object] = {}
     for facility in (False, True):
         views = _pure_nodes(nodes, seed, facility=facility)
         requests = _pure_requests(models, views, seed, facility=facility)
-        _pure_times(requests[:WARMUP_CALLS], views)
-        times, refused = _pure_times(requests, views)
+        candidates = _pure_candidates(models, requests, profiles=facility)
+        _pure_times(candidates[:WARMUP_CALLS], views)
+        times, refused = _pure_times(candidates, views)
         ms = [t * 1e3 for t in times]
         rows["on" if facility else "off"] = {
             "p50_ms": round(percentile(ms, 0.50), 3), "p95_ms": round(percentile(ms, 0.95), 3),
@@ -332,7 +353,8 @@ def measure_pure(*, nodes: int, placements: int, seed: int) -> dict[str, object]
 
 
 def _pure_table(result: dict[str, object]) -> str:
-    lines = ["| facility rules | p50 ms | p95 ms | p99 ms | mean ms | calls | CantPlace |",
+    lines = ["| issue 22's rules (facility, holds, classes, owners, profiles) | p50 ms | "
+             "p95 ms | p99 ms | mean ms | calls | CantPlace |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for key in ("off", "on"):
         row = result[key]
@@ -343,7 +365,7 @@ def _pure_table(result: dict[str, object]) -> str:
 
 
 def _pure_markdown(result: dict[str, object], table: str) -> str:
-    return (f"# place() alone at {result['nodes']} nodes, facility rules off and on\n\n"
+    return (f"# place() alone at {result['nodes']} nodes, issue 22's rules off and on\n\n"
             "`python -m bench.scale.placement_alone --pure --nodes "
             f"{result['nodes']} --placements {result['placements']} --seed {result['seed']}"
             " --out bench/results/placement_alone` (one run, both sides on one fleet shape;"
@@ -361,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--placements", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--pure", action="store_true",
-                        help="place() alone, no database: facility rules off and on")
+                        help="place() alone, no database: issue 22's rules off and on")
     parser.add_argument("--out", type=Path, default=None,
                         help="with --pure: write OUT.json and OUT.md")
     args = parser.parse_args(argv)
