@@ -34,9 +34,10 @@ from modelkeeper.domain.watchdog import (
     choose_victim,
     protect_reason,
 )
-from modelkeeper.names import SIGNAL_PREEMPT, deployment_workflow_id
+from modelkeeper.names import deployment_workflow_id
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
+from workflows.deployment import DeploymentWorkflow
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +100,12 @@ async def _protect(node_id: NodeId, report: MemoryReport, *, store: Store, tempo
         data={"runs_as": victim.runs_as.value, "memory_bytes": victim.memory_bytes,
               "available_bytes": report.available_bytes,
               "margin_bytes": report.margin_bytes}))
-    # By name: the deployment workflow's ``preempt`` signal (DeploymentWorkflow.preempt)
-    # drains the replica and holds its place back until room returns.
-    handle = temporal.get_workflow_handle(deployment_workflow_id(victim.deployment_id))
+    # The deployment workflow's ``preempt`` signal drains the replica and holds its place
+    # back until room returns.
+    handle = temporal.get_workflow_handle_for(DeploymentWorkflow.run,
+                                              deployment_workflow_id(victim.deployment_id))
     try:
-        await handle.signal(SIGNAL_PREEMPT,
+        await handle.signal(DeploymentWorkflow.preempt,
                             PreemptRequest(replica_id=victim.replica_id, by=None,
                                            reason=reason[:1024]))
     except RPCError as err:
