@@ -133,6 +133,17 @@ async def database_url(pg_server: PgServer, pg_template: str) -> str:
 
 
 @pytest.fixture
+async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    """A plain connection to the test's database, for what a test writes or reads by
+    hand (a usage row, a claim's shape)."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
 async def store(database_url: str) -> AsyncIterator[Store]:
     s = await Store.connect(database_url)
     try:

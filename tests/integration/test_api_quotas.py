@@ -40,14 +40,6 @@ def _model(model_id: str, gib: int = 8) -> dict[str, Any]:
             "memory_bytes": gib * GIB}
 
 
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
-
 
 async def _placed(store: Store, db: asyncpg.Connection, deployment_id: str, count: int,
                   gib: int = 8) -> None:

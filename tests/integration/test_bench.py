@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +36,6 @@ MODEL = "sim-bench"
 TOKENS, TOKENS_PER_S, SLOTS = 8, 10, 2
 TTFT_OBJECTIVE_S = 0.5
 
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def test_bench_finds_the_concurrency_an_engine_serves_within_the_objective(

@@ -78,14 +78,6 @@ class CountingUsage(UsageStore):
         return samples
 
 
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
-
 
 @pytest.fixture
 async def gateway(database_url: str) -> AsyncIterator[RoutingStore]:

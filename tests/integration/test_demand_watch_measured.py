@@ -5,7 +5,6 @@ Add for a load that issue 21's rules would leave alone (nothing waits)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import asyncpg
@@ -37,14 +36,6 @@ pytestmark = pytest.mark.timeout(60)
 
 MODEL = "m-measured"
 
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def test_the_watch_adds_a_replica_beyond_the_measured_concurrency(

@@ -53,14 +53,6 @@ TOKENS_PER_S = 20
 SLOW_TICK_S = 60.0
 
 
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
-
 
 @asynccontextmanager
 async def two_replicas(tmp_path: Path, database_url: str, db: asyncpg.Connection

@@ -12,7 +12,7 @@ Temporal runs it (``ActivityEnvironment``), on replicas placed by ``place_replic
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -47,14 +47,6 @@ ON_DEMAND = ScalingPolicy(min_replicas=0, max_replicas=1, idle_timeout_s=3600)
 #: The settings' defaults: a row older than 5 flush intervals of 1 s is stale.
 SETTINGS = Settings(database_url="postgresql://unused", settling_window_s=0)
 
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 def _attempt(activity_id: str) -> ActivityEnvironment:

@@ -45,14 +45,6 @@ DEMAND_WITHIN_S = 5.0
 HELD = 20
 
 
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
-
 
 @pytest.fixture
 async def demands(database_url: str) -> AsyncIterator[asyncio.Queue[str]]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import asyncpg
@@ -37,14 +36,6 @@ TOKENS, TOKENS_PER_S = 40, 10
 #: Generous, for a busy 2-core machine: the queue is in place within a tick or two.
 SEEN_WITHIN_S = 10.0
 
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def test_an_engines_queue_reaches_the_usage_row_and_the_demand_sample(

@@ -7,7 +7,6 @@ numeric code: the gateway must not pass that on as it is."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +35,6 @@ pytestmark = pytest.mark.timeout(90)
 MODEL = "sim-errors"
 HI = [{"role": "user", "content": "hi"}]
 
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 def error_of(resp: httpx.Response) -> dict[str, Any]:

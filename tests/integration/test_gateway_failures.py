@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import asyncpg
@@ -31,14 +30,6 @@ pytestmark = pytest.mark.timeout(90)
 MODEL = "sim-f"
 BODY = {"model": MODEL, "prompt": "x", "max_tokens": 1}
 
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def test_refused_connection_is_retried_on_another_replica(

@@ -9,7 +9,6 @@ import asyncio
 import json
 import signal
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,14 +46,6 @@ REPLACEMENT_LOAD_S = 1.5
 #: Clients sending requests back to back throughout.
 CLIENTS = 4
 
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 @dataclass(frozen=True)

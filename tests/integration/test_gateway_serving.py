@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import asyncpg
@@ -34,14 +33,6 @@ MODEL = "sim-chat"
 #: A chat request's smallest valid messages (an empty list is the gateway's own 400).
 HI = [{"role": "user", "content": "hi"}]
 
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 def sdk(server: GatewayServer, key: str = "unused") -> openai.AsyncOpenAI:

@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import asyncpg
 import pytest
 
@@ -28,14 +26,6 @@ pytestmark = pytest.mark.timeout(60)
 
 GIB = 1 << 30
 
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def _deployment(store: Store, deployment_id: str, owner: str | None) -> None:

@@ -5,7 +5,6 @@ holder's own do not, the holder's placement deletes its holds, and a hold expire
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
@@ -35,14 +34,6 @@ pytestmark = pytest.mark.timeout(60)
 GIB = 1 << 30
 SETTINGS = Settings(database_url="postgresql://unused", settling_window_s=0)
 
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def _deployment(store: Store, deployment_id: str, gib: int, *,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -315,14 +314,6 @@ class FakeEngine:
 SMALL_REPLY = 64 << 10
 SMALL_EVENT = 16 << 10
 
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def _route(db: asyncpg.Connection, engine: FakeEngine, *models: str) -> None:

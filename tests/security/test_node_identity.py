@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -72,14 +71,6 @@ from tests.support.gateway_support import (
 
 pytestmark = pytest.mark.timeout(120)
 
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 # -- finding 5: a credential, once issued, is required ---------------------------------

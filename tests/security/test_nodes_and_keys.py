@@ -181,14 +181,6 @@ async def node_row(db: asyncpg.Connection, node_id: str) -> dict[str, Any] | Non
     return None if row is None else dict(row)
 
 
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
-
 
 # -- a node speaks only for itself ------------------------------------------------------
 
