@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from temporalio.client import Client
 
 from bench.common import ROOT, exit_now, interrupt_on_sigterm, on_fresh_fleet
 from bench.demand.report import render
-from bench.demand.run import FleetShape, make_fleet
-from bench.demand.stack import API_TIMEOUT_S, DemandBenchError, Stack
-from bench.fleet.stack import NAMESPACE, Fleet, FleetError
+from bench.demand.run import FleetShape, make_fleet, run_scenario
+from bench.demand.stack import DemandBenchError
+from bench.fleet.stack import FleetError
 from bench.report import run_meta, write_results
 
 from .scenarios import SCENARIOS, Options
@@ -35,16 +34,6 @@ from .scenarios import SCENARIOS, Options
 #: Each scenario's nodes. Sim replicas claim 1 GiB (preempt: two fill a node) and hold
 #: only a few MiB for real, so that many fit on this machine.
 FLEETS = {"preempt": FleetShape(3, "2GiB"), "quota": FleetShape(2, "16GiB")}
-
-
-async def run_scenario(name: str, opts: Options, fleet: Fleet) -> dict[str, Any]:
-    await fleet.start()
-    key = await fleet.client_key()
-    temporal = await Client.connect(fleet.temporal_address, namespace=NAMESPACE)
-    async with httpx.AsyncClient(
-            base_url=fleet.api_url, timeout=API_TIMEOUT_S,
-            headers={"Authorization": f"Bearer {fleet.operator_token}"}) as api:
-        return await SCENARIOS[name](Stack(fleet, api, temporal, key), opts)
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -76,7 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             found = on_fresh_fleet(f"mk-capacity-{name}-",
                                    functools.partial(make_fleet, shape, {}),
-                                   functools.partial(run_scenario, name, opts),
+                                   functools.partial(run_scenario, name, opts,
+                                                     scenarios=SCENARIOS),
                                    keep=args.keep)
         except (DemandBenchError, FleetError, httpx.HTTPError) as exc:
             failed += 1

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -56,14 +56,17 @@ def make_fleet(shape: FleetShape, extra_env: dict[str, str], root: Path) -> Flee
                  extra_env=extra_env)
 
 
-async def run_scenario(name: str, opts: Options, fleet: Fleet) -> dict[str, Any]:
+async def run_scenario(name: str, opts: Any, fleet: Fleet, *,
+                       scenarios: Mapping[str, Callable[[Stack, Any], Awaitable[dict[str, Any]]]]
+                       = SCENARIOS) -> dict[str, Any]:
+    """Start ``fleet`` and run one of ``scenarios`` on it (bench.capacity passes its own)."""
     await fleet.start()
     key = await fleet.client_key()
     temporal = await Client.connect(fleet.temporal_address, namespace=NAMESPACE)
     async with httpx.AsyncClient(
             base_url=fleet.api_url, timeout=API_TIMEOUT_S,
             headers={"Authorization": f"Bearer {fleet.operator_token}"}) as api:
-        return await SCENARIOS[name](Stack(fleet, api, temporal, key), opts)
+        return await scenarios[name](Stack(fleet, api, temporal, key), opts)
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
