@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-from typing import Any, assert_never
+from collections.abc import Callable
+from typing import Any, TypeVar, assert_never
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
@@ -33,7 +34,7 @@ with workflow.unsafe.imports_passed_through():
         WakeRequest,
     )
     from modelkeeper.domain.events import NewEvent
-    from modelkeeper.domain.ids import MoveId, ReplicaId
+    from modelkeeper.domain.ids import DeploymentId, MoveId, ReplicaId
     from modelkeeper.domain.keeper import (
         Action,
         Delete,
@@ -139,6 +140,8 @@ ROOM_WATCH_TASK = "__room_watch__"
 #: ... and the usage watch's (modelkeeper.domain.demand), and an eviction being sought.
 DEMAND_WATCH_TASK = "__demand_watch__"
 SEEK_ROOM_TASK = "__seek_room__"
+#: What a victim's deployment is signalled with: an eviction or a preemption.
+_Victim = TypeVar("_Victim", EvictRequest, PreemptRequest)
 
 @workflow.defn(name="DeploymentWorkflow")
 class DeploymentWorkflow:
@@ -676,45 +679,29 @@ class DeploymentWorkflow:
                                            self.state.tunables))
 
     async def _seek_room(self) -> None:
-        """Find an idle replica of another on-demand deployment whose room would place
-        ours, and ask its deployment for it (the ``evict`` update, through an activity:
-        a workflow cannot send another an update itself)."""
+        """Find what may be stopped so that a replica of ours fits (find_eviction, on the
+        capacity rules), and ask each victim's deployment for it: an idle on-demand one
+        is evicted (``evict``), one this deployment outranks is preempted (``preempt``),
+        all of a preemption's set together (pruned by the rules: each is needed), its room
+        held for us until we place. Signals, through no activity: a workflow may signal
+        another, and a victim refuses what is no longer true of its replica."""
         keeper = self.state.keeper
+        me = keeper.spec.deployment_id
         found = await hops.find_eviction(keeper.spec, keeper.next_replica_seq)
         choice = found.choice
         workflow.logger.info("eviction: %s", found.reason)
-        for evicted in found.also_evict:
-            try:
-                await workflow.get_external_workflow_handle(
-                    deployment_workflow_id(evicted.deployment_id)).signal(
-                    DeploymentWorkflow.evict,
-                    EvictRequest(replica_id=evicted.replica_id,
-                                 for_deployment=keeper.spec.deployment_id,
-                                 reason=evicted.reason))
-            except ApplicationError as exc:
-                workflow.logger.info("eviction signal not delivered: %s", exc)
-        for target in found.preempt:
-            # All together: each of them is needed to make the room (pruned by the rules),
-            # and the room they free is held for this deployment until it places.
-            try:
-                await workflow.get_external_workflow_handle(
-                    deployment_workflow_id(target.deployment_id)).signal(
-                    DeploymentWorkflow.preempt,
-                    PreemptRequest(replica_id=target.replica_id,
-                                   by=keeper.spec.deployment_id, reason=target.reason))
-            except ApplicationError as exc:
-                workflow.logger.info("preempt signal not delivered: %s", exc)
+        evictions = [(t.deployment_id, EvictRequest(replica_id=t.replica_id,
+                                                    for_deployment=me, reason=t.reason))
+                     for t in found.also_evict]
         if choice is not None:
-            try:
-                await workflow.get_external_workflow_handle(
-                    deployment_workflow_id(choice.deployment_id)).signal(
-                    DeploymentWorkflow.evict,
-                    EvictRequest(replica_id=choice.replica_id,
-                                 for_deployment=keeper.spec.deployment_id,
-                                 reason=found.reason))
-            except ApplicationError as exc:
-                # The victim's deployment ended meanwhile: its room is freed anyway.
-                workflow.logger.info("eviction signal not delivered: %s", exc)
+            evictions.append((choice.deployment_id, EvictRequest(
+                replica_id=choice.replica_id, for_deployment=me, reason=found.reason)))
+        for deployment_id, evict in evictions:
+            await self._ask_victim(deployment_id, DeploymentWorkflow.evict, evict)
+        for target in found.preempt:
+            await self._ask_victim(target.deployment_id, DeploymentWorkflow.preempt,
+                                   PreemptRequest(replica_id=target.replica_id, by=me,
+                                                  reason=target.reason))
         # The reason becomes the demand note, and so an audit event (_drain_inbox).
         self._inbox.append(EvictionSought(
             victim=choice.replica_id if choice else None, reason=found.reason,
@@ -723,6 +710,17 @@ class DeploymentWorkflow:
                         *(t.replica_id for t in found.also_evict)]))
         if found.fits_now:
             self._inbox.append(NodesChanged())
+
+    async def _ask_victim(self, deployment_id: DeploymentId,
+                          signal: Callable[[DeploymentWorkflow, _Victim], None],
+                          request: _Victim) -> None:
+        try:
+            await workflow.get_external_workflow_handle(
+                deployment_workflow_id(deployment_id)).signal(signal, request)
+        except ApplicationError as exc:
+            # The victim's deployment ended meanwhile: its room is freed anyway.
+            workflow.logger.info("%s not delivered to %s: %s", signal.__name__,
+                                 deployment_id, exc)
 
     async def _finish(self) -> None:
         # The deleting status (and any audit event) first; nothing after the delete.

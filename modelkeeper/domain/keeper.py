@@ -1466,16 +1466,10 @@ def refuse_eviction(state: KeeperState, replica_id: ReplicaId) -> str | None:
     """Why this deployment will not give up ``replica_id`` for another (the ``evict``
     update's validator), or None: only a ready or sleeping replica of an on-demand
     deployment, not leased to a move, may go (min >= 1 is a promise)."""
-    if state.deleting:
-        return f"{state.spec.deployment_id} is being deleted"
-    if not policy_of(state).on_demand:
+    if not state.deleting and not policy_of(state).on_demand:
         return (f"{state.spec.deployment_id} is not on demand (min_replicas = "
                 f"{policy_of(state).min_replicas}): its replicas are a promise")
-    replica = _find(state, replica_id)
-    if (replica is None or replica.phase not in (Phase.READY, Phase.SLEEPING)
-            or replica.retiring or replica.move_id is not None):
-        return f"{replica_id} is not a ready or sleeping replica of {state.spec.deployment_id}"
-    return None
+    return refuse_preemption(state, replica_id)
 
 
 def _on_evict_asked(state: KeeperState, obs: EvictAsked, *, now: datetime,
