@@ -15,7 +15,6 @@ from pydantic import Field
 
 from modelkeeper.domain.bounds import MAX_REPLICAS
 from modelkeeper.domain.catalog import CatalogModel
-from modelkeeper.domain.ids import ModelId
 from modelkeeper.domain.measured import (
     CapacityReport,
     MeasuredCapacity,
@@ -24,7 +23,6 @@ from modelkeeper.domain.measured import (
     most_cautious,
     size,
 )
-from modelkeeper.domain.placement import PlacementRequest
 from modelkeeper.domain.sizing import room_for
 from modelkeeper.domain.status import ReplicaState
 from modelkeeper.domain.watchdog import CalibrationView
@@ -33,6 +31,7 @@ from modelkeeper.store import Store
 from .auth import OperatorDep, change
 from .deps import SettingsDep, StoreDep
 from .problems import problems
+from .room import placement_request
 
 router = APIRouter(tags=["capacity"])
 
@@ -112,12 +111,10 @@ async def size_model(model_id: str, store: StoreDep, settings: SettingsDep, *,
         1 for r in deployment.replicas if r.state in _COUNTED)
     wanted = size(capacity, rps=rps, replicas_now=now, fit_now=0).more_needed
     # Placed as explain places one replica (the deployment's nodes count as siblings).
-    request = PlacementRequest(
-        model_id=ModelId(model.model_id), memory_bytes=model.memory_bytes,
-        cpu_cores=model.cpu_cores, gpus=model.gpus, min_nodes=model.min_nodes,
-        deployment_id=None if deployment is None else deployment.deployment_id,
-        sibling_node_ids=[] if deployment is None else
-        sorted({n for r in deployment.replicas for n in r.nodes}))
+    request = placement_request(
+        model, min_nodes=model.min_nodes if deployment is None else deployment.min_nodes,
+        node_ids=None if deployment is None else deployment.node_ids,
+        labels={} if deployment is None else deployment.labels, deployment=deployment)
     views = await store.placement.list_node_views(
         datetime.now(UTC), unreachable_after_s=settings.node_unreachable_after_s,
         lost_after_s=settings.node_lost_after_s)
