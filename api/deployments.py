@@ -20,6 +20,7 @@ from temporalio.exceptions import FailureError
 from temporalio.service import RPCError, RPCStatusCode
 
 from modelkeeper.domain.base import Frozen
+from modelkeeper.domain.capacity import SetTenancyRequest
 from modelkeeper.domain.catalog import (
     CatalogModel,
     DeploymentRequest,
@@ -419,7 +420,8 @@ async def scale_deployment(deployment_id: str, patch: operations.DeploymentPatch
     would pass a limit of a scope on the owner's path. A scale-up takes ``if_no_room``
     and ``plan`` as a deploy does."""
     if patch.tenancy:
-        return await _set_tenancy(deployment_id, patch, store=store, operator=operator)
+        return await _set_tenancy(deployment_id, patch, store=store, temporal=temporal,
+                                  operator=operator)
     if patch.engine_args is not None:
         response.status_code = 202
         return await operations.start_reconfigure(deployment_id, patch.engine_args,
@@ -539,13 +541,11 @@ async def _refuse_scale_over_limit(store: Store, view: DeploymentView, replicas:
 
 
 async def _set_tenancy(deployment_id: str, patch: operations.DeploymentPatch, *,
-                       store: Store, operator: Operator) -> DeploymentView:
-    """PATCH with ``owner`` and/or ``capacity_class``: the row and the audit log. A new
-    owner must be within the token's scope, and takes the deployment's replicas (its most)
-    under its scopes' limits.
-
-    Only the row changes here: the running workflow keeps the spec it started with until
-    it is told (the lead's wiring forwards it)."""
+                       store: Store, temporal: Client, operator: Operator) -> DeploymentView:
+    """PATCH with ``owner`` and/or ``capacity_class``: the workflow's ``set_tenancy``
+    update (what its placements and preemptions ask as from now on), then the row and the
+    audit log. A new owner must be within the token's scope, and takes the deployment's
+    replicas (its most) under its scopes' limits. Replicas running stay where they are."""
     view = await _existing(store, deployment_id)
     if patch.owner is not None and patch.owner != view.owner:
         _within_scope(operator, patch.owner,
@@ -558,6 +558,12 @@ async def _set_tenancy(deployment_id: str, patch: operations.DeploymentPatch, *,
                 quotas.times(quotas.replica_resources(model, view.min_nodes),
                              _most_replicas(view.scaling, view.desired_replicas)),
                 replacing=view.deployment_id)
+    with _answered(deployment_id, "owner and class"):
+        await execute_update(
+            temporal.get_workflow_handle_for(DeploymentWorkflow.run, view.workflow_id),
+            DeploymentWorkflow.set_tenancy,
+            SetTenancyRequest(owner=patch.owner, capacity_class=patch.capacity_class),
+            rpc_timeout=UPDATE_ANSWER_TIMEOUT)
     await store.deployments.set_tenancy(deployment_id, owner=patch.owner,
                                         capacity_class=patch.capacity_class)
     changed = []

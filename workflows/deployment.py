@@ -22,7 +22,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
 with workflow.unsafe.imports_passed_through():
-    from modelkeeper.domain.capacity import PreemptRequest
+    from modelkeeper.domain.capacity import PreemptRequest, SetTenancyRequest
     from modelkeeper.domain.catalog import ScaleRequest
     from modelkeeper.domain.demand import (
         DemandView,
@@ -67,6 +67,7 @@ with workflow.unsafe.imports_passed_through():
         StartReplica,
         Stopped,
         StopReplica,
+        TenancySet,
         Tick,
         Unplaceable,
         WakeAsked,
@@ -114,6 +115,7 @@ with workflow.unsafe.imports_passed_through():
         UPDATE_SCALE,
         UPDATE_SET_GENERATION,
         UPDATE_SET_POLICY,
+        UPDATE_SET_TENANCY,
         UPDATE_SET_WINDOW,
         UPDATE_SLEEP,
         UPDATE_WAKE,
@@ -225,6 +227,16 @@ class DeploymentWorkflow:
 
     @set_policy.validator
     def _validate_set_policy(self, request: SetPolicyRequest) -> None:
+        self._not_deleting()
+
+    @workflow.update(name=UPDATE_SET_TENANCY)
+    async def set_tenancy(self, request: SetTenancyRequest) -> None:
+        """A new owner and/or class: what this deployment asks as from now on."""
+        await self._decide_now(TenancySet(owner=request.owner,
+                                          capacity_class=request.capacity_class))
+
+    @set_tenancy.validator
+    def _validate_set_tenancy(self, request: SetTenancyRequest) -> None:
         self._not_deleting()
 
     @workflow.update(name=UPDATE_SET_WINDOW)

@@ -297,3 +297,11 @@ class PreemptRequest(Tolerant):
     by: DeploymentId | None = None
     #: Shown as the victim's status reason: "preempted by d-1 (critical) for ...".
     reason: str = Field(min_length=1, max_length=1024)
+
+
+class SetTenancyRequest(Tolerant):
+    """``set_tenancy``: a deployment's new owner and/or class (PATCH, the CLI), for the
+    placements, preemptions and holds its workflow asks for from now on. None: unchanged."""
+
+    owner: OwnerPath | None = None
+    capacity_class: CapacityClass | None = None

@@ -475,6 +475,14 @@ class PolicySet(Frozen):
     actor: str = ""
 
 
+class TenancySet(Frozen):
+    """The operator moved the deployment to another owner and/or class."""
+
+    kind: Literal["tenancy_set"] = "tenancy_set"
+    owner: str | None = None
+    capacity_class: CapacityClass | None = None
+
+
 class WindowSet(Frozen):
     """A schedule window opened (``window``) or closed (``closing``)."""
 
@@ -574,7 +582,8 @@ Observation = Annotated[
     Tick | Placed | Unplaceable | PlacementCrashed | Started | StartFailed | Exited | Silent
     | ProbeResult | Stopped | NodesChanged | Scale | Retry | Delete | MoveAsked | MoveCancelled
     | GenerationSet | DemandStepDue | PolicySet | WindowSet | SleepAsked | WakeAsked
-    | EvictAsked | Slept | SleepFailed | Woke | WakeFailed | EvictionSought | PreemptAsked,
+    | EvictAsked | Slept | SleepFailed | Woke | WakeFailed | EvictionSought | PreemptAsked
+    | TenancySet,
     Field(discriminator="kind"),
 ]
 
@@ -805,6 +814,12 @@ def _observe(state: KeeperState, obs: Observation, *, now: datetime, config: Kee
             return _on_eviction_sought(state, obs, now=now)
         case PreemptAsked():
             return _on_preempt_asked(state, obs, config=config, actions=actions)
+        case TenancySet():
+            # What later placements and preemptions ask as; nothing running changes.
+            update = {k: v for k, v in (("owner", obs.owner),
+                                        ("capacity_class", obs.capacity_class))
+                      if v is not None}
+            return state.model_copy(update={"spec": state.spec.model_copy(update=update)})
         case _:
             # mypy proves this unreachable; a new observation type fails the type check.
             assert_never(obs)

@@ -8,7 +8,6 @@ refuses answered 409 with its sentence."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,15 +18,12 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from api.app import create_app
 from modelkeeper.domain.catalog import DeploymentStatusUpdate
 from modelkeeper.domain.demand import ScalingPolicy, SetPolicyRequest
 from modelkeeper.domain.ids import DeploymentId
 from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.names import UPDATE_SET_POLICY, UPDATE_SLEEP, UPDATE_WAKE
-from modelkeeper.settings import Settings
 from modelkeeper.store import Store
-from worker.main import run_worker
 from workflows.deployment import DeploymentInput
 
 pytestmark = pytest.mark.timeout(90)
@@ -144,27 +140,6 @@ async def test_views_show_what_the_keeper_writes_of_demand(
 
 
 # -- with the control worker: the real deployment workflow answers -----------------------
-
-
-@pytest.fixture
-async def worked(local_temporal_env: WorkflowEnvironment,
-                 database_url: str) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
-    """The API and the control worker: deployments run the real workflow (no node ever
-    registers, so nothing places and no replica exists)."""
-    client = local_temporal_env.client
-    settings = Settings(database_url=database_url,
-                        temporal_address=client.service_client.config.target_host,
-                        temporal_namespace=client.namespace, api_auth=False)
-    stop = asyncio.Event()
-    worker = asyncio.create_task(run_worker(settings, stop))
-    app = create_app(settings)
-    try:
-        async with app.router.lifespan_context(app), httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=app), base_url="http://localhost") as http:
-            yield app, http
-    finally:
-        stop.set()
-        await asyncio.wait_for(worker, 30)
 
 
 async def _updates(client: Client, workflow_id: str) -> list[tuple[str, Any]]:

@@ -21,14 +21,17 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
+from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from api.app import create_app
+from modelkeeper.domain.capacity import CapacityClass
 from modelkeeper.domain.ids import NodeId
 from modelkeeper.domain.nodes import AgentRegistration, Inventory
 from modelkeeper.domain.operators import OperatorRole
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
+from workflows.deployment import DeploymentWorkflow
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -114,13 +117,30 @@ async def test_a_limit_refuses_a_deploy_a_scale_up_and_a_move_with_the_numbers(
     move = await api.patch(f"/deployments/{m3['deployment_id']}", json={"owner": "acme/a"})
     assert move.status_code == 409, move.text
     assert move.json()["quota"]["asked"] == 72 * GIB
-    moved = await api.patch(f"/deployments/{m3['deployment_id']}",
+    kinds = [e["kind"] for e in (await api.get("/events")).json()]
+    assert "quota.set" in kinds and "deployment.tenancy_set" not in kinds
+
+
+@pytest.mark.slow  # the worker starts and the update waits for a workflow task
+async def test_a_move_reaches_the_workflow_the_row_and_the_audit_log(
+        worked: tuple[FastAPI, httpx.AsyncClient]) -> None:
+    """PATCH owner and class: the running workflow's spec (what its placements and
+    preemptions ask as from now on), the row and the audit log."""
+    app, api = worked
+    assert (await api.post("/models", json=_model("m1"))).status_code == 201
+    made = (await _deploy(api, "m1", owner="acme/a")).json()
+    moved = await api.patch(f"/deployments/{made['deployment_id']}",
                             json={"owner": "acme/b", "capacity_class": "opportunistic"})
     assert moved.status_code == 200, moved.text
-    assert (moved.json()["owner"], moved.json()["capacity_class"]) == ("acme/b",
-                                                                       "opportunistic")
+    assert (moved.json()["owner"], moved.json()["capacity_class"],
+            moved.json()["runs_as"]) == ("acme/b", "opportunistic", "opportunistic")
+    client: Client = app.state.temporal
+    view = await client.get_workflow_handle_for(
+        DeploymentWorkflow.run, made["workflow_id"]).query(DeploymentWorkflow.status)
+    assert (view.keeper.spec.owner, view.keeper.spec.capacity_class) == (
+        "acme/b", CapacityClass.OPPORTUNISTIC)
     kinds = [e["kind"] for e in (await api.get("/events")).json()]
-    assert "deployment.tenancy_set" in kinds and "quota.set" in kinds
+    assert "deployment.tenancy_set" in kinds
 
 
 async def test_quotas_show_held_borrowed_and_at_limit(

@@ -28,6 +28,7 @@ from modelkeeper.domain.keeper import (
     Started,
     Stopped,
     StopReplica,
+    TenancySet,
     Tick,
     Unplaceable,
     decide,
@@ -139,3 +140,17 @@ def test_a_preemption_of_a_replica_not_ready_or_leased_is_refused() -> None:
     k.serve(rid)
     assert refuse_preemption(k.state, rid) is None
     assert refuse_preemption(k.state, ReplicaId("d-r9")) is not None
+
+
+def test_a_new_owner_and_class_change_what_it_asks_as_and_nothing_running() -> None:
+    k = Stepper()
+    k.serve(k.placing())
+    before = list(k.state.replicas)
+    assert k.step(TenancySet(owner="acme/b", capacity_class=CapacityClass.CRITICAL)) == []
+    assert (k.state.spec.owner, k.state.spec.capacity_class) == ("acme/b",
+                                                                 CapacityClass.CRITICAL)
+    assert k.state.replicas == before
+    # A part not given is unchanged.
+    k.step(TenancySet(capacity_class=CapacityClass.STANDARD))
+    assert (k.state.spec.owner, k.state.spec.capacity_class) == ("acme/b",
+                                                                 CapacityClass.STANDARD)
