@@ -269,6 +269,11 @@ class Move(Tolerant):
     ended_at: datetime | None = None
     error: str | None = None
     detail: str = ""
+    #: Its replica found no room and room was sought for it (a restart may borrow a lower
+    #: class's room): once per move. Until ``room_wait_until`` (or a node change, the
+    #: victims' release) the move waits instead of placing again.
+    sought_room: bool = False
+    room_wait_until: datetime | None = None
 
 
 #: Ended moves kept in the registry (a retried update finds its answer); older ones go, so
@@ -837,7 +842,12 @@ def _on_nodes_changed(state: KeeperState) -> KeeperState:
     # Retry an unplaceable deployment (or surge) now; a failed-start backoff still holds.
     # The can't-place count is kept: a node change (memory freed somewhere, a node back)
     # says nothing of whether this model fits; only a placement that finds room resets it.
-    return state.model_copy(update={"placement_retry_at": None, "surge_retry_at": None})
+    # A move waiting for the room its victims free places again now.
+    moves = [m.model_copy(update={"room_wait_until": None})
+             if m.state is MoveState.RUNNING and m.room_wait_until is not None else m
+             for m in state.moves]
+    return state.model_copy(update={"placement_retry_at": None, "surge_retry_at": None,
+                                    "moves": moves})
 
 
 def _on_scale(state: KeeperState, obs: Scale, *, now: datetime) -> KeeperState:
@@ -902,7 +912,8 @@ def _on_unplaceable(state: KeeperState, obs: Unplaceable, *, now: datetime,
         return state
     state = _drop(state, replica.replica_id)
     if replica.move_id is not None:
-        return _move_failed(state, replica.move_id, f"no room: {obs.reason}", now=now)
+        return _on_move_unplaceable(state, replica.move_id, obs.reason, now=now,
+                                    config=config, actions=actions)
     if replica.standby:
         # Not the deployment's failure: it serves. Kept as its placement error (shown
         # beside "serving"; the store's waiting-for-room list includes it, so a node that
@@ -933,6 +944,27 @@ def _on_unplaceable(state: KeeperState, obs: Unplaceable, *, now: datetime,
         actions.append(SeekRoom())
         state = state.model_copy(update={"seeking_room": True})
     return state
+
+
+def _on_move_unplaceable(state: KeeperState, move_id: MoveId, reason: str, *,
+                         now: datetime, config: KeeperConfig,
+                         actions: list[Action]) -> KeeperState:
+    """A move's new replica found no room. A restart or a switch may borrow a lower
+    class's room (the seed's "a restart borrows a lower class's room and returns it"):
+    room is sought once for the move, which waits for the victims' release (a node
+    change) and places again; the old replica's retire then frees room, and the victims,
+    waiting for it, are placed again by themselves. Nothing may be stopped, or room
+    already sought: the move fails, as in 0.2."""
+    move = _find_move(state, move_id)
+    if (config.preemption and move is not None and move.state is MoveState.RUNNING
+            and not move.sought_room and not state.seeking_room):
+        actions.append(SeekRoom())
+        move = move.model_copy(update={
+            "surged": None, "sought_room": True,
+            "room_wait_until": now + timedelta(seconds=EVICTION_RECHECK_S),
+            "detail": _note(move, f"no room ({reason}); seeking room", now)})
+        return _put_move(state, move).model_copy(update={"seeking_room": True})
+    return _move_failed(state, move_id, f"no room: {reason}", now=now)
 
 
 def _on_placement_crashed(state: KeeperState, obs: PlacementCrashed, *, now: datetime,
@@ -1572,6 +1604,19 @@ def _on_wake_failed(state: KeeperState, obs: WakeFailed, *,
 def _on_eviction_sought(state: KeeperState, obs: EvictionSought, *,
                         now: datetime) -> KeeperState:
     state = state.model_copy(update={"seeking_room": False})
+    waiting = [m for m in state.moves
+               if m.state is MoveState.RUNNING and m.room_wait_until is not None]
+    if waiting:
+        if obs.victim is None and not obs.preempting:
+            for move in waiting:  # nothing may be stopped for it: as in 0.2, no room
+                state = _move_failed(state, move.move_id, f"no room: {obs.reason}", now=now)
+            return state
+        # Room is being made: shown beside "serving" (the old replica still serves), and
+        # so the store lists this deployment as waiting: the victims' release signals it.
+        return state.model_copy(update={
+            "placement_error": f"{waiting[0].kind.value} {waiting[0].move_id}: making room: "
+                               f"{obs.reason}",
+            "demand_note": f"{now:%Y-%m-%d %H:%M:%S}: {obs.reason}"})
     if obs.preempting and state.loading_since is None and not state.deleting:
         # Not loading on demand: a deployment that outranks what it preempted. It waits
         # in cant_place, saying why, and places when the victims' release signals it
@@ -1723,6 +1768,12 @@ def _advance_move(state: KeeperState, move: Move, *, now: datetime, config: Keep
             return _end_move(state, move, MoveState.SUCCEEDED, now=now,
                            note=f"{move.replica_id} stopped")
     if move.surged is None:
+        if move.room_wait_until is not None:
+            if now < move.room_wait_until:
+                return state  # room is being made for it (_on_move_unplaceable)
+            return _end_move(state, move, MoveState.FAILED, now=now,
+                             error="no room: the replicas asked to make room did not free "
+                                   f"it within {EVICTION_RECHECK_S:g} s")
         return _place_for_move(state, move, actions)
     surged = _find(state, move.surged)
     if surged is None or surged.phase is not Phase.READY:
@@ -1933,6 +1984,8 @@ def next_wake(state: KeeperState, config: KeeperConfig) -> datetime | None:
         times.append(attempt)
     if state.seek_again_at is not None and not state.seeking_room:
         times.append(state.seek_again_at)
+    times.extend(m.room_wait_until for m in state.moves
+                 if m.state is MoveState.RUNNING and m.room_wait_until is not None)
     for r in state.replicas:
         if r.phase is Phase.UNREACHABLE and r.unreachable_since is not None:
             times.append(r.unreachable_since + timedelta(seconds=config.lost_after_s))

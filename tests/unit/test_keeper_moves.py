@@ -3,6 +3,7 @@ each rule of the "Moves" section of modelkeeper.domain.keeper."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -10,24 +11,30 @@ import pytest
 from modelkeeper.domain.catalog import Generation
 from modelkeeper.domain.ids import ModelId, MoveId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import (
+    EVICTION_RECHECK_S,
     Action,
     Delete,
+    EvictionSought,
     Exited,
     GenerationSet,
     KeeperConfig,
     MoveAsked,
     MoveCancelled,
+    NodesChanged,
     Phase,
     Placed,
     PlaceReplica,
     Scale,
+    SeekRoom,
     Started,
     StartFailed,
     Stopped,
     StopReplica,
+    Tick,
     Unplaceable,
     brief,
     move_outcome,
+    next_wake,
     outdated,
     refuse_move,
     status,
@@ -35,7 +42,7 @@ from modelkeeper.domain.keeper import (
 from modelkeeper.domain.moves import MoveKind, MoveRequest, MoveState
 from modelkeeper.domain.status import DeploymentStatus
 
-from .test_keeper import Stepper
+from .test_keeper import T0, Stepper
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -232,3 +239,63 @@ def test_a_replaced_replica_lost_meanwhile_ends_the_move_when_the_new_one_is_rea
     # over it is one too many, and is stopped when it lands.
     assert [(r.replica_id, r.phase, r.retiring) for r in keeper.state.replicas] == [
         ("d-r2", Phase.READY, False), ("d-r3", Phase.PLACING, True)]
+
+
+# -- a restart borrows a lower class's room (issue 22, patch capacity-preemption) --------
+
+PREEMPTING = KeeperConfig(backoff_jitter=0.0, preemption=True)
+
+
+def serving_preempting() -> Stepper:
+    keeper = Stepper(1, PREEMPTING)
+    keeper.step()
+    keeper.serve("d-r1", node="a")
+    keeper.actions.clear()
+    return keeper
+
+
+def test_a_restart_without_room_borrows_it_and_goes_on_when_the_victims_free_it() -> None:
+    keeper = serving_preempting()
+    ask(keeper, "r:1", MoveKind.REPLACE, replica_id=ReplicaId("d-r1"))
+    actions = keeper.step(Unplaceable(replica_id=ReplicaId("d-r2"), reason="a: full"), at=1)
+    # Room is sought once; the move waits (it does not fail, nor place again at once).
+    assert SeekRoom() in actions and outcome_state(keeper, "r:1") is MoveState.RUNNING
+    assert not any(isinstance(a, PlaceReplica) for a in keeper.step(Tick(), at=2))
+    keeper.step(EvictionSought(reason="preempting o-r1 (opportunistic) to place d",
+                               preempting=[ReplicaId("o-r1")]), at=2)
+    # Serving still, the old replica serves; the reason is shown beside it.
+    assert status(keeper.state) is DeploymentStatus.SERVING
+    assert "making room: preempting o-r1" in (keeper.state.placement_error or "")
+    # The victim's release (a node change): the move's replica is placed again.
+    actions = keeper.step(NodesChanged(), at=12)
+    assert PlaceReplica(replica_id=ReplicaId("d-r3")) in actions
+    keeper.serve("d-r3", node="a")
+    # The old one is retired: its room goes back to whoever waits for it.
+    assert phase(keeper, "d-r1") is Phase.STOPPING
+    assert keeper.state.placement_error is None
+
+
+def test_a_restart_with_nothing_to_stop_fails_as_before_and_a_slow_release_times_out() -> None:
+    keeper = serving_preempting()
+    ask(keeper, "r:1", MoveKind.REPLACE, replica_id=ReplicaId("d-r1"))
+    keeper.step(Unplaceable(replica_id=ReplicaId("d-r2"), reason="a: full"), at=1)
+    keeper.step(EvictionSought(reason="nothing it outranks makes the room"), at=2)
+    assert outcome_state(keeper, "r:1") is MoveState.FAILED
+    # Victims asked, but their room never comes: the move fails after the recheck.
+    keeper = serving_preempting()
+    ask(keeper, "r:2", MoveKind.REPLACE, replica_id=ReplicaId("d-r1"))
+    keeper.step(Unplaceable(replica_id=ReplicaId("d-r2"), reason="a: full"), at=1)
+    keeper.step(EvictionSought(reason="preempting o-r1", preempting=[ReplicaId("o-r1")]),
+                at=2)
+    assert next_wake(keeper.state, keeper.config) == T0 + timedelta(
+        seconds=1 + EVICTION_RECHECK_S)
+    keeper.step(Tick(), at=1 + EVICTION_RECHECK_S)
+    assert outcome_state(keeper, "r:2") is MoveState.FAILED
+    # Without the patch (0.2's histories): no room fails the move at once.
+    keeper = Stepper(1, GRACEFUL)
+    keeper.step()
+    keeper.serve("d-r1")
+    ask(keeper, "r:3", MoveKind.REPLACE, replica_id=ReplicaId("d-r1"))
+    assert SeekRoom() not in keeper.step(Unplaceable(replica_id=ReplicaId("d-r2"),
+                                                     reason="a: full"))
+    assert outcome_state(keeper, "r:3") is MoveState.FAILED
