@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -157,17 +158,44 @@ async def test_the_open_schedule_raises_the_count_to_the_windows_min_and_the_clo
         # a scheduler slow to see the first run close drops the trigger (seen once in a
         # loaded suite: the schedules were never removed).
         await opening.trigger(overlap=ScheduleOverlapPolicy.ALLOW_ALL)
+        # The firing's run, awaited (not the schedules' absence polled): a run that fails
+        # says why here, and a firing that started no run says so.
+        gone_run = await asyncio.wait_for(_another_run(client, opening.id, seen=1),
+                                          UNTIL_S)
+        try:
+            result = await asyncio.wait_for(gone_run.result(), UNTIL_S)
+        except TimeoutError:
+            raise AssertionError(f"the firing's run did not end: {await _stuck(gone_run)}") \
+                from None
+        assert "deployment d-window is gone" in result, result
+        assert "its schedules were removed" in result, result
         await asyncio.wait_for(_gone(opening), UNTIL_S)
         await asyncio.wait_for(_gone(closing), UNTIL_S)
-        # The run that removed them says so.
+        await record_history(gone_run, "window_gone")
+
+
+async def _stuck(handle: WorkflowHandle[Any, Any]) -> str:
+    """What a run that does not end is waiting on: its pending activities, with their
+    attempts and last failures."""
+    description = await handle.describe()
+    pending = description.raw_description.pending_activities
+    return "; ".join(f"{a.activity_type.name} attempt {a.attempt}: "
+                     f"{a.last_failure.message or 'no failure yet'}" for a in pending) \
+        or f"no pending activity ({description.status})"
+
+
+async def _another_run(client: Client, schedule_id: str, *, seen: int) -> WorkflowHandle[
+        Any, str]:
+    """The run a schedule started after the ``seen`` it had started, once visible (the
+    schedule itself may be gone by then: its run removes it)."""
+    while True:
         runs = [r async for r in client.list_workflows(
-            f'WorkflowId STARTS_WITH "{opening.id}"')]
-        ended = {r.id: await client.get_workflow_handle(r.id, run_id=r.run_id).result()
-                 for r in runs}
-        [gone_run] = [run_id for run_id, result in ended.items()
-                      if "deployment d-window is gone" in result
-                      and "its schedules were removed" in result]
-        await record_history(client.get_workflow_handle(gone_run), "window_gone")
+            f'WorkflowId STARTS_WITH "{schedule_id}"')]
+        if len(runs) > seen:
+            newest = max(runs, key=lambda r: r.start_time)
+            return client.get_workflow_handle(newest.id, run_id=newest.run_id,
+                                              result_type=str)
+        await asyncio.sleep(0.05)
 
 
 async def _gone(handle: ScheduleHandle) -> None:
