@@ -50,6 +50,10 @@ WINDOW = ScheduleWindow(name="day", days=["mon", "tue", "wed", "thu", "fri"], st
                         max_replicas=2, prewarm_s=600)
 #: A workflow run the schedule starts is answered in well under a second here.
 UNTIL_S = 60
+#: A firing's run is listed within a second or two; past this the firing is fired again,
+#: at most FIRINGS times (see the test's last part).
+RUN_SEEN_S = 15
+FIRINGS = 3
 
 
 @contextlib.asynccontextmanager
@@ -157,11 +161,20 @@ async def test_the_open_schedule_raises_the_count_to_the_windows_min_and_the_clo
         # itself is what is tested, not the schedule's overlap policy (skip), under which
         # a scheduler slow to see the first run close drops the trigger (seen once in a
         # loaded suite: the schedules were never removed).
-        await opening.trigger(overlap=ScheduleOverlapPolicy.ALLOW_ALL)
         # The firing's run, awaited (not the schedules' absence polled): a run that fails
-        # says why here, and a firing that started no run says so.
-        gone_run = await asyncio.wait_for(_another_run(client, opening.id, seen=1),
-                                          UNTIL_S)
+        # says why here. Twice in full suites on two busy cores, the schedules were never
+        # removed, and the test could not tell whether the firing started no run or the
+        # run hung; never alone, nor with the heaviest tests beside it. A firing that
+        # starts no run is the scheduler's, not ours: it is fired again, at most
+        # FIRINGS times, and the run that starts must still do all that is asserted.
+        gone_run = None
+        for _ in range(FIRINGS):
+            await opening.trigger(overlap=ScheduleOverlapPolicy.ALLOW_ALL)
+            with contextlib.suppress(TimeoutError):
+                gone_run = await asyncio.wait_for(_another_run(client, opening.id, seen=1),
+                                                  RUN_SEEN_S)
+                break
+        assert gone_run is not None, f"{FIRINGS} firings started no run"
         try:
             result = await asyncio.wait_for(gone_run.result(), UNTIL_S)
         except TimeoutError:
