@@ -36,13 +36,20 @@ class WindowActivities(WindowActivityStubs):
     @activity.defn(name=ACTIVITY_APPLY_WINDOW)
     async def apply_window(self, request: WindowInput) -> int:
         """Open or close the window; the replica count the deployment wants now. A retry
-        asks again under the same update id (the run's workflow id: one per firing), and
-        is answered, never applied twice."""
+        asks again under the same update id (the firing's run id), and is answered, never
+        applied twice.
+
+        The run id, not the workflow id: a schedule names each run it starts by its time to
+        the second, so two firings within one second share a workflow id, and the server
+        answers an update id it has seen with that update's outcome, even from a closed
+        workflow. The second firing was answered the first one's "2 replica(s) wanted" for
+        a deployment already deleted, and left its schedules behind (test_window, in busy
+        full suites)."""
         handle = self._client.get_workflow_handle_for(DeploymentWorkflow.run,
                                                       request.workflow_id)
         return await ask_deployment(request.deployment_id, execute_update(
             handle, DeploymentWorkflow.set_window, request.request,
-            id=f"{UPDATE_SET_WINDOW}:{activity.info().workflow_id}"))
+            id=f"{UPDATE_SET_WINDOW}:{activity.info().workflow_run_id}"))
 
     @activity.defn(name=ACTIVITY_DROP_WINDOW)
     async def drop_window(self, request: WindowInput) -> bool:
