@@ -11,6 +11,7 @@ from fastapi import APIRouter, HTTPException
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 
+from modelkeeper.domain.capacity import CapacityClass
 from modelkeeper.domain.ids import NodeId
 from modelkeeper.domain.nodes import (
     GpuInfo,
@@ -111,6 +112,10 @@ class NodeInfo(BaseModel):
     memory_level: MemoryLevel = MemoryLevel.OK
     memory_level_since: datetime | None = None
     memory_level_reason: str | None = None
+    #: Kept for this class, or this owner scope and those beneath it (placement rule 5;
+    #: ``PATCH`` with ``hold_class``/``hold_owner``, ``release_hold``).
+    hold_class: CapacityClass | None = None
+    hold_owner: str | None = None
 
 
 def node_info(record: NodeRecord, settings: Settings) -> NodeInfo:
@@ -130,7 +135,8 @@ def node_info(record: NodeRecord, settings: Settings) -> NodeInfo:
         cordoned=record.cordoned, cordon_reason=record.cordon_reason,
         last_seen=record.last_seen, silent_since=record.silent_since,
         memory_level=record.memory_level, memory_level_since=record.memory_level_since,
-        memory_level_reason=record.memory_level_reason)
+        memory_level_reason=record.memory_level_reason, hold_class=record.hold_class,
+        hold_owner=record.hold_owner)
 
 
 @router.get("/nodes", response_model=list[NodeInfo])

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -56,9 +57,19 @@ def _description() -> str:
             "gateway and the API: `bench`.")
 
 
+class _Formatter(argparse.HelpFormatter):
+    """argparse's, wrapping the description only at spaces: a command name such as
+    `power-cap` is never split at its hyphen across two lines."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent,
+                             subsequent_indent=indent, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, exposed for tests and docs."""
-    parser = argparse.ArgumentParser(prog="modelkeeper", description=_description())
+    parser = argparse.ArgumentParser(prog="modelkeeper", description=_description(),
+                                     formatter_class=_Formatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = sub.add_parser("up", help="run the whole local stack in the foreground")

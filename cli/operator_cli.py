@@ -1,10 +1,10 @@
 """`modelkeeper deploy / ls / status / headroom / rm / nodes / explain / models / quota / size`,
 the changes (`scale`, `owner`, `sleep`, `wake`, `retry`, `restart`, `switch`,
-`reconfigure`, `cordon`, `uncordon`, `drain`), `operations` (alias `ops`), which lists,
-shows and cancels the sagas, and `schedule`, a deployment's windows of scaling by the
-clock: thin wrappers over the API, sending the operator token (:func:`operator_token`).
-`tokens` makes, lists and revokes those tokens straight in the database, so the first
-admin token needs no API.
+`reconfigure`, `cordon`, `uncordon`, `drain`, `hold`, `unhold`, `power-cap`),
+`operations` (alias `ops`), which lists, shows and cancels the sagas, and `schedule`, a
+deployment's windows of scaling by the clock: thin wrappers over the API, sending the
+operator token (:func:`operator_token`). `tokens` makes, lists and revokes those tokens
+straight in the database, so the first admin token needs no API.
 
 One table, ``COMMANDS``, holds every operator command: its flags, the request it sends
 (method, path and body, built from the parsed arguments alone) and how it shows the
@@ -51,6 +51,7 @@ from modelkeeper.domain.demand import MAX_LOAD_WAIT_S, MAX_PERIOD_S, ScalingPoli
 from modelkeeper.domain.no_room import MAX_PLAN_NUMBER, IfNoRoom
 from modelkeeper.domain.operators import OperatorRole, name_problem
 from modelkeeper.domain.shards import EngineKind
+from modelkeeper.domain.topology import FACILITY_CAP_KEY
 from modelkeeper.domain.units import format_duration, format_gib, parse_bytes, parse_duration
 from modelkeeper.settings import Settings
 from modelkeeper.store.tokens import OperatorTokenRecord, TokensStore
@@ -392,6 +393,37 @@ def _cordon_request(args: argparse.Namespace) -> Request:
 
 def _uncordon_request(args: argparse.Namespace) -> Request:
     return _on_node(args, lambda n: Request("PATCH", f"/nodes/{n}", body={"cordoned": False}))
+
+
+def _hold_request(args: argparse.Namespace) -> Request:
+    if args.capacity_class is None and args.owner is None:
+        raise UsageError(f"hold {args.node}: give --class, --owner or both (what the node is "
+                         "kept for); `unhold` releases a hold")
+    body: dict[str, Any] = {}
+    if args.capacity_class is not None:
+        body["hold_class"] = args.capacity_class
+    if args.owner is not None:
+        body["hold_owner"] = parse_scope(args.owner, flag="--owner")
+    return _on_node(args, lambda n: Request("PATCH", f"/nodes/{n}", body=body))
+
+
+def _unhold_request(args: argparse.Namespace) -> Request:
+    return _on_node(args, lambda n: Request("PATCH", f"/nodes/{n}",
+                                            body={"release_hold": True}))
+
+
+def _power_cap_request(args: argparse.Namespace) -> Request:
+    if args.action == "ls":
+        return Request("GET", "/power-caps")
+    if args.pdu is None:
+        raise UsageError(f"power-cap {args.action} needs a PDU (a node's topology.pdu label, "
+                         f"or {FACILITY_CAP_KEY} for the whole facility), and none was given")
+    if args.action == "rm":
+        return Request("DELETE", f"/power-caps/{args.pdu}")
+    if args.watts is None:
+        raise UsageError(f"power-cap set {args.pdu}: WATTS is missing (the most the PDU's "
+                         "nodes may draw together)")
+    return Request("PUT", f"/power-caps/{args.pdu}", body={"watts": args.watts})
 
 
 def _drain_request(args: argparse.Namespace) -> Request:
@@ -776,10 +808,11 @@ def _nodes_text(args: argparse.Namespace, result: Any) -> str:
                     _mem(n.get("memory_available_bytes"))
                     + (OVERPROMISED if _overpromised(n) else ""),
                     "-" if n["cpu_count"] is None else str(n["cpu_count"]),
+                    n.get("memory_level", "ok"), _held_for(n),
                     ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())),
                     n["last_seen"]] for n in result],
                   ["name", "id", "state", "memory", "claimed", "free", "avail", "cpus",
-                   "labels", "last seen"])
+                   "level", "held for", "labels", "last seen"])
     if any(_overpromised(n) for n in result):
         shown += "\n" + OVERPROMISED_LEGEND
     return shown
@@ -954,6 +987,27 @@ def _quota_text(args: argparse.Namespace, result: Any) -> str:
     rows = result if isinstance(result, list) else [result]
     return table([_quota_line(v) for v in rows],
                  ["scope", "guarantee", "limit", "held", "borrowed", "at limit"])
+
+
+def _hold_text(args: argparse.Namespace, result: Any) -> str:
+    held = _held_for(result)
+    return (f"node {result['name']} ({result['node_id']}): "
+            + (f"held for {held}" if held != "-" else "not held"))
+
+
+def _held_for(node: dict[str, Any]) -> str:
+    """What the node is held for, as the nodes table shows it; "-" when nothing."""
+    parts = [f"{kind} {node[key]}" for kind, key in (("class", "hold_class"),
+                                                    ("owner", "hold_owner"))
+             if node.get(key)]
+    return ", ".join(parts) or "-"
+
+
+def _power_cap_text(args: argparse.Namespace, result: Any) -> str:
+    if not result:
+        return "no power cap in force"
+    return table([["facility" if pdu == FACILITY_CAP_KEY else pdu, f"{watts:,} W"]
+                  for pdu, watts in result.items()], ["pdu", "cap"])
 
 
 def _owner_text(args: argparse.Namespace, result: Any) -> str:
@@ -1155,6 +1209,24 @@ def _cordon_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reason", help="shown with the node (e.g. 'disk swap')")
 
 
+def _hold_flags(parser: argparse.ArgumentParser) -> None:
+    _node_flags(parser)
+    parser.add_argument("--class", dest="capacity_class", choices=list(CapacityClass),
+                        help="only this class's replicas may be placed on it")
+    parser.add_argument("--owner", metavar="SCOPE",
+                        help="only this scope's (and those beneath it) may be placed on it")
+
+
+def _power_cap_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", nargs="?", choices=["ls", "set", "rm"], default="ls")
+    parser.add_argument("pdu", nargs="?", metavar="PDU",
+                        help=f"a node's topology.pdu label, or {FACILITY_CAP_KEY} for the "
+                             "whole facility")
+    parser.add_argument("watts", nargs="?", type=int, metavar="WATTS",
+                        help="set: the most watts the PDU's nodes may draw together, "
+                             "counted from their shards' declared watts")
+
+
 def _drain_flags(parser: argparse.ArgumentParser) -> None:
     _node_flags(parser)
     parser.add_argument("--grace", type=float, metavar="SECONDS",
@@ -1292,6 +1364,9 @@ COMMANDS: tuple[Command, ...] = (
             _cordon_text),
     Command("drain", "cordon a node and move its replicas elsewhere", _drain_flags,
             _drain_request, _started_text),
+    Command("hold", "keep a node for a capacity class or an owner scope", _hold_flags,
+            _hold_request, _hold_text),
+    Command("unhold", "release a node's hold", _node_flags, _unhold_request, _hold_text),
     Command("operations", "list operations (restarts, drains, switches), or show or cancel "
             "one (alias: ops)", _operations_flags, _operations_request, _operations_text,
             aliases=("ops",)),
@@ -1303,6 +1378,8 @@ COMMANDS: tuple[Command, ...] = (
             _quota_text),
     Command("owner", "move a deployment to another owner (org, org/team or "
             "org/team/project)", _owner_flags, _owner_request, _owner_text),
+    Command("power-cap", "list the power caps, or set or remove a PDU's (or the "
+            "facility's)", _power_cap_flags, _power_cap_request, _power_cap_text),
 )
 
 OPERATOR_COMMANDS: Mapping[str, Command] = {c.name: c for c in COMMANDS}

@@ -206,6 +206,10 @@ class NodeRecord(Frozen):
     memory_level_since: datetime | None = None
     memory_level_reason: str | None = None
     memory_level_changes: int = 0
+    #: The operator's hold (placement rule 5): the node is kept for this class, or this
+    #: owner scope and those beneath it; None when it is not held for one.
+    hold_class: CapacityClass | None = None
+    hold_owner: str | None = None
     memory_claimed_bytes: int = 0
     cpu_claimed: float = 0.0
     gpus_claimed: list[int] = Field(default_factory=list)

@@ -316,13 +316,6 @@ class NodeStore:
         )
         return None if row is None else await self.get_node(node_id)
 
-    async def node_hold(self, node_id: str) -> tuple[str | None, str | None] | None:
-        """The node's hold: (class, owner scope), each None when not held for one; None
-        when the node is unknown."""
-        row = await self._pool.fetchrow(
-            "SELECT hold_class, hold_owner FROM nodes WHERE node_id = $1", node_id)
-        return None if row is None else (row["hold_class"], row["hold_owner"])
-
     async def set_power_cap(self, pdu: str, watts: int | None) -> None:
         """Set a PDU's power cap (the facility's under ``FACILITY_CAP_KEY``), or remove it
         with None."""
@@ -343,7 +336,6 @@ class NodeStore:
         row = await self._pool.fetchrow(
             _NODE_SELECT + " WHERE n.node_id = $1", node_id)
         return None if row is None else NodeRecord(**record(row))
-
 
     async def list_nodes(self) -> list[NodeRecord]:
         """Every node with what its replicas claim on it, by name."""
@@ -377,5 +369,6 @@ _NODE_SELECT = """
     SELECT n.node_id, n.name, n.agent_labels, n.operator_labels, n.cordoned, n.cordon_reason,
            n.memory_total_bytes, n.memory_available_bytes, n.cpu_count, n.gpus, n.last_seen,
            n.registered_at, n.silent_since, n.memory_level, n.memory_level_since,
-           n.memory_level_reason, n.memory_level_changes,""" + CLAIM_COLUMNS + """
+           n.memory_level_reason, n.memory_level_changes, n.hold_class, n.hold_owner,""" \
+    + CLAIM_COLUMNS + """
     FROM nodes n""" + CLAIMS_PER_NODE

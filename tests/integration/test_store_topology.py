@@ -56,11 +56,15 @@ async def test_the_new_columns_round_trip(store: Store) -> None:
     spread = await store._pool.fetchval("SELECT spread FROM deployments WHERE deployment_id = $1",
                                         DEP)
     assert spread == {"key": "rack", "max_skew": 1}
-    await store.nodes.update_node("a", NodeUpdate(hold_class=CapacityClass.CRITICAL,
-                                                  hold_owner="acme/ml"))
-    assert await store.nodes.node_hold("a") == ("critical", "acme/ml")
-    await store.nodes.update_node("a", NodeUpdate(release_hold=True))
-    assert await store.nodes.node_hold("a") == (None, None)
+    held = await store.nodes.update_node("a", NodeUpdate(hold_class=CapacityClass.CRITICAL,
+                                                         hold_owner="acme/ml"))
+    assert held is not None
+    assert (held.hold_class, held.hold_owner) == (CapacityClass.CRITICAL, "acme/ml")
+    listed = {n.node_id: n for n in await store.nodes.list_nodes()}
+    assert (listed["a"].hold_class, listed["a"].hold_owner) == ("critical", "acme/ml")
+    released = await store.nodes.update_node("a", NodeUpdate(release_hold=True))
+    assert released is not None
+    assert (released.hold_class, released.hold_owner) == (None, None)
     await store.nodes.set_power_cap("p1", 1000)
     await store.nodes.set_power_cap(FACILITY_CAP_KEY, 5000)
     await store.nodes.set_power_cap("p1", 900)

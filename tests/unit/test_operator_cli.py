@@ -74,7 +74,8 @@ POSITIONALS: dict[str, list[str]] = {
     "deploy": ["x"], "rm": ["x"], "explain": ["x"], "scale": ["x", "1"], "sleep": ["x"],
     "wake": ["x"], "retry": ["x"],
     "restart": ["x"], "switch": ["x", "m"], "reconfigure": ["x", "k=v"], "cordon": ["n"],
-    "uncordon": ["n"], "drain": ["n"], "schedule": ["ls", "x"], "headroom": ["x"],
+    "uncordon": ["n"], "drain": ["n"], "hold": ["n"], "unhold": ["n"],
+    "schedule": ["ls", "x"], "headroom": ["x"],
     "owner": ["x", "acme"], "size": ["x", "--rps", "1"]}
 
 
@@ -85,7 +86,8 @@ def test_the_table_holds_every_command_in_help_order() -> None:
     assert [c.name for c in COMMANDS] == [
         "deploy", "ls", "status", "headroom", "rm", "nodes", "explain", "models", "size",
         "scale", "sleep", "wake", "retry", "restart", "switch", "reconfigure", "cordon",
-        "uncordon", "drain", "operations", "schedule", "quota", "owner"]
+        "uncordon", "drain", "hold", "unhold", "operations", "schedule", "quota", "owner",
+        "power-cap"]
     assert set(OPERATOR_COMMANDS) == {c.name for c in COMMANDS}
     for command in COMMANDS:  # each is registered with the common flags
         args = parse(command.name, *POSITIONALS.get(command.name, []), "--json",
@@ -283,13 +285,20 @@ def test_ls_shows_degraded_with_its_reason_and_stopped_through_the_api() -> None
 
 def test_nodes_table_shows_memory_in_gib_and_dashes_for_unknowns() -> None:
     assert text(["nodes"], NODES).splitlines() == [
-        "NAME   ID  STATE  MEMORY   CLAIMED  FREE     AVAIL     CPUS  LABELS           "
-        "LAST SEEN",
-        "small  n1  ready  8.0 GiB  0.0 GiB  8.0 GiB  12.0 GiB  4     gpu=none,zone=a  "
-        "2024-01-01T00:00:00Z",
-        "bare   n2  lost   -        -        -        -         -                      "
-        "2024-01-01T00:00:01Z",
+        "NAME   ID  STATE  MEMORY   CLAIMED  FREE     AVAIL     CPUS  LEVEL  HELD FOR  "
+        "LABELS           LAST SEEN",
+        "small  n1  ready  8.0 GiB  0.0 GiB  8.0 GiB  12.0 GiB  4     ok     -         "
+        "gpu=none,zone=a  2024-01-01T00:00:00Z",
+        "bare   n2  lost   -        -        -        -         -     ok     -         "
+        "                 2024-01-01T00:00:01Z",
     ]
+
+
+def test_nodes_table_shows_the_memory_level_and_the_hold() -> None:
+    held = {**NODES[0], "memory_level": "critical", "hold_class": "critical",
+            "hold_owner": "acme/ml"}
+    line = text(["nodes"], [held]).splitlines()[1]
+    assert "critical  class critical, owner acme/ml  gpu=none" in line
 
 
 def test_nodes_flags_a_node_whose_real_free_memory_is_below_what_it_promises() -> None:
