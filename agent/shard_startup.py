@@ -33,6 +33,7 @@ from modelkeeper.domain.shards import (
     ShardStartError,
     ShardState,
     choose_port,
+    split_address,
 )
 from modelkeeper.domain.sources import SourcePolicy
 from modelkeeper.infra.processes import LOG_MODE, port_is_free
@@ -70,6 +71,15 @@ START_FAILED_STOP_GRACE_S = 5.0
 #: Called while a start waits at the start-up gate: its place in the queue (1 is next)
 #: and the replicas loading now.
 QueuedCallback = Callable[[int, list[ReplicaId]], None]
+
+
+def rendezvous_port_of(spec: ShardSpec) -> int | None:
+    """The port rank 0 of a multi-node replica listens on for the other ranks, on this
+    node; None for any other shard."""
+    if spec.rank != 0 or spec.world_size <= 1 or not spec.leader_address:
+        return None
+    parts = split_address(spec.leader_address)
+    return None if parts is None else parts[1]
 
 
 def prepare_log_folder(folder: Path) -> None:
@@ -274,8 +284,17 @@ class ShardStartup:
         on_progress(FetchProgress(phase="launching"))
         adapter = self._adapter_factory(spec)
         async with self._port_lock:
-            taken = {s.record.port for s in self._table.running.values()}
-            port = choose_port(*self._ports, taken,
+            # Rendezvous ports are the control plane's claims (rendezvous_port): never an
+            # engine's HTTP port, even before the rank 0 holding one has bound it.
+            rendezvous = {port for s in [*self._table.running.values()]
+                          if (port := rendezvous_port_of(s.record.spec)) is not None}
+            own = rendezvous_port_of(spec)
+            taken = {s.record.port for s in self._table.running.values()} | rendezvous
+            if own is not None and (own in taken or not port_is_free(self._host, own)):
+                raise ShardStartError(ShardExit(
+                    replica_id=spec.replica_id, kind=ExitKind.ERROR,
+                    detail=f"rank 0's rendezvous port {own} on node {self.node_id} is in use"))
+            port = choose_port(*self._ports, taken | ({own} if own is not None else set()),
                                lambda p: port_is_free(self._host, p))
             key = self._table.engine_key(spec.replica_id)
             plan = adapter.launch_plan(spec, host=self._host, port=port, api_key=key)

@@ -50,12 +50,17 @@ from .engine_process import (
 )
 from .engines.base import EngineAdapter, adapter_for
 from .inventory import read_available_memory
+from .links import LinkWatch
 from .shard_sleep import ShardSleep
 from .shard_startup import QueuedCallback, ShardStartup
 from .startup_gate import StartupGate
 
 log = logging.getLogger(__name__)
 
+
+#: A rank cut off from rank 0 is stopped as a failed start is: its engine is of no use
+#: and its collectives would hang, so a short grace.
+LINK_LOST_STOP_GRACE_S = 5.0
 
 _KERNEL_OOM = re.compile(r"Killed process (\d+)|oom-kill:.*?pid=(\d+)")
 
@@ -295,6 +300,7 @@ class ShardManager:
                              detail=f"node {self.node_id} runs no shard {replica_id}")
         live.watchers += 1
         live.unwatched_since = None
+        link = LinkWatch.of(live.record.spec)
         try:
             while True:
                 ended = self.poll_exit(live)
@@ -302,6 +308,12 @@ class ShardManager:
                     self.forget(replica_id)
                     return ended
                 heartbeat()
+                lost = None if link is None else await link.poll(time.monotonic())
+                if lost is not None:
+                    log.warning("%s: %s; stopping it", replica_id, lost)
+                    stopped = await self.stop(replica_id, grace_s=LINK_LOST_STOP_GRACE_S)
+                    return stopped.model_copy(update={"kind": ExitKind.LINK_LOST,
+                                                      "detail": lost})
                 await asyncio.sleep(POLL_INTERVAL_S)
         finally:
             live.watchers -= 1

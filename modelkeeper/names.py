@@ -120,6 +120,9 @@ SIGNAL_PREEMPT = "preempt"
 #: workflow.patched ids (docs/keeper.md, "The patch schedule"). 0.3: a deployment that
 #: fits nowhere seeks room from lower classes (issue 22).
 PATCH_PREEMPTION = "capacity-preemption"
+#: 0.3: a multi-node replica's start fails at its first failed shard, and its status
+#: names each shard that ended (issue 23; docs/engines.md).
+PATCH_MULTI_NODE = "multi-node-shards"
 QUERY_STATUS = "status"
 #: A deployment as a saga sees it (modelkeeper.domain.moves.DeploymentBrief).
 QUERY_BRIEF = "brief"

@@ -65,6 +65,7 @@ with workflow.unsafe.imports_passed_through():
         CONTROL_TASK_QUEUE,
         ERROR_SHARD_NOT_HERE,
         ERROR_UNKNOWN_MODEL,
+        PATCH_MULTI_NODE,
         ROOM_WATCH_TASK_QUEUE,
         node_task_queue,
     )
@@ -296,11 +297,36 @@ async def stop_shards(replica_id: ReplicaId, specs: list[ShardSpec], tunables: T
             await task
 
 
+#: How long a multi-node replica's watch waits, once one shard has ended, for the others
+#: to say how they ended: a rank that dies takes the others down within a second or two
+#: (the engines' process group breaks), and the status then names the first cause and what
+#: followed, instead of whichever report arrived first.
+SHARD_EXITS_GRACE = timedelta(seconds=3)
+
+
+def shard_name(spec: ShardSpec) -> str:
+    """"shard 1 on node n-…", for a multi-node replica's errors."""
+    return f"shard {spec.rank} on node {spec.node_id}"
+
+
+def last_log_line(ended: ShardExit | None) -> str:
+    """The engine's last log line, ": <line>", or nothing."""
+    lines = [] if ended is None else [line for line in ended.log_tail if line.strip()]
+    return f": {lines[-1].strip()}" if lines else ""
+
+
 async def start(replica_id: ReplicaId, deployment_id: DeploymentId, specs: list[ShardSpec],
                 tunables: Tunables) -> tuple[Started | StartFailed, NewEvent | None]:
     """Start the replica's shards: Started with rank 0's endpoint, or StartFailed with the
-    audit event that keeps the engine's last log lines."""
+    audit event that keeps the engine's last log lines.
+
+    Every rank starts at once: vLLM's and SGLang's ranks rendezvous at rank 0 and wait
+    for each other (docs/engines.md). A multi-node replica fails at its first failed
+    shard, named with how many were ready: rank 0 would otherwise wait for a rank that is
+    gone until its start timeout."""
     tasks = start_shards(specs, tunables)
+    if len(specs) > 1 and workflow.patched(PATCH_MULTI_NODE):
+        return await _start_shards_together(replica_id, deployment_id, specs, tasks)
     try:
         endpoints: list[ShardEndpoint] = []
         for task in tasks:
@@ -318,6 +344,31 @@ async def start(replica_id: ReplicaId, deployment_id: DeploymentId, specs: list[
     return Started(replica_id=replica_id, endpoint=rank0.url or ""), None
 
 
+async def _start_shards_together(
+        replica_id: ReplicaId, deployment_id: DeploymentId, specs: list[ShardSpec],
+        tasks: list[asyncio.Task[ShardEndpoint]]) -> tuple[Started | StartFailed, NewEvent | None]:
+    """:func:`start` for a replica of several shards."""
+    try:
+        await workflow.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:
+        cancel_all(tasks)
+        raise
+    failed = next((i for i, t in enumerate(tasks) if t.done() and t.exception() is not None),
+                  None)
+    if failed is None:
+        rank0 = next(t.result() for t in tasks if t.result().rank == 0)
+        return Started(replica_id=replica_id, endpoint=rank0.url or ""), None
+    ready = sum(1 for t in tasks if t.done() and t.exception() is None)
+    cancel_all(tasks)
+    exc = tasks[failed].exception()
+    assert isinstance(exc, ActivityError)  # start_shard fails only as an activity does
+    ended = start_exit(exc)
+    error = (f"loading, {ready}/{len(specs)} shards ready; {shard_name(specs[failed])}: "
+             f"{describe(exc)}{last_log_line(ended)}")
+    return StartFailed(replica_id=replica_id, error=error), engine_log_event(
+        "replica.start_failed", deployment_id, replica_id, message=error, ended=ended)
+
+
 async def watch(replica_id: ReplicaId, deployment_id: DeploymentId, specs: list[ShardSpec],
                 tunables: Tunables) -> tuple[Exited | Silent, NewEvent | None] | None:
     """Watch the replica's shards until the first ends: Exited (with its audit event), or
@@ -330,6 +381,8 @@ async def watch(replica_id: ReplicaId, deployment_id: DeploymentId, specs: list[
     except asyncio.CancelledError:
         cancel_all(tasks)
         raise
+    if len(specs) > 1 and workflow.patched(PATCH_MULTI_NODE):
+        return await _watch_shards_together(replica_id, deployment_id, specs, tasks, done)
     cancel_all(list(pending))
     try:
         ended = next(iter(done)).result()
@@ -340,6 +393,34 @@ async def watch(replica_id: ReplicaId, deployment_id: DeploymentId, specs: list[
     detail = f"{ended.kind.value}: {ended.detail}"
     return Exited(replica_id=replica_id, detail=detail), engine_log_event(
         "replica.exited", deployment_id, replica_id, message=detail, ended=ended)
+
+
+async def _watch_shards_together(
+        replica_id: ReplicaId, deployment_id: DeploymentId, specs: list[ShardSpec],
+        tasks: list[asyncio.Task[ShardExit]], first: list[asyncio.Task[ShardExit]],
+) -> tuple[Exited | Silent, NewEvent | None]:
+    """:func:`watch` for a replica of several shards, once one watch has ended: the others
+    get SHARD_EXITS_GRACE to end too, and the detail names each shard that ended, the
+    first first ("shard 1 on node b: signalled: killed by SIGKILL; shard 0 on node a:
+    error: exited with code 1: rank 1 left the rendezvous"). Silent only when no shard
+    says it ended: a node that went quiet while another's engine exited is an exit."""
+    order = [t for t in tasks if t in first]
+    rest = [t for t in tasks if t not in first]
+    if rest:
+        await workflow.wait(rest, timeout=SHARD_EXITS_GRACE.total_seconds(),
+                            return_when=asyncio.ALL_COMPLETED)
+    order += [t for t in rest if t.done()]
+    cancel_all([t for t in tasks if not t.done()])
+    ended: list[tuple[ShardSpec, ShardExit]] = []
+    for task in order:
+        with contextlib.suppress(ActivityError):
+            ended.append((specs[tasks.index(task)], task.result()))
+    if not ended:
+        return Silent(replica_id=replica_id), None
+    detail = "; ".join(f"{shard_name(spec)}: {exit_.kind.value}: {exit_.detail}"
+                       f"{last_log_line(exit_)}" for spec, exit_ in ended)
+    return Exited(replica_id=replica_id, detail=detail), engine_log_event(
+        "replica.exited", deployment_id, replica_id, message=detail, ended=ended[0][1])
 
 
 # -- failures ----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from modelkeeper.domain.shards import ShardSpec
+from modelkeeper.domain.shards import ShardSpec, split_address
 
 from .base import EngineConfigError, bool_arg, int_arg, token_arg
 
@@ -99,12 +99,10 @@ def leader_host_port(spec: ShardSpec) -> tuple[str, int]:
         raise EngineConfigError(
             "leader_address", address, f"needed when world_size={spec.world_size}"
         )
-    host, sep, port_text = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    parts = split_address(address)
+    if parts is None:
         raise EngineConfigError("leader_address", address, "must be host:port")
-    return host, int(port_text)
+    return parts
 
 
 def optional_flags(args: Mapping[str, Any], table: Mapping[str, tuple[str, ArgKind]]) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from modelkeeper.domain.engine_args import ALLOWED_ENGINE_ARGS
-from modelkeeper.domain.shards import EngineKind, ShardSpec
+from modelkeeper.domain.shards import EngineKind, ShardSpec, split_address
 
 from .base import (
     EngineConfigError,
@@ -102,6 +102,15 @@ class SimAdapter:
             argv += ["--weights-bytes", str(int_arg(args, "weights_bytes", 0, minimum=0))]
         if "max_num_seqs" in args:
             argv += ["--max-num-seqs", str(int_arg(args, "max_num_seqs", 1))]
+        if spec.world_size > 1:
+            # The multi-rank mode (agent.engines.sim_rendezvous): every rank starts at
+            # once, the others join rank 0 at the address the control plane chose.
+            if not spec.leader_address or split_address(spec.leader_address) is None:
+                raise EngineConfigError("leader_address", spec.leader_address,
+                                        f"must be host:port when world_size={spec.world_size}")
+            argv += ["--rank", str(spec.rank), "--world-size", str(spec.world_size),
+                     "--leader", spec.leader_address,
+                     "--join-timeout", repr(spec.start_timeout_s)]
         for name, flag in (("fail_at_start", "--fail-at-start"), ("hang", "--hang")):
             if bool_arg(args, name):
                 argv.append(flag)

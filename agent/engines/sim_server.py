@@ -55,6 +55,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
+from modelkeeper.domain.addresses import split_address
+
+from .sim_rendezvous import RANK_LOST_EXIT_CODE, Follower, Leader
+
 logger = logging.getLogger("agent.engines.sim_server")
 
 #: Environment variable holding the API key; empty or unset means no authentication.
@@ -525,6 +529,13 @@ class SimConfig:
     wake_time_s: float = DEFAULT_WAKE_TIME_S
     #: Requests that run at once (vLLM's ``--max-num-seqs``); None: no limit.
     max_num_seqs: int | None = None
+    #: Multi-rank mode (:mod:`agent.engines.sim_rendezvous`): this rank of ``world_size``,
+    #: and rank 0's rendezvous address. One rank (the default) rendezvouses with nobody.
+    rank: int = 0
+    world_size: int = 1
+    leader: tuple[str, int] | None = None
+    #: How long a rank above 0 keeps trying to join rank 0.
+    join_timeout_s: float = 600.0
 
     @property
     def kv_bytes(self) -> int:
@@ -609,6 +620,8 @@ class SimEngine:
         self.config = config
         self.api_key = api_key or None
         self.ready = False
+        #: What /health says while not ready: the rendezvous sets how many ranks joined.
+        self.loading_detail = "Loading model"
         self._ids = itertools.count(1)
         self._connections: set[asyncio.Task[None]] = set()
         #: Memory held for --memory-bytes: its weights share, kept while asleep, and its
@@ -754,7 +767,7 @@ class SimEngine:
                 raise HttpError(405, "use GET")
             if not self.ready:
                 # llama.cpp's answer while loading; the agent's health probe waits on it.
-                status, payload = 503, error_body(503, "Loading model")
+                status, payload = 503, error_body(503, self.loading_detail)
             else:
                 status, payload = 200, json_bytes({"status": "ok"})
             writer.write(render_response(status, payload, keep_alive=keep_alive))
@@ -952,9 +965,12 @@ async def serve(
         else:
             loop.call_later(config.crash_after_s, _crash, config.crash_after_s)
 
+    ranks = await _Ranks.start(config, engine)
     loading = asyncio.create_task(engine.load(started))
     stopping = asyncio.create_task(stop.wait())
     crashing = asyncio.create_task(crashed.wait())
+    joining = asyncio.create_task(ranks.joined())
+    lost = asyncio.create_task(ranks.lost())
     try:
         await asyncio.wait({loading, stopping, crashing}, return_when=asyncio.FIRST_COMPLETED)
         if loading.done() and not crashing.done():
@@ -962,9 +978,22 @@ async def serve(
             if config.fail_at_start:
                 logger.error("simulated failure while loading model %r; exiting", config.model)
                 return FAIL_AT_START_EXIT_CODE
-            engine.ready = True
-            logger.info("model %r ready after %.3fs", config.model, time.monotonic() - started)
-            await asyncio.wait({stopping, crashing}, return_when=asyncio.FIRST_COMPLETED)
+            # Loaded; serving waits for every rank, as the real engines' process group.
+            await asyncio.wait({joining, stopping, crashing},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if joining.done() and not stopping.done() and not crashing.done():
+                failed = joining.result()
+                if failed is not None:
+                    logger.error("%s; exiting with code %d", failed, RANK_LOST_EXIT_CODE)
+                    return RANK_LOST_EXIT_CODE
+                engine.ready = True
+                logger.info("model %r ready after %.3fs", config.model,
+                            time.monotonic() - started)
+                await asyncio.wait({stopping, crashing, lost},
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if lost.done() and not stopping.done() and not crashing.done():
+                    logger.error("%s; exiting with code %d", lost.result(), RANK_LOST_EXIT_CODE)
+                    return RANK_LOST_EXIT_CODE
         if crashing.done() and not stopping.done():
             logger.error("simulated crash after %.2fs; exiting with code %d",
                          config.crash_after_s, CRASH_EXIT_CODE)
@@ -972,12 +1001,70 @@ async def serve(
         logger.info("received a stop signal; shutting down")
         return 0
     finally:
-        loading.cancel()
-        stopping.cancel()
-        crashing.cancel()
+        for task in (loading, stopping, crashing, joining, lost):
+            task.cancel()
+        await ranks.close()
         server.close()
         await engine.close_connections()
         await server.wait_closed()
+
+
+class _Ranks:
+    """The rendezvous of a multi-rank sim (:mod:`agent.engines.sim_rendezvous`), or nothing
+    for one rank: :meth:`joined` answers None at once and :meth:`lost` never does."""
+
+    def __init__(self, config: SimConfig, engine: SimEngine, leader: Leader | None,
+                 follower: Follower | None) -> None:
+        self._config, self._engine = config, engine
+        self._leader, self._follower = leader, follower
+
+    @classmethod
+    async def start(cls, config: SimConfig, engine: SimEngine) -> _Ranks:
+        if config.world_size <= 1 or config.leader is None:
+            return cls(config, engine, None, None)
+        host, port = config.leader
+        if config.rank == 0:
+            leader = Leader(host, port, config.world_size)
+            await leader.start()  # an OSError (the port taken) ends the engine, as vLLM's
+            engine.loading_detail = f"waiting for ranks: {leader.progress()}"
+            return cls(config, engine, leader, None)
+        return cls(config, engine, None, Follower(host, port, config.rank))
+
+    async def joined(self) -> str | None:
+        """None once every rank has joined (rank 0) or this one has (the others); else why
+        not."""
+        if self._leader is not None:
+            complete = asyncio.create_task(self._leader.complete.wait())
+            lost = asyncio.create_task(self._leader.lost.wait())
+            try:
+                while not complete.done() and not lost.done():
+                    await asyncio.wait({complete, lost}, timeout=0.2,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    self._engine.loading_detail = (
+                        f"waiting for ranks: {self._leader.progress()}")
+            finally:
+                complete.cancel()
+                lost.cancel()
+            return None if complete.done() and not lost.done() else self._leader.lost_reason
+        if self._follower is not None:
+            return await self._follower.join(self._config.join_timeout_s)
+        return None
+
+    async def lost(self) -> str:
+        """Return, saying why, when a rank this one depends on leaves."""
+        if self._leader is not None:
+            await self._leader.lost.wait()
+            return self._leader.lost_reason
+        if self._follower is not None:
+            return await self._follower.wait_lost()
+        await asyncio.Event().wait()  # one rank loses nobody
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        if self._leader is not None:
+            await self._leader.close()
+        if self._follower is not None:
+            self._follower.close()
 
 
 def _crash(after: float) -> None:
@@ -1069,8 +1156,25 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
         default=None,
         help="requests generating at once; the rest wait (default: no limit)",
     )
+    parser.add_argument("--rank", type=_non_negative_int, default=0,
+                        help="this rank of a multi-rank replica")
+    parser.add_argument("--world-size", type=_positive_int, default=1,
+                        help="ranks in the replica; above 1, --leader is needed")
+    parser.add_argument("--leader", default=None,
+                        help="rank 0's rendezvous address, host:port (rank 0 listens there)")
+    parser.add_argument("--join-timeout", type=_non_negative_float, default=600.0,
+                        help="seconds a rank above 0 keeps trying to join rank 0")
     parser.add_argument("--log-level", default="INFO", help="logging level")
     args = parser.parse_args(argv)
+    leader = None
+    if args.leader is not None:
+        leader = split_address(args.leader)
+        if leader is None:
+            parser.error(f"--leader {args.leader!r}: must be host:port")
+    if args.world_size > 1 and leader is None:
+        parser.error(f"--world-size {args.world_size} needs --leader")
+    if args.rank >= args.world_size:
+        parser.error(f"--rank {args.rank} must be below --world-size {args.world_size}")
     return SimConfig(
         host=args.host,
         port=args.port,
@@ -1085,6 +1189,10 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
         weights_bytes=args.weights_bytes,
         wake_time_s=args.wake_time,
         max_num_seqs=args.max_num_seqs,
+        rank=args.rank,
+        world_size=args.world_size,
+        leader=leader,
+        join_timeout_s=args.join_timeout,
     )
 
 

@@ -280,6 +280,10 @@ class RejectionReason(StrEnum):
     NO_TOPOLOGY_DOMAIN = "no_topology_domain"
     #: Its domain would hold more than ``max_skew`` shards over the emptiest (rule 10).
     SPREAD_SKEW = "spread_skew"
+    #: Rank 0 of a multi-node replica cannot rendezvous there: its agent registered no
+    #: address, or every engine port is another replica's rendezvous (the store's check,
+    #: after place(): modelkeeper.store.placement).
+    NO_RENDEZVOUS = "no_rendezvous"
 
 
 _STATE_REASONS: dict[NodeState, RejectionReason] = {

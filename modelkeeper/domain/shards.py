@@ -9,6 +9,8 @@ from typing import Any
 
 from pydantic import Field
 
+from .addresses import format_address as format_address
+from .addresses import split_address as split_address
 from .base import Frozen, Tolerant
 from .ids import ModelId, NodeId, ReplicaId
 
@@ -98,6 +100,9 @@ class ExitKind(StrEnum):
     STOPPED = "stopped"  # stopped on request
     VANISHED = "vanished"  # an adopted process is gone; not our child, so no exit code
     UNKNOWN_SHARD = "unknown_shard"  # the agent has no such shard (never started, or lost)
+    #: A rank above 0 could not reach rank 0's rendezvous address (agent.links); the agent
+    #: stopped it, and the replica is replaced whole.
+    LINK_LOST = "link_lost"
 
 
 class StartShardInput(Tolerant):
@@ -233,6 +238,23 @@ def choose_port(low: int, high: int, taken: set[int], is_free: Callable[[int], b
         if is_free(port):
             return port
     raise NoFreePortError(f"no free engine port in {low}-{high} ({len(taken)} held by shards)")
+
+
+def rendezvous_port(low: int, high: int, taken: set[int]) -> int | None:
+    """The port rank 0 of a multi-node replica rendezvouses on, on its node: the highest in
+    the node's engine range [low, high] that no other replica's rendezvous holds there; None
+    when every one does.
+
+    The control plane claims it with the replica's memory, under the node's lock, so two
+    replicas never get one port. From the top of the range because the agent hands engine
+    HTTP ports from the bottom (:func:`choose_port`), and excludes every rendezvous port of
+    the shards it runs: the two meet only in a nearly full range, and then rank 0's agent
+    refuses the start with the port's name rather than launch an engine that cannot bind.
+    """
+    for port in range(high, low - 1, -1):
+        if port not in taken:
+            return port
+    return None
 
 
 class NoFreePortError(RuntimeError):

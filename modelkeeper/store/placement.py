@@ -28,6 +28,8 @@ from ..domain.placement import (
     NodeView,
     Placement,
     PlacementRequest,
+    Rejection,
+    RejectionReason,
     ShardAssignment,
     explain,
     place,
@@ -39,7 +41,13 @@ from ..domain.profiles import (
     profile_candidates,
     profile_model,
 )
-from ..domain.shards import EngineKind, ShardSpec, share_of
+from ..domain.shards import (
+    EngineKind,
+    ShardSpec,
+    format_address,
+    rendezvous_port,
+    share_of,
+)
 from ..domain.status import ReplicaState
 from ..domain.topology import FACILITY_CAP_KEY
 from ..domain.units import format_gib
@@ -467,14 +475,19 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
         # A sleeping claim answers with what it claims awake: that is what its shard runs.
         existing = await conn.fetch(
             "SELECT a.*, COALESCE(a.awake_memory_bytes, a.memory_bytes) AS awake_bytes, "
-            "r.profile FROM allocations a JOIN replicas r USING (replica_id) "
+            "r.profile, n.address FROM allocations a JOIN replicas r USING (replica_id) "
+            "JOIN nodes n ON n.node_id = a.node_id "
             "WHERE a.replica_id = $1 ORDER BY a.rank", args.replica_id)
         if existing:
             runs = args.runs(existing[0]["profile"])
+            rank0 = existing[0]
+            stored = (None if len(existing) == 1 or rank0["address"] is None
+                      or rank0["rendezvous_port"] is None
+                      else format_address(rank0["address"], rank0["rendezvous_port"]))
             return [_shard_spec(args.replica_id, runs, a["node_id"], a["rank"],
                                 len(existing), a["awake_bytes"], float(a["cpu_cores"]),
                                 list(a["gpu_indices"]), a["gpu_memory_bytes"],
-                                args.start_timeout_s)
+                                args.start_timeout_s, leader_address=stored)
                     for a in existing]
         # Power caps and spread count across nodes (a PDU's draw, a domain's shards), which
         # the chosen nodes' locks do not cover: such a placement takes the placement lock
@@ -513,6 +526,15 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
             arrived = await _sibling_nodes(conn, args.deployment_id) - siblings
             if arrived & set(result.node_ids):
                 raise _ClaimsMoved(args.replica_id)
+        # Rank 0's rendezvous, for a replica of several shards (docs/engines.md).
+        leader: str | None = None
+        leader_port: int | None = None
+        if len(result.assignments) > 1:
+            rendezvous = await _claim_rendezvous(
+                conn, next(a.node_id for a in result.assignments if a.rank == 0))
+            if isinstance(rendezvous, CantPlace):
+                return rendezvous
+            leader, leader_port = format_address(*rendezvous), rendezvous[1]
         gen = args.generation
         await conn.execute(
             "INSERT INTO replicas (replica_id, deployment_id, state, started_at, generation, "
@@ -525,16 +547,48 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
         for a in result.assignments:
             await conn.execute(
                 "INSERT INTO allocations (replica_id, node_id, rank, memory_bytes, "
-                "cpu_cores, gpu_indices, gpu_memory_bytes, watts) "
-                "VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+                "cpu_cores, gpu_indices, gpu_memory_bytes, watts, rendezvous_port) "
+                "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
                 args.replica_id, a.node_id, a.rank, a.memory_bytes, a.cpu_cores,
-                a.gpu_indices, a.gpu_memory_bytes, a.watts)
+                a.gpu_indices, a.gpu_memory_bytes, a.watts,
+                leader_port if a.rank == 0 else None)
             shards.append(_shard_spec(args.replica_id, runs, a.node_id, a.rank,
                                       len(result.assignments), a.memory_bytes, a.cpu_cores,
-                                      a.gpu_indices, a.gpu_memory_bytes, args.start_timeout_s))
+                                      a.gpu_indices, a.gpu_memory_bytes, args.start_timeout_s,
+                                      leader_address=leader))
         # The room held for it (a preemption) is its claims' now.
         await release_holds(conn, args.deployment_id)
         return shards
+
+
+async def _claim_rendezvous(conn: asyncpg.Connection,
+                            node_id: NodeId) -> tuple[str, int] | CantPlace:
+    """Rank 0's rendezvous on ``node_id``: its registered address and a port of its engine
+    range that no other replica's rendezvous holds (:func:`rendezvous_port`). Called under
+    the node's lock (or the placement lock held exclusively), which every other claim of
+    a port there also holds: the read and the insert that follows see every such port."""
+    row = await conn.fetchrow(
+        "SELECT n.name, n.address, n.engine_port_low, n.engine_port_high, "
+        "COALESCE((SELECT array_agg(a.rendezvous_port) FROM allocations a "
+        "          WHERE a.node_id = n.node_id AND a.rendezvous_port IS NOT NULL), "
+        "         '{}') AS taken "
+        "FROM nodes n WHERE n.node_id = $1", node_id)
+    assert row is not None  # placed there in this transaction, and nodes are not deleted
+    low, high = row["engine_port_low"], row["engine_port_high"]
+    port = None if low is None else rendezvous_port(low, high, set(row["taken"]))
+    if row["address"] is None or port is None:
+        # An agent that registered without ports or address is older than either field:
+        # it could not host rank 0 anyway (it knows no rendezvous).
+        message = ("rank 0 of a multi-node replica needs the node's address and engine "
+                   "ports, and its agent registered none" if row["address"] is None
+                   or low is None else
+                   f"rank 0 of a multi-node replica needs a rendezvous port, and every "
+                   f"engine port {low}-{high} is another replica's")
+        rejection = Rejection(node_id=node_id, node_name=row["name"],
+                              reason_code=RejectionReason.NO_RENDEZVOUS, message=message)
+        return CantPlace(rejections=[rejection], needed_nodes=1,
+                         summary=f"node {row['name']}: {message}")
+    return row["address"], port
 
 
 def _counts_across_nodes(request: PlacementRequest) -> bool:
@@ -700,11 +754,12 @@ def _shard_engine_args(model: CatalogModel, memory_bytes: int) -> dict[str, Any]
 
 def _shard_spec(replica_id: ReplicaId, model: CatalogModel, node_id: NodeId, rank: int,
                 world_size: int, memory_bytes: int, cpu_cores: float, gpu_indices: list[int],
-                gpu_memory_bytes: int | None, start_timeout_s: float) -> ShardSpec:
+                gpu_memory_bytes: int | None, start_timeout_s: float, *,
+                leader_address: str | None) -> ShardSpec:
     return ShardSpec(
         replica_id=replica_id, model_id=ModelId(model.model_id), node_id=node_id,
         engine=model.engine, source=model.source, sha256=model.sha256, secret=model.secret,
-        rank=rank, world_size=world_size,
+        rank=rank, world_size=world_size, leader_address=leader_address,
         memory_bytes=memory_bytes, gpu_memory_bytes=gpu_memory_bytes,
         gpu_indices=gpu_indices, cpu_cores=cpu_cores or None,
         engine_args=_shard_engine_args(model, memory_bytes), start_timeout_s=start_timeout_s)
