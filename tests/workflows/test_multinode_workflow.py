@@ -20,7 +20,7 @@ from temporalio.worker import Worker
 from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdate
 from modelkeeper.domain.draining import DrainReplicaInput, DrainReplicaResult
 from modelkeeper.domain.events import Event, NewEvent
-from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
+from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId
 from modelkeeper.domain.keeper import DeploymentSpec
 from modelkeeper.domain.shards import (
     EngineKind,
