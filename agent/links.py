@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 
 from modelkeeper.domain.ids import NodeId
@@ -88,6 +89,7 @@ class LinkWatch:
         except TimeoutError:
             return f"no answer within {LINK_CONNECT_TIMEOUT_S:.0f}s"
         except OSError as exc:
-            return exc.strerror or type(exc).__name__
+            # asyncio's own strerror repeats the address ("Connect call failed (...)").
+            return os.strerror(exc.errno) if exc.errno else type(exc).__name__
         writer.close()
         return None

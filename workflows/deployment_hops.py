@@ -39,6 +39,7 @@ with workflow.unsafe.imports_passed_through():
         Woke,
     )
     from modelkeeper.domain.shards import (
+        ExitKind,
         ShardEndpoint,
         ShardExit,
         ShardSpec,
@@ -304,6 +305,12 @@ async def stop_shards(replica_id: ReplicaId, specs: list[ShardSpec], tunables: T
 SHARD_EXITS_GRACE = timedelta(seconds=3)
 
 
+#: How a shard ends when something ended it from outside (a signal, the OOM killer, its
+#: link to rank 0 cut, its process gone): the cause, when other ranks exited with errors.
+KILLED_KINDS = frozenset({ExitKind.SIGNALLED, ExitKind.OOM_KILLED, ExitKind.LINK_LOST,
+                          ExitKind.VANISHED})
+
+
 def shard_name(spec: ShardSpec) -> str:
     """"shard 1 on node n-…", for a multi-node replica's errors."""
     return f"shard {spec.rank} on node {spec.node_id}"
@@ -400,10 +407,11 @@ async def _watch_shards_together(
         tasks: list[asyncio.Task[ShardExit]], first: list[asyncio.Task[ShardExit]],
 ) -> tuple[Exited | Silent, NewEvent | None]:
     """:func:`watch` for a replica of several shards, once one watch has ended: the others
-    get SHARD_EXITS_GRACE to end too, and the detail names each shard that ended, the
-    first first ("shard 1 on node b: signalled: killed by SIGKILL; shard 0 on node a:
-    error: exited with code 1: rank 1 left the rendezvous"). Silent only when no shard
-    says it ended: a node that went quiet while another's engine exited is an exit."""
+    get SHARD_EXITS_GRACE to end too, and the detail names each shard that ended, one
+    killed before one that exited (KILLED_KINDS), else the first first: "shard 1 on node
+    b: signalled: killed by SIGKILL; shard 0 on node a: error: exited with code 1: rank 1
+    left the rendezvous". Silent only when no shard says it ended: a node that went quiet
+    while another's engine exited is an exit."""
     order = [t for t in tasks if t in first]
     rest = [t for t in tasks if t not in first]
     if rest:
@@ -415,6 +423,10 @@ async def _watch_shards_together(
     for task in order:
         with contextlib.suppress(ActivityError):
             ended.append((specs[tasks.index(task)], task.result()))
+    # Killed before exited: when one rank dies, the others exit with an error as their
+    # process group breaks, often before the dead rank's agent has polled it. A stable
+    # sort keeps the order the reports came in otherwise.
+    ended.sort(key=lambda pair: pair[1].kind not in KILLED_KINDS)
     if not ended:
         return Silent(replica_id=replica_id), None
     detail = "; ".join(f"{shard_name(spec)}: {exit_.kind.value}: {exit_.detail}"
