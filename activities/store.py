@@ -401,7 +401,8 @@ def _placement_request(spec: DeploymentSpec, model: CatalogModel, *,
         node_ids=spec.node_ids, labels=spec.labels, avoid_node_ids=avoid_nodes,
         deployment_id=spec.deployment_id,
         capacity_class=effective_class(spec.capacity_class, spec.scaling),
-        owner=spec.owner, watts=model.watts, spread=spec.spread)
+        owner=spec.owner, watts=model.watts, spread=spec.spread, engine=model.engine,
+        engine_version=model.engine_version)
 
 
 def _attempts_key() -> str:

@@ -6,12 +6,16 @@ for other work, and how tests run several differently sized nodes on one machine
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
+from modelkeeper import __version__
 from modelkeeper.domain.nodes import GpuInfo, Inventory
+from modelkeeper.domain.shards import EngineKind
 
 MEMINFO = Path("/proc/meminfo")
 
@@ -91,3 +95,47 @@ def read_inventory(*, declared_memory: int | None = None, declared_cpus: int | N
     cpus = declared_cpus if declared_cpus is not None else os.cpu_count()
     return Inventory(memory_total_bytes=total, memory_available_bytes=available,
                      cpu_count=cpus, gpus=read_gpus() if gpus is None else gpus)
+
+
+# -- engines ---------------------------------------------------------------------------------
+
+#: ``llama-server --version`` answers at once; a binary that does not is not one to run.
+LLAMA_SERVER_VERSION_TIMEOUT_S = 10.0
+#: Its line: "version: 4567 (abcdef0)"; reported as llama.cpp's own tag, "b4567".
+_LLAMA_SERVER_VERSION = re.compile(r"version:\s*(\d+)")
+#: The engines that run as a package of the agent's own interpreter (each adapter starts
+#: ``sys.executable -m ...``), and that package's name.
+_PACKAGED_ENGINES = {EngineKind.LLAMACPP: "xllamacpp", EngineKind.VLLM: "vllm",
+                     EngineKind.SGLANG: "sglang"}
+
+
+def read_engine_versions(llama_server_path: Path | None = None) -> dict[EngineKind, str]:
+    """The engines this agent can start, with their versions: the sim always (it is part
+    of the agent), each engine package installed in the agent's own environment (the
+    adapters run them with its interpreter), and llama.cpp's native ``llama-server`` when
+    the node is configured with one (its build number, "b4567"), in place of the wheel's.
+    Read from package metadata, without importing the engines (vLLM's import alone takes
+    seconds and a GPU check)."""
+    found: dict[EngineKind, str] = {EngineKind.SIM: __version__}
+    for kind, package in _PACKAGED_ENGINES.items():
+        try:
+            found[kind] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if llama_server_path is not None:
+        found.pop(EngineKind.LLAMACPP, None)
+        build = llama_server_build(llama_server_path)
+        if build is not None:
+            found[EngineKind.LLAMACPP] = build
+    return found
+
+
+def llama_server_build(path: Path) -> str | None:
+    """``b<build>`` from ``path --version``; None when it does not run or say one."""
+    try:
+        done = subprocess.run([str(path), "--version"], capture_output=True, text=True,
+                              timeout=LLAMA_SERVER_VERSION_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = _LLAMA_SERVER_VERSION.search(done.stdout + done.stderr)
+    return None if match is None else f"b{match.group(1)}"

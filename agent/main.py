@@ -65,6 +65,7 @@ from modelkeeper.domain.nodes import (
     PortRange,
     is_loopback,
 )
+from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.tunables import WatchdogTunables
 from modelkeeper.domain.units import parse_bytes
 from modelkeeper.infra import temporal
@@ -74,7 +75,7 @@ from modelkeeper.infra.secrets import read_join_token
 from modelkeeper.settings import Settings
 
 from .identity import load_credential, load_or_create_node_id, save_credential
-from .inventory import read_available_memory, read_inventory
+from .inventory import read_available_memory, read_engine_versions, read_inventory
 from .shards import ShardManager
 from .watchdog import Watchdog
 
@@ -247,6 +248,13 @@ async def _register_once(http: httpx.AsyncClient, reg: AgentRegistration,
     Raises AgentConfigError for a refusal, httpx.HTTPError for anything to retry."""
     resp = await http.post("/nodes/register", json=reg.model_dump(mode="json"),
                            headers=identity.registration_headers())
+    if resp.status_code == 422 and reg.engines is not None:
+        # An API older than the engines report refuses the field: register without it
+        # (placement then takes the node as able to run any engine, as it did).
+        log.info("the API does not take engine versions (422); registering without them")
+        resp = await http.post("/nodes/register",
+                               json=reg.model_dump(mode="json", exclude={"engines"}),
+                               headers=identity.registration_headers())
     if resp.status_code in REGISTRATION_REFUSALS:
         raise AgentConfigError(f"the API refused to register node {reg.node_id} "
                                f"({resp.status_code}): {_detail(resp)}")
@@ -350,12 +358,15 @@ class Node:
     #: heartbeat carries no memory report (the benchmarks' fleet, whose nodes share one
     #: process and one machine's memory).
     watchdog: Watchdog | None = None
+    #: The engines this node can run and their versions (agent.inventory), read once:
+    #: installing an engine means restarting the agent. None: not reported.
+    engines: dict[EngineKind, str] | None = None
 
     def registration(self) -> AgentRegistration:
         return AgentRegistration(node_id=self.node_id, name=self.name, labels=self.labels,
                                  inventory=self.inventory(), shards=self.manager.reports(),
                                  agent_version=__version__, engine_host=self.engine_host,
-                                 engine_ports=self.engine_ports)
+                                 engine_ports=self.engine_ports, engines=self.engines)
 
 
 @dataclass
@@ -419,6 +430,7 @@ async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
                 identity=NodeIdentity(settings.agent_dir, join_token), manager=manager,
                 inventory=_inventory_reader(settings), engine_host=engine_host,
                 engine_ports=ports,
+                engines=read_engine_versions(settings.llama_server_path),
                 watchdog=Watchdog(WatchdogTunables.model_validate(settings.model_dump(
                     include=set(WatchdogTunables.model_fields))), declared_memory=memory))
     adopted, killed = manager.recover()

@@ -674,6 +674,7 @@ async def explain_placement(
     request = PlacementRequest(
         model_id=model.model_id, memory_bytes=model.memory_bytes, cpu_cores=model.cpu_cores,
         gpus=model.gpus, min_nodes=max(min_nodes, model.min_nodes),
+        engine=model.engine, engine_version=model.engine_version,
         node_ids=await resolve_node_ids(store, node_ids, loc=("query", "node_ids"))
         if node_ids else None,
         deployment_id=None if deployment is None else deployment.deployment_id,

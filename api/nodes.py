@@ -116,6 +116,10 @@ class NodeInfo(BaseModel):
     #: ``PATCH`` with ``hold_class``/``hold_owner``, ``release_hold``).
     hold_class: CapacityClass | None = None
     hold_owner: str | None = None
+    #: The engines its agent can run, with their versions (placement rule 11); null: its
+    #: agent did not say (older than the report), and placement takes it as able to run
+    #: any.
+    engines: dict[str, str] | None = None
 
 
 def node_info(record: NodeRecord, settings: Settings) -> NodeInfo:
@@ -136,7 +140,7 @@ def node_info(record: NodeRecord, settings: Settings) -> NodeInfo:
         last_seen=record.last_seen, silent_since=record.silent_since,
         memory_level=record.memory_level, memory_level_since=record.memory_level_since,
         memory_level_reason=record.memory_level_reason, hold_class=record.hold_class,
-        hold_owner=record.hold_owner)
+        hold_owner=record.hold_owner, engines=record.engines)
 
 
 @router.get("/nodes", response_model=list[NodeInfo])

@@ -111,6 +111,7 @@ def placement_request(model: CatalogModel, *, min_nodes: int,
     return PlacementRequest(
         model_id=model.model_id, memory_bytes=model.memory_bytes, cpu_cores=model.cpu_cores,
         gpus=model.gpus, min_nodes=max(min_nodes, model.min_nodes),
+        engine=model.engine, engine_version=model.engine_version,
         node_ids=None if node_ids is None else list(node_ids), labels=labels,
         deployment_id=None if deployment is None else deployment.deployment_id,
         sibling_node_ids=[] if deployment is None else

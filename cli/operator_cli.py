@@ -491,7 +491,7 @@ def _models_request(args: argparse.Namespace) -> Request:
     model: dict[str, Any] = {"model_id": args.model_id, "engine": args.engine,
                              "source": args.source,
                              "engine_args": _engine_args(args.engine_args)}
-    for field in ("default_max_tokens", "max_tokens_limit"):
+    for field in ("default_max_tokens", "max_tokens_limit", "engine_version"):
         if getattr(args, field, None) is not None:
             model[field] = getattr(args, field)
     for flag, field in (("memory", "memory_bytes"), ("weights", "weights_bytes")):
@@ -808,11 +808,11 @@ def _nodes_text(args: argparse.Namespace, result: Any) -> str:
                     _mem(n.get("memory_available_bytes"))
                     + (OVERPROMISED if _overpromised(n) else ""),
                     "-" if n["cpu_count"] is None else str(n["cpu_count"]),
-                    n.get("memory_level", "ok"), _held_for(n),
+                    n.get("memory_level", "ok"), _held_for(n), _engines(n),
                     ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())),
                     n["last_seen"]] for n in result],
                   ["name", "id", "state", "memory", "claimed", "free", "avail", "cpus",
-                   "level", "held for", "labels", "last seen"])
+                   "level", "held for", "engines", "labels", "last seen"])
     if any(_overpromised(n) for n in result):
         shown += "\n" + OVERPROMISED_LEGEND
     return shown
@@ -993,6 +993,15 @@ def _hold_text(args: argparse.Namespace, result: Any) -> str:
     held = _held_for(result)
     return (f"node {result['name']} ({result['node_id']}): "
             + (f"held for {held}" if held != "-" else "not held"))
+
+
+def _engines(node: dict[str, Any]) -> str:
+    """The engines a node runs, "llamacpp 2026.10.11549,sim 0.2.0"; "?" when its agent
+    did not say (placement then takes it as able to run any)."""
+    engines = node.get("engines")
+    if engines is None:
+        return "?"
+    return ",".join(f"{name} {version}" for name, version in sorted(engines.items())) or "-"
 
 
 def _held_for(node: dict[str, Any]) -> str:
@@ -1303,9 +1312,14 @@ def _models_flags(parser: argparse.ArgumentParser) -> None:
                         help="most tokens one request may ask for; more is lowered to N")
     parser.add_argument("--engine-arg", dest="engine_args", action="append", default=[],
                         metavar="KEY=VALUE", help="allow-listed engine argument; repeatable")
+    parser.add_argument("--engine-version", metavar="SPEC",
+                        help="versions of the engine that will do, e.g. '>=0.6.0' or "
+                             "'==0.6.3' (PEP 440); nodes whose agent reports another are "
+                             "passed over, and say why")
     parser.add_argument("--profiles", metavar="FILE",
                         help="a JSON list of hardware profiles ({name, engine, memory_bytes, "
-                             "gpus, cpu_cores, engine_args, priority}), tried in priority "
+                             "gpus, cpu_cores, engine_args, engine_version, priority}), "
+                             "tried in priority "
                              "order where a replica is placed (docs/capacity.md)")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Self
 
-from pydantic import Field, StringConstraints, model_validator
+from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
 from .base import Frozen, Tolerant
 from .bounds import MAX_REPLICAS, STRICT, JsonInt
@@ -18,6 +18,7 @@ from .sources import SECRET_NAME_PATTERN, SHA256_PATTERN
 from .status import DeploymentStatus, ReplicaState
 from .topology import MAX_WATTS, Spread
 from .units import format_duration
+from .versions import normalise_requirement
 
 #: Model ids appear in URLs, workflow ids and OpenAI requests: keep them plain.
 MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
@@ -73,6 +74,15 @@ PROFILE_NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"
 MAX_PROFILE_PRIORITY = 1000
 
 
+#: A requirement on an engine's version, PEP 440 (:mod:`~.versions`): ">=0.6.0",
+#: "==0.6.3", ">=0.6,<0.8"; a bare version means exactly it. Stored as normalised.
+EngineVersionRequirement = Annotated[str, AfterValidator(normalise_requirement)]
+ENGINE_VERSION_DESCRIPTION = ("versions of the engine that will do, PEP 440 (>=0.6.0, "
+                              "==0.6.3; a bare version means exactly it): a node whose "
+                              "agent reports another is passed over, and says why; unset: "
+                              "any")
+
+
 class HardwareProfile(Frozen):
     """One way to run a catalog model: an engine with its memory, GPUs, cores and engine
     arguments (modelkeeper.domain.profiles tries a model's profiles in priority order).
@@ -97,6 +107,9 @@ class HardwareProfile(Frozen):
     priority: JsonInt = Field(
         default=0, ge=-MAX_PROFILE_PRIORITY, le=MAX_PROFILE_PRIORITY,
         description="higher is tried first; equal priorities keep the declared order")
+    engine_version: EngineVersionRequirement | None = Field(
+        default=None, description=ENGINE_VERSION_DESCRIPTION + " (this profile's own, "
+                                                               "never the model's)")
 
 
 class Generation(Tolerant):
@@ -157,6 +170,8 @@ class ModelSpec(Frozen):
         description="most tokens one request may ask for: a larger max_tokens (or "
                     "max_completion_tokens) is lowered to it by the gateway; unset: no "
                     "limit of the model's own")
+    engine_version: EngineVersionRequirement | None = Field(
+        default=None, description=ENGINE_VERSION_DESCRIPTION)
     profiles: list[HardwareProfile] = Field(
         default_factory=list, max_length=MAX_PROFILES,
         description="ways to run it, tried in priority order where a replica is placed "

@@ -10,17 +10,18 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from http import HTTPStatus
-from typing import Self
+from typing import Annotated, Self
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from .base import Frozen, Tolerant
 from .bounds import STRICT, JsonInt
 from .capacity import CapacityClass, OwnerPath
 from .catalog import MAX_CPU_CORES, MAX_MEMORY_BYTES, Labels
 from .ids import DeploymentId, NodeId, ReplicaId
-from .shards import ShardReport
+from .shards import EngineKind, ShardReport
+from .versions import MAX_VERSION_CHARS
 from .watchdog import MemoryLevel, MemoryReport, OomKill
 
 #: GPUs in one node: the largest servers hold 16; a report of more is not a machine.
@@ -119,6 +120,12 @@ class PortRange(Frozen):
         return f"{self.low}-{self.high}"
 
 
+#: An engine's name (an :class:`~.shards.EngineKind`) and the version its agent found,
+#: bounded: a hostile agent must not store a document per node.
+EngineVersions = dict[EngineKind, Annotated[str, StringConstraints(
+    min_length=1, max_length=MAX_VERSION_CHARS, pattern=r"^[\x21-\x7e]+$")]]
+
+
 class AgentRegistration(Frozen):
     """What an agent sends when it (re)registers.
 
@@ -137,6 +144,10 @@ class AgentRegistration(Frozen):
     agent_version: str = Field(default="", max_length=64)
     engine_host: str | None = Field(default=None, min_length=1, max_length=253)
     engine_ports: PortRange | None = None
+    #: The engines the agent can run and their versions (llama.cpp's xllamacpp wheel or
+    #: native build, vLLM, SGLang, the sim); None from an agent older than the field,
+    #: which placement takes as able to run anything (rule 11).
+    engines: EngineVersions | None = None
 
 
 class AgentHeartbeat(Frozen):
@@ -210,6 +221,8 @@ class NodeRecord(Frozen):
     #: owner scope and those beneath it; None when it is not held for one.
     hold_class: CapacityClass | None = None
     hold_owner: str | None = None
+    #: The engines its agent can run, with their versions; None: it did not say.
+    engines: dict[str, str] | None = None
     memory_claimed_bytes: int = 0
     cpu_claimed: float = 0.0
     gpus_claimed: list[int] = Field(default_factory=list)

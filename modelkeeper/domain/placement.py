@@ -35,6 +35,11 @@ Rules, in the order each node is checked (the first that fails is that node's re
     at most ``max_skew``. Eligible domains are those of the nodes that pass rules 1 to 5
     (what could ever take the replica), full or not, as Kubernetes counts them: a full
     domain holds the others back rather than letting them pile up.
+11. engine: a node whose agent says which engines it can run must run the replica's
+    (``engine``), at a version meeting ``engine_version`` when one is required
+    (:mod:`~.versions`). A node whose agent says nothing (older than the report) is taken
+    as able, as unknown memory is. Last because it is what an operator fixes last: the
+    reason "vllm 0.5.4, needs >=0.6.0" is worth reading only on a node that has the room.
 
 Rules 9 and 10 depend on other nodes (a PDU's draw, the domains' counts): both are summed
 once per call, in one pass, so a placement stays linear in the nodes. For a replica of
@@ -70,14 +75,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from packaging.specifiers import SpecifierSet
 from pydantic import Field, field_validator, model_validator
 
 from .base import Frozen
 from .capacity import CapacityClass, within
 from .ids import DeploymentId, ModelId, NodeId
 from .nodes import NodeState
+from .shards import EngineKind
 from .topology import PDU_LABEL, Spread
 from .units import format_gib
+from .versions import meets, parse_requirement
 
 #: Slack for comparing summed fractional CPU claims: 0.1 + 0.2 must fit in 0.3 free.
 _CPU_EPSILON = 1e-9
@@ -119,6 +127,9 @@ class NodeView(Frozen):
     #: Sum of the declared watts of the shards allocated here (rule 9 counts it on the
     #: node's PDU).
     watts_claimed: int = Field(default=0, ge=0)
+    #: The engines its agent can run, by name, with their versions (rule 11); None: its
+    #: agent did not say.
+    engines: dict[str, str] | None = None
 
     @field_validator("gpus")
     @classmethod
@@ -196,6 +207,10 @@ class PlacementRequest(Frozen):
     #: fills them in, as it fills in the siblings.
     pdu_caps_watts: dict[str, int] = Field(default_factory=dict)
     facility_cap_watts: int | None = Field(default=None, ge=0)
+    #: The engine the replica runs, and the versions of it that will do (rule 11); None:
+    #: no engine asked for (a dry run of memory alone).
+    engine: EngineKind | None = None
+    engine_version: str | None = None
 
     @property
     def sibling_counts(self) -> dict[NodeId, int]:
@@ -280,6 +295,10 @@ class RejectionReason(StrEnum):
     NO_TOPOLOGY_DOMAIN = "no_topology_domain"
     #: Its domain would hold more than ``max_skew`` shards over the emptiest (rule 10).
     SPREAD_SKEW = "spread_skew"
+    #: Its agent cannot run the replica's engine (rule 11).
+    NO_ENGINE = "no_engine"
+    #: Its agent runs the engine at a version the replica does not accept (rule 11).
+    ENGINE_VERSION = "engine_version"
     #: Rank 0 of a multi-node replica cannot rendezvous there: its agent registered no
     #: address, or every engine port is another replica's rendezvous (the store's check,
     #: after place(): modelkeeper.store.placement).
@@ -411,6 +430,10 @@ class _Rules:
     spread_label: str | None
     max_skew: int
     topology: _Topology
+    #: The engine and the versions of it that will do, parsed once (rule 11); None: not
+    #: checked, or any version.
+    engine: EngineKind | None = None
+    engine_spec: SpecifierSet | None = None
 
     @classmethod
     def of(cls, request: PlacementRequest, nodes: Sequence[NodeView]) -> _Rules:
@@ -426,7 +449,10 @@ class _Rules:
                     pdu_caps=dict(request.pdu_caps_watts),
                     facility_cap=request.facility_cap_watts,
                     spread_label=None if spread is None else spread.key.label,
-                    max_skew=1 if spread is None else spread.max_skew, topology=_Topology())
+                    max_skew=1 if spread is None else spread.max_skew, topology=_Topology(),
+                    engine=request.engine,
+                    engine_spec=None if request.engine_version is None
+                    else parse_requirement(request.engine_version))
         if rules.watts or rules.spread_label is not None:
             rules = replace(rules, topology=rules._count(request, nodes))
         return rules
@@ -503,7 +529,21 @@ class _Rules:
         if self.gpus and len(node.free_gpu_indices) < self.gpus:
             return RejectionReason.INSUFFICIENT_GPUS
         if self.watts or self.spread_label is not None:
-            return self.topology_failed(node, self.nothing_picked())
+            topology = self.topology_failed(node, self.nothing_picked())
+            if topology is not None:
+                return topology
+        if self.engine is not None and node.engines is not None:
+            return self.engine_failed(node.engines)
+        return None
+
+    def engine_failed(self, engines: dict[str, str]) -> RejectionReason | None:
+        """Rule 11 on a node whose agent said what it runs."""
+        assert self.engine is not None
+        version = engines.get(self.engine.value)
+        if version is None:
+            return RejectionReason.NO_ENGINE
+        if self.engine_spec is not None and not meets(version, self.engine_spec):
+            return RejectionReason.ENGINE_VERSION
         return None
 
     @property
@@ -606,6 +646,14 @@ def _rejection_message(request: PlacementRequest, rules: _Rules, node: NodeView,
             return (f"{spread_key} {domain} would hold {after} shards of {deployment}, "
                     f"{spread_key} {fewest[1]} holds {fewest[0]}: "
                     f"max skew {request.spread.max_skew}")
+        case RejectionReason.NO_ENGINE:
+            assert request.engine is not None and node.engines is not None
+            found = ", ".join(f"{k} {v}" for k, v in sorted(node.engines.items()))
+            return f"cannot run {request.engine.value} (its agent found: {found or 'none'})"
+        case RejectionReason.ENGINE_VERSION:
+            assert request.engine is not None and node.engines is not None
+            return (f"{request.engine.value} {node.engines[request.engine.value]}, "
+                    f"needs {request.engine_version}")
         case RejectionReason.AVOIDED:
             return AVOIDED_MESSAGE
         case RejectionReason.NOT_IN_NODE_IDS:
@@ -686,9 +734,9 @@ def explain(request: PlacementRequest, nodes: Sequence[NodeView]) -> list[NodeDe
 
     A node either fits (with its free memory before and after, its free cores and the
     GPUs it would give) or carries exactly one rejection: the first rule it fails, in the
-    order avoid, state, node_ids, labels, hold, memory, CPU, GPUs, power, spread (rules 9
-    and 10 counted over ``nodes``, so pass every node, not one). Raises ``ValueError`` if a node id
-    is listed twice, which means the snapshot itself is wrong.
+    order avoid, state, node_ids, labels, hold, memory, CPU, GPUs, power, spread, engine
+    (rules 9 and 10 counted over ``nodes``, so pass every node, not one). Raises
+    ``ValueError`` if a node id is listed twice, which means the snapshot itself is wrong.
     """
     _check_unique(nodes)
     rules = _Rules.of(request, nodes)
@@ -728,6 +776,9 @@ _CLOSENESS: dict[RejectionReason, int] = {
     # A skew or a power cap moves as other replicas come and go.
     RejectionReason.SPREAD_SKEW: 3,
     RejectionReason.POWER_CAP: 4,
+    # An upgrade away: after the room, before what an operator set on purpose.
+    RejectionReason.ENGINE_VERSION: 5,
+    RejectionReason.NO_ENGINE: 5,
     RejectionReason.MISSING_LABELS: 5,
     RejectionReason.NO_TOPOLOGY_DOMAIN: 6,
     RejectionReason.HELD: 7,
@@ -738,6 +789,8 @@ _CLOSENESS: dict[RejectionReason, int] = {
     RejectionReason.LOST: 12,
     # Last: an avoided node will not take this replica whatever happens to it.
     RejectionReason.AVOIDED: 13,
+    # Never place()'s: the store's, after it (modelkeeper.store.placement).
+    RejectionReason.NO_RENDEZVOUS: 14,
 }
 
 

@@ -13,7 +13,8 @@ fits. The rules, each with its test in ``tests/unit/test_profiles.py``:
 2. A model that declares no profiles has one candidate, its own fields (``profile`` None),
    and its placement is exactly :func:`~.placement.place`'s, can't-place reason included.
 3. A profile's request is the replica's request with the profile's memory (the model's
-   when the profile gives none), cores and GPUs; where it may go (nodes, labels, avoided
+   when the profile gives none), cores, GPUs, engine and engine version (its own, never
+   the model's: placement rule 11); where it may go (nodes, labels, avoided
    and sibling nodes, ``min_nodes``) does not change with the profile.
 4. A profile runs its own engine arguments with the generation's laid over them; a profile
    whose engine refuses those is not tried, and says why.
@@ -107,6 +108,7 @@ def profile_model(model: CatalogModel, profile: HardwareProfile | None, *,
         "memory_bytes": profile.memory_bytes or model.memory_bytes,
         "memory_estimated": model.memory_estimated and profile.memory_bytes is None,
         "cpu_cores": profile.cpu_cores, "gpus": profile.gpus,
+        "engine_version": profile.engine_version,
         "engine_args": {**profile.engine_args, **(overrides or {})}})
 
 
@@ -132,7 +134,8 @@ def profile_candidates(model: CatalogModel, request: PlacementRequest, *,
             profile=profile, model=runs, refused=refused,
             request=request.model_copy(update={
                 "memory_bytes": runs.memory_bytes, "cpu_cores": runs.cpu_cores,
-                "gpus": runs.gpus})))
+                "gpus": runs.gpus, "engine": runs.engine,
+                "engine_version": runs.engine_version})))
     return found
 
 

@@ -30,15 +30,17 @@ class CatalogStore:
                 INSERT INTO models (model_id, engine, source, memory_bytes, memory_estimated,
                                     cpu_cores, gpus, engine_args, min_nodes, sha256, secret,
                                     default_max_tokens, max_tokens_limit, weights_bytes,
-                                    profiles, watts)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
+                                    profiles, watts, engine_version)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
+                        $17)
                 RETURNING created_at
                 """,
                 model.model_id, model.engine.value, model.source, model.memory_bytes,
                 model.memory_estimated, model.cpu_cores, model.gpus, model.engine_args,
                 model.min_nodes, model.sha256, model.secret, model.default_max_tokens,
                 model.max_tokens_limit, model.weights_bytes,
-                [p.model_dump(mode="json") for p in model.profiles], model.watts)
+                [p.model_dump(mode="json") for p in model.profiles], model.watts,
+                model.engine_version)
         except asyncpg.UniqueViolationError:
             raise ModelExistsError(model.model_id) from None
         assert row is not None

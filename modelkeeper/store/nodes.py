@@ -82,8 +82,8 @@ class NodeStore:
                 INSERT INTO nodes (node_id, name, agent_labels, memory_total_bytes,
                                    memory_available_bytes, cpu_count, gpus, address,
                                    engine_port_low, engine_port_high, credential_sha256,
-                                   key_epoch)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+                                   key_epoch, engines)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
                 ON CONFLICT (node_id) DO UPDATE SET
                     name = EXCLUDED.name,
                     agent_labels = EXCLUDED.agent_labels,
@@ -94,6 +94,7 @@ class NodeStore:
                     address = COALESCE(EXCLUDED.address, nodes.address),
                     engine_port_low = EXCLUDED.engine_port_low,
                     engine_port_high = EXCLUDED.engine_port_high,
+                    engines = EXCLUDED.engines,
                     credential_sha256 = COALESCE(EXCLUDED.credential_sha256,
                                                  nodes.credential_sha256),
                     credential_confirmed_at = CASE WHEN EXCLUDED.credential_sha256 IS NULL
@@ -107,6 +108,7 @@ class NodeStore:
                 [g.model_dump() for g in inv.gpus], address,
                 None if ports is None else ports.low, None if ports is None else ports.high,
                 credential_sha256, key_epoch,
+                None if reg.engines is None else {k.value: v for k, v in reg.engines.items()},
             )
         return NodeRegistered(key_epoch=epoch)
 
@@ -369,6 +371,7 @@ _NODE_SELECT = """
     SELECT n.node_id, n.name, n.agent_labels, n.operator_labels, n.cordoned, n.cordon_reason,
            n.memory_total_bytes, n.memory_available_bytes, n.cpu_count, n.gpus, n.last_seen,
            n.registered_at, n.silent_since, n.memory_level, n.memory_level_since,
-           n.memory_level_reason, n.memory_level_changes, n.hold_class, n.hold_owner,""" \
+           n.memory_level_reason, n.memory_level_changes, n.hold_class, n.hold_owner,
+           n.engines,""" \
     + CLAIM_COLUMNS + """
     FROM nodes n""" + CLAIMS_PER_NODE

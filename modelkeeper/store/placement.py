@@ -352,7 +352,7 @@ _PLACEMENT_COLUMNS = """
     SELECT n.node_id, n.name, n.agent_labels::text AS agent_labels,
            n.operator_labels::text AS operator_labels, n.cordoned,
            n.memory_total_bytes, n.cpu_count, n.gpus::text AS gpus, n.last_seen,
-           n.silent_since, n.hold_class, n.hold_owner,
+           n.silent_since, n.hold_class, n.hold_owner, n.engines::text AS engines,
            COALESCE(c.watts_claimed, 0) AS watts_claimed,
 """ + CLAIM_COLUMNS
 
@@ -688,6 +688,7 @@ def _placement_view(row: asyncpg.Record, state: NodeState) -> NodeView:
         "gpu_claimed": row["gpus_claimed"],
         "hold_class": row["hold_class"], "hold_owner": row["hold_owner"],
         "watts_claimed": row["watts_claimed"],
+        "engines": None if row["engines"] is None else decode_jsonb(row["engines"]),
     })
 
 
@@ -726,7 +727,7 @@ class _NodeViews:
             key = (state, row["name"], row["agent_labels"], row["operator_labels"],
                    row["memory_total_bytes"], row["memory_claimed_bytes"], row["cpu_count"],
                    row["cpu_claimed"], row["gpus"], row["gpus_claimed"], row["hold_class"],
-                   row["hold_owner"], row["watts_claimed"])
+                   row["hold_owner"], row["watts_claimed"], row["engines"])
             known = self._by_node.get(row["node_id"])
             view = known[1] if known is not None and known[0] == key \
                 else _placement_view(row, state)

@@ -12,6 +12,10 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from api.app import create_app
+from modelkeeper.domain.ids import NodeId
+from modelkeeper.domain.nodes import AgentRegistration, Inventory
+from modelkeeper.domain.shards import EngineKind
+from modelkeeper.domain.units import GIB
 from modelkeeper.store import Store
 from tests.integration.test_api_room import register, settings_for
 
@@ -71,3 +75,35 @@ async def test_power_caps_are_set_listed_and_removed(api: httpx.AsyncClient) -> 
     assert (await api.delete("/power-caps/pdu-3")).json() == {"_facility": 50000}
     gone = await api.delete("/power-caps/pdu-3")
     assert gone.status_code == 404 and "pdu 'pdu-3' has no power cap" in gone.text
+
+
+async def test_engine_versions_show_on_the_node_and_judge_the_explain(
+        api: httpx.AsyncClient, store: Store) -> None:
+    for name, engines in (("gpu-old", {EngineKind.VLLM: "0.5.4", EngineKind.SIM: "0.2.0"}),
+                          ("cpu-only", {EngineKind.SIM: "0.2.0"}),
+                          ("gpu-new", {EngineKind.VLLM: "0.6.3"})):
+        await store.nodes.register_node(AgentRegistration(
+            node_id=NodeId(name), name=name, engines=engines,
+            inventory=Inventory(memory_total_bytes=16 * GIB,
+                                memory_available_bytes=16 * GIB, cpu_count=8)))
+    shown = {n["name"]: n["engines"] for n in (await api.get("/nodes")).json()}
+    assert shown["gpu-old"] == {"vllm": "0.5.4", "sim": "0.2.0"}
+
+    added = await api.post("/models", json={
+        "model_id": "qwen", "engine": "vllm", "source": "org/qwen",
+        "memory_bytes": 4 * GIB, "engine_version": "0.6.3"})
+    assert added.status_code == 201, added.text
+    assert added.json()["engine_version"] == "==0.6.3"
+    why = {n["node_id"]: n for n in (await api.get("/placement/explain",
+                                                   params={"model_id": "qwen"})).json()["nodes"]}
+    assert (why["gpu-old"]["reason"], why["gpu-old"]["message"]) == (
+        "engine_version", "vllm 0.5.4, needs ==0.6.3")
+    assert (why["cpu-only"]["reason"], why["cpu-only"]["message"]) == (
+        "no_engine", "cannot run vllm (its agent found: sim 0.2.0)")
+    assert why["gpu-new"]["fits"]
+
+    bad = await api.post("/models", json={"model_id": "q2", "engine": "vllm",
+                                          "source": "org/q2", "memory_bytes": GIB,
+                                          "engine_version": "newest"})
+    assert bad.status_code == 422
+    assert "engine_version" in bad.text and "'newest' is not a version requirement" in bad.text

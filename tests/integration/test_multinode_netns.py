@@ -90,6 +90,8 @@ def test_a_two_node_replica_serves_and_is_replaced_whole_when_rank_1_dies(
             return ready if len(ready) == 2 else None
 
         nodes = net.until("nodes b and c ready", remote_nodes, 90)
+        # Each agent said which engines it can run (placement rule 11).
+        assert all("sim" in n["engines"] for n in nodes.values()), nodes
         by_id = {n["node_id"]: name for name, n in nodes.items()}
         address = dict(zip(("b", "c"), net.agent_ips, strict=True))
         for name in ("b", "c"):

@@ -286,19 +286,27 @@ def test_ls_shows_degraded_with_its_reason_and_stopped_through_the_api() -> None
 def test_nodes_table_shows_memory_in_gib_and_dashes_for_unknowns() -> None:
     assert text(["nodes"], NODES).splitlines() == [
         "NAME   ID  STATE  MEMORY   CLAIMED  FREE     AVAIL     CPUS  LEVEL  HELD FOR  "
-        "LABELS           LAST SEEN",
+        "ENGINES  LABELS           LAST SEEN",
         "small  n1  ready  8.0 GiB  0.0 GiB  8.0 GiB  12.0 GiB  4     ok     -         "
-        "gpu=none,zone=a  2024-01-01T00:00:00Z",
+        "?        gpu=none,zone=a  2024-01-01T00:00:00Z",
         "bare   n2  lost   -        -        -        -         -     ok     -         "
-        "                 2024-01-01T00:00:01Z",
+        "?                         2024-01-01T00:00:01Z",
     ]
+
+
+def test_nodes_table_shows_each_engine_with_its_version() -> None:
+    running = {**NODES[0], "engines": {"vllm": "0.6.3", "sim": "0.2.0"}}
+    none = {**NODES[0], "engines": {}}
+    lines = text(["nodes"], [running, none]).splitlines()
+    assert "  sim 0.2.0,vllm 0.6.3  " in lines[1]
+    assert lines[2].split()[13:15] == ["-", "-"]  # not held, no engine
 
 
 def test_nodes_table_shows_the_memory_level_and_the_hold() -> None:
     held = {**NODES[0], "memory_level": "critical", "hold_class": "critical",
             "hold_owner": "acme/ml"}
     line = text(["nodes"], [held]).splitlines()[1]
-    assert "critical  class critical, owner acme/ml  gpu=none" in line
+    assert "critical  class critical, owner acme/ml  ?        gpu=none" in line
 
 
 def test_nodes_flags_a_node_whose_real_free_memory_is_below_what_it_promises() -> None:
