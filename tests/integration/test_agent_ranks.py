@@ -139,3 +139,32 @@ async def test_a_rendezvous_port_held_by_a_stray_process_refuses_the_start(
     assert refused.value.exit.kind is ExitKind.ERROR
     assert refused.value.exit.detail == f"rank 0's rendezvous port {port} on node n-a is in use"
     assert a.reports() == []
+
+
+async def test_each_rank_is_adopted_by_its_own_agent_after_a_restart(
+        managers: tuple[ShardManager, ShardManager, int], tmp_path: Path) -> None:
+    a, b, port = managers
+    leader = f"{HOST}:{port}"
+    rank0, rank1 = await asyncio.gather(a.start(_spec("n-a", 0, leader), _progress),
+                                        b.start(_spec("n-b", 1, leader), _progress))
+    # Rank 1's agent goes away and comes back: the engine kept running, and the group
+    # with it (rank 0 still serves).
+    await b.close()
+    again = ShardManager(node_id=NodeId("n-b"), agent_dir=tmp_path / "n-b",
+                         engine_host=HOST, port_range=b._startup._ports,
+                         node_key=derive_node_key(SECRET, "n-b"))
+    try:
+        adopted, killed = again.recover()
+        assert adopted == ["r1"] and killed == []
+        [report] = again.reports()
+        assert (report.pid, report.rank, report.adopted) == (rank1.pid, 1, True)
+        async with httpx.AsyncClient() as http:
+            assert (await http.get(f"{rank0.url}/health")).status_code == 200
+        # Adopted, it is watched as before: its end takes rank 0 down.
+        os.kill(rank1.pid, signal.SIGKILL)
+        ended1, ended0 = await asyncio.gather(again.watch(ReplicaId("r1"), lambda: None),
+                                              a.watch(ReplicaId("r1"), lambda: None))
+        assert ended1.kind is ExitKind.VANISHED
+        assert ended0.kind is ExitKind.ERROR and ended0.exit_code == 1
+    finally:
+        await again.close()
