@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import timedelta
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,9 @@ from workflows.deployment import DeploymentInput, DeploymentWorkflow
 pytestmark = pytest.mark.timeout(60)
 
 NODES = [NodeId("n-a"), NodeId("n-b")]
+#: A heartbeat sent as soon as it is recorded (not 0.8 x the timeout later): the cancel of
+#: rank 0's start reaches it at once.
+BEAT = timedelta(seconds=0.1)
 LEADER = "10.0.0.1:20999"
 
 
@@ -178,9 +182,9 @@ async def test_a_multi_node_replica_fails_at_its_first_failed_shard_and_names_ea
     async with Worker(env.client, task_queue=CONTROL_TASK_QUEUE,
                       workflows=[DeploymentWorkflow], activities=cluster.control()), \
             Worker(env.client, task_queue=node_task_queue(NODES[0]),
-                   activities=cluster.node(NODES[0])), \
+                   activities=cluster.node(NODES[0]), max_heartbeat_throttle_interval=BEAT), \
             Worker(env.client, task_queue=node_task_queue(NODES[1]),
-                   activities=cluster.node(NODES[1])):
+                   activities=cluster.node(NODES[1]), max_heartbeat_throttle_interval=BEAT):
         handle = await env.client.start_workflow(
             DeploymentWorkflow.run,
             DeploymentInput(spec=spec, tunables=Tunables(backoff_jitter=0.0),
