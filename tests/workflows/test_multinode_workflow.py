@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import timedelta
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import pytest
