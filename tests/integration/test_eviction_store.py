@@ -26,7 +26,7 @@ from modelkeeper.domain.demand import ScalingPolicy
 from modelkeeper.domain.eviction import EvictionChoice, NoVictim, RefusalReason, VictimKind
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec
-from modelkeeper.domain.nodes import AgentRegistration, Inventory
+from modelkeeper.domain.nodes import AgentRegistration, Inventory, PortRange
 from modelkeeper.domain.placement import PlacementRequest
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.status import ReplicaState
@@ -59,8 +59,10 @@ def _attempt(activity_id: str) -> ActivityEnvironment:
 async def _node(store: Store, node_id: str, memory_gib: int) -> None:
     await store.nodes.register_node(AgentRegistration(
         node_id=NodeId(node_id), name=node_id,
+        engine_ports=PortRange(low=20000, high=20999),
         inventory=Inventory(memory_total_bytes=memory_gib * GIB,
-                            memory_available_bytes=memory_gib * GIB, cpu_count=16)))
+                            memory_available_bytes=memory_gib * GIB, cpu_count=16)),
+        address="127.0.0.1")
 
 
 async def _deployment(store: Store, db: asyncpg.Connection, deployment_id: str, *,

@@ -36,7 +36,7 @@ import pytest
 from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest, ReplicaView
 from modelkeeper.domain.events import NewEvent
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
-from modelkeeper.domain.nodes import AgentRegistration, GpuInfo, Inventory
+from modelkeeper.domain.nodes import AgentRegistration, GpuInfo, Inventory, PortRange
 from modelkeeper.domain.placement import CantPlace, PlacementRequest, RejectionReason
 from modelkeeper.domain.shards import EngineKind, ShardSpec
 from modelkeeper.store import Store, locks, placement
@@ -165,10 +165,16 @@ def _inventory(memory_bytes: int, gpus: int = 0, gpu_memory: int = 80 * GIB) -> 
                            for i in range(gpus)])
 
 
+ENGINE_PORTS = PortRange(low=20000, high=20999)
+
+
 async def _setup(store: Store, *, nodes: dict[str, Inventory], model: CatalogModel) -> None:
     for node_id, inv in nodes.items():
-        await store.nodes.register_node(AgentRegistration(node_id=NodeId(node_id), name=node_id,
-                                                           inventory=inv))
+        # An address and engine ports, as every agent registers them: rank 0 of a
+        # multi-node replica rendezvouses there.
+        await store.nodes.register_node(AgentRegistration(
+            node_id=NodeId(node_id), name=node_id, inventory=inv, engine_ports=ENGINE_PORTS),
+            address="127.0.0.1")
     await store.catalog.create_model(model)
     await store.deployments.create_deployment(
         DEPLOYMENT, DeploymentRequest(model_id=model.model_id), "wf-d1")

@@ -14,7 +14,7 @@ from temporalio.testing import ActivityEnvironment
 from activities.store import StoreActivities
 from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest, ModelSpec
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
-from modelkeeper.domain.nodes import AgentRegistration, Inventory
+from modelkeeper.domain.nodes import AgentRegistration, Inventory, PortRange
 from modelkeeper.domain.placement import CantPlace, PlacementRequest
 from modelkeeper.domain.shards import EngineKind, ShardSpec
 from modelkeeper.domain.store_activities import (
@@ -35,8 +35,10 @@ LOST_AFTER_S = 60.0
 async def _node(store: Store, node_id: str, memory_gib: int) -> None:
     await store.nodes.register_node(AgentRegistration(
         node_id=NodeId(node_id), name=node_id, labels={},
+        engine_ports=PortRange(low=20000, high=20999),
         inventory=Inventory(memory_total_bytes=memory_gib * GIB,
-                            memory_available_bytes=memory_gib * GIB, cpu_count=8)))
+                            memory_available_bytes=memory_gib * GIB, cpu_count=8)),
+        address="127.0.0.1")
 
 
 async def _model(store: Store, name: str, *, memory_gib: int, weights_gib: int | None,
