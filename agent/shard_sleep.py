@@ -88,7 +88,7 @@ class ShardSleep:
             raise ShardNotHereError(f"this node runs no shard {replica_id}: it never "
                                     "started here, has ended, or was lost")
         spec = live.record.spec
-        dialect = sleep_dialect(spec.engine)
+        dialect = sleep_dialect(spec.engine, spec.engine_args)
         if dialect is None:
             raise SleepWakeError(f"{replica_id}: the {spec.engine.value} engine cannot "
                                  "sleep (stop it instead)", retryable=False)

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import httpx
 
+from modelkeeper.domain.engine_logs import exit_detail
 from modelkeeper.domain.ids import NodeId, ReplicaId
 from modelkeeper.domain.redact import scrub_secrets
 from modelkeeper.domain.shards import (
@@ -362,8 +363,9 @@ class ShardStartup:
                 await self._table.stop(spec.replica_id, grace_s=START_FAILED_STOP_GRACE_S)
                 raise ShardStartError(ShardExit(
                     replica_id=spec.replica_id, kind=ExitKind.START_TIMEOUT,
-                    detail=f"not ready after {spec.start_timeout_s:.0f}s (last probe: "
-                           f"{detail})", log_tail=tail))
+                    # A load wedged on a fatal error still says which in its log.
+                    detail=exit_detail(f"not ready after {spec.start_timeout_s:.0f}s (last "
+                                       f"probe: {detail})", tail), log_tail=tail))
             on_progress(FetchProgress(phase="loading"))
             await asyncio.sleep(ready_poll_s(time.time() - live.record.started_at.timestamp()))
         live.record = live.record.model_copy(update={"state": ShardState.READY})

@@ -23,6 +23,7 @@ import httpx
 import psutil
 
 from modelkeeper.domain.engine_keys import derive_engine_key
+from modelkeeper.domain.engine_logs import exit_detail
 from modelkeeper.domain.ids import NodeId, ReplicaId
 from modelkeeper.domain.shards import (
     ExitKind,
@@ -61,6 +62,9 @@ log = logging.getLogger(__name__)
 #: A rank cut off from rank 0 is stopped as a failed start is: its engine is of no use
 #: and its collectives would hang, so a short grace.
 LINK_LOST_STOP_GRACE_S = 5.0
+#: Ends whose cause the engine's log may name (modelkeeper/domain/engine_logs.py). Not a
+#: clean exit, nor an OOM kill, whose cause is known already.
+LOG_NAMES_THE_CAUSE = frozenset({ExitKind.ERROR, ExitKind.SIGNALLED, ExitKind.VANISHED})
 
 _KERNEL_OOM = re.compile(r"Killed process (\d+)|oom-kill:.*?pid=(\d+)")
 
@@ -283,11 +287,15 @@ class ShardManager:
         kind, detail = classify_exit(code, oom_kills_before=record.oom_kills_at_start,
                                      oom_kills_after=read_oom_kills(),
                                      kernel_oom_pids=oom_pids, pid=record.pid)
+        tail = read_log_tail(Path(record.log_path))
+        if kind in LOG_NAMES_THE_CAUSE:
+            # "exited with code 1: the GPU ran out of memory (log: '...')".
+            detail = exit_detail(detail, tail)
         live.exit = ShardExit(
             replica_id=record.spec.replica_id, kind=kind,
             exit_code=code if code is not None and code >= 0 else None,
             signal=-code if code is not None and code < 0 else None,
-            detail=detail, log_tail=read_log_tail(Path(record.log_path)))
+            detail=detail, log_tail=tail)
         if kind is ExitKind.OOM_KILLED:
             self.memory_kills.append((record.spec, live.exit))
         return live.exit

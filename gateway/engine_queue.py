@@ -43,7 +43,9 @@ from .table import Endpoint, RoutingTable
 log = logging.getLogger(__name__)
 
 #: Each engine's gauge of requests waiting for a slot, by the catalog's engine kind.
-#: The sim speaks vLLM's dialect (agent/engines/sim_server.py). llama.cpp has none worth
+#: The sim speaks vLLM's dialect (agent/engines/sim_server.py); one told to speak SGLang's
+#: (``engine_args.dialect``) is still asked for vLLM's gauge, since a route knows its
+#: engine's kind only, and its queue is then unknown. llama.cpp has none worth
 #: asking: ``llama-server`` has ``llamacpp:requests_deferred`` only when started with
 #: ``--metrics``, which the agent does not pass, and the llama-cpp-python server it runs by
 #: default has no ``/metrics`` at all.

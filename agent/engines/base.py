@@ -227,9 +227,15 @@ class SleepDialect:
     state_path: str | None = None
 
 
-def sleep_dialect(kind: EngineKind) -> SleepDialect | None:
+def sleep_dialect(kind: EngineKind,
+                  engine_args: Mapping[str, Any] | None = None) -> SleepDialect | None:
     """How ``kind`` sleeps, or None where it cannot (llama.cpp: the keeper stops it).
-    Agrees with :func:`modelkeeper.domain.shards.can_sleep` (a unit test checks)."""
+    Agrees with :func:`modelkeeper.domain.shards.can_sleep` (a unit test checks).
+    ``engine_args``: the shard's, where the sim is told which engine's dialect to speak."""
+    if kind is EngineKind.SIM and (engine_args or {}).get("dialect") == "sglang":
+        from .sglang import SLEEP_DIALECT as SGLANG_DIALECT
+
+        return SGLANG_DIALECT
     if kind is EngineKind.VLLM or kind is EngineKind.SIM:
         # The sim speaks vLLM's dialect, so that this path is what the tests run.
         from .vllm import SLEEP_DIALECT as VLLM_DIALECT

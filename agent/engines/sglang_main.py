@@ -3,10 +3,12 @@
 SGLang reads its API key only from ``--api-key``, and a command line is readable by every
 user of the node (``ps``, ``/proc/PID/cmdline``); another user's environment is not. So
 the plan runs this script, by path, with SGLang's own command line minus the key, and the
-key in :data:`API_KEY_ENV`. It does what ``python -m sglang.launch_server`` does, with the
-key set on the parsed arguments. The variable is removed from this process's environment
-first, so that the processes SGLang spawns do not inherit it (they get the key with the
-arguments, as SGLang passes them).
+key in :data:`API_KEY_ENV`. It does what ``python -m sglang.launch_server`` does (SGLang
+0.5.23's sglang/launch_server.py: load its plugins, ``prepare_server_args``,
+``run_server``, then kill what is left of its process tree), with the key set on the
+parsed arguments before ``run_server`` resolves and seals them. The variable is removed
+from this process's environment first, so that the processes SGLang spawns do not inherit
+it (they get the key with the arguments, as SGLang passes them).
 
 Run by path rather than as a module, and importing only the standard library at the top:
 the interpreter SGLang is installed for need not have modelkeeper installed.
@@ -58,14 +60,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("$%s is not set: refusing to serve without an API key", API_KEY_ENV)
         return EXIT_USAGE
     # Imported only now: SGLang is large, and present only where GPU engines run.
-    from sglang.srt.entrypoints.http_server import launch_server
+    # bench/engine_contract_parse.py checks that each of these names exists.
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
+    load_plugins()
     server_args = prepare_server_args(args)
     server_args.api_key = key
     try:
-        launch_server(server_args)
+        # Not http_server.launch_server: run_server resolves the arguments first
+        # (resolve_once) and picks the server the resolved arguments ask for.
+        run_server(server_args)
     finally:
         # As sglang.launch_server does: its scheduler and detokenizer go with it.
         kill_process_tree(os.getpid(), include_parent=False)

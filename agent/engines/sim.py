@@ -28,7 +28,7 @@ from .base import (
     probe_ready,
     reject_unknown_args,
 )
-from .sim_server import API_KEY_ENV
+from .sim_server import API_KEY_ENV, DIALECTS
 
 ENTRY_MODULE = "agent.engines.sim_server"
 
@@ -40,7 +40,8 @@ ENTRY_MODULE = "agent.engines.sim_server"
 #: ``hang``: accept connections but never answer, /health included.
 #: ``weights_bytes``: what it keeps of its memory while asleep (vLLM's sleep dialect, see
 #: :mod:`agent.engines.sim_server`); absent: all of it. ``wake_time_s``: how long a wake
-#: takes. ``max_num_seqs``: requests run at once, the rest queue.
+#: takes. ``max_num_seqs``: requests run at once, the rest queue. ``dialect``: ``vllm`` or
+#: ``sglang``, the engine whose HTTP dialect it speaks (absent: its own, vLLM's paths).
 SIM_ALLOWED_ENGINE_ARGS: frozenset[str] = ALLOWED_ENGINE_ARGS[EngineKind.SIM]
 #: The name the other engine modules use for their allow-list.
 ALLOWED_ARGS = SIM_ALLOWED_ENGINE_ARGS
@@ -57,6 +58,18 @@ def seconds_arg(args: Mapping[str, Any], name: str) -> float | None:
     if not math.isfinite(value) or value < 0:
         raise EngineConfigError(f"engine_args.{name}", value, "must be a finite number >= 0")
     return float(value)
+
+
+def dialect_of(args: Mapping[str, Any]) -> str | None:
+    """The ``dialect`` engine argument (:data:`~agent.engines.sim_server.DIALECTS`), or None
+    when absent: the sim's own."""
+    if "dialect" not in args:
+        return None
+    value = args["dialect"]
+    if value not in DIALECTS:
+        raise EngineConfigError("engine_args.dialect", value,
+                                f"must be one of {', '.join(DIALECTS)}")
+    return str(value)
 
 
 class SimAdapter:
@@ -111,6 +124,9 @@ class SimAdapter:
             argv += ["--rank", str(spec.rank), "--world-size", str(spec.world_size),
                      "--leader", spec.leader_address,
                      "--join-timeout", repr(spec.start_timeout_s)]
+        dialect = dialect_of(args)
+        if dialect is not None:
+            argv += ["--dialect", dialect]
         for name, flag in (("fail_at_start", "--fail-at-start"), ("hang", "--hang")):
             if bool_arg(args, name):
                 argv.append(flag)

@@ -24,6 +24,47 @@ seconds with that memory taken back. Its ``/metrics`` has vLLM's two queue gauge
 ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``, from its own queue
 (``--max-num-seqs`` requests run at once, as in vLLM; the rest wait).
 
+``--dialect`` makes it speak one engine's dialect as that engine's installed source has
+it (vLLM 0.33.0, SGLang 0.5.23; each path below is cited from it), for the tests that hold
+our adapters, readiness probe, metrics scraping and sleep/wake against them. Without it
+the sim speaks vLLM's paths as above, with two differences kept for the tests written
+against them: ``{"status": "ok"}`` from ``/health`` and empty sleep answers, and
+completions refused while asleep.
+
+``--dialect vllm`` (vllm/entrypoints/serve/instrumentator/health.py and metrics.py,
+vllm/entrypoints/serve/dev/sleep/api_router.py, vllm/v1/metrics/loggers.py,
+vllm/v1/engine/core.py):
+
+- ``GET /health``: 200 with an empty body. (vLLM listens only once loaded; the sim answers
+  503 while it loads, which the probe reads the same: not ready.)
+- ``GET /metrics``: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+  ``vllm:kv_cache_usage_perc`` (0.33 has no ``vllm:gpu_cache_usage_perc``) and
+  ``vllm:engine_sleep_state``, labelled ``model_name`` and ``engine``.
+- ``POST /sleep?level=1`` answers ``{"status": "sleeping", "level": 1}``; ``POST /wake_up``
+  ``{"status": "awake", "tags": null}``; ``GET /is_sleeping`` ``{"is_sleeping": bool}``.
+- Asleep, a completion is not refused: it waits in the queue (counted in
+  ``vllm:num_requests_waiting``) until a wake, as vLLM's paused scheduler queues new
+  requests (``pause_scheduler``: "All pause modes queue new adds"). vLLM's default sleep
+  also aborts the requests running when it comes (``mode=abort``); the sim lets them end.
+
+``--dialect sglang`` (sglang/srt/entrypoints/http_server.py, sglang/srt/utils/auth.py,
+sglang/srt/observability/metrics_collector.py,
+sglang/srt/managers/scheduler_components/weight_updater.py):
+
+- ``GET /health`` and ``GET /health_generate``: 200 with an empty body once up, 503 while
+  starting; ``GET /ready`` the same. These and ``/metrics`` need no key; every other path
+  does, and a refusal is ``401 {"error": "Unauthorized"}``.
+- ``GET /get_model_info`` (and ``/model_info``): ``model_path``, ``served_model_name``,
+  ``tokenizer_path``, ``is_generation``, among others.
+- ``GET /metrics``: ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
+  ``sglang:token_usage``, labelled ``model_name``.
+- ``POST /release_memory_occupation`` and ``POST /resume_memory_occupation`` (GET too)
+  with ``{"tags": ["kv_cache"]}``: 200 with ``null``. The sim takes the KV cache tag only
+  (the agent asks for no other; no tags means all, weights included, and is refused with
+  a 400); a release while requests run is refused with a 400, where SGLang's scheduler
+  asserts that it is idle. SGLang has no ``/is_sleeping``; asleep, the sim refuses
+  completions (503), SGLang's behaviour there being undocumented.
+
 One route is the sim's own: ``POST /sim/grow`` with ``{"bytes": N}`` (behind the key)
 makes it hold N more bytes, really resident, as an engine that outgrows its claim does:
 the memory watchdog's tests cross a node's line with it.
@@ -88,6 +129,17 @@ SLEEP_LEVEL = "1"
 
 #: vLLM's sleep endpoints (see the module docstring).
 SLEEP_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping"})
+#: The dialects ``--dialect`` takes (the module docstring); None: the sim's own.
+VLLM, SGLANG = "vllm", "sglang"
+DIALECTS = (VLLM, SGLANG)
+#: SGLang's sleep (memory saver) endpoints, and the one tag the sim releases.
+SGLANG_SLEEP_PATHS = frozenset({"/release_memory_occupation", "/resume_memory_occupation"})
+KV_CACHE_TAG = "kv_cache"
+#: SGLang's health paths (all answered alike while the sim runs) and model info paths.
+SGLANG_HEALTH_PATHS = frozenset({"/health", "/health_generate", "/ready"})
+SGLANG_INFO_PATHS = frozenset({"/get_model_info", "/model_info"})
+#: What SGLang answers a release with requests in flight (its scheduler's assertion).
+SGLANG_NOT_IDLE = "release_memory_occupation should be called only when server is idle."
 #: The sim's own control, for the memory watchdog's tests: ``POST /sim/grow`` with
 #: ``{"bytes": N}`` allocates and touches N more bytes, really resident, and answers the
 #: process's resident memory after it (``{"rss_bytes": ...}``).
@@ -138,7 +190,8 @@ class HttpError(Exception):
     """A request the server answers with an error status and an OpenAI-shaped body."""
 
     def __init__(
-        self, status: int, message: str, *, code: str | None = None, close: bool = False
+        self, status: int, message: str, *, code: str | None = None, close: bool = False,
+        body: bytes | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -146,6 +199,8 @@ class HttpError(Exception):
         self.code = code
         #: True when the connection can't be reused (we lost track of the byte stream).
         self.close = close
+        #: The whole body, where an engine's dialect is not OpenAI's error shape.
+        self.body = body
 
 
 @dataclass(frozen=True)
@@ -536,6 +591,8 @@ class SimConfig:
     leader: tuple[str, int] | None = None
     #: How long a rank above 0 keeps trying to join rank 0.
     join_timeout_s: float = 600.0
+    #: The engine whose HTTP dialect it speaks (:data:`DIALECTS`); None: the sim's own.
+    dialect: str | None = None
 
     @property
     def kv_bytes(self) -> int:
@@ -645,6 +702,10 @@ class SimEngine:
         self.waiting = 0
         self._slots = (asyncio.Semaphore(config.max_num_seqs)
                        if config.max_num_seqs is not None else None)
+        #: Set while awake: in vLLM's dialect a completion asked of a sleeping engine waits
+        #: on it, as vLLM's paused scheduler queues new requests.
+        self._awake = asyncio.Event()
+        self._awake.set()
 
     async def load(self, started: float) -> None:
         """Grow to --memory-bytes resident, then stay "loading" until --load-time has passed."""
@@ -662,6 +723,7 @@ class SimEngine:
             if self.sleeping:
                 return
             self.sleeping = True
+            self._awake.clear()
             # Chunks this large are mapped apart from the heap: dropping them gives the
             # memory back to the system at once, as the node's available memory shows.
             self._kv.clear()
@@ -679,19 +741,52 @@ class SimEngine:
             if delay > 0:
                 await asyncio.sleep(delay)
             self.sleeping = False
+            self._awake.set()
             logger.info("awake after %.3fs", time.monotonic() - began)
 
     def metrics_text(self) -> str:
-        """The Prometheus exposition of vLLM's queue gauges (what a scaler reads)."""
+        """The Prometheus exposition of the engine's gauges (what a scaler reads), by its
+        dialect's names (see the module docstring)."""
         model = self.config.model.replace("\\", "\\\\").replace('"', '\\"')
-        label = f'{{model_name="{model}"}}'
+        # The share of its KV cache in use: the sim's slots stand for its blocks.
+        usage = (self.running / self.config.max_num_seqs
+                 if self.config.max_num_seqs else float(self.running > 0))
+        gauges: list[tuple[str, str, list[tuple[str, float]]]]
+        if self.config.dialect == SGLANG:
+            label = f'model_name="{model}"'
+            gauges = [
+                ("sglang:num_running_reqs", "The number of running requests.",
+                 [(label, self.running)]),
+                ("sglang:num_queue_reqs", "The number of requests in the waiting queue.",
+                 [(label, self.waiting)]),
+                ("sglang:token_usage", "The token usage.", [(label, usage)]),
+            ]
+        elif self.config.dialect == VLLM:
+            label = f'engine="0",model_name="{model}"'
+            state = {"awake": not self.sleeping, "weights_offloaded": self.sleeping,
+                     "discard_all": False}
+            gauges = [
+                ("vllm:num_requests_running", "Number of requests in model execution batches.",
+                 [(label, self.running)]),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                 [(label, self.waiting)]),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                 [(label, usage)]),
+                ("vllm:engine_sleep_state", "Engine sleep state.",
+                 [(f'{label},sleep_state="{name}"', float(on)) for name, on in state.items()]),
+            ]
+        else:
+            label = f'model_name="{model}"'
+            gauges = [
+                ("vllm:num_requests_running", "Requests generating now.",
+                 [(label, self.running)]),
+                ("vllm:num_requests_waiting", "Requests waiting for a slot.",
+                 [(label, self.waiting)]),
+            ]
         lines = []
-        for name, value, help_text in (
-            ("vllm:num_requests_running", self.running, "Requests generating now."),
-            ("vllm:num_requests_waiting", self.waiting, "Requests waiting for a slot."),
-        ):
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge",
-                      f"{name}{label} {float(value)}"]
+        for name, help_text, samples in gauges:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+            lines += [f"{name}{{{labels}}} {float(value)}" for labels, value in samples]
         return "\n".join(lines) + "\n"
 
     async def handle_connection(
@@ -745,7 +840,8 @@ class SimEngine:
             return await self._respond(head, body, keep_alive, writer)
         except HttpError as err:
             keep_alive = keep_alive and not err.close
-            body = error_body(err.status, err.message, err.code)
+            body = err.body if err.body is not None else error_body(err.status, err.message,
+                                                                    err.code)
             writer.write(render_response(err.status, body, keep_alive=keep_alive))
             await writer.drain()
             return keep_alive
@@ -762,54 +858,59 @@ class SimEngine:
     ) -> bool:
         """Route one parsed request; HttpErrors are rendered by the caller."""
         path, method = head.path, head.method
-        if path == "/health":
+        dialect = self.config.dialect
+        if path == "/health" or (dialect == SGLANG and path in SGLANG_HEALTH_PATHS):
             if method != "GET":
                 raise HttpError(405, "use GET")
-            if not self.ready:
+            if dialect is not None:
+                # vLLM's and SGLang's health answers carry no body, either way.
+                status, payload = (200 if self.ready else 503), b""
+            elif not self.ready:
                 # llama.cpp's answer while loading; the agent's health probe waits on it.
                 status, payload = 503, error_body(503, self.loading_detail)
             else:
                 status, payload = 200, json_bytes({"status": "ok"})
-            writer.write(render_response(status, payload, keep_alive=keep_alive))
-            await writer.drain()
-            return keep_alive
+            return await self._reply(writer, status, payload, keep_alive)
 
         if path == "/metrics":
-            # Unauthenticated, as vLLM's: counts only, nothing a key protects.
+            # Unauthenticated, as vLLM's and SGLang's: counts only, nothing a key protects.
             if method != "GET":
                 raise HttpError(405, "use GET")
-            writer.write(render_response(200, self.metrics_text().encode(),
-                                         keep_alive=keep_alive,
-                                         content_type="text/plain; version=0.0.4"))
-            await writer.drain()
-            return keep_alive
+            return await self._reply(writer, 200, self.metrics_text().encode(), keep_alive,
+                                     content_type="text/plain; version=0.0.4")
 
-        if path in SLEEP_PATHS:
+        if path in SLEEP_PATHS and dialect != SGLANG:
             # Behind the key, unlike vLLM's dev endpoints: whoever can reach an engine
             # must not be able to put it to sleep.
-            if not is_authorized(head.headers, self.api_key):
-                raise HttpError(401, "Invalid API key", code="invalid_api_key")
-            payload = await self._sleep_route(head, method)
-            writer.write(render_response(200, payload, keep_alive=keep_alive))
-            await writer.drain()
-            return keep_alive
+            self._authorize(head)
+            return await self._reply(writer, 200, await self._sleep_route(head, method),
+                                     keep_alive)
+
+        if path in SGLANG_SLEEP_PATHS and dialect == SGLANG:
+            self._authorize(head)
+            return await self._reply(writer, 200, await self._memory_route(head, body),
+                                     keep_alive)
+
+        if path in SGLANG_INFO_PATHS and dialect == SGLANG:
+            self._authorize(head)
+            if method != "GET":
+                raise HttpError(405, "use GET")
+            if not self.ready:
+                raise HttpError(503, "Loading model")
+            return await self._reply(writer, 200, json_bytes(self._model_info()), keep_alive)
 
         if path == GROW_PATH:
             # Behind the key: whoever can reach an engine must not make it eat the node.
-            if not is_authorized(head.headers, self.api_key):
-                raise HttpError(401, "Invalid API key", code="invalid_api_key")
+            self._authorize(head)
             if method != "POST":
                 raise HttpError(405, "use POST")
             await _hold(self._grown, grow_bytes(body))
             payload = json_bytes({"rss_bytes": current_rss_bytes()})
-            writer.write(render_response(200, payload, keep_alive=keep_alive))
-            await writer.drain()
-            return keep_alive
+            return await self._reply(writer, 200, payload, keep_alive)
 
         if not path.startswith("/v1/"):
             raise HttpError(404, f"no route for {path}")
-        if not is_authorized(head.headers, self.api_key):
-            raise HttpError(401, "Invalid API key", code="invalid_api_key")
+        self._authorize(head)
         if not self.ready:
             raise HttpError(503, "Loading model")
 
@@ -821,16 +922,17 @@ class SimEngine:
                 "object": "model",
                 "created": int(time.time()),
                 "owned_by": "modelkeeper-sim",
+                # vLLM's and SGLang's model cards say what they serve, under this name.
+                "root": self.config.model,
             }
             payload = json_bytes({"object": "list", "data": [entry]})
-            writer.write(render_response(200, payload, keep_alive=keep_alive))
-            await writer.drain()
-            return keep_alive
+            return await self._reply(writer, 200, payload, keep_alive)
 
         if path in ("/v1/completions", "/v1/chat/completions"):
             if method != "POST":
                 raise HttpError(405, "use POST")
-            if self.sleeping:
+            # In vLLM's dialect it waits for a wake in the queue instead (_queued).
+            if self.sleeping and dialect != VLLM:
                 raise HttpError(503, SLEEPING_MESSAGE)
             chat = path == "/v1/chat/completions"
             req = parse_completion_request(body, chat=chat, served_model=self.config.model)
@@ -838,6 +940,31 @@ class SimEngine:
                 return await self._complete(req, chat, head, keep_alive, writer)
 
         raise HttpError(404, f"no route for {path}")
+
+    async def _reply(self, writer: asyncio.StreamWriter, status: int, payload: bytes,
+                     keep_alive: bool, *, content_type: str = "application/json") -> bool:
+        """Send one whole answer; whether the connection stays open."""
+        writer.write(render_response(status, payload, keep_alive=keep_alive,
+                                     content_type=content_type))
+        await writer.drain()
+        return keep_alive
+
+    def _authorize(self, head: RequestHead) -> None:
+        """Raise the dialect's 401 unless the request carries the key."""
+        if is_authorized(head.headers, self.api_key):
+            return
+        if self.config.dialect == SGLANG:
+            # sglang/srt/utils/auth.py's refusal.
+            raise HttpError(401, "Unauthorized", body=json_bytes({"error": "Unauthorized"}))
+        raise HttpError(401, "Invalid API key", code="invalid_api_key")
+
+    def _model_info(self) -> dict[str, Any]:
+        """SGLang's ``/get_model_info``, its fields that describe a plain text model."""
+        return {"model_path": self.config.model, "served_model_name": self.config.model,
+                "tokenizer_path": self.config.model, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": "default",
+                "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": "sim", "architectures": ["SimForCausalLM"]}
 
     async def _sleep_route(self, head: RequestHead, method: str) -> bytes:
         """``/sleep``, ``/wake_up`` and ``/is_sleeping``: the answer's body."""
@@ -855,10 +982,36 @@ class SimEngine:
                 raise HttpError(400, f"sleep level {level!r} is not supported: the sim "
                                      f"sleeps at level {SLEEP_LEVEL} only", code="level")
             await self.sleep()
+            answer: dict[str, Any] = {"status": "sleeping", "level": int(SLEEP_LEVEL)}
         else:
             await self.wake()
-        # vLLM answers both with 200 and an empty body.
-        return b""
+            # No tags asked: all of it woke (vLLM answers the tags it was asked for).
+            answer = {"status": "awake", "tags": None}
+        # vLLM 0.33 answers with what it did; the sim's own dialect with an empty body.
+        return json_bytes(answer) if self.config.dialect == VLLM else b""
+
+    async def _memory_route(self, head: RequestHead, body: bytes) -> bytes:
+        """SGLang's ``/release_memory_occupation`` and ``/resume_memory_occupation``: the
+        KV cache's memory only (see the module docstring)."""
+        if head.method not in ("GET", "POST"):
+            raise HttpError(405, "use POST")
+        if not self.ready:
+            raise HttpError(503, "Loading model")
+        try:
+            tags = json.loads(body or b"{}").get("tags")
+        except (ValueError, AttributeError):
+            raise HttpError(400, 'the body must be a JSON object: {"tags": [...]}') from None
+        if tags != [KV_CACHE_TAG]:
+            raise HttpError(400, f"the sim releases and resumes the KV cache only: "
+                                 f'tags must be ["{KV_CACHE_TAG}"], not {tags!r}', code="tags")
+        if head.path == "/release_memory_occupation":
+            if self.running or self.waiting:
+                raise HttpError(400, SGLANG_NOT_IDLE)
+            await self.sleep()
+        else:
+            await self.wake()
+        # SGLang's handlers return nothing: FastAPI answers 200 with null.
+        return b"null"
 
     @contextlib.asynccontextmanager
     async def _queued(self) -> AsyncIterator[None]:
@@ -866,6 +1019,8 @@ class SimEngine:
         waiting until it has one and as running while it does."""
         self.waiting += 1
         try:
+            if self.config.dialect == VLLM:
+                await self._awake.wait()
             if self._slots is not None:
                 await self._slots.acquire()
         finally:
@@ -1164,6 +1319,13 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
                         help="rank 0's rendezvous address, host:port (rank 0 listens there)")
     parser.add_argument("--join-timeout", type=_non_negative_float, default=600.0,
                         help="seconds a rank above 0 keeps trying to join rank 0")
+    parser.add_argument(
+        "--dialect",
+        choices=DIALECTS,
+        default=None,
+        help="speak this engine's HTTP dialect (paths, answers, metric names); "
+        "default: the sim's own, vLLM's paths",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level")
     args = parser.parse_args(argv)
     leader = None
@@ -1193,6 +1355,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
         world_size=args.world_size,
         leader=leader,
         join_timeout_s=args.join_timeout,
+        dialect=args.dialect,
     )
 
 

@@ -11,10 +11,19 @@ only ``/v1`` paths in some versions: the engine port must be reachable from the 
 plane's network only, as it already should be. Tested here against the command line
 only (no GPU on the test machines).
 
+The plan runs vLLM's CLI, ``python -m vllm.entrypoints.cli.main serve`` (what the
+``vllm serve`` script runs), not the older ``python -m vllm.entrypoints.openai.api_server``:
+in vLLM 0.33 that module is deprecated and always starts an API server, whatever
+``--headless`` says (vllm/entrypoints/launchers/api_server/entry.py); only ``serve``
+turns ``--headless`` into a rank that runs its workers and no HTTP
+(vllm/entrypoints/cli/serve.py, ``run_headless``).
+
 Multi-node replicas use vLLM's multiprocessing executor, which needs no Ray cluster
-(``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``; documented for the
-mp backend since late 2025, so assumed present in the vLLM 0.33 this targets). Every
-rank runs the same command; ranks other than 0 add ``--headless`` and serve no HTTP.
+(``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``: vLLM 0.33's
+vllm/engine/arg_utils.py). Every rank runs the same command; ranks other than 0 add
+``--headless`` and serve no HTTP. Every command line this adapter can build parses with
+vLLM 0.33.0's own parser (``python -m bench.engine_contract``,
+bench/results/engine_contract.md).
 """
 
 from __future__ import annotations
@@ -51,7 +60,9 @@ _FLAGS: dict[str, tuple[str, ArgKind]] = {
 
 ALLOWED_ARGS: frozenset[str] = ALLOWED_ENGINE_ARGS[EngineKind.VLLM]
 
-ENTRY_MODULE = "vllm.entrypoints.openai.api_server"
+#: vLLM's CLI module and the subcommand that serves (see the module docstring).
+ENTRY_MODULE = "vllm.entrypoints.cli.main"
+SERVE_COMMAND = "serve"
 
 #: The variable that makes vLLM serve its sleep endpoints, and its value.
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
@@ -74,7 +85,7 @@ class VllmAdapter:
         reject_unknown_args(self.kind, spec.engine_args, ALLOWED_ARGS)
         layout = parallelism(spec)
         argv = [
-            self.python, "-m", ENTRY_MODULE,
+            self.python, "-m", ENTRY_MODULE, SERVE_COMMAND,
             "--model", spec.source,
             "--served-model-name", spec.model_id,
             "--host", host,

@@ -48,7 +48,14 @@ class WordArg:
     may not start with '-', where it would read as a flag."""
 
 
-ArgRule = IntArg | NumberArg | FlagArg | WordArg
+@dataclass(frozen=True, slots=True)
+class ChoiceArg:
+    """One of ``values``."""
+
+    values: tuple[str, ...]
+
+
+ArgRule = IntArg | NumberArg | FlagArg | WordArg | ChoiceArg
 
 #: The longest context any model is trained for is 10M tokens (Llama 4 Scout); 16M leaves
 #: room for the next without letting ctx_size=10**15 through to an engine that would try
@@ -90,6 +97,8 @@ ENGINE_ARG_RULES: dict[EngineKind, dict[str, ArgRule]] = {
     # ``weights_bytes``: what it keeps of that while asleep (the rest, its "KV cache", is
     # freed); absent: all of it. ``wake_time_s``: how long a wake takes.
     # ``max_num_seqs``: requests it runs at once, as vLLM's; the rest wait in its queue.
+    # ``dialect``: the engine whose HTTP dialect it speaks, as that engine's source has it
+    # (agent/engines/sim_server.py); absent: the sim's own, vLLM's paths.
     EngineKind.SIM: {"load_time_s": NumberArg(0.0, MAX_SIM_SECONDS),
                      "tokens_per_second": NumberArg(0.0, MAX_SIM_TOKENS_PER_SECOND),
                      "fail_at_start": FlagArg(),
@@ -97,7 +106,8 @@ ENGINE_ARG_RULES: dict[EngineKind, dict[str, ArgRule]] = {
                      "hang": FlagArg(), "memory_bytes": IntArg(0, MAX_MEMORY_BYTES),
                      "weights_bytes": IntArg(0, MAX_MEMORY_BYTES),
                      "wake_time_s": NumberArg(0.0, MAX_SIM_SECONDS),
-                     "max_num_seqs": _SEQUENCES},
+                     "max_num_seqs": _SEQUENCES,
+                     "dialect": ChoiceArg(("vllm", "sglang"))},
 }
 
 #: Each engine's allow-list (the names of :data:`ENGINE_ARG_RULES`).
@@ -166,6 +176,9 @@ def _check_value(field: str, value: Any, rule: ArgRule) -> None:
         case FlagArg():
             if not isinstance(value, bool):
                 raise EngineConfigError(field, value, "must be true or false")
+        case ChoiceArg(values=values):
+            if not isinstance(value, str) or value not in values:
+                raise EngineConfigError(field, value, f"must be one of {', '.join(values)}")
         case WordArg():
             if not isinstance(value, str) or _WORD.match(value) is None:
                 raise EngineConfigError(

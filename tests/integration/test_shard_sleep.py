@@ -235,3 +235,33 @@ async def test_a_stop_of_a_queued_wake_stops_the_engine(
     await m.stop(ReplicaId("r-load"), grace_s=5)
     with pytest.raises(ShardStartError):
         await loading
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+async def test_sleep_and_wake_in_each_engines_dialect(
+        managers: Callable[..., ShardManager], dialect: str) -> None:
+    """The agent's calls against a sim speaking vLLM's or SGLang's dialect: SGLang's
+    release and resume of the KV cache (no way to ask whether it sleeps: the agent's record
+    decides), vLLM's sleep and wake (the engine says)."""
+    m = managers()
+    endpoint = await m.start(_spec("r-d", dialect=dialect), _quiet)
+    assert endpoint.url is not None
+    key = derive_engine_key(derive_node_key(SECRET, NODE).encode(), ReplicaId("r-d"))
+    auth = {"Authorization": f"Bearer {key}"}
+    body = {"prompt": "x", "max_tokens": 1}
+    for _ in range(2):  # the second of each changes nothing
+        await m.sleep(ReplicaId("r-d"))
+        report = _report(m, "r-d")
+        assert report is not None and report.sleeping
+    async with httpx.AsyncClient(base_url=endpoint.url, headers=auth) as client:
+        if dialect == "sglang":
+            # Released: it refuses work (vLLM would queue it until the wake).
+            refused = await client.post("/v1/completions", json=body)
+            assert refused.status_code == 503
+        else:
+            assert (await client.get("/is_sleeping")).json() == {"is_sleeping": True}
+        for _ in range(2):
+            await m.wake(ReplicaId("r-d"), lambda: None)
+            report = _report(m, "r-d")
+            assert report is not None and not report.sleeping
+        assert (await client.post("/v1/completions", json=body)).status_code == 200

@@ -68,7 +68,8 @@ def flag(argv: list[str], name: str) -> str:
 def test_vllm_single_gpu_plan() -> None:
     plan = plan_for(shard(EngineKind.VLLM, gpu_indices=[3]))
     argv = plan.argv
-    assert argv[:3] == [PY, "-m", "vllm.entrypoints.openai.api_server"]
+    # vLLM's CLI: only `serve` honours --headless (agent/engines/vllm.py).
+    assert argv[:4] == [PY, "-m", "vllm.entrypoints.cli.main", "serve"]
     assert flag(argv, "--model") == "Qwen/Qwen2.5-7B-Instruct"
     assert flag(argv, "--served-model-name") == "qwen-7b"
     assert (flag(argv, "--host"), flag(argv, "--port")) == ("10.1.2.3", "8200")
