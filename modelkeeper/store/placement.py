@@ -530,11 +530,12 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
         leader: str | None = None
         leader_port: int | None = None
         if len(result.assignments) > 1:
-            rendezvous = await _claim_rendezvous(
-                conn, next(a.node_id for a in result.assignments if a.rank == 0))
+            rendezvous = await _claim_rendezvous(conn, result.node_ids)
             if isinstance(rendezvous, CantPlace):
                 return rendezvous
-            leader, leader_port = format_address(*rendezvous), rendezvous[1]
+            rank0, leader, leader_port = (rendezvous[0], format_address(*rendezvous[1:]),
+                                          rendezvous[2])
+            result = _with_rank0(result, rank0)
         gen = args.generation
         await conn.execute(
             "INSERT INTO replicas (replica_id, deployment_id, state, started_at, generation, "
@@ -561,22 +562,30 @@ async def _claim(conn: asyncpg.Connection, args: _ClaimArgs, *,
         return shards
 
 
-async def _claim_rendezvous(conn: asyncpg.Connection,
-                            node_id: NodeId) -> tuple[str, int] | CantPlace:
-    """Rank 0's rendezvous on ``node_id``: its registered address and a port of its engine
-    range that no other replica's rendezvous holds (:func:`rendezvous_port`). Called under
-    the node's lock (or the placement lock held exclusively), which every other claim of
-    a port there also holds: the read and the insert that follows see every such port."""
-    row = await conn.fetchrow(
-        "SELECT n.name, n.address, n.engine_port_low, n.engine_port_high, "
+async def _claim_rendezvous(conn: asyncpg.Connection, node_ids: list[NodeId],
+                            ) -> tuple[NodeId, str, int] | CantPlace:
+    """Rank 0's node and rendezvous among the replica's ``node_ids`` (rank order, rank 0
+    first, as placement wants it): the first that can host one, with its registered address
+    and a port of its engine range that no other replica's rendezvous holds
+    (:func:`rendezvous_port`). Another of the chosen nodes takes rank 0 only when placement's
+    own rank 0 cannot (an agent that registered no ports, a range all rendezvous).
+
+    Called under the chosen nodes' locks (or the placement lock held exclusively), which
+    every other claim of a port there also holds: the read and the insert that follows see
+    every such port."""
+    rows = {row["node_id"]: row for row in await conn.fetch(
+        "SELECT n.node_id, n.name, n.address, n.engine_port_low, n.engine_port_high, "
         "COALESCE((SELECT array_agg(a.rendezvous_port) FROM allocations a "
         "          WHERE a.node_id = n.node_id AND a.rendezvous_port IS NOT NULL), "
         "         '{}') AS taken "
-        "FROM nodes n WHERE n.node_id = $1", node_id)
-    assert row is not None  # placed there in this transaction, and nodes are not deleted
-    low, high = row["engine_port_low"], row["engine_port_high"]
-    port = None if low is None else rendezvous_port(low, high, set(row["taken"]))
-    if row["address"] is None or port is None:
+        "FROM nodes n WHERE n.node_id = ANY($1::text[])", node_ids)}
+    rejections = []
+    for node_id in node_ids:
+        row = rows[node_id]  # placed there in this transaction; nodes are not deleted
+        low, high = row["engine_port_low"], row["engine_port_high"]
+        port = None if low is None else rendezvous_port(low, high, set(row["taken"]))
+        if row["address"] is not None and port is not None:
+            return node_id, row["address"], port
         # An agent that registered without ports or address is older than either field:
         # it could not host rank 0 anyway (it knows no rendezvous).
         message = ("rank 0 of a multi-node replica needs the node's address and engine "
@@ -584,11 +593,21 @@ async def _claim_rendezvous(conn: asyncpg.Connection,
                    or low is None else
                    f"rank 0 of a multi-node replica needs a rendezvous port, and every "
                    f"engine port {low}-{high} is another replica's")
-        rejection = Rejection(node_id=node_id, node_name=row["name"],
-                              reason_code=RejectionReason.NO_RENDEZVOUS, message=message)
-        return CantPlace(rejections=[rejection], needed_nodes=1,
-                         summary=f"node {row['name']}: {message}")
-    return row["address"], port
+        rejections.append(Rejection(node_id=node_id, node_name=row["name"],
+                                    reason_code=RejectionReason.NO_RENDEZVOUS,
+                                    message=message))
+    return CantPlace(rejections=rejections, needed_nodes=1,
+                     summary="; ".join(f"node {r.node_name}: {r.message}" for r in rejections))
+
+
+def _with_rank0(placement: Placement, node_id: NodeId) -> Placement:
+    """``placement`` with ``node_id``'s shard as rank 0 and the others after it in their
+    order; itself when that is rank 0 already."""
+    if placement.assignments[0].node_id == node_id:
+        return placement
+    ordered = sorted(placement.assignments, key=lambda a: (a.node_id != node_id, a.rank))
+    return placement.model_copy(update={"assignments": [
+        a.model_copy(update={"rank": rank}) for rank, a in enumerate(ordered)]})
 
 
 def _counts_across_nodes(request: PlacementRequest) -> bool:

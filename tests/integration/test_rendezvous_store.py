@@ -101,20 +101,42 @@ async def test_rank_0_rendezvous_ports_are_claimed_like_memory(store: Store) -> 
     assert r3.shards[1].leader_address == r3.shards[0].leader_address
 
 
-async def test_a_node_whose_agent_gave_no_engine_ports_cannot_host_rank_0(
+async def test_a_node_that_cannot_host_a_rendezvous_gives_rank_0_to_another(
         store: Store) -> None:
     await _node(store, "a", "10.0.0.1", PortRange(low=20000, high=20009))
-    # Rank 0 goes on the emptiest node: b, whose agent said nothing of its ports.
+    # Placement puts rank 0 on the emptiest node: b, whose agent said nothing of its ports.
     await store.nodes.register_node(AgentRegistration(
         node_id=NodeId("b"), name="b", inventory=Inventory(
             memory_total_bytes=128 * GIB, memory_available_bytes=128 * GIB, cpu_count=16)),
         address="10.0.0.2")
     spec = await _deployment(store, ["a", "b"])
 
-    refused = await _place(store, spec, "r1")
+    placed = await _place(store, spec, "r1")
 
-    assert refused.cant_place == ("node b: rank 0 of a multi-node replica needs the node's "
-                                  "address and engine ports, and its agent registered none")
+    assert [(s.node_id, s.rank) for s in placed.shards] == [("a", 0), ("b", 1)]
+    assert {s.leader_address for s in placed.shards} == {"10.0.0.1:20009"}
+    rows = await store._pool.fetch(
+        "SELECT node_id, rank, rendezvous_port FROM allocations ORDER BY rank")
+    assert [(r["node_id"], r["rank"], r["rendezvous_port"]) for r in rows] == [
+        ("a", 0, 20009), ("b", 1, None)]
+
+
+async def test_no_node_that_can_host_a_rendezvous_is_a_refusal_naming_each(
+        store: Store) -> None:
+    await _node(store, "a", "10.0.0.1", PortRange(low=20000, high=20000))
+    await _node(store, "b", "10.0.0.2", None)
+    spec = await _deployment(store, ["a", "b"])
+    first = await _place(store, spec, "r1")
+    assert first.shards[0].leader_address == "10.0.0.1:20000"
+
+    refused = await _place(store, spec, "r2")
+
+    assert refused.cant_place is not None
+    assert "node a: rank 0 of a multi-node replica needs a rendezvous port, and every " \
+           "engine port 20000-20000 is another replica's" in refused.cant_place
+    assert "node b: rank 0 of a multi-node replica needs the node's address and engine " \
+           "ports, and its agent registered none" in refused.cant_place
     # Nothing of a refused placement is claimed.
-    assert await store._pool.fetchval("SELECT count(*) FROM allocations") == 0
-    assert await store._pool.fetchval("SELECT count(*) FROM replicas") == 0
+    assert await store._pool.fetchval(
+        "SELECT count(*) FROM allocations WHERE replica_id = 'r2'") == 0
+    assert await store._pool.fetchval("SELECT count(*) FROM replicas") == 1
