@@ -748,6 +748,9 @@ def _notes(deployment: dict[str, Any]) -> str:
                        if r.get("profile")})
     if profiles:
         notes.append(f"profile {', '.join(profiles)}")
+    # A multi-node replica loading: how many of its shards are ready.
+    notes += [f"{r['replica_id']} loading, {r['shards_ready']}/{len(r['nodes'])} shards ready"
+              for r in deployment.get("replicas", []) if r.get("shards_ready") is not None]
     stale = [r["replica_id"] for r in deployment.get("replicas", []) if r.get("outdated")]
     if stale:
         notes.append(f"outdated: {', '.join(stale)}")

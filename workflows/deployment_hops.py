@@ -49,6 +49,7 @@ with workflow.unsafe.imports_passed_through():
         WakeShardInput,
         WatchShardInput,
     )
+    from modelkeeper.domain.status import ReplicaState
     from modelkeeper.domain.store_activities import (
         DeleteDeploymentInput,
         EvictionFound,
@@ -298,6 +299,9 @@ async def stop_shards(replica_id: ReplicaId, specs: list[ShardSpec], tunables: T
             await task
 
 
+#: A multi-node replica's progress while it starts is shown, not needed: one retry, and a
+#: store that does not answer costs the progress alone.
+PROGRESS_RETRY = RetryPolicy(maximum_attempts=2)
 #: How long a multi-node replica's watch waits, once one shard has ended, for the others
 #: to say how they ended: a rank that dies takes the others down within a second or two
 #: (the engines' process group breaks), and the status then names the first cause and what
@@ -354,9 +358,25 @@ async def start(replica_id: ReplicaId, deployment_id: DeploymentId, specs: list[
 async def _start_shards_together(
         replica_id: ReplicaId, deployment_id: DeploymentId, specs: list[ShardSpec],
         tasks: list[asyncio.Task[ShardEndpoint]]) -> tuple[Started | StartFailed, NewEvent | None]:
-    """:func:`start` for a replica of several shards."""
+    """:func:`start` for a replica of several shards: each shard that becomes ready while
+    others load is written to the replica's row (``shards_ready``), so its status reads
+    "loading, 1/2 shards ready" (best effort: a store outage costs the progress, not the
+    start)."""
     try:
-        await workflow.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        while not all(t.done() for t in tasks):
+            done, _ = await workflow.wait([t for t in tasks if not t.done()],
+                                          return_when=asyncio.FIRST_COMPLETED)
+            if any(t.exception() is not None for t in done):
+                break
+            ready = sum(1 for t in tasks if t.done())
+            if ready < len(tasks):
+                with contextlib.suppress(ActivityError):
+                    await workflow.execute_activity(
+                        stubs.record_replica_state, ReplicaStateUpdate(
+                            replica_id=replica_id, state=ReplicaState.STARTING,
+                            shards_ready=ready),
+                        task_queue=CONTROL_TASK_QUEUE, start_to_close_timeout=STORE_TIMEOUT,
+                        retry_policy=PROGRESS_RETRY)
     except asyncio.CancelledError:
         cancel_all(tasks)
         raise

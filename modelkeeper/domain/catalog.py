@@ -316,6 +316,9 @@ class ReplicaView(Frozen):
     outdated: bool = False
     #: The catalog model's hardware profile it runs; None: the model declares none.
     profile: str | None = None
+    #: A multi-node replica starting: how many of its shards (``nodes``) are ready; None
+    #: once it is ready, or for one shard.
+    shards_ready: int | None = None
 
 
 class DeploymentView(Frozen):
@@ -403,6 +406,8 @@ class ReplicaStateUpdate(Tolerant):
     replica_id: ReplicaId
     state: ReplicaState
     endpoint: str | None = None
+    #: A multi-node replica starting: how many of its shards are ready (None: not said).
+    shards_ready: int | None = Field(default=None, ge=0)
 
 
 #: llama.cpp maps the whole file and adds its KV cache and compute buffers. Measured here

@@ -290,11 +290,15 @@ class DeploymentStore:
                                    THEN now() ELSE ready_at END,
                    left_routing_at = CASE WHEN $2 = 'ready' THEN NULL
                                           WHEN state = 'ready' THEN clock_timestamp()
-                                          ELSE left_routing_at END
+                                          ELSE left_routing_at END,
+                   -- Kept by a write of 'starting' that does not say (the keeper's
+                   -- own, which may land after the workflow's progress), gone after.
+                   shards_ready = CASE WHEN $2 = 'starting'
+                                       THEN COALESCE($7, shards_ready) END
             WHERE replica_id = $1
             """,
             update.replica_id, update.state.value, endpoint, refused is not None, node_id,
-            key_epoch)
+            key_epoch, update.shards_ready)
         return refused
 
     async def release_replica(self, replica_id: str) -> bool:
@@ -352,7 +356,7 @@ def _policy_json(policy: ScalingPolicy | None) -> dict[str, Any] | None:
 _REPLICA_SELECT = """
     SELECT r.replica_id, r.deployment_id, d.model_id, r.state, r.endpoint, r.started_at,
            r.ready_at, r.generation, r.runs_model_id, r.generation < d.generation AS outdated,
-           r.profile,
+           r.profile, r.shards_ready,
            COALESCE((SELECT array_agg(a.node_id ORDER BY a.rank) FROM allocations a
                      WHERE a.replica_id = r.replica_id), '{}') AS nodes
     FROM replicas r JOIN deployments d USING (deployment_id)

@@ -12,11 +12,12 @@ import pytest
 from temporalio.testing import ActivityEnvironment
 
 from activities.store import StoreActivities
-from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest
+from modelkeeper.domain.catalog import CatalogModel, DeploymentRequest, ReplicaStateUpdate
 from modelkeeper.domain.ids import DeploymentId, ModelId, NodeId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec
 from modelkeeper.domain.nodes import AgentRegistration, Inventory, PortRange
 from modelkeeper.domain.shards import EngineKind
+from modelkeeper.domain.status import ReplicaState
 from modelkeeper.domain.store_activities import PlaceReplicaInput, PlaceReplicaResult
 from modelkeeper.names import deployment_workflow_id
 from modelkeeper.settings import Settings
@@ -140,3 +141,25 @@ async def test_no_node_that_can_host_a_rendezvous_is_a_refusal_naming_each(
     assert await store._pool.fetchval(
         "SELECT count(*) FROM allocations WHERE replica_id = 'r2'") == 0
     assert await store._pool.fetchval("SELECT count(*) FROM replicas") == 1
+
+
+async def test_a_starting_replicas_shards_ready_is_kept_until_it_is_ready(
+        store: Store) -> None:
+    await _node(store, "a", "10.0.0.1", PortRange(low=20000, high=20009))
+    await _node(store, "b", "10.0.0.2", PortRange(low=20000, high=20009))
+    spec = await _deployment(store, ["a", "b"])
+    await _place(store, spec, "r1")
+
+    async def shown() -> int | None:
+        [replica] = await store.deployments.list_replicas()
+        return replica.shards_ready
+
+    starting = ReplicaStateUpdate(replica_id=ReplicaId("r1"), state=ReplicaState.STARTING)
+    await store.deployments.record_replica_state(starting.model_copy(update={"shards_ready": 1}))
+    assert await shown() == 1
+    # The keeper's own write of 'starting', which says nothing of shards, keeps it.
+    await store.deployments.record_replica_state(starting)
+    assert await shown() == 1
+    await store.deployments.record_replica_state(
+        ReplicaStateUpdate(replica_id=ReplicaId("r1"), state=ReplicaState.READY))
+    assert await shown() is None

@@ -605,3 +605,15 @@ def test_ls_names_the_model_behind_a_switched_name_outdated_replicas_and_shared_
     assert text(["ls"], deployments).splitlines()[1] == (
         "d7  chat   serving  2/2    -       0         runs chat-v2; outdated: d7-r3; d7-r4 "
         "shares node n1 with another replica of d7: no other node has room")
+
+
+def test_ls_shows_a_multi_node_replicas_progress_while_it_loads() -> None:
+    deployments = [
+        {"deployment_id": "d8", "model_id": "big", "status": "starting", "ready_replicas": 0,
+         "desired_replicas": 1, "consecutive_failures": 0, "placement_error": None,
+         "last_failure": None, "workflow_id": "w8",
+         "replicas": [{"replica_id": "d8-r1", "nodes": ["a", "b", "c", "d"],
+                       "shards_ready": 2}]},
+    ]
+    assert text(["ls"], deployments).splitlines()[1].endswith(
+        "d8-r1 loading, 2/4 shards ready")

@@ -68,6 +68,7 @@ class TwoNodes:
     stopped: list[tuple[str, NodeId]] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     events: list[NewEvent] = field(default_factory=list)
+    states: list[tuple[str, str, int | None]] = field(default_factory=list)
 
     def control(self) -> list[Any]:
         @activity.defn(name="place_replica")
@@ -79,7 +80,7 @@ class TwoNodes:
 
         @activity.defn(name="record_replica_state")
         async def record_replica_state(update: ReplicaStateUpdate) -> None:
-            pass
+            self.states.append((update.replica_id, update.state.value, update.shards_ready))
 
         @activity.defn(name="release_replica")
         async def release_replica(req: ReleaseReplicaInput) -> None:
@@ -133,6 +134,12 @@ class TwoNodes:
                 except asyncio.CancelledError:
                     self.start_cancelled.append((replica, rank))
                     raise
+            if rank == 0:
+                # Rank 0 serves once rank 1 has joined: by then the workflow has written
+                # that one shard of two is ready.
+                while (replica, "starting", 1) not in self.states:
+                    activity.heartbeat()
+                    await asyncio.sleep(0.05)
             self.crash[(replica, rank)] = asyncio.Event()
             return ShardEndpoint(replica_id=replica, node_id=node_id, rank=rank,
                                  url=f"http://engine/{replica}" if rank == 0 else None,
@@ -208,6 +215,8 @@ async def test_a_multi_node_replica_fails_at_its_first_failed_shard_and_names_ea
                 await env.sleep(5)
 
         await asyncio.wait_for(serving(), 30)
+        # Its progress was shown while rank 0 loaded: "1 of its 2 shards ready".
+        assert ("d1-r2", "starting", 1) in cluster.states
 
         # Rank 1 is killed; rank 0 exits when the group breaks: the exit names both, the
         # cause first, and the replica is replaced whole.
