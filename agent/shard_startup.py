@@ -156,6 +156,10 @@ class ShardStartup:
         self._adapter_factory = adapter_factory
         self._locks: dict[ReplicaId, asyncio.Lock] = {}
         self._port_lock = asyncio.Lock()
+        #: The port each replica's engine was last launched on, until the replica is
+        #: stopped here (forget_port): a relaunch in place takes it again if it is free,
+        #: so the replica's endpoint does not change, and other launches pass it over.
+        self._last_ports: dict[ReplicaId, int] = {}
         self._launcher = launcher
         self._http = http
         self._gate = gate
@@ -214,6 +218,10 @@ class ShardStartup:
                 # Ready, failed or cancelled: it loads no more, the next in line may.
                 self._gate.leave(spec.replica_id)
             return live.endpoint(self.node_id)
+
+    def forget_port(self, replica_id: ReplicaId) -> None:
+        """The replica was stopped here: its port is no longer kept for a relaunch."""
+        self._last_ports.pop(replica_id, None)
 
     async def _fetch(self, spec: ShardSpec,
                      on_progress: Callable[[FetchProgress], None]) -> ShardSpec:
@@ -295,8 +303,13 @@ class ShardStartup:
                 raise ShardStartError(ShardExit(
                     replica_id=spec.replica_id, kind=ExitKind.ERROR,
                     detail=f"rank 0's rendezvous port {own} on node {self.node_id} is in use"))
+            # A relaunch takes the port it had if it is free (its endpoint stays what it
+            # was); other launches pass over the ports kept for relaunches.
+            kept = {p for rid, p in self._last_ports.items() if rid != spec.replica_id}
             port = choose_port(*self._ports, taken | ({own} if own is not None else set()),
-                               lambda p: port_is_free(self._host, p))
+                               lambda p: port_is_free(self._host, p),
+                               prefer=self._last_ports.get(spec.replica_id), kept=kept)
+            self._last_ports[spec.replica_id] = port
             key = self._table.engine_key(spec.replica_id)
             plan = adapter.launch_plan(spec, host=self._host, port=port, api_key=key)
             env = engine_environment(os.environ, plan.env, node_id=self.node_id,

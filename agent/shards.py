@@ -336,6 +336,8 @@ class ShardManager:
         wake queued there is taken out too (it fails as stopped), and its engine, which
         runs asleep, is stopped.
         """
+        # Stopped on request: the replica is not relaunched here, its port need not wait.
+        self._startup.forget_port(replica_id)
         if self._gate.remove_waiter(replica_id) and replica_id not in self._shards:
             log.info("%s stopped while queued at the start-up gate", replica_id)
             return ShardExit(replica_id=replica_id, kind=ExitKind.STOPPED,

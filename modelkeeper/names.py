@@ -123,6 +123,9 @@ PATCH_PREEMPTION = "capacity-preemption"
 #: 0.3: a multi-node replica's start fails at its first failed shard, and its status
 #: names each shard that ended (issue 23; docs/engines.md).
 PATCH_MULTI_NODE = "multi-node-shards"
+#: 0.3: an engine that exits after ready is relaunched in place first
+#: (modelkeeper.domain.relaunch).
+PATCH_RELAUNCH = "relaunch-in-place"
 QUERY_STATUS = "status"
 #: A deployment as a saga sees it (modelkeeper.domain.moves.DeploymentBrief).
 QUERY_BRIEF = "brief"

@@ -56,6 +56,7 @@ with workflow.unsafe.imports_passed_through():
         PreemptAsked,
         ProbeReplica,
         ProbeResult,
+        RelaunchReplica,
         Retry,
         Scale,
         SeekRoom,
@@ -101,6 +102,7 @@ with workflow.unsafe.imports_passed_through():
         ERROR_DELETING,
         ERROR_MOVE_REFUSED,
         PATCH_PREEMPTION,
+        PATCH_RELAUNCH,
         QUERY_BRIEF,
         QUERY_STATUS,
         SIGNAL_DELETE,
@@ -412,10 +414,14 @@ class DeploymentWorkflow:
         """
         # Patch 1 of 0.3 (docs/keeper.md, "Patches and replay"): a deployment that fits
         # nowhere seeks room from what it outranks (find_eviction), where 0.2 only waited.
-        # Read once, before any command: a run replaying a 0.2 history keeps 0.2's path
-        # to its end; its next run (continue-as-new) takes the new one.
+        # Patch 2: an engine that exits after ready is relaunched in place first, where
+        # it was replaced at once. Each read once, before any command, in this order: a
+        # run replaying an older history keeps its path to its end; its next run
+        # (continue-as-new) takes the new one.
+        preemption = workflow.patched(PATCH_PREEMPTION)
+        relaunch = workflow.patched(PATCH_RELAUNCH)
         self.state = self.state.model_copy(update={"config": self.state.config.model_copy(
-            update={"preemption": workflow.patched(PATCH_PREEMPTION)})})
+            update={"preemption": preemption, "relaunch": relaunch})})
         self._writer.start()
         for action in resume(self.state.keeper):
             self._launch(action)
@@ -576,6 +582,16 @@ class DeploymentWorkflow:
             case PlaceReplica():
                 self._spawn(action.replica_id, self._place(action.replica_id), busy=True)
             case StartReplica():
+                self._spawn(action.replica_id, self._start(action.replica_id), busy=True)
+            case RelaunchReplica():
+                # The same start, on the shards it has (same nodes, same claim): its watch
+                # ended with the exit, so nothing else runs for it.
+                self._writer.record(NewEvent(
+                    kind="replica.relaunched", deployment_id=self.state.keeper.spec.deployment_id,
+                    replica_id=action.replica_id, message=action.reason,
+                    data={"attempt": action.attempt, "tries": action.tries,
+                          "window_s": action.window_s,
+                          "nodes": [s.node_id for s in self._replica_nodes(action.replica_id)]}))
                 self._spawn(action.replica_id, self._start(action.replica_id), busy=True)
             case WatchReplica():
                 self._spawn(action.replica_id, self._watch(action.replica_id))

@@ -418,7 +418,8 @@ async def watch(replica_id: ReplicaId, deployment_id: DeploymentId, specs: list[
         # quiet. Not lost yet: the keeper probes before giving up on it.
         return Silent(replica_id=replica_id), None
     detail = f"{ended.kind.value}: {ended.detail}"
-    return Exited(replica_id=replica_id, detail=detail), engine_log_event(
+    return Exited(replica_id=replica_id, detail=detail,
+                  exit_kind=ended.kind), engine_log_event(
         "replica.exited", deployment_id, replica_id, message=detail, ended=ended)
 
 

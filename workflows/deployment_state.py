@@ -131,7 +131,8 @@ def unwritten(state: DeploymentWorkflowState) -> ReplicaStateUpdate | Deployment
         stored = stored_state(replica)
         if stored is not None and written.get(replica.replica_id) != stored.value:
             return ReplicaStateUpdate(replica_id=replica.replica_id, state=stored,
-                                      endpoint=replica.endpoint)
+                                      endpoint=replica.endpoint,
+                                      relaunch_note=replica.relaunch_note)
     current = status_update(state.keeper)
     return current if current != state.written_status else None
 

@@ -319,6 +319,9 @@ class ReplicaView(Frozen):
     #: A multi-node replica starting: how many of its shards (``nodes``) are ready; None
     #: once it is ready, or for one shard.
     shards_ready: int | None = None
+    #: Its engine's last relaunch in place, and why ("engine exited (signalled: killed
+    #: by SIGKILL); relaunched in place on n1, try 1 of 3 in 600 s"); None: never.
+    relaunch_note: str | None = None
 
 
 class DeploymentView(Frozen):
@@ -408,6 +411,8 @@ class ReplicaStateUpdate(Tolerant):
     endpoint: str | None = None
     #: A multi-node replica starting: how many of its shards are ready (None: not said).
     shards_ready: int | None = Field(default=None, ge=0)
+    #: The keeper's word on its last relaunch in place (Replica.relaunch_note); None: never.
+    relaunch_note: str | None = None
 
 
 #: llama.cpp maps the whole file and adds its KV cache and compute buffers. Measured here

@@ -14,6 +14,12 @@ The rules, each guarded by a test:
 * A replica lost before it was ready is a failed start: the next placement waits
   ``backoff_initial_s``, doubling to ``backoff_max_s``, with jitter. A replica lost after
   it was ready is replaced at once and the backoff resets.
+* Relaunch in place (modelkeeper.domain.relaunch, patch ``relaunch-in-place``): the
+  engine of a ready replica on one node that exits is first started again where it ran,
+  in its claim (RelaunchReplica: the replica back in starting, out of routing), at most
+  ``relaunch_tries`` times in ``relaunch_window_s``; an OOM kill, a replica over several
+  nodes, or one more exit in the window is lost after ready, as above. A relaunch that
+  does not become ready is lost after ready too, not a failed start.
 * ``park_after`` failed starts in a row park the deployment until its spec changes or
   a retry is asked for.
 * Nothing fits: the reason is kept (status cant_place) and placement is retried at once
@@ -115,6 +121,8 @@ from .moves import (
     MoveState,
     ReplicaBrief,
 )
+from .relaunch import Relaunch, Replace, relaunch_verdict
+from .shards import ExitKind
 from .status import DeploymentStatus, ReplicaState
 from .topology import Spread
 from .tunables import Tunables
@@ -178,6 +186,13 @@ class Replica(Tolerant):
     wake_wanted: bool = False
     #: Its engine can sleep (vLLM, SGLang, sim; not llama.cpp), from its placement.
     can_sleep: bool = False
+    #: Relaunch in place (modelkeeper.domain.relaunch): when its engine was relaunched,
+    #: those still in the window; whether a relaunch is starting now; and what the last
+    #: one said ("engine exited (...); relaunched in place on n1, try 1 of 3 in 600 s"),
+    #: written with its state to the store.
+    relaunched_at: list[datetime] = Field(default_factory=list)
+    relaunching: bool = False
+    relaunch_note: str | None = None
 
 
 class DeploymentSpec(Tolerant):
@@ -233,6 +248,15 @@ class KeeperConfig(Tolerant):
     #: from what it outranks (SeekRoom), not only one asked for on demand. False replays
     #: 0.2's histories; the workflow sets it from ``workflow.patched`` at each run's start.
     preemption: bool = False
+    #: Relaunch in place (modelkeeper.domain.relaunch): at most this many in this window;
+    #: 0 tries turns it off.
+    relaunch_tries: int = Field(default=_DEFAULTS.relaunch_tries, ge=0)
+    relaunch_window_s: float = Field(default=_DEFAULTS.relaunch_window_s, gt=0)
+    #: Patch ``relaunch-in-place``: an engine that exits after ready is relaunched in
+    #: place first. False replays the histories recorded before it (an exit after ready
+    #: is replaced at once); the workflow sets it from ``workflow.patched`` at each run's
+    #: start, as ``preemption``.
+    relaunch: bool = False
 
     @classmethod
     def of(cls, tunables: Tunables) -> KeeperConfig:
@@ -247,7 +271,9 @@ class KeeperConfig(Tolerant):
                    room_watch_max_s=tunables.room_watch_max_s,
                    cant_place_backstop_s=tunables.cant_place_backstop_s,
                    max_surge=tunables.max_surge,
-                   preempt_grace_s=tunables.preempt_grace_s)
+                   preempt_grace_s=tunables.preempt_grace_s,
+                   relaunch_tries=tunables.relaunch_tries,
+                   relaunch_window_s=tunables.relaunch_window_s)
 
 
 class Move(Tolerant):
@@ -390,6 +416,8 @@ class Exited(Frozen):
     kind: Literal["exited"] = "exited"
     replica_id: ReplicaId
     detail: str
+    #: How it ended, as its agent classified it; None: not known.
+    exit_kind: ExitKind | None = None
 
 
 class Silent(Frozen):
@@ -616,6 +644,20 @@ class WatchReplica(Frozen):
     replica_id: ReplicaId
 
 
+class RelaunchReplica(Frozen):
+    """Start a ready replica's exited engine again where it ran, in its claim
+    (modelkeeper.domain.relaunch), and say so in the audit log."""
+
+    kind: Literal["relaunch"] = "relaunch"
+    replica_id: ReplicaId
+    #: "engine exited (signalled: killed by SIGKILL); relaunched in place on n1, try 1
+    #: of 3 in 600 s"
+    reason: str
+    attempt: int
+    tries: int
+    window_s: float
+
+
 class ProbeReplica(Frozen):
     """Ask an unreachable replica's agents whether it still runs."""
 
@@ -665,7 +707,7 @@ class SeekRoom(Frozen):
 
 
 Action = (PlaceReplica | StartReplica | WatchReplica | ProbeReplica | StopReplica | Finish
-          | SleepReplica | WakeReplica | SeekRoom)
+          | SleepReplica | WakeReplica | SeekRoom | RelaunchReplica)
 
 # -- the decision ------------------------------------------------------------------------
 
@@ -782,7 +824,7 @@ def _observe(state: KeeperState, obs: Observation, *, now: datetime, config: Kee
             return _on_start_failed(state, obs, now=now, config=config, jitter=jitter,
                                     actions=actions)
         case Exited():
-            return _on_exited(state, obs, actions=actions)
+            return _on_exited(state, obs, now=now, config=config, actions=actions)
         case Silent():
             return _on_silent(state, obs, now=now, config=config, actions=actions)
         case ProbeResult():
@@ -1003,8 +1045,10 @@ def _on_started(state: KeeperState, obs: Started, *, now: datetime,
     replica = _replica_in(state, obs.replica_id, Phase.STARTING)
     if replica is None:
         return state
+    # A relaunch keeps its note (what happened to it, for its stored state) and the
+    # window's relaunches (the next verdict counts them).
     ready = replica.model_copy(update={"phase": Phase.READY, "endpoint": obs.endpoint,
-                                       "ready_at": now})
+                                       "ready_at": now, "relaunching": False})
     actions.append(WatchReplica(replica_id=replica.replica_id))
     state = _replace(state, ready).model_copy(update={
         "consecutive_failures": 0, "next_attempt_at": None})
@@ -1020,6 +1064,12 @@ def _on_start_failed(state: KeeperState, obs: StartFailed, *, now: datetime,
     replica = _replica_in(state, obs.replica_id, Phase.STARTING)
     if replica is None:
         return state
+    if replica.relaunching:
+        # A relaunch that does not become ready is not a failed start of the deployment
+        # (it served on this node until just now): the replica is lost after ready,
+        # replaced at once, as an exit with no try left.
+        return _lost_after_ready(state, replica, f"relaunch in place failed: {obs.error}",
+                                 actions)
     if replica.move_id is not None:
         # The move's new replica failed to start: the move fails (its saga decides what next),
         # not the deployment: no failed-start count, no backoff, no park.
@@ -1034,12 +1084,43 @@ def _on_start_failed(state: KeeperState, obs: StartFailed, *, now: datetime,
         now + timedelta(seconds=backoff_s(failures, config, jitter))})
 
 
-def _on_exited(state: KeeperState, obs: Exited, *, actions: list[Action]) -> KeeperState:
+def _on_exited(state: KeeperState, obs: Exited, *, now: datetime, config: KeeperConfig,
+               actions: list[Action]) -> KeeperState:
     replica = _replica_in(state, obs.replica_id, Phase.READY, Phase.UNREACHABLE,
                           Phase.SLEEPING, Phase.WAKING)
     if replica is None:
         return state
-    return _lost_after_ready(state, replica, obs.detail, actions)
+    if (not config.relaunch or config.relaunch_tries == 0 or state.deleting
+            or replica.phase is not Phase.READY):
+        # Only a ready engine's exit is relaunched: an unreachable replica's node went
+        # quiet, a sleeping or waking one's claim is shrunk, a deleted one is not wanted.
+        return _lost_after_ready(state, replica, obs.detail, actions)
+    verdict = relaunch_verdict(nodes=replica.nodes, exit_kind=obs.exit_kind,
+                               relaunched_at=replica.relaunched_at, now=now,
+                               tries=config.relaunch_tries,
+                               window_s=config.relaunch_window_s)
+    match verdict:
+        case Relaunch():
+            return _relaunch(state, replica, obs, verdict, actions)
+        case Replace():
+            why = obs.detail if verdict.reason is None else f"{obs.detail}; {verdict.reason}"
+            return _lost_after_ready(state, replica, why, actions)
+        case _:
+            assert_never(verdict)
+
+
+def _relaunch(state: KeeperState, replica: Replica, obs: Exited, verdict: Relaunch,
+              actions: list[Action]) -> KeeperState:
+    """Back to starting on its node, in its claim: its stored state (starting) takes its
+    endpoint out of routing until the engine is ready again."""
+    note = f"engine exited ({obs.detail}); {verdict.note}"
+    actions.append(RelaunchReplica(replica_id=replica.replica_id, reason=note,
+                                   attempt=verdict.attempt, tries=verdict.tries,
+                                   window_s=verdict.window_s))
+    state = _replace(state, replica.model_copy(update={
+        "phase": Phase.STARTING, "relaunching": True, "relaunch_note": note,
+        "relaunched_at": verdict.relaunched_at}))
+    return state.model_copy(update={"last_failure": f"{replica.replica_id}: {note}"})
 
 
 def _on_silent(state: KeeperState, obs: Silent, *, now: datetime, config: KeeperConfig,
@@ -2127,6 +2208,7 @@ def details(state: KeeperState) -> str:
         lines += ["", "| replica | phase | nodes |", "|---|---|---|"]
         lines += [f"| {r.replica_id} | {r.phase.value}{' (retiring)' if r.retiring else ''}"
                   f"{' (standby)' if r.standby else ''}"
+                  f"{' (relaunching in place)' if r.relaunching else ''}"
                   f"{' (outdated)' if r.replica_id in stale else ''}"
                   f"{f' (move {r.move_id})' if r.move_id else ''}"
                   f" | {', '.join(r.nodes) or '-'} |" for r in state.replicas]

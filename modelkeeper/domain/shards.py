@@ -3,7 +3,7 @@ control plane (which builds it) and the agent (which runs it)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from enum import StrEnum
 from typing import Any
 
@@ -226,17 +226,26 @@ def classify_exit(returncode: int | None, *, oom_kills_before: int | None,
     return ExitKind.SIGNALLED, f"killed by {name}"
 
 
-def choose_port(low: int, high: int, taken: set[int], is_free: Callable[[int], bool]) -> int:
-    """The first port in [low, high] that no shard of ours holds and nothing else listens on.
+def choose_port(low: int, high: int, taken: set[int], is_free: Callable[[int], bool], *,
+                prefer: int | None = None, kept: Collection[int] = ()) -> int:
+    """The port for an engine: ``prefer`` (the port its replica had, for a relaunch in
+    place: its endpoint stays what it was) when it is in [low, high], free and held by no
+    shard of ours; else the first port in [low, high] that no shard of ours holds and
+    nothing else listens on, passing over the ports ``kept`` for other replicas' relaunches
+    unless nothing else is free.
 
     ``is_free`` is asked last: a stray process (an engine from a crashed agent, anything
     else) can hold a port our own records think is free.
     """
-    for port in range(low, high + 1):
-        if port in taken:
-            continue
-        if is_free(port):
-            return port
+    if prefer is not None and low <= prefer <= high and prefer not in taken \
+            and is_free(prefer):
+        return prefer
+    for passing_over in ((set(kept), set()) if kept else (set(),)):
+        for port in range(low, high + 1):
+            if port in taken or port in passing_over:
+                continue
+            if is_free(port):
+                return port
     raise NoFreePortError(f"no free engine port in {low}-{high} ({len(taken)} held by shards)")
 
 

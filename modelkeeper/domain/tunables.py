@@ -47,6 +47,21 @@ class KeeperTunables(Tolerant):
         description="First wait before an unplaceable deployment's room watch tries a dry "
         "run of its placement (a node change retries it at once); each that still finds no "
         "room doubles the wait, up to 10 min.")
+    relaunch_tries: int = Field(
+        default=3, ge=0,
+        description="An engine that exits after it was ready is relaunched in place (same "
+        "node, same claim, its port if free, no new fetch) up to this many times within "
+        "relaunch_window_s; one more exit in the window releases the replica and places it "
+        "again. 3, as exo's keeper retries an instance: one crash costs a load, not a "
+        "placement. 0 turns relaunching off.",
+    )
+    relaunch_window_s: float = Field(
+        default=600.0, gt=0,
+        description="The window relaunch_tries counts in (sliding): an engine that crashes "
+        "more often than that is given up on its node and placed again, while one that "
+        "crashes once a day is relaunched each time. 10 min holds three loads of a large "
+        "model (minutes each) and their crashes.",
+    )
 
 
 class Tunables(KeeperTunables):

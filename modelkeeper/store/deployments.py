@@ -294,11 +294,14 @@ class DeploymentStore:
                    -- Kept by a write of 'starting' that does not say (the keeper's
                    -- own, which may land after the workflow's progress), gone after.
                    shards_ready = CASE WHEN $2 = 'starting'
-                                       THEN COALESCE($7, shards_ready) END
+                                       THEN COALESCE($7, shards_ready) END,
+                   -- A relaunch's note stays with the replica once said (a write that
+                   -- says none, the workflow's start progress, keeps it).
+                   relaunch_note = COALESCE($8, relaunch_note)
             WHERE replica_id = $1
             """,
             update.replica_id, update.state.value, endpoint, refused is not None, node_id,
-            key_epoch, update.shards_ready)
+            key_epoch, update.shards_ready, update.relaunch_note)
         return refused
 
     async def release_replica(self, replica_id: str) -> bool:
@@ -356,7 +359,7 @@ def _policy_json(policy: ScalingPolicy | None) -> dict[str, Any] | None:
 _REPLICA_SELECT = """
     SELECT r.replica_id, r.deployment_id, d.model_id, r.state, r.endpoint, r.started_at,
            r.ready_at, r.generation, r.runs_model_id, r.generation < d.generation AS outdated,
-           r.profile, r.shards_ready,
+           r.profile, r.shards_ready, r.relaunch_note,
            COALESCE((SELECT array_agg(a.node_id ORDER BY a.rank) FROM allocations a
                      WHERE a.replica_id = r.replica_id), '{}') AS nodes
     FROM replicas r JOIN deployments d USING (deployment_id)

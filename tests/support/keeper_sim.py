@@ -60,6 +60,7 @@ from modelkeeper.domain.keeper import (
     PlaceReplica,
     ProbeReplica,
     ProbeResult,
+    RelaunchReplica,
     Retry,
     Scale,
     Silent,
@@ -190,6 +191,15 @@ def check_step(before: KeeperState, obs: Observation, after: KeeperState,
                 _fail(f"{where}: start of {a.replica_id} leaves it {r.phase}")
             if after.deleting:
                 _fail(f"{where}: start of {a.replica_id} while deleting")
+        elif isinstance(a, RelaunchReplica):
+            # Only a ready replica's exit, on one node, back to starting in its claim.
+            if r.phase is not Phase.STARTING or not r.relaunching or was is None \
+                    or was.phase is not Phase.READY or not isinstance(obs, Exited) \
+                    or obs_rid != a.replica_id or len(r.nodes) != 1:
+                _fail(f"{where}: relaunch of {a.replica_id} from {was and was.phase} on "
+                      f"{obs!r}")
+            if after.deleting:
+                _fail(f"{where}: relaunch of {a.replica_id} while deleting")
         elif isinstance(a, WatchReplica):
             if r.phase is not Phase.READY or was is None or was.phase not in (
                     Phase.STARTING, Phase.UNREACHABLE):
@@ -355,6 +365,7 @@ class Stats:
     exited: int = 0
     silent: int = 0
     lost: int = 0  # replicas given up on after they had served
+    relaunched: int = 0  # engines relaunched in place (modelkeeper.domain.relaunch)
     adopted: int = 0  # unreachable replicas taken back when their agent vouched
     ignored: int = 0  # observations that changed nothing (late, stale or not ours)
     placed_while_deleting: int = 0
@@ -510,6 +521,10 @@ class Sim:
             self.after(self.knobs.slow_place_s if slow else self.knobs.place_s, self._place,
                        dep.deployment_id, action.replica_id)
         elif isinstance(action, StartReplica):
+            self._start(dep.deployment_id, action.replica_id)
+        elif isinstance(action, RelaunchReplica):
+            # A start in the claim the replica holds: a new engine there.
+            self.stats.relaunched += 1
             self._start(dep.deployment_id, action.replica_id)
         elif isinstance(action, WatchReplica):
             self._watch(dep.deployment_id, action.replica_id)

@@ -71,6 +71,22 @@ def test_choose_port_skips_held_and_stray_ports() -> None:
         choose_port(20000, 20001, {20000}, lambda p: p not in stray)
 
 
+def test_choose_port_prefers_the_port_a_relaunch_had_and_keeps_it_from_others() -> None:
+    free = lambda p: True  # noqa: E731
+    # A relaunch takes its old port back when it is free and ours to give.
+    assert choose_port(20000, 20005, {20000}, free, prefer=20003) == 20003
+    # Held by another shard, taken by a stray, or out of range: the first free one.
+    assert choose_port(20000, 20005, {20003}, free, prefer=20003) == 20000
+    assert choose_port(20000, 20005, set(), lambda p: p != 20003, prefer=20003) == 20000
+    assert choose_port(20000, 20005, set(), free, prefer=30000) == 20000
+    # Another launch passes over the ports kept for relaunches while others are free...
+    assert choose_port(20000, 20002, {20000}, free, kept={20001}) == 20002
+    # ...and takes one only when nothing else is left.
+    assert choose_port(20000, 20001, {20000}, free, kept={20001}) == 20001
+    with pytest.raises(NoFreePortError):
+        choose_port(20000, 20001, {20000, 20001}, free, kept={20001}, prefer=20001)
+
+
 def _node(seen_ago: float, cordoned: bool = False) -> tuple[NodeRecord, datetime]:
     now = datetime(2026, 1, 1, tzinfo=UTC)
     record = NodeRecord(node_id="n", name="n", agent_labels={}, operator_labels={},

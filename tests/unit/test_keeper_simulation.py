@@ -94,7 +94,10 @@ HARDENED = KeeperConfig()
 #: that cannot be placed once a dry run finds room): a blind retry every 30 s, the watch's
 #: first wait, stands in for it.
 SIMULATED = KeeperConfig(cant_place_backstop_s=30.0)
-BOTH = pytest.mark.parametrize("config", [SIMULATED], ids=["surge"])
+#: ... and with relaunch in place (the patch on, its default 3 tries in 600 s): the same
+#: invariants, an engine's exit first relaunched in its claim.
+RELAUNCHING = KeeperConfig(cant_place_backstop_s=30.0, relaunch=True)
+BOTH = pytest.mark.parametrize("config", [SIMULATED, RELAUNCHING], ids=["surge", "relaunch"])
 
 
 # -- fault drivers --------------------------------------------------------------------------
@@ -198,6 +201,9 @@ def test_four_hours_of_replica_and_node_loss(seed: int, config: KeeperConfig) ->
     assert s.faults["node_cut_off"] > 4 and s.lost > 100 and s.adopted > 3
     assert s.exited > 30 and s.silent > 20 and s.start_failed > 20 and s.cant_place > 300
     assert s.surged > 10 and s.kept_replacement > 0 and s.kept_original > 0
+    # With the patch on, engine kills are relaunched in place first (a few run out of
+    # tries, or hit the pipelined replica, and are lost as before); off, never.
+    assert (s.relaunched > 20) if config.relaunch else (s.relaunched == 0)
     # The one that never fits kept trying: every cant_place_backstop_s at least (the room
     # watch backs off outside the keeper), and never more often than cant_place_retry_s
     # plus once per node change.
