@@ -121,6 +121,8 @@ class FakeCluster:
     start_failures: int = 0
     statuses: list[DeploymentStatusUpdate] = field(default_factory=list)
     replica_states: list[tuple[str, str]] = field(default_factory=list)
+    #: Every record_replica_state, whole (its endpoint and relaunch note too).
+    replica_updates: list[ReplicaStateUpdate] = field(default_factory=list)
     started: list[str] = field(default_factory=list)
     stopped: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
@@ -248,6 +250,7 @@ class FakeCluster:
             if self.store_down:
                 raise ApplicationError("connection refused")
             self.replica_states.append((update.replica_id, update.state.value))
+            self.replica_updates.append(update)
 
         @activity.defn(name="release_replica")
         async def release_replica(req: ReleaseReplicaInput) -> None:
@@ -393,8 +396,10 @@ class Running:
 
 
 def _tunables(**fields: Any) -> Tunables:
-    """The tunables with ``fields`` set, and without backoff jitter unless they say."""
-    return Tunables(**{"backoff_jitter": 0.0, **fields})
+    """The tunables with ``fields`` set, without backoff jitter and without relaunch in
+    place unless they say: the tests that crash an engine here pin what follows a replica
+    lost after ready (relaunch in place has its own, which turn it on)."""
+    return Tunables(**{"backoff_jitter": 0.0, "relaunch_tries": 0, **fields})
 
 
 def _input(*, replicas: int = 1, tunables: Tunables | None = None,
@@ -1016,6 +1021,93 @@ async def test_an_engine_exit_and_a_failed_start_leave_the_engine_log_in_the_eve
         await asyncio.wait_for(run.handle.result(), 20)
         assert len(cluster.events) == 2
         await record_history(run.handle, "engine_log_events")
+
+
+async def test_an_engine_that_exits_after_ready_is_relaunched_in_place_then_replaced(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """An engine exits after it was ready: started again on its node, in its claim (no
+    placement, no stop, no release), out of routing (stored as starting) until it is
+    ready again, and said so in an audit event and in the replica's stored note. Its
+    relaunch_tries (2) spent within the window, the next exit places it again."""
+    tunables = _tunables(relaunch_tries=2, relaunch_window_s=600.0)
+    async with _run(time_skipping_env, cluster, tunables=tunables) as run:
+        await run.until(DeploymentStatus.SERVING)
+        await asyncio.wait_for(_until(lambda: ("d1-r1", "ready") in cluster.replica_states),
+                               20)
+        # The relaunch's start waits here, so its starting state is seen (and written).
+        gate = cluster.start_gates["d1-r1"] = asyncio.Event()
+        cluster.crash["d1-r1"].set()
+        view = await run.until(DeploymentStatus.STARTING)
+        [replica] = view.keeper.replicas
+        note = ("engine exited (signalled: killed by SIGKILL); relaunched in place on n1, "
+                "try 1 of 2 in 600 s")
+        assert (replica.replica_id, replica.phase, replica.relaunching) == (
+            "d1-r1", "starting", True)
+        assert view.keeper.last_failure == f"d1-r1: {note}"
+        # Out of routing while it starts: the store is told it is starting, with why.
+        await asyncio.wait_for(_until(lambda: cluster.replica_states[-1] == (
+            "d1-r1", "starting")), 20)
+        assert cluster.replica_updates[-1].relaunch_note == note
+        await asyncio.wait_for(_until(lambda: len(cluster.events) == 2), 20)
+        exited, relaunched = cluster.events
+        assert (exited.kind, exited.message) == ("replica.exited",
+                                                 "signalled: killed by SIGKILL")
+        assert (relaunched.kind, relaunched.replica_id, relaunched.message) == (
+            "replica.relaunched", "d1-r1", note)
+        assert relaunched.data == {"attempt": 1, "tries": 2, "window_s": 600.0,
+                                   "nodes": ["n1"]}
+        # Ready again: routed again (ready, its endpoint), still noting the relaunch.
+        gate.set()
+        view = await run.until(DeploymentStatus.SERVING)
+        await asyncio.wait_for(_until(lambda: cluster.replica_states[-1] == (
+            "d1-r1", "ready")), 20)
+        assert cluster.replica_updates[-1].endpoint == "http://engine/d1-r1"
+        assert cluster.replica_updates[-1].relaunch_note == note
+        assert cluster.placements == ["d1-r1"] and cluster.started == ["d1-r1", "d1-r1"]
+        assert cluster.stopped == cluster.released == []
+        await asyncio.wait_for(_until(lambda: cluster.watches == ["d1-r1", "d1-r1"]), 20)
+
+        # The second exit: the last try of the window.
+        del cluster.start_gates["d1-r1"]
+        cluster.crash["d1-r1"].set()
+        await asyncio.wait_for(_until(lambda: cluster.started == ["d1-r1"] * 3), 20)
+        await asyncio.wait_for(_until(lambda: cluster.watches == ["d1-r1"] * 3), 20)
+        # The third: no try left in the window, so stopped, released and placed again.
+        cluster.crash["d1-r1"].set()
+        await asyncio.wait_for(_until(lambda: "d1-r2" in cluster.crash), 20)
+        view = await run.until(DeploymentStatus.SERVING)
+        await asyncio.wait_for(_until(lambda: cluster.released == ["d1-r1"]), 20)
+        assert cluster.placements == ["d1-r1", "d1-r2"] and cluster.stopped == ["d1-r1"]
+        assert view.keeper.last_failure == (
+            "signalled: killed by SIGKILL; not relaunched in place: 2 relaunch(es) in the "
+            "last 600 s already (at most 2), so it is placed again")
+        assert [e.kind for e in cluster.events].count("replica.relaunched") == 2
+        await run.handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(run.handle.result(), 20)
+        await record_history(run.handle, "relaunch_in_place")
+
+
+async def test_a_relaunch_that_fails_to_start_is_replaced_at_once(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """The relaunched engine does not become ready: not a failed start of the deployment
+    (no backoff), the replica is stopped, released and placed again at once."""
+    async with _run(time_skipping_env, cluster, tunables=_tunables(relaunch_tries=3)) as run:
+        await run.until(DeploymentStatus.SERVING)
+        cluster.start_failures = 2  # the first start succeeded; the relaunch fails
+        before = await time_skipping_env.get_current_time()
+        cluster.crash["d1-r1"].set()
+        await asyncio.wait_for(_until(lambda: "d1-r2" in cluster.crash), 20)
+        view = await run.until(DeploymentStatus.SERVING)
+        assert (await time_skipping_env.get_current_time() - before).total_seconds() < 5
+        assert cluster.started == ["d1-r1", "d1-r1", "d1-r2"]
+        assert cluster.placements == ["d1-r1", "d1-r2"] and cluster.released == ["d1-r1"]
+        assert view.keeper.consecutive_failures == 0
+        assert view.keeper.last_failure == ("relaunch in place failed: engine exited with "
+                                            "code 1")
+        await run.handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(run.handle.result(), 20)
 
 
 async def _until_search_attributes(run: Running, *, status: str, ready: int, desired: int,
