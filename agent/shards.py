@@ -44,6 +44,7 @@ from .engine_process import (
     REPLICA_ENV,
     ChildEngine,
     EngineLauncher,
+    ExitSignal,
     LiveShard,
     ShardRecord,
     read_log_tail,
@@ -309,6 +310,7 @@ class ShardManager:
         live.watchers += 1
         live.unwatched_since = None
         link = LinkWatch.of(live.record.spec)
+        exited = ExitSignal(live.record.pid)
         try:
             while True:
                 ended = self.poll_exit(live)
@@ -322,8 +324,9 @@ class ShardManager:
                     stopped = await self.stop(replica_id, grace_s=LINK_LOST_STOP_GRACE_S)
                     return stopped.model_copy(update={"kind": ExitKind.LINK_LOST,
                                                       "detail": lost})
-                await asyncio.sleep(POLL_INTERVAL_S)
+                await exited.wait(POLL_INTERVAL_S)
         finally:
+            exited.close()
             live.watchers -= 1
             if live.watchers == 0:
                 live.unwatched_since = time.monotonic()
