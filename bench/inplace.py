@@ -16,7 +16,9 @@ the sim engine (``load_time_s`` 2 by default, 100 tokens/s), and runs through th
   among those sent at or after a crash is when the model serves again.
 
 Then, N times: once the deployment is steady (serving, its replica ready and watched, a
-request served), kill -9 the engine's process group (``t0``) and time, from ``t0``:
+request served) and 3 s of load more (and a random part of one request's 0.2 s, so a kill
+lands anywhere in the clients' requests), kill -9 the engine's process group (``t0``) and
+time, from ``t0``:
 
 * **withdrawn**: the replica is seen out of routing (``GET /deployments/{id}`` every 50
   ms: its state is no longer ``ready``);
@@ -45,6 +47,7 @@ import contextlib
 import functools
 import json
 import os
+import random
 import signal
 import statistics
 import time
@@ -81,6 +84,9 @@ CLIENTS = 4
 #: after its first byte may not be, by anyone but its client).
 CLIENT_TOKENS = 20
 SIM_TOKENS_PER_S = 100.0
+#: Steady load before each kill, plus a random share of one request's length, so that
+#: kills land at any point of the clients' requests.
+STEADY_LOAD_S = 3.0
 #: The probe's pace: the resolution of "re-served".
 PROBE_PACE_S = 0.05
 #: How often the control plane's view is read during a recovery: the resolution of the
@@ -218,6 +224,31 @@ async def wait_steady(api: httpx.AsyncClient, temporal: Client, probe: SteadyCli
     raise InplaceError(f"not steady after {STEADY_TIMEOUT_S:.0f}s: {last}")
 
 
+#: A log line's time, as the agent's and the sim's logging write it.
+LOG_TIME_FORMAT = "%Y-%m-%d %H:%M:%S,%f"
+#: How long the log lines of a relaunch may take to reach their files (the engine's pass
+#: through the agent's log filter).
+LOG_WAIT_S = 5.0
+
+
+async def first_logged(path: Path, words: str, *, after_wall: float) -> float | None:
+    """The wall-clock time of the first line of ``path`` holding ``words`` logged at or
+    after ``after_wall``; None when none comes within LOG_WAIT_S."""
+    deadline = time.monotonic() + LOG_WAIT_S
+    while True:
+        with contextlib.suppress(OSError):
+            for line in path.read_text(errors="replace").splitlines():
+                if words not in line:
+                    continue
+                with contextlib.suppress(ValueError):
+                    at = datetime.strptime(line[:23], LOG_TIME_FORMAT).timestamp()
+                    if at >= after_wall:
+                        return at
+        if time.monotonic() > deadline:
+            return None
+        await asyncio.sleep(POLL_S)
+
+
 def engine_groups(node_id: str, replica_id: str) -> tuple[list[int], set[int]]:
     """The pids of ``replica_id``'s engine on ``node_id`` and their process groups, by the
     markers every engine carries in its environment."""
@@ -235,11 +266,13 @@ def engine_groups(node_id: str, replica_id: str) -> tuple[list[int], set[int]]:
     return pids, groups
 
 
-async def crash_once(index: int, api: httpx.AsyncClient, temporal: Client,
-                     probe: SteadyClient, deployment_id: str, *,
-                     load_time_s: float) -> dict[str, Any]:
+async def crash_once(index: int, fleet: Fleet, api: httpx.AsyncClient, temporal: Client,
+                     probe: SteadyClient, deployment_id: str, *, load_time_s: float,
+                     rng: random.Random) -> dict[str, Any]:
     """Kill the replica's engine; time its withdrawal, its return and the probe's first
     success; say which path it took."""
+    await wait_steady(api, temporal, probe, deployment_id)
+    await asyncio.sleep(STEADY_LOAD_S + rng.uniform(0, CLIENT_TOKENS / SIM_TOKENS_PER_S))
     replica = await wait_steady(api, temporal, probe, deployment_id)
     node = replica["nodes"][0]
     pids, groups = engine_groups(node, replica["replica_id"])
@@ -281,6 +314,15 @@ async def crash_once(index: int, api: httpx.AsyncClient, temporal: Client,
                   and "replica.relaunched" in kinds and "replica.placed" not in kinds)
     new_pids, _ = engine_groups(back["nodes"][0], back["replica_id"])
     reserved_s = success.ended - t0
+    # Where the time went, from the logs (one machine, one clock): the agent's launch of
+    # the new engine, and the engine's own word that it is ready (its process start, the
+    # Python interpreter's included, and its load).
+    [agent] = fleet.agents
+    launched = await first_logged(fleet.root / "logs" / f"{agent.name}.log",
+                                  f"launched {back['replica_id']} on port", after_wall=t0_wall)
+    engine_ready = await first_logged(
+        agent.data_dir / "agent" / "logs" / f"{back['replica_id']}.log", "ready after",
+        after_wall=t0_wall)
     result = {
         "_t0": t0,
         "crash": index,
@@ -297,6 +339,8 @@ async def crash_once(index: int, api: httpx.AsyncClient, temporal: Client,
         "ready_seen_s": round(ready - t0, 3),
         "reserved_s": round(reserved_s, 3),
         "reserved_minus_load_s": round(reserved_s - load_time_s, 3),
+        "launched_s": None if launched is None else round(launched - t0_wall, 3),
+        "engine_ready_s": None if engine_ready is None else round(engine_ready - t0_wall, 3),
         "relaunch_note": back.get("relaunch_note"),
         "events": [{"kind": e["kind"], "message": e["message"],
                     "at_s": round(datetime.fromisoformat(e["at"]).timestamp() - t0_wall, 3)}
@@ -318,6 +362,7 @@ async def run_scenario(args: argparse.Namespace, fleet: Fleet, tries: int) -> di
     probe = SteadyClient(url, MODEL, key, PROBE_PACE_S)
     load = ClosedLoop(url, key)
     results: list[dict[str, Any]] = []
+    rng = random.Random(args.seed)
     async with httpx.AsyncClient(
             base_url=fleet.api_url, timeout=10.0,
             headers={"Authorization": f"Bearer {fleet.operator_token}"}) as api:
@@ -326,8 +371,9 @@ async def run_scenario(args: argparse.Namespace, fleet: Fleet, tries: int) -> di
         loading = asyncio.create_task(load.run())
         try:
             for index in range(1, args.crashes + 1):
-                results.append(await crash_once(index, api, temporal, probe, deployment_id,
-                                                load_time_s=args.load_time))
+                results.append(await crash_once(index, fleet, api, temporal, probe,
+                                                deployment_id, load_time_s=args.load_time,
+                                                rng=rng))
             # The last crash's requests: until steady again, and a little more.
             await wait_steady(api, temporal, probe, deployment_id)
         finally:
@@ -339,6 +385,9 @@ async def run_scenario(args: argparse.Namespace, fleet: Fleet, tries: int) -> di
         start = result.pop("_t0")
         mine = load.between(start, end)
         probes = probe.between(start, end)
+        # The clients' requests the kill found in flight: each must still be answered.
+        result["client_in_flight_at_kill"] = sum(1 for a in load.answers
+                                                 if a.sent < start < a.ended)
         result["client_requests"] = len(mine)
         result["client_failed"] = dict(Counter(a.label for a in mine if not a.ok))
         result["probe_requests"] = len(probes)
@@ -391,6 +440,24 @@ def scenario_section(scenario: dict[str, Any], meta: dict[str, Any]) -> list[str
             lo, mid, hi = spread([r[key] for r in mine])
             cells.append(f"{lo:.2f} / **{mid:.2f}** / {hi:.2f} s")
         lines.append(f"| {path} | {len(mine)} | " + " | ".join(cells) + " |")
+    timed = [r for r in results if r["launched_s"] is not None
+             and r["engine_ready_s"] is not None]
+    if timed:
+        lines += ["", "Where the time went, from the logs (median of the crashes whose lines "
+                  "were found):", "",
+                  "| step | from → to | median |", "|---|---|---|"]
+        steps = [
+            ("notice and act", "kill → the agent launches the new engine",
+             [r["launched_s"] for r in timed]),
+            ("the engine's own start", "launched → the engine logs it is ready (its "
+             f"process start, Python's included, and its load of {load:g} s)",
+             [r["engine_ready_s"] - r["launched_s"] for r in timed]),
+            ("back in routing", "engine ready → the probe's first success (the agent's "
+             "readiness probe, the keeper, the store write, the gateway)",
+             [r["reserved_s"] - r["engine_ready_s"] for r in timed]),
+        ]
+        for name, what, values in steps:
+            lines.append(f"| {name} | {what} | {statistics.median(values):.2f} s |")
     failed = Counter[str]()
     for r in results:
         failed.update(r["client_failed"])
@@ -413,14 +480,16 @@ def scenario_section(scenario: dict[str, Any], meta: dict[str, Any]) -> list[str
               f"- Probe (1 token every {PROBE_PACE_S * 1e3:.0f} ms): {probe['sent']:,} "
               f"requests, failed: {_failed(probe['failed'])}.",
               "", "| crash | path | replica → served by | same node, endpoint | withdrawn | "
-              "ready | re-served | minus load | client requests (failed) | longest client ok "
-              "| probe failed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "ready | re-served | minus load | clients in flight at the kill | client requests "
+              "(failed) | longest client ok | probe failed |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(
             f"| {r['crash']} | {r['path']} | {r['replica']} → {r['served_by']} | "
             f"{'yes' if r['same_node'] else 'no'}, {'yes' if r['same_endpoint'] else 'no'} | "
             f"{r['withdrawn_s']:.2f} s | {r['ready_seen_s']:.2f} s | {r['reserved_s']:.2f} s | "
-            f"{r['reserved_minus_load_s']:+.2f} s | {r['client_requests']} "
+            f"{r['reserved_minus_load_s']:+.2f} s | {r['client_in_flight_at_kill']} | "
+            f"{r['client_requests']} "
             f"({_failed(r['client_failed'])}) | {r['longest_client_ok_s']:.2f} s | "
             f"{_failed(r['probe_failed'])} |")
     notes = [r["relaunch_note"] for r in results if r["path"] == "relaunched"]
@@ -434,13 +503,15 @@ def render(scenarios: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "# Relaunch in place: an engine crash under load",
         "",
         f"Made with `{meta['command']}` on {meta['date']}: {meta['cores']} cores shared "
-        f"with other work, Python {meta['python']}, code {meta['code']}"
+        f"with other work (load average {meta['loadavg_before'][0]:g} before the run, "
+        f"{meta['loadavg_after'][0]:g} after), Python {meta['python']}, code {meta['code']}"
         + (f"; {meta['note']}" if meta.get("note") else "") + ".",
         "",
         f"One agent, one replica of the sim engine (`load_time_s` {meta['load_time_s']:g} s, "
         f"{SIM_TOKENS_PER_S:g} tokens/s), {CLIENTS} closed-loop clients and a probe through "
-        "the gateway (auth on). A crash is kill -9 of the engine's process group; the next "
-        "waits until the deployment is steady again (serving, watched, a probe served). "
+        "the gateway (auth on). A crash is kill -9 of the engine's process group, once the "
+        "deployment is steady (serving, watched, a probe served) and after 3 s more of "
+        "load. "
         "Times are from the kill: *withdrawn* and *ready* as `GET /deployments/{id}` shows "
         f"them (polled every {POLL_S * 1e3:.0f} ms, so late by up to that and a read), "
         "*re-served* when the probe's first request sent after the kill succeeds, "
@@ -472,6 +543,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="MODELKEEPER_RELAUNCH_TRIES; one scenario (a fresh stack) per "
                         "value (default 5 3 0: every crash relaunched, the default bound, "
                         "relaunching off)")
+    parser.add_argument("--seed", type=int, default=23,
+                        help="seed of the kills' random offsets (default 23)")
     parser.add_argument("--note", default="", help="a remark for the results header")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "inplace",
                         help="write OUT.md and OUT.json (default bench/results/inplace)")
@@ -486,6 +559,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     interrupt_on_sigterm()
+    # The machine's load around the run: its cores are shared, and every step here is
+    # CPU-bound (process starts, Temporal's hops, the store).
+    load_before = [round(x, 2) for x in os.getloadavg()]
     scenarios = []
     for tries in args.relaunch_tries:
         scenario = on_fresh_fleet(
@@ -495,7 +571,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
         scenarios.append(scenario)
     meta = {**run_meta("bench.inplace", argv), "note": args.note,
-            "load_time_s": args.load_time, "crashes": args.crashes,
+            "load_time_s": args.load_time, "crashes": args.crashes, "seed": args.seed,
+            "loadavg_before": load_before,
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
             "settings": settings_in_force()}
     markdown = render(scenarios, meta)
     print(markdown)
