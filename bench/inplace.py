@@ -160,9 +160,10 @@ class ClosedLoop:
                 status, error = None, type(exc).__name__
             self.answers.append(Answer(sent, time.monotonic(), status, error))
 
-    def between(self, start: float, end: float) -> list[Answer]:
-        """The requests sent in [start, end)."""
-        return [a for a in self.answers if start <= a.sent < end]
+    def ended_between(self, start: float, end: float) -> list[Answer]:
+        """The requests that ended in [start, end): a crash's own are those it found in
+        flight and those sent after it, until the next."""
+        return [a for a in self.answers if start <= a.ended < end]
 
 
 async def deploy(api: httpx.AsyncClient, *, load_time_s: float) -> str:
@@ -374,16 +375,19 @@ async def run_scenario(args: argparse.Namespace, fleet: Fleet, tries: int) -> di
                 results.append(await crash_once(index, fleet, api, temporal, probe,
                                                 deployment_id, load_time_s=args.load_time,
                                                 rng=rng))
-            # The last crash's requests: until steady again, and a little more.
+            # The last crash's requests: until steady again, and as much load as the
+            # others had after theirs.
             await wait_steady(api, temporal, probe, deployment_id)
+            await asyncio.sleep(STEADY_LOAD_S)
         finally:
             probe.stop()
             load.stop()
             await asyncio.gather(probing, loading)
+    first_t0 = results[0]["_t0"] if results else float("inf")
     ends = [r["_t0"] for r in results[1:]] + [float("inf")]
     for result, end in zip(results, ends, strict=True):
         start = result.pop("_t0")
-        mine = load.between(start, end)
+        mine = load.ended_between(start, end)
         probes = probe.between(start, end)
         # The clients' requests the kill found in flight: each must still be answered.
         result["client_in_flight_at_kill"] = sum(1 for a in load.answers
@@ -394,12 +398,22 @@ async def run_scenario(args: argparse.Namespace, fleet: Fleet, tries: int) -> di
         result["probe_failed"] = tally(probes)
         result["longest_client_ok_s"] = round(max((a.ended - a.sent for a in mine if a.ok),
                                                   default=0.0), 3)
+    # Before the first crash the model was loading for the first time: requests sent then
+    # waited out the gateway's budget (the settling window holds the first placement 15 s)
+    # and some got a 503. Counted apart: the crashes are what is measured.
+    before_clients = [a for a in load.answers if a.ended < first_t0]
+    before_probes = [o for o in probe.outcomes if o.sent < first_t0]
     return {
         "relaunch_tries": tries,
         "results": results,
         "clients": {"sent": len(load.answers),
-                    "failed": dict(Counter(a.label for a in load.answers if not a.ok))},
-        "probe": {"sent": len(probe.outcomes), "failed": tally(probe.outcomes)},
+                    "failed": dict(Counter(a.label for a in load.answers if not a.ok)),
+                    "before_first_crash": len(before_clients),
+                    "failed_before_first_crash": dict(Counter(
+                        a.label for a in before_clients if not a.ok))},
+        "probe": {"sent": len(probe.outcomes), "failed": tally(probe.outcomes),
+                  "before_first_crash": len(before_probes),
+                  "failed_before_first_crash": tally(before_probes)},
     }
 
 
@@ -475,13 +489,18 @@ def scenario_section(scenario: dict[str, Any], meta: dict[str, Any]) -> list[str
         lines.append(f"Failed requests from the first crash on: **{_failed(dict(failed))}**.")
     clients, probe = scenario["clients"], scenario["probe"]
     lines += ["", f"- Closed-loop clients ({CLIENTS}, {CLIENT_TOKENS} tokens each, not "
-              f"streamed): {clients['sent']:,} requests in the run, failed: "
+              f"streamed): {clients['sent']:,} requests in the run; before the first crash "
+              f"(the model's first load, which the settling window delays 15 s) "
+              f"{clients['before_first_crash']:,}, failed: "
+              f"{_failed(clients['failed_before_first_crash'])}; in all, failed: "
               f"{_failed(clients['failed'])}.",
               f"- Probe (1 token every {PROBE_PACE_S * 1e3:.0f} ms): {probe['sent']:,} "
-              f"requests, failed: {_failed(probe['failed'])}.",
+              f"requests; before the first crash {probe['before_first_crash']:,}, failed: "
+              f"{_failed(probe['failed_before_first_crash'])}; in all, failed: "
+              f"{_failed(probe['failed'])}.",
               "", "| crash | path | replica → served by | same node, endpoint | withdrawn | "
               "ready | re-served | minus load | clients in flight at the kill | client requests "
-              "(failed) | longest client ok | probe failed |",
+              "ended before the next crash (failed) | longest client ok | probe failed |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(
@@ -518,6 +537,14 @@ def render(scenarios: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "*re-served minus the load* what the crash cost beyond the engine's own load.",
         "",
     ]
+    by_path: dict[str, list[float]] = {}
+    for scenario in scenarios:
+        for r in scenario["results"]:
+            by_path.setdefault(r["path"], []).append(r["reserved_minus_load_s"])
+    if by_path:
+        lines += ["Re-served minus the load, median over every scenario: " + "; ".join(
+            f"{path} {statistics.median(values):.2f} s ({len(values)} crashes)"
+            for path, values in sorted(by_path.items())) + ".", ""]
     for scenario in scenarios:
         lines += [*scenario_section(scenario, meta), ""]
     lines += ["## Settings", "", "Every setting is its default except "
