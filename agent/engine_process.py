@@ -209,8 +209,11 @@ class ExitSignal:
             return
         loop = asyncio.get_running_loop()
         ended: asyncio.Future[None] = loop.create_future()
+        fired = False
 
         def readable() -> None:
+            nonlocal fired
+            fired = True
             if not ended.done():
                 ended.set_result(None)
 
@@ -221,9 +224,10 @@ class ExitSignal:
                     await ended
         finally:
             loop.remove_reader(self._fd)
-        if ended.done():
+        if fired:
             # It has ended and stays readable: later waits (should the poll not see the
-            # end yet) are plain sleeps, never a spin.
+            # end yet) are plain sleeps, never a spin. (A wait that timed out leaves the
+            # future cancelled, which is done too: hence the flag.)
             self.close()
 
     def close(self) -> None:
