@@ -491,7 +491,8 @@ def _models_request(args: argparse.Namespace) -> Request:
     model: dict[str, Any] = {"model_id": args.model_id, "engine": args.engine,
                              "source": args.source,
                              "engine_args": _engine_args(args.engine_args)}
-    for field in ("default_max_tokens", "max_tokens_limit", "engine_version"):
+    for field in ("default_max_tokens", "max_tokens_limit", "engine_version", "gpus",
+                  "min_nodes"):
         if getattr(args, field, None) is not None:
             model[field] = getattr(args, field)
     for flag, field in (("memory", "memory_bytes"), ("weights", "weights_bytes")):
@@ -1315,6 +1316,10 @@ def _models_flags(parser: argparse.ArgumentParser) -> None:
                         help="most tokens one request may ask for; more is lowered to N")
     parser.add_argument("--engine-arg", dest="engine_args", action="append", default=[],
                         metavar="KEY=VALUE", help="allow-listed engine argument; repeatable")
+    parser.add_argument("--gpus", type=int, metavar="N",
+                        help="GPUs per shard (vLLM, SGLang); unset: none")
+    parser.add_argument("--min-nodes", type=int, metavar="N",
+                        help="nodes one replica spans, one shard each (default 1)")
     parser.add_argument("--engine-version", metavar="SPEC",
                         help="versions of the engine that will do, e.g. '>=0.6.0' or "
                              "'==0.6.3' (PEP 440); nodes whose agent reports another are "

@@ -216,3 +216,15 @@ def test_models_add_sends_what_a_sleeping_replica_keeps() -> None:
     with pytest.raises(UsageError, match="--weights: "):
         request_of("models", "add", "m", "--engine", "sim", "--source", "sim",
                    "--weights", "lots")
+
+
+def test_models_add_sends_gpus_nodes_and_the_engine_version() -> None:
+    request = request_of("models", "add", "qwen", "--engine", "vllm", "--source", "org/qwen",
+                         "--memory", "16GiB", "--gpus", "1", "--min-nodes", "2",
+                         "--engine-version", ">=0.33")
+    assert request.body is not None
+    assert (request.body["gpus"], request.body["min_nodes"],
+            request.body["engine_version"]) == (1, 2, ">=0.33")
+    plain = request_of("models", "add", "m", "--engine", "sim", "--source", "sim")
+    assert plain.body is not None
+    assert not {"gpus", "min_nodes", "engine_version"} & set(plain.body)
