@@ -1,6 +1,6 @@
 """The soak's quick mode (bench/soak): chat and streamed completions through the gateway
 while the three demand faults (scale to zero and back, sleep and wake under load,
-eviction), then others drawn from every kind, are injected on the whole stack. No request
+eviction) are injected on the whole stack, back to back. No request
 may go unanswered (the demand faults' own included) and no claim may leak; the committed
 long run is bench/results/soak.md."""
 
