@@ -67,7 +67,7 @@ from temporalio.client import Client
 from agent.engine_process import NODE_ENV, REPLICA_ENV
 from bench.common import ROOT, exit_now, interrupt_on_sigterm, on_fresh_fleet
 from bench.fleet.stack import NAMESPACE, Fleet
-from bench.recovery.client import REQUEST_TIMEOUT_S, SteadyClient, tally
+from bench.recovery.client import REQUEST_TIMEOUT_S, Outcome, SteadyClient, tally
 from bench.report import run_meta, write_results
 from bench.stats import spread
 from modelkeeper.domain.tunables import Tunables
@@ -110,31 +110,13 @@ class InplaceError(RuntimeError):
     """A recovery or a steady state did not come in time."""
 
 
-@dataclass(frozen=True)
-class Answer:
-    """One closed-loop request: monotonic send and end times, the status or the error."""
-
-    sent: float
-    ended: float
-    status: int | None
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200
-
-    @property
-    def label(self) -> str:
-        return str(self.status) if self.status is not None else (self.error or "error")
-
-
 @dataclass
 class ClosedLoop:
     """``CLIENTS`` clients, each sending its next request once the last is answered."""
 
     url: str
     key: str
-    answers: list[Answer] = field(default_factory=list)
+    answers: list[Outcome] = field(default_factory=list)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def run(self) -> None:
@@ -158,9 +140,9 @@ class ClosedLoop:
                     status, error = resp.status, None
             except (aiohttp.ClientError, TimeoutError) as exc:
                 status, error = None, type(exc).__name__
-            self.answers.append(Answer(sent, time.monotonic(), status, error))
+            self.answers.append(Outcome(sent, time.monotonic(), status, error))
 
-    def ended_between(self, start: float, end: float) -> list[Answer]:
+    def ended_between(self, start: float, end: float) -> list[Outcome]:
         """The requests that ended in [start, end): a crash's own are those it found in
         flight and those sent after it, until the next."""
         return [a for a in self.answers if start <= a.ended < end]
