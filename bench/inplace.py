@@ -68,6 +68,7 @@ from agent.engine_process import NODE_ENV, REPLICA_ENV
 from bench.common import ROOT, exit_now, interrupt_on_sigterm, on_fresh_fleet
 from bench.fleet.stack import NAMESPACE, Fleet
 from bench.recovery.client import REQUEST_TIMEOUT_S, Outcome, SteadyClient, tally
+from bench.recovery.run import deploy, deployment_view
 from bench.report import run_meta, write_results
 from bench.stats import spread
 from modelkeeper.domain.tunables import Tunables
@@ -148,27 +149,6 @@ class ClosedLoop:
         return [a for a in self.answers if start <= a.ended < end]
 
 
-async def deploy(api: httpx.AsyncClient, *, load_time_s: float) -> str:
-    """Declare the sim model and deploy one replica of it; returns the deployment id."""
-    resp = await api.post("/models", json={
-        "model_id": MODEL, "engine": "sim", "source": "sim", "memory_bytes": GiB,
-        "engine_args": {"memory_bytes": 16 * MiB, "load_time_s": load_time_s,
-                        "tokens_per_second": SIM_TOKENS_PER_S}})
-    resp.raise_for_status()
-    resp = await api.post("/deployments", json={"model_id": MODEL, "replicas": 1})
-    resp.raise_for_status()
-    deployment_id: str = resp.json()["deployment_id"]
-    return deployment_id
-
-
-async def _view(api: httpx.AsyncClient, deployment_id: str) -> dict[str, Any] | None:
-    try:
-        resp = await api.get(f"/deployments/{deployment_id}")
-    except httpx.HTTPError:
-        return None  # a slow read on busy cores: the next poll tries again
-    return resp.json() if resp.status_code == 200 else None
-
-
 async def _watched(temporal: Client, workflow_id: str) -> bool:
     """True when the replica's watch runs and has heartbeated: the next exit is seen by
     it, not by a watch still starting."""
@@ -186,7 +166,7 @@ async def wait_steady(api: httpx.AsyncClient, temporal: Client, probe: SteadyCli
     deadline = time.monotonic() + STEADY_TIMEOUT_S
     last = "nothing read yet"
     while time.monotonic() < deadline:
-        view = await _view(api, deployment_id)
+        view = await deployment_view(api, deployment_id)
         if view is None:
             last = "the API did not answer"
         elif view["status"] != "serving" or [r["state"] for r in view["replicas"]] != [
@@ -270,7 +250,7 @@ async def crash_once(index: int, fleet: Fleet, api: httpx.AsyncClient, temporal:
     ready: float | None = None
     back: dict[str, Any] | None = None
     while True:
-        view = await _view(api, deployment_id)
+        view = await deployment_view(api, deployment_id)
         at = time.monotonic()
         if view is not None:
             states = {r["replica_id"]: r for r in view["replicas"]}
@@ -349,7 +329,9 @@ async def run_scenario(args: argparse.Namespace, fleet: Fleet, tries: int) -> di
     async with httpx.AsyncClient(
             base_url=fleet.api_url, timeout=10.0,
             headers={"Authorization": f"Bearer {fleet.operator_token}"}) as api:
-        deployment_id = await deploy(api, load_time_s=args.load_time)
+        deployment_id = await deploy(api, claim_bytes=GiB, load_time_s=args.load_time,
+                                     engine_args={"tokens_per_second": SIM_TOKENS_PER_S},
+                                     model_id=MODEL)
         probing = asyncio.create_task(probe.run())
         loading = asyncio.create_task(load.run())
         try:

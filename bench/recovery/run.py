@@ -83,19 +83,22 @@ class RecoveryError(RuntimeError):
     """A recovery or a steady state did not come in time."""
 
 
-async def deploy(api: httpx.AsyncClient, *, claim_bytes: int, load_time_s: float) -> str:
-    """Declare the sim model and deploy one replica of it; returns the deployment id."""
+async def deploy(api: httpx.AsyncClient, *, claim_bytes: int, load_time_s: float,
+                 engine_args: dict[str, Any] | None = None, model_id: str = MODEL) -> str:
+    """Declare the sim model and deploy one replica of it; returns the deployment id.
+    ``engine_args``: more of the sim's arguments (its speed, say)."""
     resp = await api.post("/models", json={
-        "model_id": MODEL, "engine": "sim", "source": "sim", "memory_bytes": claim_bytes,
-        "engine_args": {"memory_bytes": 16 * MiB, "load_time_s": load_time_s}})
+        "model_id": model_id, "engine": "sim", "source": "sim", "memory_bytes": claim_bytes,
+        "engine_args": {"memory_bytes": 16 * MiB, "load_time_s": load_time_s,
+                        **(engine_args or {})}})
     resp.raise_for_status()
-    resp = await api.post("/deployments", json={"model_id": MODEL, "replicas": 1})
+    resp = await api.post("/deployments", json={"model_id": model_id, "replicas": 1})
     resp.raise_for_status()
     deployment_id: str = resp.json()["deployment_id"]
     return deployment_id
 
 
-async def _view(api: httpx.AsyncClient, deployment_id: str) -> dict[str, Any] | None:
+async def deployment_view(api: httpx.AsyncClient, deployment_id: str) -> dict[str, Any] | None:
     try:
         resp = await api.get(f"/deployments/{deployment_id}")
     except httpx.HTTPError:
@@ -121,7 +124,7 @@ async def wait_steady(fleet: Fleet, api: httpx.AsyncClient, temporal: Client,
     deadline = time.monotonic() + STEADY_TIMEOUT_S
     last = "nothing read yet"
     while time.monotonic() < deadline:
-        view = await _view(api, deployment_id)
+        view = await deployment_view(api, deployment_id)
         if view is None:
             last = "the API did not answer"
         elif view["status"] != "serving" or len(view["replicas"]) != 1 \
@@ -161,7 +164,7 @@ async def crash_once(index: int, fleet: Fleet, api: httpx.AsyncClient, temporal:
     ready_at: float | None = None
     serving_replica: dict[str, Any] | None = None
     while True:
-        view = await _view(api, deployment_id)
+        view = await deployment_view(api, deployment_id)
         at = time.monotonic()
         if view is not None:
             reps = {r["replica_id"]: r for r in view["replicas"]}
