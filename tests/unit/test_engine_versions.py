@@ -128,7 +128,7 @@ def test_a_profile_requires_its_own_version_and_the_next_one_is_tried() -> None:
                            "vllm 0.6.3, needs >=0.7")
 
 
-def test_an_agent_reports_the_sim_and_its_own_packages_without_importing_them() -> None:
+def test_an_agent_reports_the_sim_and_the_engine_packages_installed_beside_it() -> None:
     found = read_engine_versions()
     assert found[EngineKind.SIM] == __version__
     # xllamacpp is a dependency of the agent; vLLM and SGLang are not installed here.
