@@ -6,6 +6,7 @@ call it without a token. Metrics and the audit log need a viewer (``router``).""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime
 
 from fastapi import APIRouter, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
@@ -21,7 +22,7 @@ from temporalio.service import RPCError
 from modelkeeper import __version__
 from modelkeeper.domain.catalog import DeploymentView
 from modelkeeper.domain.events import Event
-from modelkeeper.domain.nodes import NodeRecord
+from modelkeeper.domain.nodes import NodeRecord, NodeState, node_state
 from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.domain.watchdog import LEVEL_RANK
 from modelkeeper.names import CONTROL_TASK_QUEUE
@@ -65,12 +66,16 @@ async def healthz(response: Response, store: StoreDep, temporal: TemporalDep, *,
 
 
 @router.get("/metrics", include_in_schema=False)
-async def metrics(store: StoreDep) -> Response:
+async def metrics(store: StoreDep, settings: SettingsDep) -> Response:
     """Prometheus gauges per deployment, per quota's scope and per node, read from the
-    store at scrape time."""
+    store at scrape time (deploy/prometheus/alerts.yml alerts on them)."""
+    nodes = await store.nodes.list_nodes()
     return Response(deployment_metrics(await store.deployments.list_deployments())
                     + quota_metrics(await quota_views(store))
-                    + node_memory_metrics(await store.nodes.list_nodes()),
+                    + node_memory_metrics(nodes)
+                    + node_metrics(nodes, now=datetime.now(UTC),
+                                   unreachable_after_s=settings.node_unreachable_after_s,
+                                   lost_after_s=settings.node_lost_after_s),
                     media_type=CONTENT_TYPE_LATEST)
 
 
@@ -183,6 +188,46 @@ def node_memory_metrics(nodes: list[NodeRecord]) -> bytes:
     """The per-node memory series in Prometheus' text format."""
     registry = CollectorRegistry()
     registry.register(_NodeMemoryCollector(nodes))
+    return generate_latest(registry)
+
+
+def node_metrics(nodes: list[NodeRecord], *, now: datetime, unreachable_after_s: float,
+                 lost_after_s: float) -> bytes:
+    """Each node's liveness and memory in Prometheus' text format.
+
+    ``modelkeeper_node_state`` has one series per state in ``NodeState`` (1 for the
+    node's state at ``now``, judged as ``GET /nodes`` judges it, 0 for the rest), so the
+    ``ModelkeeperNodeSilent`` alert has a series to fire on, and a state added there is
+    exported too. ``modelkeeper_node_last_seen_timestamp_seconds`` is its last heartbeat
+    (Unix time). Memory: the total and what its replicas claim, and what its agent last
+    measured available (absent while unknown, rather than a 0 that reads as full).
+    """
+    registry = CollectorRegistry()
+    labels = ["node_id", "node"]
+    state = Gauge("modelkeeper_node_state",
+                  "1 for the node's current state, 0 for every other.",
+                  [*labels, "state"], registry=registry)
+    last_seen = Gauge("modelkeeper_node_last_seen_timestamp_seconds",
+                      "When the node's agent last sent a heartbeat (Unix time).", labels,
+                      registry=registry)
+    total = Gauge("modelkeeper_node_memory_total_bytes", "The node's memory, as its agent "
+                  "reports it.", labels, registry=registry)
+    claimed = Gauge("modelkeeper_node_memory_claimed_bytes", "What the replicas placed on "
+                    "the node claim.", labels, registry=registry)
+    available = Gauge("modelkeeper_node_memory_available_bytes", "What the node's agent "
+                      "last measured available.", labels, registry=registry)
+    for node in nodes:
+        key = (node.node_id, node.name)
+        now_state = node_state(node, now, unreachable_after_s=unreachable_after_s,
+                               lost_after_s=lost_after_s)
+        for each in NodeState:
+            state.labels(*key, each.value).set(int(now_state is each))
+        last_seen.labels(*key).set(node.last_seen.timestamp())
+        claimed.labels(*key).set(node.memory_claimed_bytes)
+        if node.memory_total_bytes is not None:
+            total.labels(*key).set(node.memory_total_bytes)
+        if node.memory_available_bytes is not None:
+            available.labels(*key).set(node.memory_available_bytes)
     return generate_latest(registry)
 
 
