@@ -32,9 +32,11 @@ from modelkeeper.settings import Settings
 GIB = 1 << 30
 NOW = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
 
-#: Series Prometheus makes itself for every target it scrapes (``up`` and the scrape's
-#: own figures), which rules may read beside the exported ones.
-PROMETHEUS_SERIES = frozenset({"up", "scrape_duration_seconds", "scrape_samples_scraped"})
+#: Series Prometheus makes itself, which rules and panels may read beside the exported
+#: ones: for every target it scrapes (``up`` and the scrape's own figures), and the
+#: alerts its rules hold (``ALERTS``).
+PROMETHEUS_SERIES = frozenset({"up", "scrape_duration_seconds", "scrape_samples_scraped",
+                               "ALERTS"})
 #: Labels Prometheus adds to every scraped series.
 TARGET_LABELS = frozenset({"job", "instance"})
 
