@@ -3,10 +3,11 @@ that check what alert rules and dashboards read (tests/unit/test_prometheus_rule
 tests/unit/test_grafana_dashboard.py).
 
 The API's: its ``GET /metrics`` route itself, called with a store that holds one of each
-thing (a deployment, a node with its memory known, a scope with a limit), so a renderer
-added to the route is covered, and one that reads something this store lacks fails here
-rather than going unchecked. The gateway's: every metric of :class:`GatewayMetrics`, each
-touched once with a value for each of its labels, found by type rather than listed.
+thing (a deployment in each status, a node with its memory known, a scope with a limit),
+so a renderer added to the route is covered, and one that reads something this store
+lacks fails here rather than going unchecked. The gateway's: every metric of
+:class:`GatewayMetrics`, each touched once with a value for each of its labels, found by
+type rather than listed.
 """
 
 from __future__ import annotations
@@ -50,13 +51,16 @@ class Series:
     labels: frozenset[str]
 
 
-def _deployment() -> DeploymentView:
-    return DeploymentView(
-        deployment_id=DeploymentId("d-1"), model_id=ModelId("qwen"),
-        status=DeploymentStatus.DEGRADED, placement_error=None, desired_replicas=2,
-        ready_replicas=1, consecutive_failures=0, last_failure=None, min_nodes=1,
-        node_ids=None, labels={}, replicas=[], workflow_id="deployment/d-1",
-        created_at=NOW, updated_at=NOW)
+def _deployments() -> list[DeploymentView]:
+    """One deployment in each status, so that a query for any status finds one."""
+    return [DeploymentView(
+        deployment_id=DeploymentId(f"d-{i}"), model_id=ModelId(f"model-{status.value}"),
+        status=status, placement_error=None, desired_replicas=2,
+        ready_replicas=int(status is DeploymentStatus.DEGRADED) + 2 * int(
+            status is DeploymentStatus.SERVING),
+        consecutive_failures=3 * int(status is DeploymentStatus.PARKED), last_failure=None,
+        min_nodes=1, node_ids=None, labels={}, replicas=[], workflow_id=f"deployment/d-{i}",
+        created_at=NOW, updated_at=NOW) for i, status in enumerate(DeploymentStatus)]
 
 
 def _node() -> NodeRecord:
@@ -72,12 +76,13 @@ async def _returns(value: Any) -> Any:
 
 
 def _store() -> Any:
-    """What the metrics route reads of the store, one of each thing."""
+    """What the metrics route reads of the store: a deployment in each status, a node,
+    a scope with a limit."""
     quota = Quota(scope="acme", guarantee=Resources(memory_bytes=8 * GIB),
                   limit=Limit(memory_bytes=16 * GIB, gpus=2, cpu_cores=8))
     holding = Holding(owner="acme", resources=Resources(memory_bytes=8 * GIB, gpus=1))
     return SimpleNamespace(
-        deployments=SimpleNamespace(list_deployments=lambda: _returns([_deployment()])),
+        deployments=SimpleNamespace(list_deployments=lambda: _returns(_deployments())),
         nodes=SimpleNamespace(list_nodes=lambda: _returns([_node()])),
         quotas=SimpleNamespace(list_quotas=lambda: _returns([quota]),
                                holdings=lambda: _returns([holding])))
@@ -89,9 +94,14 @@ def api_exposition() -> str:
     return bytes(response.body).decode()
 
 
+#: Label values the gateway's metrics are touched with, where a query filters on them (a
+#: 5xx code); any other label gets a made-up value.
+GATEWAY_LABEL_VALUES = {"code": "503", "model": "qwen", "replica": "r-1"}
+
+
 def _touch(metric: MetricWrapperBase) -> None:
-    labelled: Any = metric.labels(*(f"x-{n}" for n in metric._labelnames)) \
-        if metric._labelnames else metric
+    values = (GATEWAY_LABEL_VALUES.get(n, f"x-{n}") for n in metric._labelnames)
+    labelled: Any = metric.labels(*values) if metric._labelnames else metric
     if isinstance(metric, Histogram):
         labelled.observe(0.5)
     elif isinstance(metric, Counter | Gauge):
@@ -129,3 +139,28 @@ def exported_series() -> dict[str, Series]:
     api, gateway = series_of(api_exposition()), series_of(gateway_exposition())
     assert not set(api) & set(gateway), "the API and the gateway export the same name"
     return {**api, **gateway}
+
+
+def _promtool_values(kind: str, value: float, points: int) -> str:
+    """A series' values in promtool's notation: a counter (or a histogram's bucket, count
+    and sum) grows by its value each step, so that rate() sees traffic; a gauge holds."""
+    if kind in {"counter", "histogram"}:
+        return f"{value:g}+{value:g}x{points}"
+    return f"{value:g}x{points}"
+
+
+def promtool_input_series(points: int) -> list[dict[str, str]]:
+    """Every exported series as a promtool unit test's ``input_series``, scraped as the
+    shipped scrape config names the jobs, over ``points`` steps."""
+    result = []
+    for job, exposition in (("modelkeeper-api", api_exposition()),
+                            ("modelkeeper-gateway", gateway_exposition())):
+        for family in text_string_to_metric_families(exposition):
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                labels = {**sample.labels, "job": job, "instance": f"{job}:1"}
+                body = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+                result.append({"series": f"{sample.name}{{{body}}}",
+                               "values": _promtool_values(family.type, sample.value, points)})
+    return result

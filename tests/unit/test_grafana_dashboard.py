@@ -20,6 +20,7 @@ from tests.support.exported_metrics import (
     TARGET_LABELS,
     Series,
     exported_series,
+    promtool_input_series,
 )
 from tests.support.promql import plain, promtool, read
 
@@ -144,3 +145,22 @@ def test_compose_grafana_is_provisioned_with_the_dashboard_and_the_prometheus_so
         f"./{PROVISIONING.relative_to(GRAFANA.parents[1])}"
     host, _, port = source["url"].removeprefix("http://").partition(":")
     assert host in compose["services"] and port == "9090"
+
+
+def test_every_query_finds_data_in_what_the_api_and_the_gateway_export(
+        tmp_path: Path) -> None:
+    # Each query, run by promtool over the series the code renders (a deployment in each
+    # status, a node, a scope, gateway traffic), returns something: `absent(query)` is
+    # empty. A query on a misspelt label value or a series that exists only in theory
+    # shows "No data" forever; this catches it.
+    queries = _queries()
+    tests = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": promtool_input_series(points=20),
+        "promql_expr_test": [{"expr": f"absent({expr})", "eval_time": "10m",
+                              "exp_samples": []} for _, expr in queries]}]}
+    path = tmp_path / "dashboard_test.yml"
+    path.write_text(yaml.safe_dump(tests))
+    done = subprocess.run([promtool(), "test", "rules", str(path)], capture_output=True,
+                          text=True, timeout=PROMTOOL_TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
