@@ -126,6 +126,13 @@ PATCH_MULTI_NODE = "multi-node-shards"
 #: 0.3: an engine that exits after ready is relaunched in place first
 #: (modelkeeper.domain.relaunch).
 PATCH_RELAUNCH = "relaunch-in-place"
+#: 0.3: a drain judges what is left by the node, not by the replica ids it listed first: a
+#: replica another saga replaced meanwhile has left the node (issue 24; workflows/drain.py).
+PATCH_DRAIN_BY_NODE = "drain-judges-by-node"
+#: 0.3: a saga whose failure was handled as designed (rolled back, nothing changed, or
+#: compensated) completes with its record; only rollback_incomplete, an undo that failed,
+#: and errors it did not expect fail the workflow (issue 24; workflows/saga.py).
+PATCH_SAGA_OUTCOME = "saga-outcome-completes"
 QUERY_STATUS = "status"
 #: A deployment as a saga sees it (modelkeeper.domain.moves.DeploymentBrief).
 QUERY_BRIEF = "brief"

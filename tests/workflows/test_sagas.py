@@ -132,6 +132,10 @@ class FakeDeployment:
     refuse_cancel: set[str] = field(default_factory=set)
     #: Move requests refused (by the move's step), with the refusal.
     refuse: dict[str, str] = field(default_factory=dict)
+    #: Moves (by step) carried out only at :meth:`open_gate`; meanwhile their replica is
+    #: leased to them, and another saga's move of it is refused, as the keeper does.
+    gated: set[str] = field(default_factory=set)
+    gated_requests: dict[MoveId, MoveRequest] = field(default_factory=dict)
     #: A failed stop-first frees its slot and the deployment places a replica of its
     #: current generation at once (the real keeper does; False tests the saga's surge).
     refills: bool = False
@@ -168,16 +172,32 @@ class FakeDeployment:
             raise ApplicationError(f"replica {request.replica_id!r} is not one of "
                                    f"{self.deployment_id}'s", type=ERROR_MOVE_REFUSED,
                                    non_retryable=True)
+        lease = next((m for m in self.gated_requests.values()
+                      if m.replica_id == request.replica_id and m.move_id not in self.ends),
+                     None)
+        if lease is not None:
+            raise ApplicationError(f"replica_id: {request.replica_id} is leased to move "
+                                   f"{lease.move_id}", type=ERROR_MOVE_REFUSED,
+                                   non_retryable=True)
         running = MoveOutcome(move_id=request.move_id, kind=request.kind, state=MoveState.RUNNING,
                             retired=request.replica_id, started_at=STOP_FIRST_AT)
         self.moves[request.move_id] = running
         step = _step(request.move_id)
+        if step in self.gated:
+            self.gated_requests[request.move_id] = request  # carried out once the gate opens
+            return running
         if step in self.hold:
             if request.stop_first and request.replica_id is not None:
                 self.replicas.pop(request.replica_id)  # A stops first, B is still loading
             return running
         self.ends[request.move_id] = self._carry_out(request, running)
         return running
+
+    def open_gate(self) -> None:
+        """Carry out the gated moves: each ends as it would have at once."""
+        for move_id, request in self.gated_requests.items():
+            if move_id not in self.ends:
+                self.ends[move_id] = self._carry_out(request, self.moves[move_id])
 
     def _carry_out(self, request: MoveRequest, running: MoveOutcome) -> MoveOutcome:
         step = _step(request.move_id)
@@ -252,6 +272,8 @@ class FakeFleet:
     deleted: set[DeploymentId] = field(default_factory=set)
     #: Set when a held move has been requested.
     held: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set when a drain's record shows it waiting for its deadline.
+    waiting: asyncio.Event = field(default_factory=asyncio.Event)
 
     def activities(self) -> list[Any]:
         @activity.defn(name=ACTIVITY_BEGIN_OPERATION)
@@ -267,6 +289,8 @@ class FakeFleet:
                 raise ApplicationError(self.record_conflict, type=ERROR_OPERATION_CONFLICT,
                                        non_retryable=True)
             self.records.append(record)
+            if any(s.name.startswith("wait until") for s in record.steps):
+                self.waiting.set()
 
         @activity.defn(name=ACTIVITY_SET_CORDON)
         async def set_cordon(request: SetCordonInput) -> bool:
@@ -291,7 +315,8 @@ class FakeFleet:
                 raise ApplicationError(f"deployment {call.deployment_id!r} has no running "
                                        f"workflow", type=ERROR_NO_DEPLOYMENT, non_retryable=True)
             outcome = self.deployments[call.deployment_id].request(call.request)
-            if _step(call.request.move_id) in self.deployments[call.deployment_id].hold:
+            deployment = self.deployments[call.deployment_id]
+            if _step(call.request.move_id) in deployment.hold | deployment.gated:
                 self.held.set()
             return outcome
 
@@ -550,6 +575,7 @@ async def test_a_replica_with_no_room_elsewhere_is_retired_at_the_deadline(
         ("cordon n1", DONE), ("replace d1-r1 (d1) off n1", DONE),
         ("replace d2-r1 (d2) off n1", FAILED),
         (next(s.name for s in result.steps if s.name.startswith("wait until")), DONE),
+        ("check what n1 holds now", DONE),
         ("replace d2-r1 (d2) off n1 at the deadline", FAILED),
         ("retire d2-r1 (d2)", DONE)]
     assert result.steps[-1].detail == reason
@@ -588,10 +614,47 @@ async def test_a_refused_replica_is_tried_at_the_deadline_then_named_as_left(
     assert steps[1] == ("replace d1-r1 (d1) off n1", DONE)
     assert fleet.record.steps[1].detail.startswith("nothing to move: deployment 'd1'")
     assert steps[2] == ("replace d2-r1 (d2) off n1", FAILED)
-    assert steps[-1] == ("replace d2-r1 (d2) off n1 at the deadline", FAILED)
+    assert steps[-2] == ("replace d2-r1 (d2) off n1 at the deadline", FAILED)
+    # Judged by the node before it ends failed: d2-r1 is still there.
+    assert steps[-1] == ("check what n1 still holds", DONE)
     assert fleet.record.state is OperationState.FAILED
     assert error.message == fleet.record.error == f"still on n1: d2-r1: {leased}"
     assert "1 deleted with their deployment, 1 still there" in fleet.record.summary
+
+
+async def test_a_drain_beside_a_restart_of_the_same_replicas_judges_by_the_node(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    """Issue 24: a drain refused a replica that a restart was replacing (leased to its
+    move), tried it again at the deadline, when the restart had replaced it elsewhere and
+    the replica id was gone, and ended failed "still there". What counts is whether the
+    node still holds the deployment's replicas."""
+    fleet = FakeFleet(deployments={D1: _deployment(
+        replicas={"r1": ("ready", N1), "r2": ("ready", N1)}, gated={"replace-d1-r1"})})
+    env = time_skipping_env
+    async with Worker(env.client, task_queue=CONTROL_TASK_QUEUE, workflows=SAGAS,
+                      activities=fleet.activities()):
+        restart = await env.client.start_workflow(
+            RestartSaga.run, RestartInput(deployment_id=D1, requested_by="alice"),
+            id=operation_workflow_id("restart", D1, 1), task_queue=CONTROL_TASK_QUEUE)
+        await asyncio.wait_for(fleet.held.wait(), 20)  # the restart holds d1-r1
+        drain = await env.client.start_workflow(
+            DrainSaga.run, DrainInput(node_id=N1, grace_s=60),
+            id=operation_workflow_id("drain", N1, 1), task_queue=CONTROL_TASK_QUEUE)
+        await asyncio.wait_for(fleet.waiting.wait(), 20)  # its first pass is over
+        fleet.deployments[D1].open_gate()
+        restarted = await restart.result()
+        result = await drain.result()
+        drain_run = Run(env, fleet, drain)
+        await drain_run.record_history("drain_beside_restart")
+    assert restarted.state is OperationState.SUCCEEDED
+    drained = [r for r in fleet.asked() if "replace-d1-r" in r]
+    assert "replace replace-d1-r2" in drained
+    assert not any(r.node == N1 for r in fleet.deployments[D1].replicas.values())
+    assert result.state is OperationState.SUCCEEDED, result.error
+    assert result.error is None
+    assert "still there" not in result.summary
+    assert "1 replica(s) moved, 1 moved off by another operation" in result.summary
 
 
 async def test_draining_an_unknown_node_fails_saying_so(
