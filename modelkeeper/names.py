@@ -211,8 +211,10 @@ WORKFLOW_DRAIN = "DrainSaga"
 WORKFLOW_SWITCH = "SwitchSaga"
 #: The query every saga answers with its OperationRecord.
 QUERY_OPERATION = "operation"
-#: A saga that ends failed, rolled back or rollback_incomplete fails its workflow with this
-#: error type, the record's error as its message and the record as its detail.
+#: A saga that ends rollback_incomplete, with a failed undo or on an error it did not expect
+#: fails its workflow with this error type, the record's error as its message and the
+#: record as its detail (one that failed or rolled back as designed completes:
+#: PATCH_SAGA_OUTCOME).
 ERROR_OPERATION_FAILED = "OperationFailed"
 
 

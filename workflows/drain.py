@@ -32,9 +32,10 @@ Cancelling the drain (``temporal workflow cancel``) cancels every move not yet e
 (``cancel_move``: a replacement not yet ready is retired, its old replica kept), uncordons
 the node only if the input asked for it, and ends the saga cancelled.
 
-Workflow ids come from the starter: ``drain/<node>/<n>``. A brand-new workflow type:
-nothing to patch yet. Any change to the order of its commands from here on goes behind
-``workflow.patched`` (tests/histories/saga_drain_*.json replay it).
+Workflow ids come from the starter: ``drain/<node>/<n>``. Patched since it was new:
+PATCH_DRAIN_BY_NODE (step 6) and PATCH_SAGA_OUTCOME (saga.py, "How a saga ends"). Any
+change to the order of its commands goes behind ``workflow.patched``
+(tests/histories/saga_drain_*.json replay it).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class DrainSaga:
         if error is not None:
             await saga.finish(OperationState.FAILED, error=error,
                               summary=self._summary("failed"))
-            raise saga.failure()
+            return saga.outcome()
         if self._left and self._by_node:
             await self._recheck_left()
         if self._left:
@@ -142,7 +143,7 @@ class DrainSaga:
                 OperationState.FAILED, summary=self._summary("failed"),
                 error=f"still on {request.node_id}: " + "; ".join(
                     f"{r}: {why}" for r, why in self._left.items()))
-            raise saga.failure()
+            return saga.outcome()
         return await saga.finish(OperationState.SUCCEEDED, summary=self._summary("done"))
 
     async def _drain(self) -> str | None:

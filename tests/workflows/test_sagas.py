@@ -475,8 +475,9 @@ async def test_a_failed_replacement_is_cancelled_and_the_restart_fails(
     crash = "d1-r4 failed to start: model-a exited with code 1"
     fleet = FakeFleet(deployments={D1: _deployment(crash={"replace-d1-r2": crash})})
     async with _restart(time_skipping_env, fleet) as run:
-        error = _operation_failed(await run.failure())
-        await run.record_history("restart_failed")
+        # Compensated as designed: the workflow completes with the failed record.
+        result = await run.handle.result()
+        await run.record_history("restart_failed_completes")
     assert fleet.asked() == ["replace replace-d1-r1", "replace replace-d1-r2"]
     assert fleet.cancels == ["restart/d1/1:replace-d1-r2"]
     assert fleet.deployments[D1].generations_set == []
@@ -485,7 +486,7 @@ async def test_a_failed_replacement_is_cancelled_and_the_restart_fails(
     record = fleet.record
     assert record.state is OperationState.FAILED
     assert record.error == f"replacing d1-r2 failed: {crash}"
-    assert error.message == record.error
+    assert result == record
     # The old replica keeps serving; the one restarted stays restarted.
     assert "d1-r2" in fleet.deployments[D1].replicas
 
@@ -607,7 +608,7 @@ async def test_a_refused_replica_is_tried_at_the_deadline_then_named_as_left(
     fleet = _two_deployments(refuse={"replace-d2-r1": leased, "replace-d2-r1:retry": leased})
     fleet.deleted.add(D1)  # deleted meanwhile: its replica goes with it
     async with _drain(time_skipping_env, fleet) as run:
-        error = _operation_failed(await run.failure())
+        result = await run.handle.result()
     assert fleet.asked() == ["replace replace-d1-r1", "replace replace-d2-r1",
                              "replace replace-d2-r1:retry"]
     steps = fleet.steps()
@@ -618,7 +619,7 @@ async def test_a_refused_replica_is_tried_at_the_deadline_then_named_as_left(
     # Judged by the node before it ends failed: d2-r1 is still there.
     assert steps[-1] == ("check what n1 still holds", DONE)
     assert fleet.record.state is OperationState.FAILED
-    assert error.message == fleet.record.error == f"still on n1: d2-r1: {leased}"
+    assert result.error == fleet.record.error == f"still on n1: d2-r1: {leased}"
     assert "1 deleted with their deployment, 1 still there" in fleet.record.summary
 
 
@@ -662,8 +663,9 @@ async def test_draining_an_unknown_node_fails_saying_so(
 ) -> None:
     fleet = _two_deployments()
     async with _drain(time_skipping_env, fleet, NodeId("n9")) as run:
-        error = _operation_failed(await run.failure())
-    assert error.message == "node_id: n9 is not a known node"
+        result = await run.handle.result()
+    assert result.state is OperationState.FAILED
+    assert result.error == "node_id: n9 is not a known node"
     assert fleet.steps() == [("cordon n9", FAILED)] and fleet.requests == []
 
 
@@ -756,8 +758,9 @@ async def test_b_crashing_at_start_is_cancelled_and_a_keeps_serving(
 ) -> None:
     fleet = FakeFleet(deployments={D1: _deployment(crash_models={B.model_id})})
     async with _switch(time_skipping_env, fleet, model_id=B.model_id) as run:
-        error = _operation_failed(await run.failure())
-        await run.record_history("switch_rolled_back")
+        # Rolled back as designed: the workflow completes with the record.
+        result = await run.handle.result()
+        await run.record_history("switch_rolled_back_completes")
     assert fleet.asked() == ["replace replace-d1-r1"]
     assert fleet.cancels == ["switch/d1/1:replace-d1-r1"]
     assert fleet.steps() == [("replace d1-r1 with model-b", UNDONE),
@@ -766,7 +769,7 @@ async def test_b_crashing_at_start_is_cancelled_and_a_keeps_serving(
     assert record.state is OperationState.ROLLED_BACK
     assert record.error == ("model-b failed: d1-r3 failed to start: model-b exited with "
                             "code 1")
-    assert error.message == record.error
+    assert result == record
     assert fleet.deployments[D1].generations_set == []
     assert sorted(fleet.deployments[D1].replicas) == ["d1-r1", "d1-r2"]
 
@@ -777,7 +780,7 @@ async def test_b_crashing_after_a_stopped_first_surges_a_back(
     fleet = FakeFleet(deployments={D1: _deployment(no_room={"replace-d1-r1"},
                                                    crash_models={B.model_id})})
     async with _switch(time_skipping_env, fleet, model_id=B.model_id) as run:
-        await run.failure()
+        await run.handle.result()  # rolled back as designed: it completes
     assert fleet.asked() == ["replace replace-d1-r1", "replace replace-d1-r1:stop-first",
                              "surge undo-surge-d1-r1"]
     assert fleet.requests[-1].generation == A
@@ -798,7 +801,7 @@ async def test_a_after_a_failed_stop_first_comes_back_from_the_deployment_itself
     fleet = FakeFleet(deployments={D1: _deployment(no_room={"replace-d1-r1"},
                                                    crash_models={B.model_id}, refills=True)})
     async with _switch(time_skipping_env, fleet, model_id=B.model_id) as run:
-        await run.failure()
+        await run.handle.result()  # rolled back as designed: it completes
     assert fleet.asked() == ["replace replace-d1-r1", "replace replace-d1-r1:stop-first"]
     assert [name for name, _ in fleet.steps()][-1] == "undo: restore d1-r1 on model-a"
     assert fleet.steps()[-1][1] is DONE
@@ -814,7 +817,7 @@ async def test_a_second_replica_crashing_undoes_the_first(
     crash = "d1-r4 failed to start: CUDA out of memory"
     fleet = FakeFleet(deployments={D1: _deployment(crash={"replace-d1-r2": crash})})
     async with _switch(time_skipping_env, fleet, model_id=B.model_id) as run:
-        await run.failure()
+        await run.handle.result()  # rolled back as designed: it completes
     assert fleet.asked() == ["replace replace-d1-r1", "replace replace-d1-r2",
                              "replace undo-replace-d1-r3"]
     undo = fleet.requests[-1]
