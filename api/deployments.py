@@ -59,6 +59,7 @@ from modelkeeper.store import (
 from workflows.deployment import (
     MODEL_ID_KEY,
     STATUS_KEY,
+    DeleteRequest,
     DeploymentInput,
     DeploymentWorkflow,
 )
@@ -360,7 +361,8 @@ async def delete_deployment(deployment_id: str, store: StoreDep, temporal: Tempo
     view = await _existing(store, deployment_id)
     try:
         await temporal.get_workflow_handle_for(
-            DeploymentWorkflow.run, view.workflow_id).signal(DeploymentWorkflow.delete)
+            DeploymentWorkflow.run, view.workflow_id).signal(
+                DeploymentWorkflow.delete, DeleteRequest(requested_by=operator.name))
     except RPCError as exc:
         if not _workflow_not_found(exc):
             raise HTTPException(

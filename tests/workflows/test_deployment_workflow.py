@@ -103,6 +103,7 @@ from workflows.deployment import (
     NODES_KEY,
     READY_KEY,
     STATUS_KEY,
+    DeleteRequest,
     DeploymentInput,
     DeploymentWorkflow,
     DeploymentWorkflowState,
@@ -491,6 +492,26 @@ async def test_deploys_serves_replaces_a_crashed_engine_and_deletes(
         assert cluster.deleted == ["d1"]
         await record_history(run.handle, "deploy_crash_replace_delete")
         assert [s.status for s in cluster.statuses][-1] is DeploymentStatus.DELETING
+
+
+async def test_a_deleted_deployment_ends_with_a_human_result(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """Issue 24: the run's result (the web UI's, ``temporal workflow result``) says who
+    deleted it, when, and what it stopped; not an empty result."""
+    async with _run(time_skipping_env, cluster, replicas=2) as run:
+        view = await run.until(DeploymentStatus.SERVING)
+        await asyncio.wait_for(_until(lambda: len(cluster.started) == 2), 20)
+        asked = await time_skipping_env.get_current_time()
+        await run.handle.signal(DeploymentWorkflow.delete, DeleteRequest(requested_by="alice"))
+        result = await asyncio.wait_for(run.handle.result(), 20)
+        await record_history(run.handle, "deleted_result")
+    spec = view.keeper.spec
+    prefix = f"Deployment {spec.deployment_id} ({spec.model_id}) deleted by alice at "
+    assert result.startswith(prefix) and result.endswith(" UTC: 2 replicas stopped"), result
+    at = datetime.strptime(result[len(prefix):len(prefix) + 19], "%Y-%m-%d %H:%M:%S")
+    assert abs((at.replace(tzinfo=UTC) - asked).total_seconds()) < 60
+    assert sorted(cluster.stopped) == sorted(r.replica_id for r in view.keeper.replicas)
 
 
 async def _until(check: object) -> None:
