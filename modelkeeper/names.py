@@ -40,6 +40,13 @@ SEARCH_ATTRIBUTES: dict[str, str] = {
 }
 
 
+#: The Temporal web UI's saved view of the deployments (docs/keeper.md, "The web UI's
+#: list"): this query, with the search attributes above as its columns, in this order.
+DEPLOYMENTS_VIEW_QUERY = "WorkflowType = 'DeploymentWorkflow' AND ExecutionStatus = 'Running'"
+DEPLOYMENTS_VIEW_COLUMNS = ("ModelId", "DeploymentStatus", "ReadyReplicas", "DesiredReplicas",
+                            "NodeIds")
+
+
 def node_task_queue(node_id: NodeId) -> str:
     """The task queue a node's agent polls."""
     return f"{NODE_TASK_QUEUE_PREFIX}{node_id}"

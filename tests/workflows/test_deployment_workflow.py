@@ -25,7 +25,11 @@ from temporalio.client import (
     WorkflowHistory,
     WorkflowUpdateFailedError,
 )
-from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.common import (
+    SearchAttributePair,
+    TypedSearchAttributes,
+    WorkflowIDConflictPolicy,
+)
 from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
@@ -86,6 +90,7 @@ from modelkeeper.domain.store_activities import (
 from modelkeeper.domain.tunables import Tunables
 from modelkeeper.names import (
     CONTROL_TASK_QUEUE,
+    DEPLOYMENTS_VIEW_QUERY,
     ERROR_MOVE_REFUSED,
     QUERY_BRIEF,
     ROOM_WATCH_TASK_QUEUE,
@@ -100,6 +105,7 @@ from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 from workflows.deployment import (
     DESIRED_KEY,
+    MODEL_ID_KEY,
     NODES_KEY,
     READY_KEY,
     STATUS_KEY,
@@ -971,6 +977,56 @@ async def test_search_attributes_move_on_while_the_store_is_down(
         # The one recorded history with search attributes on (the time-skipping server
         # has none registered).
         await record_history(run.handle, "search_attributes_store_down")
+
+
+async def test_the_web_uis_saved_view_lists_model_status_and_ready_over_desired(
+    local_temporal_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """Issue 24: the list of runs tells deployments apart. The saved view that
+    docs/keeper.md ("The web UI's list") documents is a visibility query plus columns of
+    the search attributes; this runs its query on the dev server, and each row carries the
+    columns it shows: ModelId, DeploymentStatus, ReadyReplicas and DesiredReplicas."""
+    client = local_temporal_env.client
+    async with _workers(local_temporal_env, cluster):
+        handles = []
+        for deployment_id, model_id, replicas in (("d1", "m", 2), ("d2", "m2", 1)):
+            spec = DeploymentSpec(deployment_id=DeploymentId(deployment_id),
+                                  model_id=ModelId(model_id), replicas=replicas)
+            handles.append(await client.start_workflow(
+                DeploymentWorkflow.run,
+                DeploymentInput(spec=spec, tunables=_tunables(), search_attributes=True),
+                id=f"deployment/{deployment_id}-{uuid.uuid4().hex[:6]}",
+                task_queue=CONTROL_TASK_QUEUE,
+                # As the API starts one: the model and the first status at start.
+                search_attributes=TypedSearchAttributes([
+                    SearchAttributePair(MODEL_ID_KEY, model_id),
+                    SearchAttributePair(STATUS_KEY, "placing")])))
+        ids = {h.id for h in handles}
+
+        async def rows() -> dict[str, tuple[object, ...]]:
+            found = {}
+            async for execution in client.list_workflows(DEPLOYMENTS_VIEW_QUERY):
+                if execution.id in ids:
+                    sa = execution.typed_search_attributes
+                    found[execution.id] = (sa.get(MODEL_ID_KEY), sa.get(STATUS_KEY),
+                                           sa.get(READY_KEY), sa.get(DESIRED_KEY))
+            return found
+
+        want = {handles[0].id: ("m", "serving", 2, 2), handles[1].id: ("m2", "serving", 1, 1)}
+
+        async def listed() -> None:
+            while await rows() != want:
+                await asyncio.sleep(0.2)
+
+        await asyncio.wait_for(listed(), 30)
+        # A filter on a column: one model's deployments.
+        only_m2 = [e.id async for e in client.list_workflows(
+            f"{DEPLOYMENTS_VIEW_QUERY} AND ModelId = 'm2'") if e.id in ids]
+        assert only_m2 == [handles[1].id]
+        for handle in handles:
+            await handle.signal(DeploymentWorkflow.delete)
+        for handle in handles:
+            await asyncio.wait_for(handle.result(), 30)
 
 
 async def test_a_store_outage_delays_status_writes_not_the_replacement_of_a_lost_replica(
