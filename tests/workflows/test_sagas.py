@@ -491,6 +491,22 @@ async def test_a_failed_replacement_is_cancelled_and_the_restart_fails(
     assert "d1-r2" in fleet.deployments[D1].replicas
 
 
+async def test_a_restart_whose_undo_fails_fails_its_workflow(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    """A compensation that failed leaves something half-done: the workflow fails (the web
+    UI shows it red), where a compensated failure completes with its record."""
+    crash = "d1-r4 failed to start: model-a exited with code 1"
+    fleet = FakeFleet(deployments={D1: _deployment(crash={"replace-d1-r2": crash},
+                                                   refuse_cancel={"replace-d1-r2"})})
+    async with _restart(time_skipping_env, fleet) as run:
+        error = _operation_failed(await run.failure())
+    record = fleet.record
+    assert record.state is OperationState.FAILED
+    assert fleet.steps()[1] == ("replace d1-r2", StepState.UNDO_FAILED)
+    assert "could not undo" in (record.error or "") and error.message == record.error
+
+
 async def test_a_second_saga_on_the_deployment_fails_naming_the_first(
     time_skipping_env: WorkflowEnvironment,
 ) -> None:
