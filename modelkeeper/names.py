@@ -140,6 +140,9 @@ PATCH_DRAIN_BY_NODE = "drain-judges-by-node"
 #: compensated) completes with its record; only rollback_incomplete, an undo that failed,
 #: and errors it did not expect fail the workflow (issue 24; workflows/saga.py).
 PATCH_SAGA_OUTCOME = "saga-outcome-completes"
+#: 0.3: the ModelId search attribute follows the model a deployment runs (its committed
+#: generation's) after a switch, where it kept the model it was created for (issue 24).
+PATCH_MODEL_ID_FOLLOWS_SWITCH = "model-id-follows-switch"
 QUERY_STATUS = "status"
 #: A deployment as a saga sees it (modelkeeper.domain.moves.DeploymentBrief).
 QUERY_BRIEF = "brief"

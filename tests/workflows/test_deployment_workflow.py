@@ -1029,6 +1029,34 @@ async def test_the_web_uis_saved_view_lists_model_status_and_ready_over_desired(
             await asyncio.wait_for(handle.result(), 30)
 
 
+async def test_the_model_id_column_follows_a_switch(
+    local_temporal_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """Issue 24: after a switch commits another model, the list's ModelId says the model
+    the deployment runs now, not the one it was created for."""
+    client = local_temporal_env.client
+    async with _workers(local_temporal_env, cluster):
+        handle = await client.start_workflow(
+            DeploymentWorkflow.run, _input(search_attributes=True),
+            id=f"deployment/{uuid.uuid4()}", task_queue=CONTROL_TASK_QUEUE,
+            search_attributes=TypedSearchAttributes([SearchAttributePair(MODEL_ID_KEY, "m"),
+                                                     SearchAttributePair(STATUS_KEY, "placing")]))
+        run = Running(local_temporal_env, cluster, handle)
+        await run.until(DeploymentStatus.SERVING)
+        await run.handle.execute_update(UPDATE_SET_GENERATION, SetGenerationRequest(
+            move_id=MoveId("switch/d1/1:commit"),
+            generation=Generation(number=1, model_id=ModelId("m2"))))
+
+        async def model_id() -> None:
+            while (await handle.describe()).typed_search_attributes.get(MODEL_ID_KEY) != "m2":
+                await asyncio.sleep(0.1)
+
+        await asyncio.wait_for(model_id(), 20)
+        await handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(handle.result(), 30)
+        await record_history(handle, "model_id_follows_switch")
+
+
 async def test_a_store_outage_delays_status_writes_not_the_replacement_of_a_lost_replica(
     time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
 ) -> None:
