@@ -363,7 +363,7 @@ QUERY_DEADLINE = timedelta(seconds=2)
 class Running:
     env: WorkflowEnvironment
     cluster: FakeCluster
-    handle: WorkflowHandle[DeploymentWorkflow, None]
+    handle: WorkflowHandle[DeploymentWorkflow, str]
 
     async def view(self) -> WorkflowStatus:
         # By workflow id alone, so the query follows continue-as-new to the latest run:
@@ -1004,7 +1004,7 @@ async def test_the_web_uis_saved_view_lists_model_status_and_ready_over_desired(
         ids = {h.id for h in handles}
 
         async def rows() -> dict[str, tuple[object, ...]]:
-            found = {}
+            found: dict[str, tuple[object, ...]] = {}
             async for execution in client.list_workflows(DEPLOYMENTS_VIEW_QUERY):
                 if execution.id in ids:
                     sa = execution.typed_search_attributes
