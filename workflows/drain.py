@@ -16,12 +16,12 @@ Steps, each visible in the OperationRecord (workflows/saga.py says how they are 
    outage for want of room is bounded by the grace period, and stated. Refused again: it
    is left there, and the drain ends failed naming it. A replica whose deployment was
    deleted meanwhile goes with it.
-6. What is left is judged by the node, not by the replica ids listed at step 3: at the
-   deadline (and again before the drain ends failed) it lists what the node holds now
-   (``node_deployments``). A replica tried before and no longer there has left it by
-   another operation (a restart or switch replaced it meanwhile: the drain was refused
-   while that saga's move held it, and its id is gone now); one there that was never
-   tried (placed by such a move before the cordon) is replaced at the deadline too.
+6. What is left is judged by the node, not by the replica ids listed at step 3: after the
+   first pass, at the deadline, and again before the drain ends failed, it lists what the
+   node holds now (``node_deployments``). A replica tried before and no longer there has
+   left it by another operation (a restart or switch replaced it meanwhile: the drain was
+   refused while that saga's move held it, and its id is gone now); one there that was
+   never tried (placed by such a move before the cordon took hold) is replaced too.
    (Patched, PATCH_DRAIN_BY_NODE: before, a replica refused twice was "still there"
    even when another saga had moved it off.)
 
@@ -177,6 +177,21 @@ class DrainSaga:
             move = await self._replace(replica, at_deadline=False)
             if move is not None:
                 later.append(replica)
+        tried = {r.replica_id for r in replicas}
+        # Read once, here, for the rest of the run: a run replaying an older history keeps
+        # the old path to its end.
+        self._by_node = workflow.patched(PATCH_DRAIN_BY_NODE)
+        if self._by_node:
+            # Placed there before the cordon took hold, by another saga's move: moved too.
+            newcomers = [r for rid, r in (await self._on_node()).items() if rid not in tried]
+            if newcomers:
+                check = saga.step(f"check what {node} holds now")
+                saga.end_step(check, StepState.DONE, _node_check([], newcomers))
+            for replica in newcomers:
+                tried.add(replica.replica_id)
+                move = await self._replace(replica, at_deadline=False)
+                if move is not None:
+                    later.append(replica)
         if not later:
             return None
         wait = (deadline - workflow.now()).total_seconds()
@@ -185,9 +200,8 @@ class DrainSaga:
                              ", ".join(r.replica_id for r in later))
             await workflow.sleep(wait)
             saga.end_step(step, StepState.DONE)
-        self._by_node = workflow.patched(PATCH_DRAIN_BY_NODE)
         if self._by_node:
-            later = await self._by_the_node(later, tried={r.replica_id for r in replicas})
+            later = await self._by_the_node(later, tried=tried)
         for replica in later:
             move = await self._replace(replica, at_deadline=True)
             if move is not None:
@@ -326,6 +340,6 @@ def _node_check(elsewhere: list[ReplicaId], newcomers: list[NodeReplica]) -> str
     if elsewhere:
         parts.append(f"moved off by another operation: {', '.join(elsewhere)}")
     if newcomers:
-        parts.append("placed there meanwhile, replaced now: "
+        parts.append("placed there meanwhile, to be replaced too: "
                      + ", ".join(f"{r.replica_id} ({r.deployment_id})" for r in newcomers))
     return "; ".join(parts) or "as listed"

@@ -136,6 +136,9 @@ class FakeDeployment:
     #: leased to them, and another saga's move of it is refused, as the keeper does.
     gated: set[str] = field(default_factory=set)
     gated_requests: dict[MoveId, MoveRequest] = field(default_factory=dict)
+    #: Moves (by step) whose new replica lands on this node, whatever the move avoids
+    #: (another saga's placement that came before the cordon).
+    place_on: dict[str, NodeId] = field(default_factory=dict)
     #: A failed stop-first frees its slot and the deployment places a replica of its
     #: current generation at once (the real keeper does; False tests the saga's surge).
     refills: bool = False
@@ -215,6 +218,8 @@ class FakeDeployment:
             self._refill(request)
             return running.model_copy(update={"state": MoveState.FAILED, "error": NO_ROOM})
         surged = self.new_replica(generation, request.avoid_nodes)
+        if step in self.place_on:
+            self.replicas[surged].node = self.place_on[step]
         crash = self.crash.get(step)
         if crash is None and generation.model_id in self.crash_models:
             crash = f"{surged} failed to start: {generation.model_id} exited with code 1"
@@ -639,15 +644,19 @@ async def test_a_refused_replica_is_tried_at_the_deadline_then_named_as_left(
     assert "1 deleted with their deployment, 1 still there" in fleet.record.summary
 
 
+@pytest.mark.parametrize("lands_on_the_node", [False, True], ids=["elsewhere", "on-the-node"])
 async def test_a_drain_beside_a_restart_of_the_same_replicas_judges_by_the_node(
-    time_skipping_env: WorkflowEnvironment,
+    time_skipping_env: WorkflowEnvironment, lands_on_the_node: bool,
 ) -> None:
     """Issue 24: a drain refused a replica that a restart was replacing (leased to its
     move), tried it again at the deadline, when the restart had replaced it elsewhere and
     the replica id was gone, and ended failed "still there". What counts is whether the
     node still holds the deployment's replicas."""
+    # on-the-node: the restart's new copy of d1-r1 lands on n1 (placed before the cordon
+    # took hold): the drain finds it there at the deadline and moves it too.
     fleet = FakeFleet(deployments={D1: _deployment(
-        replicas={"r1": ("ready", N1), "r2": ("ready", N1)}, gated={"replace-d1-r1"})})
+        replicas={"r1": ("ready", N1), "r2": ("ready", N1)}, gated={"replace-d1-r1"},
+        place_on={"replace-d1-r1": N1} if lands_on_the_node else {})})
     env = time_skipping_env
     async with Worker(env.client, task_queue=CONTROL_TASK_QUEUE, workflows=SAGAS,
                       activities=fleet.activities()):
@@ -662,8 +671,8 @@ async def test_a_drain_beside_a_restart_of_the_same_replicas_judges_by_the_node(
         fleet.deployments[D1].open_gate()
         restarted = await restart.result()
         result = await drain.result()
-        drain_run = Run(env, fleet, drain)
-        await drain_run.record_history("drain_beside_restart")
+        if not lands_on_the_node:
+            await Run(env, fleet, drain).record_history("drain_beside_restart")
     assert restarted.state is OperationState.SUCCEEDED
     drained = [r for r in fleet.asked() if "replace-d1-r" in r]
     assert "replace replace-d1-r2" in drained
@@ -671,7 +680,15 @@ async def test_a_drain_beside_a_restart_of_the_same_replicas_judges_by_the_node(
     assert result.state is OperationState.SUCCEEDED, result.error
     assert result.error is None
     assert "still there" not in result.summary
-    assert "1 replica(s) moved, 1 moved off by another operation" in result.summary
+    if lands_on_the_node:
+        newcomer = next(s for s in result.steps if s.name == "check what n1 holds now")
+        assert "moved off by another operation: d1-r1" in newcomer.detail
+        assert "placed there meanwhile, to be replaced too: d1-r4 (d1)" in newcomer.detail
+        assert ("replace d1-r4 (d1) off n1 at the deadline", DONE) in [
+            (s.name, s.state) for s in result.steps]
+        assert "2 replica(s) moved, 1 moved off by another operation" in result.summary
+    else:
+        assert "1 replica(s) moved, 1 moved off by another operation" in result.summary
 
 
 async def test_draining_an_unknown_node_fails_saying_so(
