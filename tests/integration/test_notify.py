@@ -19,15 +19,27 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
+import httpx
 import pytest
 from aiohttp import web
+from fastapi import Request
 from temporalio.client import Client, WorkflowFailureError
-from temporalio.testing import WorkflowEnvironment
+from temporalio.service import RPCError
+from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 from temporalio.worker import Worker
 
 from activities.notify import NotifyActivities
+from activities.operations import OperationsActivities
+from activities.store import StoreActivities
+from api.app import create_app
+from api.quotas import QuotaExceeded, quota_exceeded
+from modelkeeper.domain.capacity import LimitBreach
+from modelkeeper.domain.catalog import DeploymentStatusUpdate
 from modelkeeper.domain.events import NewEvent
+from modelkeeper.domain.ids import DeploymentId, OperationId
 from modelkeeper.domain.notify import (
     HEADER_IDEMPOTENCY_KEY,
     HEADER_SIGNATURE,
@@ -36,8 +48,11 @@ from modelkeeper.domain.notify import (
     Notice,
     NoticeKind,
     notice_workflow_id,
+    quota_notice,
     verify,
 )
+from modelkeeper.domain.operations import OperationKind, OperationRecord, OperationState
+from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.infra.notify import start_notice
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.names import CONTROL_TASK_QUEUE, cant_place_watch_id
@@ -271,3 +286,110 @@ async def test_the_store_finds_when_the_unplaceable_stretch_began(store: Store) 
     await store.events.record_event(NewEvent(kind="deployment.deleted", deployment_id="d-1",
                                              message="deleted"))
     assert (await store.events.cant_place_since("d-1")).since is None
+
+
+async def test_notify_test_answers_each_target_and_is_audited(
+        local_temporal_env: WorkflowEnvironment, database_url: str, store: Store,
+        tmp_path: Path, receiver: tuple[Receiver, str]) -> None:
+    """POST /notify/test sends at once (no workflow), answers each target, records an
+    audit event; with no target, a 409 that names the settings."""
+    recv, base = receiver
+    client = local_temporal_env.client
+    common: dict[str, Any] = {"database_url": database_url, "api_auth": False,
+              "temporal_address": client.service_client.config.target_host,
+              "temporal_namespace": client.namespace}
+    app = create_app(Settings(**common, notify_webhook_urls=[f"{base}/hook"],
+                              notify_slack_urls=[f"{base}/missing"],
+                              notify_secret_file=_secret_file(tmp_path)))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://localhost") as http:
+        resp = await http.post("/notify/test")
+    assert resp.status_code == 200, resp.text
+    results = resp.json()["results"]
+    assert [(r["target"], r["format"], r["delivered"], r["status"]) for r in results] == [
+        ("webhook-1", "webhook", True, 200), ("slack-1", "slack", False, 404)]
+    assert recv.arrived[0]["problem"] is None
+    body = recv.arrived[0]["body"]
+    assert isinstance(body, dict) and body["kind"] == "notify.test"
+    events = [e for e in await store.events.list_events() if e.kind == "notify.test"]
+    assert [e.message for e in events] == [
+        "test notification: webhook-1 delivered; slack-1 failed"]
+
+    bare = create_app(Settings(**common))
+    async with bare.router.lifespan_context(bare), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=bare), base_url="http://localhost") as http:
+        resp = await http.post("/notify/test")
+    assert resp.status_code == 409
+    assert "MODELKEEPER_NOTIFY_WEBHOOK_URLS" in resp.json()["detail"]
+
+
+async def _started(client: Client, prefix: str) -> str:
+    """The workflow id under ``prefix`` for this hour or the last (a test that straddles
+    an hour), as the server describes it."""
+    now = datetime.now(UTC)
+    for at in (now, now - timedelta(hours=1)):
+        workflow_id = f"{prefix}/{at:%Y%m%d%H}"
+        try:
+            await client.get_workflow_handle(workflow_id).describe()
+        except RPCError:
+            continue
+        return workflow_id
+    raise AssertionError(f"no workflow {prefix}/<this hour>")
+
+
+async def test_the_keeper_and_the_sagas_start_their_notices(
+        local_temporal_env: WorkflowEnvironment, store: Store, tmp_path: Path) -> None:
+    """Where the conditions are recorded: the keeper's status activity starts a parked
+    notice and a cant_place watch; a saga's record of rollback_incomplete its notice.
+    No worker runs: they wait in Temporal's queue, which is what survives a crash."""
+    client = local_temporal_env.client
+    settings = Settings(notify_webhook_urls=["http://127.0.0.1:9/hook"],
+                        notify_secret_file=_secret_file(tmp_path))
+    keeper = StoreActivities(store, settings, client)
+
+    def update(deployment_id: str, status: DeploymentStatus) -> DeploymentStatusUpdate:
+        return DeploymentStatusUpdate(deployment_id=deployment_id, status=status,
+                                      placement_error="no node has 64 GiB free",
+                                      consecutive_failures=5, last_failure="exit 1",
+                                      desired_replicas=1)
+
+    await ActivityEnvironment().run(keeper.record_deployment_status,
+                                    update("d-parked", DeploymentStatus.PARKED))
+    await ActivityEnvironment().run(keeper.record_deployment_status,
+                                    update("d-stuck", DeploymentStatus.CANT_PLACE))
+    await ActivityEnvironment().run(keeper.record_deployment_status,
+                                    update("d-fine", DeploymentStatus.SERVING))
+    sagas = OperationsActivities(store, client, settings)
+    await ActivityEnvironment().run(sagas.record_operation, OperationRecord(
+        operation_id=OperationId("switch/d-s/1"), kind=OperationKind.SWITCH,
+        deployment_id=DeploymentId("d-s"), state=OperationState.ROLLBACK_INCOMPLETE,
+        error="replica r-1 could not be restored: node a is gone"))
+
+    parked = await client.get_workflow_handle(
+        await _started(client, "notify/deployment.parked/d-parked")).describe()
+    assert parked.workflow_type == "Notify"
+    watch = await client.get_workflow_handle(cant_place_watch_id("d-stuck")).describe()
+    assert watch.workflow_type == "CantPlaceWatch"
+    await _started(client, "notify/operation.rollback_incomplete/switch/d-s/1")
+    with pytest.raises(RPCError):
+        await client.get_workflow_handle(cant_place_watch_id("d-fine")).describe()
+
+
+async def test_a_quota_refusal_starts_its_notice_once_an_hour(
+        local_temporal_env: WorkflowEnvironment, tmp_path: Path) -> None:
+    """The API's 409 for a limit passed also starts a quota.at_limit notice, per scope and
+    part; a second refusal within the hour starts none (the answer is the same 409)."""
+    client = local_temporal_env.client
+    settings = Settings(notify_webhook_urls=["http://127.0.0.1:9/hook"],
+                        notify_secret_file=_secret_file(tmp_path))
+    request = cast(Request, SimpleNamespace(app=SimpleNamespace(
+        state=SimpleNamespace(temporal=client, settings=settings))))
+    breach = QuotaExceeded(LimitBreach(scope="acme/a", part="memory", held=16 << 30,
+                                       asked=16 << 30, limit=24 << 30))
+    for _ in range(2):
+        resp = await quota_exceeded(request, breach)
+        assert resp.status_code == 409
+    await _started(client, "notify/quota.at_limit/acme/a/memory")
+    # The hour's id is taken: the same refusal again starts nothing.
+    assert not await start_notice(client, quota_notice(
+        "acme/a", "memory", "again", {}, now=datetime.now(UTC)), settings)
