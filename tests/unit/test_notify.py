@@ -4,7 +4,9 @@ check, when cant_place is worth a notice; the settings; `modelkeeper notify test
 from __future__ import annotations
 
 import json
+import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -12,6 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from cli import main as cli
+from cli import stack
 from modelkeeper.domain.notify import (
     Due,
     Notice,
@@ -33,6 +36,7 @@ from modelkeeper.domain.notify import (
     worth_retrying,
 )
 from modelkeeper.settings import Settings
+from tests.support.doc_blocks import marked_blocks
 
 AT = datetime(2026, 12, 4, 17, 59, 30, tzinfo=UTC)
 
@@ -155,3 +159,32 @@ def test_notify_test_reports_each_target_and_fails_if_one_failed(
     if code:
         assert "1 of 2 notification target(s) failed" in shown.err
         assert "slack-1 (slack): FAILED: slack-1: HTTP 404 no_service" in shown.err
+
+
+def test_the_docs_recipe_verifies_what_the_worker_signs() -> None:
+    """docs/operations.md's verification recipe, run as written."""
+    page = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    [block] = marked_blocks(page, "notify-recipe")
+    assert block.lang == "python"
+    scope: dict[str, Any] = {}
+    exec(compile(block.body, "docs/operations.md", "exec"), scope)
+    genuine = scope["genuine"]
+    notice = parked_notice("d-1", None, 5, now=AT)
+    body = webhook_body(notice, "k")
+    now = int(time.time())
+    headers = {"X-Modelkeeper-Timestamp": str(now),
+               "X-Modelkeeper-Signature": signature("s3cret", now, body)}
+    assert genuine(b"s3cret", headers, body)
+    assert not genuine(b"other", headers, body)
+    assert not genuine(b"s3cret", headers, body.replace(b"d-1", b"d-2"))
+    old = {"X-Modelkeeper-Timestamp": str(now - 301),
+           "X-Modelkeeper-Signature": signature("s3cret", now - 301, body)}
+    assert not genuine(b"s3cret", old, body)
+
+
+def test_only_the_api_and_the_worker_get_the_notification_settings_under_up() -> None:
+    env = {"MODELKEEPER_NOTIFY_SLACK_URLS": "https://hooks.slack.com/services/T/B/x",
+           "MODELKEEPER_NOTIFY_WEBHOOK_URLS": "https://a.example/mk",
+           "MODELKEEPER_NOTIFY_SECRET_FILE": "/etc/modelkeeper/notify-secret"}
+    for child in ("api", "worker", "gateway", "agent", "temporal-ui"):
+        assert (stack.env_for(child, env) == env) == (child in ("api", "worker")), child
