@@ -58,6 +58,7 @@ from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.names import CONTROL_TASK_QUEUE, cant_place_watch_id
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
+from tests.workflows.test_deployment_workflow import record_history
 from workflows.notify import CantPlaceWatch, NotifyWorkflow
 
 SECRET = "test-notify-secret"
@@ -209,8 +210,10 @@ async def test_each_target_gets_its_shape_and_a_refusal_is_not_retried(
                       activities=NotifyActivities(settings, store, client).all()):
         notice = _notice(NoticeKind.NODE_SILENT, "node-a")
         assert await start_notice(client, notice, settings)
-        result = await client.get_workflow_handle(notice_workflow_id(notice)).result()
+        delivered_run = client.get_workflow_handle(notice_workflow_id(notice))
+        result = await delivered_run.result()
         assert result == "node.silent node-a delivered to webhook-1, slack-1"
+        await record_history(delivered_run, "notify_delivered")
         by_path = {a["path"]: a for a in recv.arrived}
         assert by_path["/slack"]["body"] == {
             "text": "[modelkeeper] node.silent node-a: parked after 5 failed start(s) in a "
@@ -221,8 +224,10 @@ async def test_each_target_gets_its_shape_and_a_refusal_is_not_retried(
         refused = _notice(NoticeKind.QUOTA_AT_LIMIT, "acme/memory")
         started = time.monotonic()
         assert await start_notice(client, refused, settings)
+        refused_run = client.get_workflow_handle(notice_workflow_id(refused))
         with pytest.raises(WorkflowFailureError) as failed:
-            await client.get_workflow_handle(notice_workflow_id(refused)).result()
+            await refused_run.result()
+        await record_history(refused_run, "notify_refused")
         assert time.monotonic() - started < 10  # the 404 is final, not retried
         message = str(failed.value.cause)
         assert "webhook-1: refused: webhook-1: HTTP 404 no such hook" in message, message
@@ -249,10 +254,12 @@ async def test_cant_place_is_notified_only_after_it_lasted(
                       activities=NotifyActivities(settings, store, client).all()):
         await status("d-stuck", "placing")
         await status("d-stuck", "cant_place")
-        stuck = await client.execute_workflow(
+        stuck_run = await client.start_workflow(
             CantPlaceWatch.run, CantPlaceWatchInput(deployment_id="d-stuck", after_s=0.5),
             id=cant_place_watch_id("d-stuck"), task_queue=CONTROL_TASK_QUEUE,
             execution_timeout=timedelta(seconds=60))
+        stuck = await stuck_run.result()
+        await record_history(stuck_run, "cant_place_watch_sent")
         assert stuck.startswith("cant_place for 0 min") and stuck.endswith("(sent)"), stuck
         await until(lambda: len(recv.delivered) == 1, "the cant_place notice delivered")
         body = recv.arrived[0]["body"]
@@ -265,6 +272,7 @@ async def test_cant_place_is_notified_only_after_it_lasted(
             id=cant_place_watch_id("d-fine"), task_queue=CONTROL_TASK_QUEUE)
         await status("d-fine", "serving")
         assert await handle.result() == "d-fine is placeable again (or gone)"
+        await record_history(handle, "cant_place_watch_recovered")
     assert len(recv.arrived) == 1
 
 
