@@ -35,11 +35,14 @@ from activities.notify import NotifyActivities
 from activities.operations import OperationsActivities
 from activities.store import StoreActivities
 from api.app import create_app
+from api.liveness import on_silent
 from api.quotas import QuotaExceeded, quota_exceeded
+from api.watchdog import watch_memory
 from modelkeeper.domain.capacity import LimitBreach
 from modelkeeper.domain.catalog import DeploymentStatusUpdate
 from modelkeeper.domain.events import NewEvent
-from modelkeeper.domain.ids import DeploymentId, OperationId
+from modelkeeper.domain.ids import DeploymentId, NodeId, OperationId
+from modelkeeper.domain.nodes import AgentHeartbeat, AgentRegistration, Inventory
 from modelkeeper.domain.notify import (
     HEADER_IDEMPOTENCY_KEY,
     HEADER_SIGNATURE,
@@ -53,6 +56,7 @@ from modelkeeper.domain.notify import (
 )
 from modelkeeper.domain.operations import OperationKind, OperationRecord, OperationState
 from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.domain.watchdog import MemoryLevel, MemoryReport
 from modelkeeper.infra.notify import start_notice
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.names import CONTROL_TASK_QUEUE, cant_place_watch_id
@@ -401,3 +405,27 @@ async def test_a_quota_refusal_starts_its_notice_once_an_hour(
     # The hour's id is taken: the same refusal again starts nothing.
     assert not await start_notice(client, quota_notice(
         "acme/a", "memory", "again", {}, now=datetime.now(UTC)), settings)
+
+
+async def test_the_api_notifies_a_critical_node_and_a_node_gone_silent(
+        local_temporal_env: WorkflowEnvironment, store: Store, tmp_path: Path) -> None:
+    """The heartbeat's watchdog (on the change to critical) and the liveness verdict start
+    their notices; a node that stays critical starts no more."""
+    client = local_temporal_env.client
+    settings = Settings(notify_webhook_urls=["http://127.0.0.1:9/hook"],
+                        notify_secret_file=_secret_file(tmp_path))
+    node = NodeId("n-1")
+    await store.nodes.register_node(AgentRegistration(
+        node_id=node, name="box", inventory=Inventory(
+            memory_total_bytes=64 << 30, memory_available_bytes=1 << 30, cpu_count=2)))
+    beat = AgentHeartbeat(inventory=Inventory(), memory=MemoryReport(
+        level=MemoryLevel.CRITICAL, available_bytes=1 << 30, margin_bytes=8 << 30,
+        reason="1.0 GiB available, below the 8.0 GiB margin"))
+    await watch_memory(node, beat, store=store, temporal=client, settings=settings,
+                       now=datetime.now(UTC))
+    critical = await client.get_workflow_handle(
+        await _started(client, "notify/node.memory_critical/n-1")).describe()
+    assert critical.workflow_type == "Notify"
+    await on_silent(node, "no ping for 1.5 s", store=store, temporal=client,
+                    settings=settings)
+    await _started(client, "notify/node.silent/n-1")
