@@ -239,13 +239,13 @@ async def test_each_target_gets_its_shape_and_a_refusal_is_not_retried(
 
 
 async def test_cant_place_is_notified_only_after_it_lasted(
-        time_skipping_env: WorkflowEnvironment, store: Store, tmp_path: Path,
+        local_temporal_env: WorkflowEnvironment, store: Store, tmp_path: Path,
         receiver: tuple[Receiver, str]) -> None:
-    """The watch sleeps (a durable timer, skipped here) until the stretch is
-    notify_cant_place_after_s old, then notifies if it still is; a deployment placeable
-    again meanwhile is not notified."""
+    """The watch sleeps (a durable timer, in real time: the stretch is measured by the
+    database's clock) until the stretch is notify_cant_place_after_s old, then notifies
+    if it still is; a deployment placeable again meanwhile is not notified."""
     recv, base = receiver
-    client = time_skipping_env.client
+    client = local_temporal_env.client
     settings = Settings(notify_webhook_urls=[f"{base}/hook"],
                         notify_secret_file=_secret_file(tmp_path))
 
@@ -259,7 +259,7 @@ async def test_cant_place_is_notified_only_after_it_lasted(
         await status("d-stuck", "placing")
         await status("d-stuck", "cant_place")
         stuck_run = await client.start_workflow(
-            CantPlaceWatch.run, CantPlaceWatchInput(deployment_id="d-stuck", after_s=0.5),
+            CantPlaceWatch.run, CantPlaceWatchInput(deployment_id="d-stuck", after_s=1.0),
             id=cant_place_watch_id("d-stuck"), task_queue=CONTROL_TASK_QUEUE,
             execution_timeout=timedelta(seconds=60))
         stuck = await stuck_run.result()
@@ -272,7 +272,7 @@ async def test_cant_place_is_notified_only_after_it_lasted(
 
         await status("d-fine", "cant_place")
         handle = await client.start_workflow(
-            CantPlaceWatch.run, CantPlaceWatchInput(deployment_id="d-fine", after_s=3600),
+            CantPlaceWatch.run, CantPlaceWatchInput(deployment_id="d-fine", after_s=1.0),
             id=cant_place_watch_id("d-fine"), task_queue=CONTROL_TASK_QUEUE)
         await status("d-fine", "serving")
         assert await handle.result() == "d-fine is placeable again (or gone)"
