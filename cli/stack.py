@@ -249,6 +249,11 @@ SECRET_READERS: dict[str, frozenset[str]] = {
     "gateway_database_url": frozenset({"gateway"}),
     "join_token": frozenset({"api", AGENT}),
     "join_token_file": frozenset({"api", AGENT}),
+    # Notification targets (a Slack URL is its own secret) and the signing secret's file:
+    # the worker delivers, the API starts some notices and answers `notify test`.
+    "notify_webhook_urls": frozenset({"api", "worker"}),
+    "notify_slack_urls": frozenset({"api", "worker"}),
+    "notify_secret_file": frozenset({"api", "worker"}),
     # The CLI's operator token: no child calls the API as an operator.
     "token": frozenset(),
     "token_file": frozenset(),

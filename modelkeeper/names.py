@@ -249,3 +249,22 @@ def window_schedule_id(deployment_id: DeploymentId, name: str, edge: str) -> str
     """The id of the schedule that opens (``edge`` "open") or closes a window, and of the
     workflows it starts (Temporal adds each run's time): ``window/<deployment>/<name>/open``."""
     return f"{window_schedules_prefix(deployment_id)}{name}/{edge}"
+
+
+#: The notification workflows (workflows/notify.py), started by name from below the
+#: workflows (modelkeeper.infra.notify): one delivers a notice to every target; one waits
+#: out a deployment's unplaceable stretch before it sends one.
+WORKFLOW_NOTIFY = "Notify"
+WORKFLOW_CANT_PLACE_WATCH = "CantPlaceWatch"
+#: Their activities (activities/notify.py). Recorded in their histories: keep the names.
+ACTIVITY_NOTIFY_TARGETS = "notify_targets"
+ACTIVITY_DELIVER_NOTICE = "deliver_notice"
+ACTIVITY_CANT_PLACE_SINCE = "cant_place_since"
+ACTIVITY_SEND_NOTICE = "send_notice"
+#: A delivery the receiver refused for good (a 4xx other than 408, 425 and 429).
+ERROR_NOTICE_REFUSED = "NoticeRefused"
+
+
+def cant_place_watch_id(deployment_id: str) -> str:
+    """The one watch of a deployment's unplaceable stretch; a second start joins it."""
+    return f"notify-watch/deployment.cant_place/{deployment_id}"
