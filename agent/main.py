@@ -524,7 +524,8 @@ async def _heartbeat_loop(http: httpx.AsyncClient, node: Node, settings: Setting
             resp = await http.post(f"/nodes/{node.node_id}/heartbeat",
                                    json=_heartbeat_json(beat),
                                    headers=node.identity.node_headers())
-            if resp.status_code == 422 and (beat.memory is not None or beat.oom_kills):
+            if resp.status_code == 422 and (beat.memory is not None or beat.oom_kills
+                                            or beat.starts):
                 # An API older than the watchdog refuses a heartbeat with fields it does
                 # not know (AgentHeartbeat is strict): send it again without them, so an
                 # agent upgraded before its API keeps its node alive. Each heartbeat tries
@@ -571,6 +572,8 @@ def _heartbeat_json(beat: AgentHeartbeat) -> dict[str, object]:
         del body["memory"]
     if not beat.oom_kills:
         del body["oom_kills"]
+    if not beat.starts:
+        del body["starts"]
     return body
 
 
@@ -578,9 +581,10 @@ def _heartbeat(node: Node) -> AgentHeartbeat:
     """This heartbeat's body: the inventory, the shards, and the watchdog's report with
     the memory kills not yet answered."""
     shards = node.manager.reports()
+    starts = node.manager.start_progress()
     watchdog = node.watchdog
     if watchdog is None:
-        return AgentHeartbeat(inventory=node.inventory(), shards=shards)
+        return AgentHeartbeat(inventory=node.inventory(), shards=shards, starts=starts)
     kills = node.manager.memory_kills
     # Taken before the check, which forgets the peaks of engines that are gone.
     watchdog.take_kills([(spec.replica_id, spec.model_id, ended.detail)
@@ -588,7 +592,7 @@ def _heartbeat(node: Node) -> AgentHeartbeat:
     kills.clear()
     report = watchdog.check(shards)
     return AgentHeartbeat(inventory=node.inventory(), shards=shards, memory=report,
-                          oom_kills=list(watchdog.pending_kills))
+                          oom_kills=list(watchdog.pending_kills), starts=starts)
 
 
 async def _liveness_loop(http: httpx.AsyncClient, node_id: str, identity: NodeIdentity,

@@ -36,6 +36,7 @@ from modelkeeper.domain.shards import (
     classify_exit,
 )
 from modelkeeper.domain.sources import SourcePolicy
+from modelkeeper.domain.start_progress import StartProgress
 from modelkeeper.infra.processes import LOG_DRAIN_TIMEOUT_S, signal_group
 
 from .engine_process import (
@@ -400,6 +401,11 @@ class ShardManager:
             if (spec := self._startup.queued.get(rid)) is not None
         ]
         return running + queued
+
+    def start_progress(self) -> list[StartProgress]:
+        """The progress of each start under way here (fetching, queued, launching,
+        loading), for the heartbeat."""
+        return list(self._startup.progress.values())
 
     async def stop_unclaimed(self, claimed: set[ReplicaId], *,
                              ran_before: float) -> list[ReplicaId]:

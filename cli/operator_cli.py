@@ -749,6 +749,10 @@ def _notes(deployment: dict[str, Any]) -> str:
                        if r.get("profile")})
     if profiles:
         notes.append(f"profile {', '.join(profiles)}")
+    # A start's progress on its node: the download (bytes, %, rate), its place in the
+    # start-up queue and whom it waits for, the engine loading.
+    notes += [f"{r['replica_id']} {r['progress']['summary']}"
+              for r in deployment.get("replicas", []) if r.get("progress")]
     # A multi-node replica loading: how many of its shards are ready.
     notes += [f"{r['replica_id']} loading, {r['shards_ready']}/{len(r['nodes'])} shards ready"
               for r in deployment.get("replicas", []) if r.get("shards_ready") is not None]
@@ -777,7 +781,9 @@ def _ready(deployment: dict[str, Any]) -> str:
 
 
 def _ls_text(args: argparse.Namespace, result: Any) -> str:
-    return table([[d["deployment_id"], d["model_id"], d["status"], _ready(d), _policy(d),
+    # shown_status: `queued` while every start waits at its node's start-up gate.
+    return table([[d["deployment_id"], d["model_id"], d.get("shown_status") or d["status"],
+                   _ready(d), _policy(d),
                    str(d["consecutive_failures"]),
                    "; ".join(x for x in (_reason(d), _notes(d)) if x)] for d in result],
                  ["id", "model", "status", "ready", "policy", "failures", "reason"])
