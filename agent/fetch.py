@@ -189,6 +189,12 @@ class WeightFetcher:
         """Write ``source`` to ``tmp``, following redirects the policy allows; its SHA-256."""
         limit = self._policy.max_download_bytes
         async with self._open(client, source, token) as resp:
+            if resp.is_client_error:
+                # The source's own answer that it is not there (or not for us): trying
+                # again gives the same answer, so the start fails at once, naming it.
+                raise FetchRefused("source", source,
+                                   f"could not be fetched: {resp.request.url} answered "
+                                   f"{resp.status_code} {resp.reason_phrase}")
             resp.raise_for_status()
             length = resp.headers.get("content-length")
             total = int(length) if length and length.isdigit() else None

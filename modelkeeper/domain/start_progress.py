@@ -140,8 +140,9 @@ def ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def summary(progress: StartProgress, node_id: str) -> str:
-    """The progress as a line for a person, naming what the start waits for."""
+def summary(progress: StartProgress, node: str) -> str:
+    """The progress as a line for a person, naming what the start waits for; ``node``:
+    the node's name (or id)."""
     match progress.phase:
         case "fetching":
             done = progress.bytes_done or 0
@@ -151,26 +152,26 @@ def summary(progress: StartProgress, node_id: str) -> str:
                          f"({percent(done, progress.bytes_total)} %)")
             if progress.rate_bytes_per_s is not None:
                 text += f", {format_bytes(int(progress.rate_bytes_per_s))}/s"
-            return text + f" on {node_id}"
+            return text + f" on {node}"
         case "cached":
-            return f"weights cached on {node_id}"
+            return f"weights cached on {node}"
         case "queued":
             place = ("in line" if progress.queue_position is None
                      else f"{ordinal(progress.queue_position)} in line")
             behind = (f", waiting for {', '.join(progress.waiting_for)} to load"
                       if progress.waiting_for else "")
-            return f"queued {place} at {node_id}'s start-up gate{behind}"
+            return f"queued {place} at {node}'s start-up gate{behind}"
         case "launching":
-            return f"launching its engine on {node_id}"
+            return f"launching its engine on {node}"
         case "loading":
-            return f"engine loading on {node_id}, waiting until it answers ready"
+            return f"engine loading on {node}, waiting until it answers ready"
         case other:
-            return f"{other} on {node_id}"
+            return f"{other} on {node}"
 
 
-def shown(progress: StartProgress, *, node_id: NodeId,
+def shown(progress: StartProgress, *, node_id: NodeId, node_name: str,
           updated_at: datetime) -> ReplicaProgress:
-    """The API's view of a stored progress."""
+    """The API's view of a stored progress; its summary names the node by ``node_name``."""
     return ReplicaProgress(
         phase=progress.phase, node_id=node_id, rank=progress.rank,
         bytes_done=progress.bytes_done, bytes_total=progress.bytes_total,
@@ -178,4 +179,4 @@ def shown(progress: StartProgress, *, node_id: NodeId,
         rate_bytes_per_s=(None if progress.rate_bytes_per_s is None
                           else round(progress.rate_bytes_per_s, 1)),
         queue_position=progress.queue_position, waiting_for=list(progress.waiting_for),
-        summary=summary(progress, node_id), updated_at=updated_at)
+        summary=summary(progress, node_name), updated_at=updated_at)

@@ -403,7 +403,8 @@ _REPLICA_SELECT = f"""
            COALESCE((SELECT array_agg(a.node_id ORDER BY a.rank) FROM allocations a
                      WHERE a.replica_id = r.replica_id), '{{}}') AS nodes,
            p.progress AS progress_reported, p.node_id AS progress_node_id,
-           p.updated_at AS progress_at
+           p.updated_at AS progress_at,
+           (SELECT n.name FROM nodes n WHERE n.node_id = p.node_id) AS progress_node_name
     FROM replicas r JOIN deployments d USING (deployment_id)
     -- A start's progress only while it starts, and only while its agent still says it
     -- (start_progress.PROGRESS_FRESH_S): a start that ended leaves nothing stale.
@@ -419,7 +420,9 @@ def _replica_view(row: asyncpg.Record) -> ReplicaView:
     reported = fields.pop("progress_reported")
     node_id = fields.pop("progress_node_id")
     at = fields.pop("progress_at")
+    name = fields.pop("progress_node_name")
     if reported is not None:
         fields["progress"] = shown(StartProgress.model_validate(reported),
-                                   node_id=NodeId(node_id), updated_at=at)
+                                   node_id=NodeId(node_id), node_name=name or node_id,
+                                   updated_at=at)
     return ReplicaView(**fields)
