@@ -48,7 +48,7 @@ from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
 
 # MAX_HEARTBEAT_THROTTLE in activities.node is no longer used here: the watch's heartbeats
 # are only a backstop now, so the SDK's default throttle applies (see the docstring).
-from activities.node import NodeActivities, ShardRunner
+from activities.node import NodeActivities, NodeLogActivities, ShardRunner
 from modelkeeper import __version__
 from modelkeeper.domain.ids import NodeId
 from modelkeeper.domain.liveness import BYE, PING
@@ -474,7 +474,8 @@ async def run_node(node: Node, settings: Settings, stop: asyncio.Event, *,
         # 0.8 x watch_heartbeat_timeout_s (48 s at 60 s), since the liveness stream, not
         # the watch, is what notices a dead node.
         run.worker = Worker(client, task_queue=welcome.task_queue,
-                            activities=NodeActivities(activities or node.manager).all(),
+                            activities=[*NodeActivities(activities or node.manager).all(),
+                                        *NodeLogActivities(node.manager).all()],
                             max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES,
                             activity_task_poller_behavior=PollerBehaviorSimpleMaximum(
                                 NODE_ACTIVITY_POLLS))

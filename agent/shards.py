@@ -25,6 +25,7 @@ import psutil
 from modelkeeper.domain.engine_keys import derive_engine_key
 from modelkeeper.domain.engine_logs import exit_detail
 from modelkeeper.domain.ids import NodeId, ReplicaId
+from modelkeeper.domain.log_reads import EngineLogChunk, EngineLogRequest
 from modelkeeper.domain.shards import (
     ExitKind,
     FetchProgress,
@@ -54,6 +55,7 @@ from .engine_process import (
 from .engines.base import EngineAdapter, adapter_for
 from .inventory import read_available_memory
 from .links import LinkWatch
+from .log_reader import read_engine_log
 from .shard_sleep import ShardSleep
 from .shard_startup import QueuedCallback, ShardStartup
 from .startup_gate import StartupGate
@@ -139,6 +141,7 @@ class ShardManager:
         weights may be fetched from; read from this process's settings when None (24 ms,
         which a fleet of a thousand nodes does once)."""
         self.node_id = node_id
+        self._logs = agent_dir / "logs"
         self._records = agent_dir / "shards"
         self._node_key = node_key
         self._shards: dict[ReplicaId, LiveShard] = {}
@@ -401,6 +404,10 @@ class ShardManager:
             if (spec := self._startup.queued.get(rid)) is not None
         ]
         return running + queued
+
+    def read_log(self, request: EngineLogRequest) -> EngineLogChunk:
+        """Lines of an engine's log here, for `modelkeeper logs` (agent.log_reader)."""
+        return read_engine_log(self._logs, self.node_id, request)
 
     def start_progress(self) -> list[StartProgress]:
         """The progress of each start under way here (fetching, queued, launching,

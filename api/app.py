@@ -33,6 +33,7 @@ from . import (
     deployments,
     limits,
     liveness,
+    logs,
     measured,
     monitoring,
     nodes,
@@ -68,7 +69,8 @@ def create_app(settings: Settings) -> FastAPI:
                # Before deployments: its /models/{model_id:path} would take x/headroom and
                # x/capacity as model ids.
                (room.router, True), (measured.router, True), (deployments.router, True),
-               (operations.router, True), (windows.router, True), (quotas.router, True)]
+               (operations.router, True), (windows.router, True), (quotas.router, True),
+               (logs.router, True)]
     for router, operators in routers:
         if operators:
             app.include_router(router, dependencies=guarded, responses=auth.AUTH_RESPONSES)

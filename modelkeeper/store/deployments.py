@@ -344,6 +344,28 @@ class DeploymentStore:
             node_id, [s.model_dump(mode="json") for s in starts],
             PROGRESS_MIN_WRITE_GAP_S, PROGRESS_REFRESH_S)
 
+    async def replica_home(self, replica_id: str
+                           ) -> tuple[str | None, list[NodeId]] | None:
+        """A replica's deployment and its nodes in rank order: from its claims while it
+        is placed, else from the last ``replica.placed`` event (a replica that failed or
+        was replaced: its log stays on its node). None when neither knows it."""
+        row = await self._pool.fetchrow(
+            """
+            SELECT r.deployment_id,
+                   (SELECT array_agg(a.node_id ORDER BY a.rank) FROM allocations a
+                    WHERE a.replica_id = r.replica_id) AS nodes
+            FROM replicas r WHERE r.replica_id = $1
+            """, replica_id)
+        if row is not None and row["nodes"]:
+            return row["deployment_id"], [NodeId(n) for n in row["nodes"]]
+        placed = await self._pool.fetchrow(
+            "SELECT deployment_id, data->'nodes' AS nodes FROM events "
+            "WHERE replica_id = $1 AND kind = 'replica.placed' "
+            "ORDER BY event_id DESC LIMIT 1", replica_id)
+        if placed is None or not isinstance(placed["nodes"], list):
+            return None
+        return placed["deployment_id"], [NodeId(str(n)) for n in placed["nodes"]]
+
     async def release_replica(self, replica_id: str) -> bool:
         """Delete a replica and (by cascade) its claims; True if it existed."""
         done = await self._pool.execute("DELETE FROM replicas WHERE replica_id = $1",

@@ -11,3 +11,7 @@ CREATE TABLE replica_progress (
     progress    jsonb NOT NULL,
     updated_at  timestamptz NOT NULL
 );
+
+-- `modelkeeper logs` finds the node of a replica that is gone (failed, replaced) by its
+-- last replica.placed event: by replica, newest first.
+CREATE INDEX events_by_replica ON events (replica_id, event_id) WHERE replica_id IS NOT NULL;
