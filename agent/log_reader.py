@@ -43,8 +43,13 @@ def read_engine_log(logs_dir: Path, node_id: NodeId, request: EngineLogRequest, 
                 start = request.after
                 f.seek(start)
                 data = f.read(min(max_bytes, size - start))
-                lines, skipped, used = cut(data, at_start=True,
-                                           complete=start + len(data) >= size)
+                # A line still being written waits for the next read, so a follow never
+                # prints one line in two pieces (the tail shows it).
+                lines, skipped, used = cut(data, at_start=True, complete=False)
+                if used == 0 and len(data) == max_bytes:
+                    # One line longer than an answer holds: shown in pieces, or the
+                    # follow would stand still on it.
+                    lines, skipped, used = cut(data, at_start=True, complete=True)
                 truncated = False
             else:
                 start = max(0, size - max_bytes)

@@ -85,9 +85,8 @@ class EngineLogChunk(Tolerant):
 def cut(data: bytes, *, at_start: bool, complete: bool) -> tuple[list[str], int, int]:
     """``data``, read from a log, as whole lines: (lines, bytes skipped at the front, bytes
     used). ``at_start``: ``data`` begins at the start of a line (else its first, partial
-    line is dropped). ``complete``: ``data`` runs to the end of what is written, so a
-    last line without its newline is kept only if ``data`` ends the file (an engine that
-    exited mid-line); otherwise a partial last line waits for the next read."""
+    line is dropped). ``complete``: keep a last line without its newline (a tail shows
+    all there is); else it waits for the next read (a follow)."""
     skipped = 0
     if not at_start:
         newline = data.find(b"\n")
