@@ -11,6 +11,7 @@ from cli.operator_cli import _ls_text
 from modelkeeper.domain.catalog import DeploymentView, ReplicaView
 from modelkeeper.domain.engine_logs import start_failure_detail
 from modelkeeper.domain.ids import NodeId, ReplicaId
+from modelkeeper.domain.keeper import Phase, Placed, Scale, details
 from modelkeeper.domain.start_progress import (
     StartProgress,
     download_rate,
@@ -20,6 +21,7 @@ from modelkeeper.domain.start_progress import (
     shown,
     summary,
 )
+from tests.unit.test_keeper import serving_one
 
 MIB = 1 << 20
 NOW = datetime(2026, 12, 4, 18, 0, tzinfo=UTC)
@@ -138,3 +140,14 @@ def test_a_failed_start_names_its_last_log_line_and_where_the_log_is() -> None:
         f"exited with code 1: the GPU ran out of memory; {where}")
     assert start_failure_detail("exited with code 1", [], log_path="/d/logs/r-1.log",
                                 node="n1", replica_id="r-1") == f"exited with code 1; {where}"
+
+
+def test_the_web_ui_details_say_where_a_start_shows_its_progress() -> None:
+    k = serving_one()
+    assert "Start progress" not in details(k.state)
+    k.step(Scale(replicas=2))
+    assert any(r.phase is Phase.PLACING for r in k.state.replicas)
+    k.step(Placed(replica_id=k.state.replicas[-1].replica_id, nodes=[NodeId("b")]))
+    text = details(k.state)
+    assert "| starting |" in text
+    assert "Start progress (download, place in the node's start-up queue): " in text
