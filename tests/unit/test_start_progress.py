@@ -7,6 +7,11 @@ import argparse
 from datetime import UTC, datetime
 from typing import Any
 
+import httpx
+import pytest
+
+from cli import operator_cli
+from cli.main import build_parser
 from cli.operator_cli import _ls_text
 from modelkeeper.domain.catalog import DeploymentView, ReplicaView
 from modelkeeper.domain.engine_logs import start_failure_detail
@@ -151,3 +156,35 @@ def test_the_web_ui_details_say_where_a_start_shows_its_progress() -> None:
     text = details(k.state)
     assert "| starting |" in text
     assert "Start progress (download, place in the node's start-up queue): " in text
+
+
+def test_logs_follow_asks_from_the_last_end_and_ctrl_c_ends_it_cleanly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(operator_cli, "FOLLOW_INTERVAL_S", 0.0)
+    asked: list[dict[str, str]] = []
+    chunks = [(["one", "two"], 8), ([], 8), (["three"], 14)]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/replicas/d-1-r1/logs"
+        asked.append(dict(request.url.params))
+        if len(asked) > len(chunks):
+            raise KeyboardInterrupt  # the operator's Ctrl-C, during a read
+        lines, end = chunks[len(asked) - 1]
+        return httpx.Response(200, json={
+            "replica_id": "d-1-r1", "node_id": "n1", "log_path": "/x.log", "lines": lines,
+            "start_offset": 0, "end_offset": end, "size": end, "truncated": False,
+            "restarted": False})
+
+    printed: list[str] = []
+    args = build_parser().parse_args(["logs", "d-1-r1", "--follow", "--tail", "2"])
+    assert operator_cli.run_operator_command(args, "http://api", printed.append,
+                                             transport=httpx.MockTransport(handler)) == 0
+    assert printed == ["one\ntwo", "three"]
+    assert asked[0] == {"tail": "2", "rank": "0"}
+    assert [a.get("after") for a in asked[1:]] == ["8", "8", "14"]
+
+
+def test_logs_bounds_are_the_users_mistake() -> None:
+    args = build_parser().parse_args(["logs", "d-1-r1", "--tail", "5001"])
+    with pytest.raises(operator_cli.UsageError, match="logs --tail 5001: give 0 to 5000"):
+        operator_cli.run_operator_command(args, "http://api", print)
