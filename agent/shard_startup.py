@@ -22,7 +22,7 @@ from typing import Protocol
 
 import httpx
 
-from modelkeeper.domain.engine_logs import exit_detail, start_failure_detail
+from modelkeeper.domain.engine_logs import exit_detail, failure_detail
 from modelkeeper.domain.ids import NodeId, ReplicaId
 from modelkeeper.domain.redact import scrub_secrets
 from modelkeeper.domain.shards import (
@@ -383,9 +383,8 @@ class ShardStartup:
             ended = self._table.poll_exit(live)
             if ended is not None:
                 self._table.forget(spec.replica_id)
-                raise ShardStartError(ended.model_copy(update={"detail": start_failure_detail(
-                    ended.detail, ended.log_tail, log_path=live.record.log_path,
-                    node=self.node_id, replica_id=spec.replica_id)}))
+                # Its detail names its last log line and its log (ShardManager.poll_exit).
+                raise ShardStartError(ended)
             if live.record.url is None:
                 break  # a rank without HTTP: alive is all we can know
             # A hung engine accepts connections and never answers: bound each probe by
@@ -412,7 +411,7 @@ class ShardStartup:
                 raise ShardStartError(ShardExit(
                     replica_id=spec.replica_id, kind=ExitKind.START_TIMEOUT,
                     # A load wedged on a fatal error still says which in its log.
-                    detail=start_failure_detail(
+                    detail=failure_detail(
                         exit_detail(f"not ready after {spec.start_timeout_s:.0f}s (last "
                                     f"probe: {detail})", tail), tail,
                         log_path=live.record.log_path, node=self.node_id,

@@ -23,7 +23,7 @@ import httpx
 import psutil
 
 from modelkeeper.domain.engine_keys import derive_engine_key
-from modelkeeper.domain.engine_logs import exit_detail
+from modelkeeper.domain.engine_logs import exit_detail, failure_detail
 from modelkeeper.domain.ids import NodeId, ReplicaId
 from modelkeeper.domain.log_reads import EngineLogChunk, EngineLogRequest
 from modelkeeper.domain.shards import (
@@ -296,6 +296,12 @@ class ShardManager:
         if kind in LOG_NAMES_THE_CAUSE:
             # "exited with code 1: the GPU ran out of memory (log: '...')".
             detail = exit_detail(detail, tail)
+        if kind is ExitKind.ERROR:
+            # It exited by itself: its log says why. Its last line (unless a known fatal
+            # line is named already) and where the whole log is, for a start that failed
+            # and an engine that exited after it was ready alike.
+            detail = failure_detail(detail, tail, log_path=record.log_path, node=self.node_id,
+                                    replica_id=record.spec.replica_id)
         live.exit = ShardExit(
             replica_id=record.spec.replica_id, kind=kind,
             exit_code=code if code is not None and code >= 0 else None,

@@ -131,10 +131,11 @@ def log_location(log_path: str, *, node: str, replica_id: str) -> str:
     return f"full log: {log_path} on node {node}, or `modelkeeper logs {replica_id}`"
 
 
-def start_failure_detail(detail: str, tail: Sequence[str], *, log_path: str, node: str,
+def failure_detail(detail: str, tail: Sequence[str], *, log_path: str, node: str,
                          replica_id: str) -> str:
-    """A failed start's reason: how it ended (``detail``, which names a known cause when
-    its log has one), else the engine's last log line, and where the full log is."""
+    """An engine's failure as its reason says it (a failed start, or an engine that exited
+    with an error): how it ended (``detail``, which names a known cause when its log has
+    one), else the engine's last log line, and where the full log is."""
     parts = [detail]
     line = last_line(tail)
     if classify_log(tail) is None and line is not None:

@@ -14,7 +14,7 @@ from cli import operator_cli
 from cli.main import build_parser
 from cli.operator_cli import _ls_text
 from modelkeeper.domain.catalog import DeploymentView, ReplicaView
-from modelkeeper.domain.engine_logs import start_failure_detail
+from modelkeeper.domain.engine_logs import failure_detail
 from modelkeeper.domain.ids import NodeId, ReplicaId
 from modelkeeper.domain.keeper import Phase, Placed, Scale, details
 from modelkeeper.domain.start_progress import (
@@ -133,17 +133,17 @@ def test_ls_shows_queued_and_the_progress_line() -> None:
 
 def test_a_failed_start_names_its_last_log_line_and_where_the_log_is() -> None:
     where = "full log: /d/logs/r-1.log on node n1, or `modelkeeper logs r-1`"
-    assert start_failure_detail("exited with code 2", ["usage: sim", "error: bad --x", ""],
+    assert failure_detail("exited with code 2", ["usage: sim", "error: bad --x", ""],
                                 log_path="/d/logs/r-1.log", node="n1",
                                 replica_id="r-1") == (
         f"exited with code 2; last log line: 'error: bad --x'; {where}")
     # A known cause in the log is named already (exit_detail): the last line is not added.
     oom = ["torch.OutOfMemoryError: CUDA out of memory", "bye"]
-    assert start_failure_detail("exited with code 1: the GPU ran out of memory", oom,
+    assert failure_detail("exited with code 1: the GPU ran out of memory", oom,
                                 log_path="/d/logs/r-1.log", node="n1",
                                 replica_id="r-1") == (
         f"exited with code 1: the GPU ran out of memory; {where}")
-    assert start_failure_detail("exited with code 1", [], log_path="/d/logs/r-1.log",
+    assert failure_detail("exited with code 1", [], log_path="/d/logs/r-1.log",
                                 node="n1", replica_id="r-1") == f"exited with code 1; {where}"
 
 
