@@ -9,7 +9,9 @@ import asyncio
 import contextlib
 import os
 import signal
+import statistics
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -91,6 +93,15 @@ async def test_logs_tail_follow_and_a_viewer_refused(stack: Stack, tmp_path: Pat
     shown = await _cli(stack, admin, "logs", replica_id, "--tail", "3")
     written = [line for line in log_file.read_text().splitlines()][-3:]
     assert shown.splitlines() == written and written
+
+    # What one read costs (a workflow and an activity on the node): printed, not bound.
+    took = []
+    for _ in range(10):
+        started = time.monotonic()
+        assert (await stack.http.get(f"/replicas/{replica_id}/logs?tail=100")).status_code == 200
+        took.append(time.monotonic() - started)
+    print(f"\nlogs read: median {statistics.median(took) * 1000:.0f} ms, "
+          f"max {max(took) * 1000:.0f} ms over {len(took)}")
 
     # A viewer token reads deployments, never a log (it may hold prompts).
     resp = await stack.http.get(f"/replicas/{replica_id}/logs",
