@@ -1520,13 +1520,19 @@ def run_operator_command(args: argparse.Namespace, api_url: str, out: Out, *,
     request = OPERATOR_COMMANDS[args.command].request(args)
     headers = {"Authorization": f"Bearer {token}"} if token else None
     command = OPERATOR_COMMANDS[args.command]
+    following = command.follow is not None and bool(getattr(args, "follow", False))
     with httpx.Client(base_url=args.api_url or api_url, timeout=API_TIMEOUT_S,
                       headers=headers, transport=transport) as http:
-        result = execute(request, http)
+        try:
+            result = execute(request, http)
+        except KeyboardInterrupt:
+            if following:  # Ctrl-C ends a follow quietly, even before its first answer
+                return 0
+            raise
         text = render(args, result)
         if text or command.follow is None:  # a follow prints nothing until there is some
             out(text)
-        if command.follow is not None and getattr(args, "follow", False):
+        if following:
             return _follow(command, args, result, http, out)
     return 0
 

@@ -188,3 +188,29 @@ def test_logs_bounds_are_the_users_mistake() -> None:
     args = build_parser().parse_args(["logs", "d-1-r1", "--tail", "5001"])
     with pytest.raises(operator_cli.UsageError, match="logs --tail 5001: give 0 to 5000"):
         operator_cli.run_operator_command(args, "http://api", print)
+
+
+def test_a_heartbeat_carries_starts_only_when_there_are_some() -> None:
+    from agent.main import _heartbeat_json
+    from modelkeeper.domain.nodes import AgentHeartbeat, Inventory
+
+    quiet = _heartbeat_json(AgentHeartbeat(inventory=Inventory()))
+    # Absent: an API older than progress (AgentHeartbeat is strict there) takes it.
+    assert "starts" not in quiet
+    busy = _heartbeat_json(AgentHeartbeat(inventory=Inventory(), starts=[StartProgress(
+        replica_id=ReplicaId("r-1"), phase="fetching", bytes_done=1, bytes_total=2)]))
+    assert busy["starts"] == [{
+        "replica_id": "r-1", "rank": 0, "phase": "fetching", "bytes_done": 1,
+        "bytes_total": 2, "rate_bytes_per_s": None, "queue_position": None,
+        "waiting_for": []}]
+    # The API reads it back as it was sent.
+    assert AgentHeartbeat.model_validate(busy).starts[0].bytes_total == 2
+
+
+def test_ctrl_c_before_a_follows_first_answer_ends_it_quietly() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise KeyboardInterrupt
+
+    args = build_parser().parse_args(["logs", "d-1-r1", "--follow"])
+    assert operator_cli.run_operator_command(args, "http://api", print,
+                                             transport=httpx.MockTransport(handler)) == 0
