@@ -15,6 +15,7 @@ from temporalio.exceptions import ApplicationError
 from modelkeeper.domain.base import Frozen
 from modelkeeper.domain.engine_args import EngineConfigError
 from modelkeeper.domain.ids import ReplicaId
+from modelkeeper.domain.log_reads import EngineLogChunk, EngineLogRequest
 from modelkeeper.domain.shards import (
     FetchProgress,
     NoFreePortError,
@@ -33,12 +34,14 @@ from modelkeeper.domain.shards import (
 )
 from modelkeeper.names import (
     ACTIVITY_LIST_SHARDS,
+    ACTIVITY_READ_ENGINE_LOG,
     ACTIVITY_SLEEP_SHARD,
     ACTIVITY_START_SHARD,
     ACTIVITY_STOP_SHARD,
     ACTIVITY_WAKE_SHARD,
     ACTIVITY_WATCH_SHARD,
     ERROR_ENGINE_CONFIG,
+    ERROR_NO_ENGINE_LOG,
     ERROR_NO_FREE_PORT,
     ERROR_SHARD_NOT_HERE,
     ERROR_SHARD_START_FAILED,
@@ -182,6 +185,38 @@ class NodeActivities:
         """Every activity, for the agent's worker."""
         return [self.start_shard, self.watch_shard, self.stop_shard, self.sleep_shard,
                 self.wake_shard, self.list_shards]
+
+
+class LogReader(Protocol):
+    """What reading an engine's log needs from the agent (agent.log_reader)."""
+
+    def read_log(self, request: EngineLogRequest) -> EngineLogChunk:
+        """The lines asked for; raises LookupError when there is no such log here."""
+        ...
+
+
+class NodeLogActivities:
+    """The node's log reads for `modelkeeper logs`: apart from :class:`NodeActivities`,
+    whose runner drives engines; this only reads files."""
+
+    def __init__(self, reader: LogReader) -> None:
+        self._reader = reader
+
+    @activity.defn(name=ACTIVITY_READ_ENGINE_LOG)
+    async def read_engine_log(self, request: EngineLogRequest) -> EngineLogChunk:
+        """The log lines asked for, bounded and scrubbed (modelkeeper.domain.log_reads).
+        No log here is non-retryable: asking again finds none either."""
+        try:
+            return self._reader.read_log(request)
+        except LookupError as exc:
+            raise ApplicationError(str(exc), type=ERROR_NO_ENGINE_LOG,
+                                   non_retryable=True) from exc
+        except ValueError as exc:
+            raise ApplicationError(str(exc), type=ERROR_NO_ENGINE_LOG,
+                                   non_retryable=True) from exc
+
+    def all(self) -> list[Callable[..., Any]]:
+        return [self.read_engine_log]
 
 
 @contextlib.contextmanager

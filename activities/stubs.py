@@ -22,6 +22,7 @@ from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdat
 from modelkeeper.domain.demand import DemandFound, WatchDemandInput
 from modelkeeper.domain.draining import DrainReplicaInput, DrainReplicaResult
 from modelkeeper.domain.events import Event, NewEvent
+from modelkeeper.domain.log_reads import EngineLogChunk, EngineLogRequest
 from modelkeeper.domain.shards import (
     ShardEndpoint,
     ShardExit,
@@ -51,6 +52,7 @@ from modelkeeper.names import (
     ACTIVITY_FIND_EVICTION,
     ACTIVITY_LIST_SHARDS,
     ACTIVITY_PLACE_REPLICA,
+    ACTIVITY_READ_ENGINE_LOG,
     ACTIVITY_RECORD_DEPLOYMENT_STATUS,
     ACTIVITY_RECORD_EVENT,
     ACTIVITY_RECORD_REPLICA_STATE,
@@ -171,3 +173,8 @@ async def wake_shard(request: WakeShardInput) -> None:
 @activity.defn(name=ACTIVITY_LIST_SHARDS)
 async def list_shards() -> list[ShardReport]:
     _stub(ACTIVITY_LIST_SHARDS)
+
+
+@activity.defn(name=ACTIVITY_READ_ENGINE_LOG)
+async def read_engine_log(request: EngineLogRequest) -> EngineLogChunk:
+    _stub(ACTIVITY_READ_ENGINE_LOG)

@@ -21,7 +21,7 @@ from modelkeeper.domain.schedules import WindowInput
 from modelkeeper.infra import schedules
 from modelkeeper.infra.temporal import execute_update
 from modelkeeper.names import ACTIVITY_APPLY_WINDOW, ACTIVITY_DROP_WINDOW, UPDATE_SET_WINDOW
-from workflows.deployment import DeploymentWorkflow
+from workflows.deployment import DeploymentWorkflow, deployment_handle
 
 from .moves import ask_deployment
 from .saga_stubs import WindowActivityStubs
@@ -45,8 +45,7 @@ class WindowActivities(WindowActivityStubs):
         workflow. The second firing was answered the first one's "2 replica(s) wanted" for
         a deployment already deleted, and left its schedules behind (test_window, in busy
         full suites)."""
-        handle = self._client.get_workflow_handle_for(DeploymentWorkflow.run,
-                                                      request.workflow_id)
+        handle = deployment_handle(self._client, request.workflow_id)
         return await ask_deployment(request.deployment_id, execute_update(
             handle, DeploymentWorkflow.set_window, request.request,
             id=f"{UPDATE_SET_WINDOW}:{activity.info().workflow_run_id}"))

@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import os
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from modelkeeper.domain.sources import (
     check_url,
     secret_env_var,
 )
+from modelkeeper.domain.start_progress import download_rate, keep_window
 from modelkeeper.infra.model_files import source_policy
 from modelkeeper.settings import Settings
 
@@ -187,6 +189,12 @@ class WeightFetcher:
         """Write ``source`` to ``tmp``, following redirects the policy allows; its SHA-256."""
         limit = self._policy.max_download_bytes
         async with self._open(client, source, token) as resp:
+            if resp.is_client_error:
+                # The source's own answer that it is not there (or not for us): trying
+                # again gives the same answer, so the start fails at once, naming it.
+                raise FetchRefused("source", source,
+                                   f"could not be fetched: {resp.request.url} answered "
+                                   f"{resp.status_code} {resp.reason_phrase}")
             resp.raise_for_status()
             length = resp.headers.get("content-length")
             total = int(length) if length and length.isdigit() else None
@@ -194,8 +202,11 @@ class WeightFetcher:
                 raise FetchRefused("source", source,
                                    f"the server sends {total} bytes; the limit is {limit} "
                                    "(source_max_download_bytes)")
+            # The size is known from here: show it before the first chunk arrives.
+            download.progress = FetchProgress(phase="fetching", bytes_total=total)
             hasher = hashlib.sha256()
             done = 0
+            samples: tuple[tuple[float, int], ...] = ((time.monotonic(), 0),)
             with tmp.open("wb") as out:
                 async for chunk in resp.aiter_bytes(CHUNK_BYTES):
                     done += len(chunk)
@@ -205,8 +216,10 @@ class WeightFetcher:
                                            "limit (source_max_download_bytes)")
                     hasher.update(chunk)
                     out.write(chunk)
+                    samples = keep_window(samples, time.monotonic(), done)
                     download.progress = FetchProgress(phase="fetching", bytes_done=done,
-                                                      bytes_total=total)
+                                                      bytes_total=total,
+                                                      rate_bytes_per_s=download_rate(samples))
         return hasher.hexdigest()
 
     @contextlib.asynccontextmanager

@@ -48,7 +48,7 @@ from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
 
 # MAX_HEARTBEAT_THROTTLE in activities.node is no longer used here: the watch's heartbeats
 # are only a backstop now, so the SDK's default throttle applies (see the docstring).
-from activities.node import NodeActivities, ShardRunner
+from activities.node import NodeActivities, NodeLogActivities, ShardRunner
 from modelkeeper import __version__
 from modelkeeper.domain.ids import NodeId
 from modelkeeper.domain.liveness import BYE, PING
@@ -474,7 +474,8 @@ async def run_node(node: Node, settings: Settings, stop: asyncio.Event, *,
         # 0.8 x watch_heartbeat_timeout_s (48 s at 60 s), since the liveness stream, not
         # the watch, is what notices a dead node.
         run.worker = Worker(client, task_queue=welcome.task_queue,
-                            activities=NodeActivities(activities or node.manager).all(),
+                            activities=[*NodeActivities(activities or node.manager).all(),
+                                        *NodeLogActivities(node.manager).all()],
                             max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES,
                             activity_task_poller_behavior=PollerBehaviorSimpleMaximum(
                                 NODE_ACTIVITY_POLLS))
@@ -524,7 +525,8 @@ async def _heartbeat_loop(http: httpx.AsyncClient, node: Node, settings: Setting
             resp = await http.post(f"/nodes/{node.node_id}/heartbeat",
                                    json=_heartbeat_json(beat),
                                    headers=node.identity.node_headers())
-            if resp.status_code == 422 and (beat.memory is not None or beat.oom_kills):
+            if resp.status_code == 422 and (beat.memory is not None or beat.oom_kills
+                                            or beat.starts):
                 # An API older than the watchdog refuses a heartbeat with fields it does
                 # not know (AgentHeartbeat is strict): send it again without them, so an
                 # agent upgraded before its API keeps its node alive. Each heartbeat tries
@@ -571,6 +573,8 @@ def _heartbeat_json(beat: AgentHeartbeat) -> dict[str, object]:
         del body["memory"]
     if not beat.oom_kills:
         del body["oom_kills"]
+    if not beat.starts:
+        del body["starts"]
     return body
 
 
@@ -578,9 +582,10 @@ def _heartbeat(node: Node) -> AgentHeartbeat:
     """This heartbeat's body: the inventory, the shards, and the watchdog's report with
     the memory kills not yet answered."""
     shards = node.manager.reports()
+    starts = node.manager.start_progress()
     watchdog = node.watchdog
     if watchdog is None:
-        return AgentHeartbeat(inventory=node.inventory(), shards=shards)
+        return AgentHeartbeat(inventory=node.inventory(), shards=shards, starts=starts)
     kills = node.manager.memory_kills
     # Taken before the check, which forgets the peaks of engines that are gone.
     watchdog.take_kills([(spec.replica_id, spec.model_id, ended.detail)
@@ -588,7 +593,7 @@ def _heartbeat(node: Node) -> AgentHeartbeat:
     kills.clear()
     report = watchdog.check(shards)
     return AgentHeartbeat(inventory=node.inventory(), shards=shards, memory=report,
-                          oom_kills=list(watchdog.pending_kills))
+                          oom_kills=list(watchdog.pending_kills), starts=starts)
 
 
 async def _liveness_loop(http: httpx.AsyncClient, node_id: str, identity: NodeIdentity,

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import httpx
 
-from modelkeeper.domain.engine_logs import exit_detail
+from modelkeeper.domain.engine_logs import exit_detail, failure_detail
 from modelkeeper.domain.ids import NodeId, ReplicaId
 from modelkeeper.domain.redact import scrub_secrets
 from modelkeeper.domain.shards import (
@@ -37,6 +37,7 @@ from modelkeeper.domain.shards import (
     split_address,
 )
 from modelkeeper.domain.sources import SourcePolicy
+from modelkeeper.domain.start_progress import MAX_WAITING_FOR, StartProgress
 from modelkeeper.infra.processes import LOG_MODE, port_is_free
 
 from .engine_process import (
@@ -166,6 +167,10 @@ class ShardStartup:
         self._available_memory = available_memory
         #: Starts waiting at the gate, for reports: they have no process yet.
         self.queued: dict[ReplicaId, ShardSpec] = {}
+        #: Each start's latest progress, from its first word until it ends (ready, failed
+        #: or cancelled): the heartbeat carries them to the API (agent.main), which shows
+        #: them where people look (modelkeeper.domain.start_progress).
+        self.progress: dict[ReplicaId, StartProgress] = {}
 
     def _lock(self, replica_id: ReplicaId) -> asyncio.Lock:
         return self._locks.setdefault(replica_id, asyncio.Lock())
@@ -189,35 +194,58 @@ class ShardStartup:
         """
         answer_by = None if answer_within_s is None else time.monotonic() + answer_within_s
         async with self._lock(spec.replica_id):
-            live = self._table.running.get(spec.replica_id)
-            if live is not None and self._table.poll_exit(live) is not None:
-                self._table.forget(spec.replica_id)
-                live = None
-            if live is None:
-                spec = await self._fetch(spec, on_progress)
-                await self._pass_gate(spec, on_progress, on_queued=on_queued,
-                                      answer_by=answer_by)
-                try:
-                    live = await self._launch(spec, on_progress)
-                except BaseException:
-                    self._gate.leave(spec.replica_id)
-                    raise
-            elif live.record.state is ShardState.STARTING:
-                # Launched before this call (adopted while loading): it loads already, so
-                # it holds a slot without queueing. Adoption alone takes no slot: with
-                # nobody bound to give it back, a slot held for an engine the keeper has
-                # given up on would stall every start on the node.
-                self._gate.occupy(spec.replica_id)
             try:
-                await self._wait_ready(live, on_progress)
-            except BaseException:
-                # Covers cancellation too: a start the workflow gave up on must not linger.
-                await self._table.stop(spec.replica_id, grace_s=START_FAILED_STOP_GRACE_S)
-                raise
+                return await self._start(spec, self._tracked(spec, on_progress),
+                                         on_queued=on_queued, answer_by=answer_by)
             finally:
-                # Ready, failed or cancelled: it loads no more, the next in line may.
+                self.progress.pop(spec.replica_id, None)
+
+    def _tracked(self, spec: ShardSpec, on_progress: Callable[[FetchProgress], None],
+                 ) -> Callable[[FetchProgress], None]:
+        """``on_progress``, keeping each report in :attr:`progress` on the way."""
+        def track(progress: FetchProgress) -> None:
+            fetched = progress.phase in ("fetching", "cached")
+            self.progress[spec.replica_id] = StartProgress(
+                replica_id=spec.replica_id, rank=spec.rank, phase=progress.phase,
+                bytes_done=progress.bytes_done if fetched else None,
+                bytes_total=progress.bytes_total if fetched else None,
+                rate_bytes_per_s=progress.rate_bytes_per_s if fetched else None)
+            on_progress(progress)
+        return track
+
+    async def _start(self, spec: ShardSpec, on_progress: Callable[[FetchProgress], None], *,
+                     on_queued: QueuedCallback | None,
+                     answer_by: float | None) -> ShardEndpoint:
+        """:meth:`start`, under the replica's lock."""
+        live = self._table.running.get(spec.replica_id)
+        if live is not None and self._table.poll_exit(live) is not None:
+            self._table.forget(spec.replica_id)
+            live = None
+        if live is None:
+            spec = await self._fetch(spec, on_progress)
+            await self._pass_gate(spec, on_progress, on_queued=on_queued,
+                                  answer_by=answer_by)
+            try:
+                live = await self._launch(spec, on_progress)
+            except BaseException:
                 self._gate.leave(spec.replica_id)
-            return live.endpoint(self.node_id)
+                raise
+        elif live.record.state is ShardState.STARTING:
+            # Launched before this call (adopted while loading): it loads already, so
+            # it holds a slot without queueing. Adoption alone takes no slot: with
+            # nobody bound to give it back, a slot held for an engine the keeper has
+            # given up on would stall every start on the node.
+            self._gate.occupy(spec.replica_id)
+        try:
+            await self._wait_ready(live, on_progress)
+        except BaseException:
+            # Covers cancellation too: a start the workflow gave up on must not linger.
+            await self._table.stop(spec.replica_id, grace_s=START_FAILED_STOP_GRACE_S)
+            raise
+        finally:
+            # Ready, failed or cancelled: it loads no more, the next in line may.
+            self._gate.leave(spec.replica_id)
+        return live.endpoint(self.node_id)
 
     def forget_port(self, replica_id: ReplicaId) -> None:
         """The replica was stopped here: its port is no longer kept for a relaunch."""
@@ -259,6 +287,11 @@ class ShardStartup:
                 on_queued(place.position, list(place.waiting_for))
             else:
                 on_progress(FetchProgress(phase="queued"))
+            # After the callbacks: the plain one (tracked) knows no place in line.
+            self.progress[replica_id] = StartProgress(
+                replica_id=replica_id, rank=spec.rank, phase="queued",
+                queue_position=place.position,
+                waiting_for=list(place.waiting_for[:MAX_WAITING_FOR]))
 
         self.queued[replica_id] = spec
         entered = time.monotonic()
@@ -350,6 +383,7 @@ class ShardStartup:
             ended = self._table.poll_exit(live)
             if ended is not None:
                 self._table.forget(spec.replica_id)
+                # Its detail names its last log line and its log (ShardManager.poll_exit).
                 raise ShardStartError(ended)
             if live.record.url is None:
                 break  # a rank without HTTP: alive is all we can know
@@ -377,8 +411,11 @@ class ShardStartup:
                 raise ShardStartError(ShardExit(
                     replica_id=spec.replica_id, kind=ExitKind.START_TIMEOUT,
                     # A load wedged on a fatal error still says which in its log.
-                    detail=exit_detail(f"not ready after {spec.start_timeout_s:.0f}s (last "
-                                       f"probe: {detail})", tail), log_tail=tail))
+                    detail=failure_detail(
+                        exit_detail(f"not ready after {spec.start_timeout_s:.0f}s (last "
+                                    f"probe: {detail})", tail), tail,
+                        log_path=live.record.log_path, node=self.node_id,
+                        replica_id=spec.replica_id), log_tail=tail))
             on_progress(FetchProgress(phase="loading"))
             await asyncio.sleep(ready_poll_s(time.time() - live.record.started_at.timestamp()))
         live.record = live.record.model_copy(update={"state": ShardState.READY})

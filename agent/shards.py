@@ -23,8 +23,9 @@ import httpx
 import psutil
 
 from modelkeeper.domain.engine_keys import derive_engine_key
-from modelkeeper.domain.engine_logs import exit_detail
+from modelkeeper.domain.engine_logs import exit_detail, failure_detail
 from modelkeeper.domain.ids import NodeId, ReplicaId
+from modelkeeper.domain.log_reads import EngineLogChunk, EngineLogRequest
 from modelkeeper.domain.shards import (
     ExitKind,
     FetchProgress,
@@ -36,6 +37,7 @@ from modelkeeper.domain.shards import (
     classify_exit,
 )
 from modelkeeper.domain.sources import SourcePolicy
+from modelkeeper.domain.start_progress import StartProgress
 from modelkeeper.infra.processes import LOG_DRAIN_TIMEOUT_S, signal_group
 
 from .engine_process import (
@@ -53,6 +55,7 @@ from .engine_process import (
 from .engines.base import EngineAdapter, adapter_for
 from .inventory import read_available_memory
 from .links import LinkWatch
+from .log_reader import read_engine_log
 from .shard_sleep import ShardSleep
 from .shard_startup import QueuedCallback, ShardStartup
 from .startup_gate import StartupGate
@@ -138,6 +141,7 @@ class ShardManager:
         weights may be fetched from; read from this process's settings when None (24 ms,
         which a fleet of a thousand nodes does once)."""
         self.node_id = node_id
+        self._logs = agent_dir / "logs"
         self._records = agent_dir / "shards"
         self._node_key = node_key
         self._shards: dict[ReplicaId, LiveShard] = {}
@@ -292,6 +296,12 @@ class ShardManager:
         if kind in LOG_NAMES_THE_CAUSE:
             # "exited with code 1: the GPU ran out of memory (log: '...')".
             detail = exit_detail(detail, tail)
+        if kind is ExitKind.ERROR:
+            # It exited by itself: its log says why. Its last line (unless a known fatal
+            # line is named already) and where the whole log is, for a start that failed
+            # and an engine that exited after it was ready alike.
+            detail = failure_detail(detail, tail, log_path=record.log_path, node=self.node_id,
+                                    replica_id=record.spec.replica_id)
         live.exit = ShardExit(
             replica_id=record.spec.replica_id, kind=kind,
             exit_code=code if code is not None and code >= 0 else None,
@@ -400,6 +410,15 @@ class ShardManager:
             if (spec := self._startup.queued.get(rid)) is not None
         ]
         return running + queued
+
+    def read_log(self, request: EngineLogRequest) -> EngineLogChunk:
+        """Lines of an engine's log here, for `modelkeeper logs` (agent.log_reader)."""
+        return read_engine_log(self._logs, self.node_id, request)
+
+    def start_progress(self) -> list[StartProgress]:
+        """The progress of each start under way here (fetching, queued, launching,
+        loading), for the heartbeat."""
+        return list(self._startup.progress.values())
 
     async def stop_unclaimed(self, claimed: set[ReplicaId], *,
                              ran_before: float) -> list[ReplicaId]:

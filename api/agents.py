@@ -381,6 +381,10 @@ async def heartbeat_node(node_id: str, beat: AgentHeartbeat, store: StoreDep, *,
     if recorded.changed:
         # Memory reported (nodes join in pieces), or the node is back: retry now.
         await signal_waiting_deployments(store, temporal)
+    if beat.starts:
+        # Where people look (ls, GET /deployments): bounded in the store, see
+        # modelkeeper.domain.start_progress.
+        await store.deployments.record_start_progress(node_id, beat.starts)
     if beat.memory is not None or beat.oom_kills:
         await watch_memory(NodeId(node_id), beat, store=store, temporal=temporal,
                            settings=settings, now=received_at, stored=recorded.memory_level)

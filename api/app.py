@@ -33,6 +33,7 @@ from . import (
     deployments,
     limits,
     liveness,
+    logs,
     measured,
     monitoring,
     nodes,
@@ -70,7 +71,8 @@ def create_app(settings: Settings) -> FastAPI:
                # x/capacity as model ids.
                (room.router, True), (measured.router, True), (deployments.router, True),
                (operations.router, True), (windows.router, True), (quotas.router, True),
-               (notify.router, True)]
+               (notify.router, True),
+               (logs.router, True)]
     for router, operators in routers:
         if operators:
             app.include_router(router, dependencies=guarded, responses=auth.AUTH_RESPONSES)

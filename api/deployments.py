@@ -62,6 +62,7 @@ from workflows.deployment import (
     DeleteRequest,
     DeploymentInput,
     DeploymentWorkflow,
+    deployment_handle,
 )
 
 from . import operations, quotas, room
@@ -363,8 +364,7 @@ async def delete_deployment(deployment_id: str, store: StoreDep, temporal: Tempo
     """
     view = await _existing(store, deployment_id)
     try:
-        await temporal.get_workflow_handle_for(
-            DeploymentWorkflow.run, view.workflow_id).signal(
+        await deployment_handle(temporal, view.workflow_id).signal(
                 DeploymentWorkflow.delete, DeleteRequest(requested_by=operator.name))
     except RPCError as exc:
         if not _workflow_not_found(exc):
@@ -396,8 +396,7 @@ async def retry_deployment(deployment_id: str, store: StoreDep,
     """Un-park a parked deployment."""
     view = await _existing(store, deployment_id)
     try:
-        await temporal.get_workflow_handle_for(
-            DeploymentWorkflow.run, view.workflow_id).signal(DeploymentWorkflow.retry)
+        await deployment_handle(temporal, view.workflow_id).signal(DeploymentWorkflow.retry)
     except RPCError as exc:
         if _workflow_not_found(exc):
             raise HTTPException(409, f"deployment {deployment_id} has no running workflow "
@@ -463,7 +462,7 @@ async def _scale(view: DeploymentView, replicas: int, *, store: Store, temporal:
     request = ScaleRequest(replicas=replicas)
     with _answered(view.deployment_id, "scale"):
         await execute_update(
-            temporal.get_workflow_handle_for(DeploymentWorkflow.run, view.workflow_id),
+            deployment_handle(temporal, view.workflow_id),
             DeploymentWorkflow.scale, request, rpc_timeout=UPDATE_ANSWER_TIMEOUT)
     await store.deployments.set_desired_replicas(view.deployment_id, request.replicas)
     await store.events.record_event(change(operator, "deployment.scaled",
@@ -504,7 +503,7 @@ async def _set_policy(deployment_id: str, policy: ScalingPolicy, *, store: Store
     await _refuse_scale_over_limit(store, view, policy.max_replicas)
     with _answered(deployment_id, "scaling policy"):
         replicas = await execute_update(
-            temporal.get_workflow_handle_for(DeploymentWorkflow.run, view.workflow_id),
+            deployment_handle(temporal, view.workflow_id),
             DeploymentWorkflow.set_policy, SetPolicyRequest(policy=policy, actor=operator.name),
             rpc_timeout=UPDATE_ANSWER_TIMEOUT)
     await store.deployments.set_scaling(deployment_id, policy, replicas)
@@ -565,7 +564,7 @@ async def _set_tenancy(deployment_id: str, patch: operations.DeploymentPatch, *,
                 replacing=view.deployment_id)
     with _answered(deployment_id, "owner and class"):
         await execute_update(
-            temporal.get_workflow_handle_for(DeploymentWorkflow.run, view.workflow_id),
+            deployment_handle(temporal, view.workflow_id),
             DeploymentWorkflow.set_tenancy,
             SetTenancyRequest(owner=patch.owner, capacity_class=patch.capacity_class),
             rpc_timeout=UPDATE_ANSWER_TIMEOUT)
@@ -597,7 +596,7 @@ async def sleep_deployment(deployment_id: str, store: StoreDep, temporal: Tempor
     view = await _existing(store, deployment_id)
     with _answered(deployment_id, "sleep"):
         await execute_update(
-            temporal.get_workflow_handle_for(DeploymentWorkflow.run, view.workflow_id),
+            deployment_handle(temporal, view.workflow_id),
             DeploymentWorkflow.sleep,
             SleepRequest(replica_id=choice.replica_id, actor=operator.name),
             rpc_timeout=UPDATE_ANSWER_TIMEOUT)
@@ -618,7 +617,7 @@ async def wake_deployment(deployment_id: str, store: StoreDep, temporal: Tempora
     view = await _existing(store, deployment_id)
     with _answered(deployment_id, "wake"):
         await execute_update(
-            temporal.get_workflow_handle_for(DeploymentWorkflow.run, view.workflow_id),
+            deployment_handle(temporal, view.workflow_id),
             DeploymentWorkflow.wake,
             WakeRequest(replica_id=choice.replica_id, actor=operator.name),
             rpc_timeout=UPDATE_ANSWER_TIMEOUT)

@@ -65,7 +65,7 @@ from modelkeeper.infra.http_server import release_body_deadline
 from modelkeeper.names import deployment_workflow_id
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
-from workflows.deployment import DeploymentWorkflow
+from workflows.deployment import DeploymentWorkflow, deployment_handle
 
 from .agents import NODE_AUTH_RESPONSES, authenticate_node
 from .deps import StoreDep, TemporalDep
@@ -352,8 +352,7 @@ async def signal_node_silent(temporal: Client, node_id: NodeId,
     (``watch_heartbeat_timeout_s``). Returns how many were signalled."""
 
     async def tell(deployment_id: DeploymentId, replica_ids: list[ReplicaId]) -> bool:
-        handle = temporal.get_workflow_handle_for(DeploymentWorkflow.run,
-                                                  deployment_workflow_id(deployment_id))
+        handle = deployment_handle(temporal, deployment_workflow_id(deployment_id))
         try:
             await handle.signal(DeploymentWorkflow.node_silent,
                                 NodeSilentInput(node_id=node_id, replica_ids=replica_ids))

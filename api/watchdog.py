@@ -39,7 +39,7 @@ from modelkeeper.infra import notify
 from modelkeeper.names import deployment_workflow_id
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
-from workflows.deployment import DeploymentWorkflow
+from workflows.deployment import DeploymentWorkflow, deployment_handle
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,7 @@ async def _protect(node_id: NodeId, report: MemoryReport, *, store: Store, tempo
               "margin_bytes": report.margin_bytes}))
     # The deployment workflow's ``preempt`` signal drains the replica and holds its place
     # back until room returns.
-    handle = temporal.get_workflow_handle_for(DeploymentWorkflow.run,
-                                              deployment_workflow_id(victim.deployment_id))
+    handle = deployment_handle(temporal, deployment_workflow_id(victim.deployment_id))
     try:
         await handle.signal(DeploymentWorkflow.preempt,
                             PreemptRequest(replica_id=victim.replica_id, by=None,

@@ -39,7 +39,7 @@ from modelkeeper.infra import schedules
 from modelkeeper.infra.temporal import execute_update
 from modelkeeper.names import window_schedule_id
 from modelkeeper.store import Store
-from workflows.deployment import DeploymentWorkflow
+from workflows.deployment import DeploymentWorkflow, deployment_handle
 
 from .auth import OperatorDep, change
 from .deployments import UPDATE_ANSWER_TIMEOUT
@@ -125,7 +125,7 @@ async def remove_window(deployment_id: str, name: WindowName, store: StoreDep, *
 
 async def _open_now(temporal: Client, view: DeploymentView, window: ScheduleWindow) -> int:
     """Open the window on the deployment, as its open schedule does; the count it wants."""
-    handle = temporal.get_workflow_handle_for(DeploymentWorkflow.run, view.workflow_id)
+    handle = deployment_handle(temporal, view.workflow_id)
     try:
         return await execute_update(handle, DeploymentWorkflow.set_window,
                                     SetWindowRequest(window=window.bounds),

@@ -30,10 +30,12 @@ import argparse
 import asyncio
 import json
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -48,6 +50,7 @@ from modelkeeper.domain.capacity import (
 )
 from modelkeeper.domain.catalog import DEFAULT_REPLICAS, scaling_summary
 from modelkeeper.domain.demand import MAX_LOAD_WAIT_S, MAX_PERIOD_S, ScalingPolicy
+from modelkeeper.domain.log_reads import DEFAULT_TAIL_LINES, FOLLOW_INTERVAL_S, MAX_TAIL_LINES
 from modelkeeper.domain.no_room import MAX_PLAN_NUMBER, IfNoRoom
 from modelkeeper.domain.operators import OperatorRole, name_problem
 from modelkeeper.domain.shards import EngineKind
@@ -749,6 +752,10 @@ def _notes(deployment: dict[str, Any]) -> str:
                        if r.get("profile")})
     if profiles:
         notes.append(f"profile {', '.join(profiles)}")
+    # A start's progress on its node: the download (bytes, %, rate), its place in the
+    # start-up queue and whom it waits for, the engine loading.
+    notes += [f"{r['replica_id']} {r['progress']['summary']}"
+              for r in deployment.get("replicas", []) if r.get("progress")]
     # A multi-node replica loading: how many of its shards are ready.
     notes += [f"{r['replica_id']} loading, {r['shards_ready']}/{len(r['nodes'])} shards ready"
               for r in deployment.get("replicas", []) if r.get("shards_ready") is not None]
@@ -777,7 +784,9 @@ def _ready(deployment: dict[str, Any]) -> str:
 
 
 def _ls_text(args: argparse.Namespace, result: Any) -> str:
-    return table([[d["deployment_id"], d["model_id"], d["status"], _ready(d), _policy(d),
+    # shown_status: `queued` while every start waits at its node's start-up gate.
+    return table([[d["deployment_id"], d["model_id"], d.get("shown_status") or d["status"],
+                   _ready(d), _policy(d),
                    str(d["consecutive_failures"]),
                    "; ".join(x for x in (_reason(d), _notes(d)) if x)] for d in result],
                  ["id", "model", "status", "ready", "policy", "failures", "reason"])
@@ -1361,6 +1370,72 @@ def _models_flags(parser: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------------------------------
+# `logs`: an engine's log, read on its node (modelkeeper.domain.log_reads)
+
+
+def _logs_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("replica_id", metavar="REPLICA",
+                        help="the replica (`modelkeeper ls --json` lists them)")
+    parser.add_argument("--tail", type=int, default=DEFAULT_TAIL_LINES,
+                        help=f"the last N lines (default {DEFAULT_TAIL_LINES}, at most "
+                             f"{MAX_TAIL_LINES})")
+    parser.add_argument("--follow", "-f", action="store_true",
+                        help="then print new lines as the engine writes them, until Ctrl-C")
+    parser.add_argument("--rank", type=int, default=0,
+                        help="the shard of a multi-node replica (default 0)")
+    parser.add_argument("--node", help="the node (name or id) whose log to read, for a "
+                                       "replica the API no longer knows")
+
+
+def _logs_params(args: argparse.Namespace, *, after: int | None = None) -> dict[str, str]:
+    params = {"tail": str(args.tail), "rank": str(args.rank)}
+    if args.node:
+        params["node"] = args.node
+    if after is not None:
+        params["after"] = str(after)
+    return params
+
+
+def _logs_request(args: argparse.Namespace) -> Request:
+    if not 0 <= args.tail <= MAX_TAIL_LINES:
+        raise UsageError(f"logs --tail {args.tail}: give 0 to {MAX_TAIL_LINES} lines")
+    if args.rank < 0:
+        raise UsageError(f"logs --rank {args.rank}: ranks count from 0")
+    return Request("GET", f"/replicas/{quote(args.replica_id, safe='')}/logs",
+                   params=_logs_params(args))
+
+
+def _logs_next(args: argparse.Namespace, chunk: Any) -> Request:
+    """The follow's next read: what was written since the last answer ended."""
+    return Request("GET", f"/replicas/{quote(args.replica_id, safe='')}/logs",
+                   params=_logs_params(args, after=int(chunk["end_offset"])))
+
+
+def _logs_text(args: argparse.Namespace, chunk: Any) -> str:
+    lines = [str(line) for line in chunk["lines"]]
+    if chunk.get("restarted"):
+        lines.insert(0, f"-- a new log began in {chunk['log_path']} on node "
+                        f"{chunk['node_id']} (the engine was launched again) --")
+    return "\n".join(lines)
+
+
+def _follow(command: Command, args: argparse.Namespace, answer: Any, http: httpx.Client,
+            out: Out) -> int:
+    """Ask for what is new every FOLLOW_INTERVAL_S and print it, until Ctrl-C, which ends
+    the command quietly (exit 0)."""
+    assert command.follow is not None
+    try:
+        while True:
+            time.sleep(FOLLOW_INTERVAL_S)  # the pace of the polls, not a synchronisation
+            answer = execute(command.follow(args, answer), http)
+            text = render(args, answer)
+            if text:
+                out(text)
+    except KeyboardInterrupt:
+        return 0
+
+
+# ----------------------------------------------------------------------------------------
 # The table
 
 
@@ -1375,6 +1450,9 @@ class Command:
     text: Callable[[argparse.Namespace, Any], str]
     #: Other names it answers to: a rename keeps the old name working for scripts.
     aliases: tuple[str, ...] = ()
+    #: With ``--follow``: the next request, from the last answer (``logs``); None: the
+    #: command does not follow.
+    follow: Callable[[argparse.Namespace, Any], Request] | None = None
 
 
 COMMANDS: tuple[Command, ...] = (
@@ -1434,6 +1512,9 @@ COMMANDS: tuple[Command, ...] = (
     Command("notify", "notifications: `notify test` sends a test to each configured "
             "webhook and Slack target and reports each answer", _notify_flags,
             _notify_request, _notify_text),
+    Command("logs", "print a replica's engine log, read on its node (admin token: a log "
+            "may hold prompts); --follow prints new lines until Ctrl-C", _logs_flags,
+            _logs_request, _logs_text, follow=_logs_next),
 )
 
 OPERATOR_COMMANDS: Mapping[str, Command] = {c.name: c for c in COMMANDS}
@@ -1470,10 +1551,21 @@ def run_operator_command(args: argparse.Namespace, api_url: str, out: Out, *,
     """
     request = OPERATOR_COMMANDS[args.command].request(args)
     headers = {"Authorization": f"Bearer {token}"} if token else None
+    command = OPERATOR_COMMANDS[args.command]
+    following = command.follow is not None and bool(getattr(args, "follow", False))
     with httpx.Client(base_url=args.api_url or api_url, timeout=API_TIMEOUT_S,
                       headers=headers, transport=transport) as http:
-        result = execute(request, http)
-    out(render(args, result))
+        try:
+            result = execute(request, http)
+        except KeyboardInterrupt:
+            if following:  # Ctrl-C ends a follow quietly, even before its first answer
+                return 0
+            raise
+        text = render(args, result)
+        if text or command.follow is None:  # a follow prints nothing until there is some
+            out(text)
+        if following:
+            return _follow(command, args, result, http, out)
     return 0
 
 

@@ -191,6 +191,8 @@ ACTIVITY_LIST_SHARDS = "list_shards"
 #: ... sleep (free the KV cache, keep the weights) and wake an engine that can.
 ACTIVITY_SLEEP_SHARD = "sleep_shard"
 ACTIVITY_WAKE_SHARD = "wake_shard"
+#: ... and read an engine's log for `modelkeeper logs` (modelkeeper.domain.log_reads).
+ACTIVITY_READ_ENGINE_LOG = "read_engine_log"
 
 #: ApplicationError types: activities raise them, workflows match on them (retry policies'
 #: ``non_retryable_error_types``), clients read them. Store activities:
@@ -204,6 +206,8 @@ ERROR_NO_FREE_PORT = "NoFreePort"
 #: not answer) a sleep or a wake.
 ERROR_SHARD_NOT_HERE = "ShardNotHere"
 ERROR_SLEEP_WAKE_FAILED = "SleepWakeFailed"
+#: ... read_engine_log: no log for the replica on the node.
+ERROR_NO_ENGINE_LOG = "NoEngineLog"
 #: ... and DeploymentWorkflow's scale validator, refusing an update while it deletes.
 ERROR_DELETING = "Deleting"
 #: ... refusing a move (unknown replica, leased to another move, surge limit), and
@@ -231,6 +235,16 @@ ERROR_OPERATION_FAILED = "OperationFailed"
 def operation_workflow_id(kind: str, subject: str, n: int) -> str:
     """A saga's workflow id, readable: ``restart/<deployment>/<n>``, ``drain/<node>/<n>``."""
     return f"{kind}/{subject}/{n}"
+
+
+#: The short workflow that reads an engine's log on its node for the API
+#: (workflows/engine_log.py), and its ids: ``engine-log/<replica>/<random>``, one per read.
+WORKFLOW_ENGINE_LOG = "EngineLog"
+
+
+def engine_log_workflow_id(replica_id: str, nonce: str) -> str:
+    """The id of one read of ``replica_id``'s log."""
+    return f"engine-log/{replica_id}/{nonce}"
 
 
 #: The workflow type a schedule window's schedules start (workflows/window.py): by name,

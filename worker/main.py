@@ -21,9 +21,19 @@ from modelkeeper.infra.notify import NotifyConfigError, read_notify_secret
 from modelkeeper.names import CONTROL_TASK_QUEUE, ROOM_WATCH_TASK_QUEUE
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
-from workflows import ALL_WORKFLOWS
+from workflows.deployment import DeploymentWorkflow
+from workflows.drain import DrainSaga
+from workflows.engine_log import EngineLogWorkflow
+from workflows.notify import CantPlaceWatch, NotifyWorkflow
+from workflows.restart import RestartSaga
+from workflows.switch import SwitchSaga
+from workflows.window import WindowWorkflow
 
 from . import sweep
+
+#: Every workflow the control-plane worker runs.
+ALL_WORKFLOWS: list[type] = [DeploymentWorkflow, RestartSaga, DrainSaga, SwitchSaga,
+                             WindowWorkflow, NotifyWorkflow, CantPlaceWatch, EngineLogWorkflow]
 
 log = logging.getLogger(__name__)
 

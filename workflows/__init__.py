@@ -1,15 +1,8 @@
 """Temporal workflows, one module per workflow. Deterministic and thin: decisions live in
-:mod:`modelkeeper`'s pure functions, effects in :mod:`activities`."""
+:mod:`modelkeeper`'s pure functions, effects in :mod:`activities`.
 
-#: Every workflow the control-plane worker runs. Later workflows are added here.
-ALL_WORKFLOWS: list[type] = []  # filled below, once the modules exist
-
-from .deployment import DeploymentWorkflow  # noqa: E402 - after the list it fills
-from .drain import DrainSaga  # noqa: E402
-from .notify import CantPlaceWatch, NotifyWorkflow  # noqa: E402 - after the others: mypy's cycle order
-from .restart import RestartSaga  # noqa: E402
-from .switch import SwitchSaga  # noqa: E402
-from .window import WindowWorkflow  # noqa: E402
-
-ALL_WORKFLOWS.extend([DeploymentWorkflow, RestartSaga, DrainSaga, SwitchSaga, WindowWorkflow,
-                      NotifyWorkflow, CantPlaceWatch])
+The list of workflows a worker runs is ``worker.main.ALL_WORKFLOWS``, not here: this
+package's ``__init__`` importing its modules put it in one import cycle with
+``workflows.deployment``, and mypy, checking that cycle from a fresh cache, could no longer
+infer ``DeploymentWorkflow.run``'s type where the API names it (``get_workflow_handle_for``).
+"""

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, assert_never
 
 from temporalio import workflow
+from temporalio.client import Client, WorkflowHandle
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
 with workflow.unsafe.imports_passed_through():
@@ -774,6 +775,15 @@ class DeploymentWorkflow:
             workflow.upsert_search_attributes([STATUS_KEY.value_set(FINAL_STATUS)])
 
 
+def deployment_handle(client: Client, workflow_id: str) -> WorkflowHandle[DeploymentWorkflow, str]:
+    """A typed handle on a deployment's workflow, for the API and activities that signal
+    and update it by method. ``client.get_workflow_handle_for(DeploymentWorkflow.run, ...)``
+    says the same, but mypy, checking the whole tree from a fresh cache, stopped inferring
+    its type parameters (``Never``) once more workflow modules joined the worker; from a
+    warm cache it passed, so only CI saw it."""
+    return client.get_workflow_handle(workflow_id, result_type=str)
+
+
 __all__ = ["DESIRED_KEY", "MODEL_ID_KEY", "NODES_KEY", "READY_KEY", "STATUS_KEY",
            "DeleteRequest", "DeploymentInput", "DeploymentWorkflow", "DeploymentWorkflowState",
-           "WorkflowStatus"]
+           "WorkflowStatus", "deployment_handle"]

@@ -25,6 +25,7 @@ with workflow.unsafe.imports_passed_through():
     from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdate
     from modelkeeper.domain.demand import DemandFound, DemandView, Pressure, WatchDemandInput
     from modelkeeper.domain.draining import DrainReplicaInput
+    from modelkeeper.domain.engine_logs import last_line
     from modelkeeper.domain.events import NewEvent
     from modelkeeper.domain.ids import DeploymentId, ReplicaId
     from modelkeeper.domain.keeper import (
@@ -323,7 +324,10 @@ def shard_name(spec: ShardSpec) -> str:
 def last_log_line(ended: ShardExit | None) -> str:
     """The engine's last log line, ": <line>", or nothing."""
     lines = [] if ended is None else [line for line in ended.log_tail if line.strip()]
-    return f": {lines[-1].strip()}" if lines else ""
+    if not lines or ended is None or f"{last_line(lines)!r}" in ended.detail:
+        # The agent named the last line in the detail already (start_failure_detail).
+        return ""
+    return f": {lines[-1].strip()}"
 
 
 async def start(replica_id: ReplicaId, deployment_id: DeploymentId, specs: list[ShardSpec],

@@ -15,6 +15,7 @@ from .ids import DeploymentId, ModelId, NodeId, ReplicaId
 from .no_room import IF_NO_ROOM_HELP, MAX_PLAN_NUMBER, PLAN_HELP, IfNoRoom
 from .shards import EngineKind
 from .sources import SECRET_NAME_PATTERN, SHA256_PATTERN
+from .start_progress import QUEUED, ReplicaProgress
 from .status import DeploymentStatus, ReplicaState
 from .topology import MAX_WATTS, Spread
 from .units import format_duration
@@ -322,6 +323,26 @@ class ReplicaView(Frozen):
     #: Its engine's last relaunch in place, and why ("engine exited (signalled: killed
     #: by SIGKILL); relaunched in place on n1, try 1 of 3 in 600 s"); None: never.
     relaunch_note: str | None = None
+    #: Starting: what its start is doing on its node, as its agent last reported (within
+    #: the last few seconds): the download's bytes, share and rate, its place in the
+    #: node's start-up queue and whom it waits for (modelkeeper.domain.start_progress).
+    #: None when not starting, or nothing reported yet.
+    progress: ReplicaProgress | None = None
+    #: ``state`` as people read it: ``queued`` for a starting replica waiting its turn
+    #: at its node's start-up gate, ``state`` otherwise. Filled in from those two.
+    shown_state: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shown_state(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not data.get("shown_state"):
+            progress = data.get("progress")
+            phase = (progress.phase if isinstance(progress, ReplicaProgress)
+                     else progress.get("phase") if isinstance(progress, dict) else None)
+            state = str(data.get("state", ""))
+            data = {**data, "shown_state": QUEUED if state == ReplicaState.STARTING
+                    and phase == QUEUED else state}
+        return data
 
 
 class DeploymentView(Frozen):
@@ -363,6 +384,25 @@ class DeploymentView(Frozen):
     #: The class it runs as (modelkeeper.domain.capacity.effective_class).
     runs_as: CapacityClass = CapacityClass.STANDARD
     owner: str | None = None
+    #: ``status`` as people read it: ``queued`` while it is starting and every replica
+    #: not yet ready waits at its node's start-up gate (``ReplicaView.shown_state``);
+    #: ``status`` otherwise. Filled in from those.
+    shown_status: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shown_status(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not data.get("shown_status"):
+            status = str(data.get("status", ""))
+            waiting = [r.shown_state if isinstance(r, ReplicaView) else
+                       ReplicaView.model_validate(r).shown_state
+                       for r in data.get("replicas", [])
+                       if (r.state if isinstance(r, ReplicaView) else r.get("state"))
+                       != ReplicaState.READY]
+            queued = status == DeploymentStatus.STARTING and bool(waiting) and all(
+                w == QUEUED for w in waiting)
+            data = {**data, "shown_status": QUEUED if queued else status}
+        return data
 
 
 def scaling_summary(policy: ScalingPolicy | None) -> str:

@@ -117,3 +117,28 @@ def exit_detail(detail: str, tail: Sequence[str]) -> str:
     """``detail`` (how the process ended) with the cause its log names, if any."""
     finding = classify_log(tail)
     return detail if finding is None else f"{detail}: {finding.reason()}"
+
+
+def last_line(tail: Sequence[str]) -> str | None:
+    """The last line of ``tail`` that says something, clipped; None when there is none."""
+    lines = [line for line in tail if line.strip()]
+    return _clip(lines[-1]) if lines else None
+
+
+def log_location(log_path: str, *, node: str, replica_id: str) -> str:
+    """Where an engine's full log is: the file on its node, and the command that reads it
+    from anywhere."""
+    return f"full log: {log_path} on node {node}, or `modelkeeper logs {replica_id}`"
+
+
+def failure_detail(detail: str, tail: Sequence[str], *, log_path: str, node: str,
+                         replica_id: str) -> str:
+    """An engine's failure as its reason says it (a failed start, or an engine that exited
+    with an error): how it ended (``detail``, which names a known cause when its log has
+    one), else the engine's last log line, and where the full log is."""
+    parts = [detail]
+    line = last_line(tail)
+    if classify_log(tail) is None and line is not None:
+        parts.append(f"last log line: {line!r}")
+    parts.append(log_location(log_path, node=node, replica_id=replica_id))
+    return "; ".join(parts)

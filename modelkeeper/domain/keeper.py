@@ -2212,6 +2212,12 @@ def details(state: KeeperState) -> str:
                   f"{' (outdated)' if r.replica_id in stale else ''}"
                   f"{f' (move {r.move_id})' if r.move_id else ''}"
                   f" | {', '.join(r.nodes) or '-'} |" for r in state.replicas]
+    if any(r.phase in (Phase.STARTING, Phase.WAKING) for r in state.replicas):
+        # The workflow does not hear a start's progress (its agent reports it to the API):
+        # say where it shows rather than let "starting" stand alone.
+        lines += ["", "Start progress (download, place in the node's start-up queue): "
+                  "`modelkeeper ls`, GET /deployments/{id} (replicas[].progress), and the "
+                  "pending start_shard activity's heartbeat details below."]
     running = [move for move in state.moves if move.state is MoveState.RUNNING]
     if running:
         lines += ["", "Moves: " + "; ".join(

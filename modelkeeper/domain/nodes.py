@@ -21,6 +21,7 @@ from .capacity import CapacityClass, OwnerPath
 from .catalog import MAX_CPU_CORES, MAX_MEMORY_BYTES, Labels
 from .ids import DeploymentId, NodeId, ReplicaId
 from .shards import EngineKind, ShardReport
+from .start_progress import StartProgress
 from .versions import MAX_VERSION_CHARS
 from .watchdog import MemoryLevel, MemoryReport, OomKill
 
@@ -158,6 +159,10 @@ class AgentHeartbeat(Frozen):
     shards: list[ShardReport] = Field(default_factory=list, max_length=MAX_SHARDS_PER_NODE)
     memory: MemoryReport | None = None
     oom_kills: list[OomKill] = Field(default_factory=list, max_length=MAX_SHARDS_PER_NODE)
+    #: The progress of each start under way on the node (fetching, queued, loading);
+    #: absent when none, so an agent with nothing starting speaks to an older API.
+    starts: list[StartProgress] = Field(default_factory=list,
+                                        max_length=MAX_SHARDS_PER_NODE)
 
 
 class HeartbeatAnswer(Tolerant):

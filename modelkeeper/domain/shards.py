@@ -191,6 +191,9 @@ class FetchProgress(Frozen):
     phase: str
     bytes_done: int = 0
     bytes_total: int | None = None
+    #: Bytes per second over the last few seconds (start_progress.RATE_WINDOW_S); None
+    #: before two chunks have arrived.
+    rate_bytes_per_s: float | None = None
 
 
 def classify_exit(returncode: int | None, *, oom_kills_before: int | None,

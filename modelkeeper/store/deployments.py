@@ -7,7 +7,7 @@ A replica's row and claims are first written by placement
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -23,8 +23,15 @@ from ..domain.catalog import (
 )
 from ..domain.demand import ScalingPolicy
 from ..domain.events import Event, NewEvent
-from ..domain.ids import DeploymentId
+from ..domain.ids import DeploymentId, NodeId
 from ..domain.nodes import EndpointRefused, endpoint_refusal
+from ..domain.start_progress import (
+    PROGRESS_FRESH_S,
+    PROGRESS_MIN_WRITE_GAP_S,
+    PROGRESS_REFRESH_S,
+    StartProgress,
+    shown,
+)
 from ..domain.status import WAITING_FOR_ROOM, DeploymentStatus, ReplicaState
 from .pool import port_range, record
 
@@ -93,7 +100,7 @@ class DeploymentStore:
                 deployment_id, workflow_id)
             if locked is None:
                 return None
-            replicas = [ReplicaView(**record(r)) for r in await conn.fetch(
+            replicas = [_replica_view(r) for r in await conn.fetch(
                 _REPLICA_SELECT + " WHERE r.deployment_id = $1 ORDER BY r.created_at",
                 deployment_id)]
             await conn.execute("DELETE FROM replicas WHERE deployment_id = $1", deployment_id)
@@ -203,7 +210,7 @@ class DeploymentStore:
             ids)
         replicas: dict[str, list[ReplicaView]] = {i: [] for i in ids}
         for r in replica_rows:
-            replicas[r["deployment_id"]].append(ReplicaView(**record(r)))
+            replicas[r["deployment_id"]].append(_replica_view(r))
         views = []
         for row in rows:
             reps = replicas[row["deployment_id"]]
@@ -232,7 +239,7 @@ class DeploymentStore:
     async def list_replicas(self) -> list[ReplicaView]:
         """Every replica of every deployment."""
         rows = await self._pool.fetch(_REPLICA_SELECT + " ORDER BY r.created_at")
-        return [ReplicaView(**record(r)) for r in rows]
+        return [_replica_view(r) for r in rows]
 
     async def record_replica_state(self, update: ReplicaStateUpdate
                                    ) -> EndpointRefused | None:
@@ -304,6 +311,61 @@ class DeploymentStore:
             key_epoch, update.shards_ready, update.relaunch_note)
         return refused
 
+    async def record_start_progress(self, node_id: str,
+                                    starts: Sequence[StartProgress]) -> None:
+        """Keep the progress ``node_id``'s agent reports for its starts.
+
+        Only for a replica that is starting and allocated to that node: an agent speaks
+        for its own replicas only. Written only when it changed, and then at most once
+        per PROGRESS_MIN_WRITE_GAP_S per replica unless its phase changed; an unchanged
+        one is written again after PROGRESS_REFRESH_S, so that a long wait in the queue
+        stays fresh (PROGRESS_FRESH_S) without a write per heartbeat.
+        """
+        if not starts:
+            return
+        await self._pool.execute(
+            """
+            INSERT INTO replica_progress (replica_id, node_id, phase, progress, updated_at)
+            SELECT DISTINCT ON (s.value->>'replica_id')
+                   s.value->>'replica_id', $1, s.value->>'phase', s.value, now()
+            FROM jsonb_array_elements($2::jsonb) AS s
+            JOIN replicas r ON r.replica_id = s.value->>'replica_id' AND r.state = 'starting'
+            JOIN allocations a ON a.replica_id = r.replica_id AND a.node_id = $1
+            ON CONFLICT (replica_id) DO UPDATE
+               SET node_id = EXCLUDED.node_id, phase = EXCLUDED.phase,
+                   progress = EXCLUDED.progress, updated_at = EXCLUDED.updated_at
+             WHERE replica_progress.phase IS DISTINCT FROM EXCLUDED.phase
+                OR replica_progress.node_id IS DISTINCT FROM EXCLUDED.node_id
+                OR (replica_progress.progress IS DISTINCT FROM EXCLUDED.progress
+                    AND replica_progress.updated_at
+                        <= EXCLUDED.updated_at - make_interval(secs => $3))
+                OR replica_progress.updated_at <= EXCLUDED.updated_at - make_interval(secs => $4)
+            """,
+            node_id, [s.model_dump(mode="json") for s in starts],
+            PROGRESS_MIN_WRITE_GAP_S, PROGRESS_REFRESH_S)
+
+    async def replica_home(self, replica_id: str
+                           ) -> tuple[str | None, list[NodeId]] | None:
+        """A replica's deployment and its nodes in rank order: from its claims while it
+        is placed, else from the last ``replica.placed`` event (a replica that failed or
+        was replaced: its log stays on its node). None when neither knows it."""
+        row = await self._pool.fetchrow(
+            """
+            SELECT r.deployment_id,
+                   (SELECT array_agg(a.node_id ORDER BY a.rank) FROM allocations a
+                    WHERE a.replica_id = r.replica_id) AS nodes
+            FROM replicas r WHERE r.replica_id = $1
+            """, replica_id)
+        if row is not None and row["nodes"]:
+            return row["deployment_id"], [NodeId(n) for n in row["nodes"]]
+        placed = await self._pool.fetchrow(
+            "SELECT deployment_id, data->'nodes' AS nodes FROM events "
+            "WHERE replica_id = $1 AND kind = 'replica.placed' "
+            "ORDER BY event_id DESC LIMIT 1", replica_id)
+        if placed is None or not isinstance(placed["nodes"], list):
+            return None
+        return placed["deployment_id"], [NodeId(str(n)) for n in placed["nodes"]]
+
     async def release_replica(self, replica_id: str) -> bool:
         """Delete a replica and (by cascade) its claims; True if it existed."""
         done = await self._pool.execute("DELETE FROM replicas WHERE replica_id = $1",
@@ -356,11 +418,33 @@ def _policy_json(policy: ScalingPolicy | None) -> dict[str, Any] | None:
     return None if policy is None else policy.model_dump(mode="json")
 
 
-_REPLICA_SELECT = """
+_REPLICA_SELECT = f"""
     SELECT r.replica_id, r.deployment_id, d.model_id, r.state, r.endpoint, r.started_at,
            r.ready_at, r.generation, r.runs_model_id, r.generation < d.generation AS outdated,
            r.profile, r.shards_ready, r.relaunch_note,
            COALESCE((SELECT array_agg(a.node_id ORDER BY a.rank) FROM allocations a
-                     WHERE a.replica_id = r.replica_id), '{}') AS nodes
+                     WHERE a.replica_id = r.replica_id), '{{}}') AS nodes,
+           p.progress AS progress_reported, p.node_id AS progress_node_id,
+           p.updated_at AS progress_at,
+           (SELECT n.name FROM nodes n WHERE n.node_id = p.node_id) AS progress_node_name
     FROM replicas r JOIN deployments d USING (deployment_id)
+    -- A start's progress only while it starts, and only while its agent still says it
+    -- (start_progress.PROGRESS_FRESH_S): a start that ended leaves nothing stale.
+    LEFT JOIN replica_progress p
+           ON p.replica_id = r.replica_id AND r.state = 'starting'
+          AND p.updated_at > now() - make_interval(secs => {PROGRESS_FRESH_S})
 """
+
+
+def _replica_view(row: asyncpg.Record) -> ReplicaView:
+    """A replica row of :data:`_REPLICA_SELECT` as the API shows it."""
+    fields = record(row)
+    reported = fields.pop("progress_reported")
+    node_id = fields.pop("progress_node_id")
+    at = fields.pop("progress_at")
+    name = fields.pop("progress_node_name")
+    if reported is not None:
+        fields["progress"] = shown(StartProgress.model_validate(reported),
+                                   node_id=NodeId(node_id), node_name=name or node_id,
+                                   updated_at=at)
+    return ReplicaView(**fields)

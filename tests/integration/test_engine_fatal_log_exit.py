@@ -67,6 +67,8 @@ async def test_a_cuda_oom_is_named_in_the_exit_reason(tmp_path: Path, go_file: P
         go_file.touch()
         await shards.close()
     assert (ended.kind, ended.exit_code) == (ExitKind.ERROR, 1), ended
+    log_path = tmp_path / "agent" / "logs" / "r-oom.log"
     assert ended.detail == ("exited with code 1: the GPU ran out of memory (CUDA out of "
-                            f"memory) (log: {OOM_LINE!r})"), ended.detail
+                            f"memory) (log: {OOM_LINE!r}); full log: {log_path} on node "
+                            f"{NODE}, or `modelkeeper logs r-oom`"), ended.detail
     assert OOM_LINE in ended.log_tail

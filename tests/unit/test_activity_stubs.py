@@ -14,7 +14,7 @@ from temporalio import activity
 
 from activities import stubs
 from activities.demand import DemandActivities
-from activities.node import NodeActivities
+from activities.node import NodeActivities, NodeLogActivities
 from activities.routing import RoutingActivities
 from activities.store import StoreActivities
 
@@ -28,6 +28,7 @@ IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
     **{name: getattr(NodeActivities, name) for name in (
         "start_shard", "watch_shard", "stop_shard", "sleep_shard", "wake_shard",
         "list_shards")},
+    "read_engine_log": NodeLogActivities.read_engine_log,
 }
 
 

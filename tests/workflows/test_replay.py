@@ -15,9 +15,11 @@ from workflows.deployment import DeploymentWorkflow
 pytestmark = pytest.mark.timeout(60)
 
 #: The deployment workflow's histories; the sagas' (saga_*.json) replay in test_saga_replay,
-#: the schedule windows' (window_*.json) in test_window_replay.
+#: the schedule windows' (window_*.json) in test_window_replay, the notices' (notify_*.json,
+#: cant_place_watch_*.json) in test_notify_replay.
 HISTORIES = sorted(p for p in (Path(__file__).resolve().parents[1] / "histories").glob("*.json")
-                   if not p.name.startswith(("saga_", "window_")))
+                   if not p.name.startswith(("saga_", "window_", "notify_",
+                                             "cant_place_watch_")))
 
 
 def test_histories_are_committed() -> None:
