@@ -3,8 +3,8 @@
 Each message is one entry of the ``events`` table::
 
     id: 1234
-    event: replica.ready
-    data: {"kind": "replica.ready", "message": "...", "event_id": 1234, ...}
+    event: deployment.serving
+    data: {"kind": "deployment.serving", "message": "...", "event_id": 1234, ...}
 
 ``data`` is the entry as :class:`~modelkeeper.domain.events.Event` (GET /events answers
 the same JSON). A client that reconnects sends ``Last-Event-ID`` (a browser's EventSource
