@@ -164,22 +164,29 @@ class PlainProgress:
     """Plain lines: each event, and the status each time it changes (``--json``: JSON
     lines, the status left out)."""
 
-    def __init__(self, out: Out, *, as_json: bool = False) -> None:
+    def __init__(self, out: Out, *, as_json: bool = False,
+                 flush: Callable[[], None] = sys.stdout.flush) -> None:
         self._out = out
         self._json = as_json
+        #: Each line leaves at once: a pipe's reader (grep, a log shipper) sees it live,
+        #: not when a block buffer fills.
+        self._flush = flush
         self._last_status: str | None = None
 
     def event(self, event: dict[str, Any]) -> None:
         self._out(json.dumps(event, default=str) if self._json else event_line(event))
+        self._flush()
 
     def status(self, line: str) -> None:
         if not self._json and line != self._last_status:
             self._out(f"... {line}")
+            self._flush()
         self._last_status = line
 
     def note(self, line: str) -> None:
         if not self._json:
             self._out(line)
+            self._flush()
 
     def close(self) -> None:
         pass
