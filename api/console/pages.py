@@ -15,7 +15,7 @@ from fastapi.responses import RedirectResponse, Response
 
 from modelkeeper.domain.events import Event
 from modelkeeper.domain.nodes import NodeState
-from modelkeeper.domain.status import DeploymentStatus
+from modelkeeper.domain.operations import OperationState
 
 from .. import room
 from ..deps import SettingsDep, StoreDep
@@ -115,8 +115,8 @@ async def fleet(who: Viewer, store: StoreDep, settings: SettingsDep,
                 part: Part = None) -> Response:
     """The fleet summary (GET /fleet's), with the operations running now."""
     summary = await room.fleet(store, settings)
-    running = [op for op in await store.operations.list_operations(limit=OPERATIONS_SHOWN)
-               if op.state.value == "running"]
+    running = await store.operations.list_operations(state=OperationState.RUNNING,
+                                                     limit=OPERATIONS_SHOWN)
     return page("fleet.html", session=who, part=part, fleet=summary, running=running)
 
 
@@ -145,27 +145,41 @@ async def deployments(who: Viewer, store: StoreDep, part: Part = None,
 
 @router.get("/deployments/{deployment_id}")
 async def deployment(deployment_id: str, who: Viewer, store: StoreDep,
-                     settings: SettingsDep, part: Part = None) -> Response:
-    """A deployment's card: replicas and their nodes, room for more (GET .../headroom's),
-    its newest operations and events, and the actions."""
+                     part: Part = None) -> Response:
+    """A deployment's card: replicas and their nodes, its newest operations and events,
+    and the actions. Its room for more loads apart (:func:`deployment_room`)."""
     view = await store.deployments.get_deployment(deployment_id)
     if view is None:
         return page("missing.html", session=who, part=part, status_code=404,
                     what=f"deployment {deployment_id!r} does not exist (or was deleted)")
-    try:
-        headroom: room.HeadroomView | None = await room.deployment_headroom(
-            deployment_id, store, settings)
-    except HTTPException:
-        headroom = None  # its model left the catalog: the card shows the rest
-    node_names = {n.node_id: n.name for n in await store.nodes.list_nodes()}
+    node_names = {}
+    for node_id in sorted({n for r in view.replicas for n in r.nodes}):
+        record = await store.nodes.get_node(node_id)
+        node_names[node_id] = node_id if record is None else record.name
     events = await store.events.list_events(deployment_id=deployment_id, limit=CARD_EVENTS)
     operations = await store.operations.list_operations(deployment_id=deployment_id,
                                                         limit=CARD_OPERATIONS)
     models = [m.model_id for m in await store.catalog.list_models()]
-    return page("deployment.html", session=who, part=part, d=view, headroom=headroom,
+    return page("deployment.html", session=who, part=part, d=view,
                 node_names=node_names, events=list(reversed(events)),
-                operations=operations, models=models,
-                can_retry=view.status in (DeploymentStatus.PARKED, DeploymentStatus.CANT_PLACE))
+                operations=operations, models=models)
+
+
+@router.get("/deployments/{deployment_id}/room")
+async def deployment_room(deployment_id: str, who: Viewer, store: StoreDep,
+                          settings: SettingsDep) -> Response:
+    """The card's room for more: GET /deployments/{id}/headroom's answer. Apart from the
+    card, and refreshed less often (ROOM_POLL_MS): it judges the whole fleet once for
+    each further replica it counts, which at 300 nodes costs more than the rest of the
+    card together (bench/results/console.md)."""
+    try:
+        headroom: room.HeadroomView | None = await room.deployment_headroom(
+            deployment_id, store, settings)
+        why = None
+    except HTTPException as refused:  # gone, or its model left the catalog
+        headroom, why = None, str(refused.detail)
+    return page("room.html", session=who, deployment_id=deployment_id, headroom=headroom,
+                why=why)
 
 
 @router.get("/operations")

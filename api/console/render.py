@@ -23,6 +23,9 @@ STATIC_PATH = "/ui/static"
 HTMX_FILE = "htmx-2.0.11.min.js"
 #: How often a page refreshes its live part, in milliseconds (htmx's ``every``).
 POLL_MS = 2000
+#: How often a deployment's card counts its room for more again: each count judges the
+#: whole fleet once per further replica (pages.deployment_room).
+ROOM_POLL_MS = 10_000
 
 #: Only this API's own files run or style a page; nothing may frame it. htmx is
 #: configured (base.html) to need neither eval nor inline styles.
@@ -31,7 +34,9 @@ SECURITY_HEADERS = {
                                "img-src 'self' data:; connect-src 'self'; "
                                "frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    # Not no-referrer: under it a browser sends "Origin: null" with a form, which the
+    # origin check (session.check_origin) must refuse.
+    "Referrer-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
 
@@ -69,7 +74,8 @@ def _environment() -> Environment:
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters.update(bytes=_bytes, ago=_ago)
     env.globals.update(percent=_percent, static=STATIC_PATH, htmx=HTMX_FILE,
-                       poll_ms=POLL_MS, csrf_header=CSRF_HEADER)
+                       poll_ms=POLL_MS, room_poll_ms=ROOM_POLL_MS,
+                       csrf_header=CSRF_HEADER)
     return env
 
 

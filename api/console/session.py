@@ -5,7 +5,8 @@ change from a browser must pass (docs/security.md, "The console").
   ``modelkeeper tokens create``), checks it as the API does and sets it in a cookie that is
   ``HttpOnly`` (no script reads it), ``SameSite=Strict`` (no other site's page sends it),
   ``Path=/ui`` (the JSON API never takes it: the API stays bearer-only) and ``Secure`` when
-  the console is reached over https. It ends with the browser's session, or at logout.
+  the console is reached over https. It lasts the Temporal UI's session (a working day,
+  ``temporal_ui.SESSION_TTL_S``), or until logout.
 * **Each request** looks the token up again (:func:`authenticate_operator`, the API's
   own), so a revoked token stops working at once, and a viewer's change gets the API's 403.
 * **Changes** (every ``POST`` under ``/ui`` but the login) must carry the session's CSRF
@@ -28,6 +29,7 @@ from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 
 from ..auth import authenticate_operator
+from ..temporal_ui import SESSION_TTL_S
 
 #: The cookie that holds the operator token.
 COOKIE = "modelkeeper_console"
@@ -122,7 +124,7 @@ async def acting_session(request: Request, *, method: str, path: str) -> Session
 def set_session_cookie(response: Response, request: Request, token: str) -> None:
     """Put ``token`` in the session cookie (see the module docstring for its attributes)."""
     response.set_cookie(COOKIE, token, path=PREFIX, httponly=True, samesite="strict",
-                        secure=request.url.scheme == "https")
+                        secure=request.url.scheme == "https", max_age=int(SESSION_TTL_S))
 
 
 def clear_session_cookie(response: Response, request: Request) -> None:
