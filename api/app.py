@@ -2,8 +2,9 @@
 
 The routes live on module-level routers (``monitoring``, ``agents`` and ``liveness`` (what
 agents call), ``nodes``, ``measured``, ``deployments``,
-``operations``, ``windows``, ``quotas``) and reach the store, Temporal and the settings through the
-dependencies in ``deps``, all read from ``app.state``: building an app is only wiring.
+``operations``, ``windows``, ``quotas``, ``event_stream``) and reach the store, Temporal
+and the settings through the dependencies in ``deps``, all read from ``app.state``:
+building an app is only wiring.
 
 Who may call what is wired here too (``auth``): every route answers only to the allowed
 Host names, and the operators' routers need an operator token, checked before anything of
@@ -32,6 +33,7 @@ from . import (
     auth,
     console,
     deployments,
+    event_stream,
     limits,
     liveness,
     measured,
@@ -71,7 +73,8 @@ def create_app(settings: Settings) -> FastAPI:
                # Before deployments: its /models/{model_id:path} would take x/headroom and
                # x/capacity as model ids.
                (room.router, True), (measured.router, True), (deployments.router, True),
-               (operations.router, True), (windows.router, True), (quotas.router, True)]
+               (operations.router, True), (windows.router, True), (quotas.router, True),
+               (event_stream.router, True)]
     for router, operators in routers:
         if operators:
             app.include_router(router, dependencies=guarded, responses=auth.AUTH_RESPONSES)
@@ -110,6 +113,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         app.state.store = store
         app.state.liveness = follow
+        app.state.event_hub = event_stream.EventHub(
+            dsn=settings.database_url, events=store.events,
+            max_streams=settings.api_event_streams)
         app.state.temporal = await temporal_client.connect(
             settings.temporal_address, settings.temporal_namespace,
             security=temporal_client.security_from_settings(settings), wait=30)
@@ -118,4 +124,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         follow.closing.set()
         lag.cancel()
         restore_signals()
+        hub: event_stream.EventHub | None = getattr(app.state, "event_hub", None)
+        if hub is not None:
+            await hub.close()
         await store.close()

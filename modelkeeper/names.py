@@ -86,6 +86,9 @@ API_KEYS_CHANNEL = "modelkeeper_api_keys"
 #: NOTIFY channel for demand (migration 0016): a gateway worker's waiting count for a
 #: deployment rose from 0; payload is the deployment id. The usage watches listen.
 DEMAND_CHANNEL = "modelkeeper_demand"
+#: NOTIFY channel for the audit log (migration 0028): an entry was appended; payload is
+#: its event id. The API's live event stream listens.
+EVENTS_CHANNEL = "modelkeeper_events"
 
 #: Signals, updates and queries of DeploymentWorkflow, by name, for senders that do not
 #: import the workflow class (the API and the store activities).

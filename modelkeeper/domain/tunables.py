@@ -154,6 +154,13 @@ class ControlTunables(Tolerant):
         "spent: a second apiece, so a looping or hostile agent adds at most 3,600 nodes "
         "an hour, each costing a row and a signal to every waiting deployment.",
     )
+    api_event_streams: int = Field(
+        default=64, ge=1, le=10_000,
+        description="Live event streams (GET /events/stream, `modelkeeper events --follow`, "
+        "`--wait`, the console) one API process serves at once; one more gets a 503 with "
+        "Retry-After. Each holds a connection and a buffer of at most 256 events, and all "
+        "share the process's one LISTEN connection to the database.",
+    )
     settling_window_s: float = Field(
         default=15.0, ge=0,
         description="A fresh worker waits this long (or half of it with a steady node "

@@ -1,5 +1,9 @@
 """The audit log: events appended by the API and the keeper, read by the API.
 
+Every appended row is announced on :data:`~modelkeeper.names.EVENTS_CHANNEL` with its
+event id (migration 0028's trigger), which the API's live stream listens for and reads
+with :meth:`EventStore.events_by_ids`.
+
 A deployment's sweep appends its event in the sweep's own transaction
 (:meth:`.deployments.DeploymentStore.sweep_deployment`), so it writes that row itself.
 """
@@ -8,7 +12,7 @@ from __future__ import annotations
 
 import asyncpg
 
-from ..domain.events import Event, NewEvent
+from ..domain.events import Event, EventFilter, NewEvent
 from .pool import record
 
 
@@ -64,3 +68,41 @@ class EventStore:
             deployment_id, limit,
         )
         return [Event(**record(row)) for row in rows]
+
+    async def events_after(self, after: int, *, only: EventFilter | None = None,
+                           limit: int) -> list[Event]:
+        """Up to ``limit`` entries past ``after`` that ``only`` lets through, oldest first:
+        a page of a live stream's replay (a client resuming after the entry it saw last)."""
+        only = only or EventFilter()
+        prefix = only.kind_prefix
+        rows = await self._pool.fetch(
+            f"""
+            SELECT {_COLUMNS} FROM events
+            WHERE event_id > $1
+              AND ($2::text IS NULL OR deployment_id = $2)
+              AND ($3::text IS NULL OR node_id = $3)
+              AND ($4::text IS NULL OR kind = $4)
+              AND ($5::text IS NULL OR starts_with(kind, $5))
+            ORDER BY event_id
+            LIMIT $6
+            """,
+            after, only.deployment_id, only.node_id,
+            only.kind if prefix is None else None, prefix, limit,
+        )
+        return [Event(**record(row)) for row in rows]
+
+    async def events_by_ids(self, event_ids: list[int]) -> list[Event]:
+        """The entries ``event_ids`` name, oldest first (each id announced by NOTIFY)."""
+        rows = await self._pool.fetch(
+            f"SELECT {_COLUMNS} FROM events WHERE event_id = ANY($1::bigint[]) "
+            "ORDER BY event_id", event_ids)
+        return [Event(**record(row)) for row in rows]
+
+    async def last_event_id(self) -> int:
+        """The newest entry's id; 0 for an empty log."""
+        found = await self._pool.fetchval("SELECT COALESCE(max(event_id), 0) FROM events")
+        return int(found)
+
+
+#: An entry's columns, as :class:`Event` has them.
+_COLUMNS = "event_id, at, kind, message, deployment_id, node_id, replica_id, data, actor"
