@@ -7,17 +7,18 @@ lists: a page shows :data:`PAGE_SIZE` rows and links to the next.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Annotated, TypeVar
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
-from fastapi.responses import RedirectResponse, Response
+from fastapi.responses import RedirectResponse, Response, StreamingResponse
 
 from modelkeeper.domain.events import Event
 from modelkeeper.domain.nodes import NodeState
 from modelkeeper.domain.operations import OperationState
 
-from .. import room
+from .. import event_stream, room
 from ..deps import SettingsDep, StoreDep
 from ..monitoring import MAX_EVENTS_LIMIT
 from ..nodes import node_info
@@ -205,8 +206,35 @@ async def events(who: Viewer, store: StoreDep, part: Part = None,
                  deployment: str | None = None,
                  limit: int = Query(default=EVENTS_SHOWN, ge=1,
                                     le=MAX_EVENTS_LIMIT)) -> Response:
-    """The audit log as it happens, newest first; optionally one deployment's."""
+    """The audit log, newest first, optionally one deployment's; the page then follows
+    it live (:func:`events_stream`)."""
     found: list[Event] = await store.events.list_events(deployment_id=deployment or None,
                                                         limit=limit)
     return page("events.html", session=who, part=part, events=list(reversed(found)),
-                deployment=deployment or "", limit=limit)
+                deployment=deployment or "", limit=limit,
+                last_id=max((e.event_id for e in found), default=None))
+
+
+@router.get("/events/stream")
+async def events_stream(request: Request, who: Viewer, store: StoreDep,
+                        deployment: str | None = None,
+                        after: int | None = Query(default=None, ge=0)) -> Response:
+    """The events page's live feed: GET /events/stream (the API's own route, its filters,
+    replay and bounds), for the session's cookie rather than a bearer token. Each entry
+    comes as an unnamed message (a browser's EventSource hears every kind on one
+    handler); its ``data`` is the entry's JSON, as the API sends it."""
+    answer = await event_stream.stream_events(
+        request, store, deployment=deployment or None, after=after,
+        last_event_id=request.headers.get("last-event-id"))
+    assert isinstance(answer, StreamingResponse)
+    answer.body_iterator = _unnamed(answer.body_iterator)
+    return answer
+
+
+async def _unnamed(frames: AsyncIterable[str | bytes | memoryview[int]]
+                   ) -> AsyncIterator[str]:
+    """The frames with their ``event:`` line left out (the kind is in ``data`` too)."""
+    async for frame in frames:
+        text = frame if isinstance(frame, str) else bytes(frame).decode()
+        yield "".join(line for line in text.splitlines(keepends=True)
+                      if not line.startswith("event: "))

@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +45,18 @@ LOAD_TIME_S = 3
 #: Playwright's wait for what the page shows (a status, a step): the console polls every
 #: 2 s, a sim replica loads in LOAD_TIME_S, a restart replaces one replica.
 SEEN_TIMEOUT_MS = 60_000
+#: Records, in the page, each status a deployment's row shows as the live table is
+#: swapped in (window.statusesSeen[id]: the statuses in order, repeats dropped).
+RECORD_STATUSES = """
+window.statusesSeen = {};
+new MutationObserver(() => {
+  for (const el of document.querySelectorAll("[id^=dep-] .status")) {
+    const id = el.closest("tr").id.slice(4);
+    const seen = (window.statusesSeen[id] = window.statusesSeen[id] || []);
+    if (seen[seen.length - 1] !== el.dataset.status) { seen.push(el.dataset.status); }
+  }
+}).observe(document.body, {childList: true, subtree: true});
+"""
 SIM = {"model_id": "sim-console", "engine": "sim", "source": "sim", "memory_bytes": 1 << 30,
        "engine_args": {"memory_bytes": 64 << 20, "load_time_s": LOAD_TIME_S}}
 
@@ -108,6 +119,7 @@ def test_the_console_deploys_restarts_live_and_refuses_a_viewer(
             # Deployed from outside; the open page sees it arrive and turn serving.
             page.goto(f"{api}/ui/deployments")
             page.evaluate("document.body.dataset.loadedOnce = 'yes'")
+            page.evaluate(RECORD_STATUSES)
             created = httpx.post(f"{api}/deployments", json={"model_id": SIM["model_id"]},
                                  headers=stack.operator(), timeout=30)
             assert created.status_code == 201, created.text
@@ -115,10 +127,11 @@ def test_the_console_deploys_restarts_live_and_refuses_a_viewer(
             status = page.locator(f"#dep-{deployment_id} .status")
             expect(status).to_have_text(re.compile("^(placing|starting)$"),
                                         timeout=SEEN_TIMEOUT_MS)
-            seen_before = status.inner_text()
             page.screenshot(path=str(shots / "deployments-starting.png"))
             expect(status).to_have_text("serving", timeout=SEEN_TIMEOUT_MS)
             assert page.evaluate("document.body.dataset.loadedOnce") == "yes"  # no reload
+            statuses = page.evaluate(f"window.statusesSeen['{deployment_id}']")
+            assert statuses[-1] == "serving" and len(statuses) >= 2, statuses
             page.screenshot(path=str(shots / "deployments.png"))
 
             # Restart from the card: the operation it started, then its steps, live.
@@ -137,13 +150,30 @@ def test_the_console_deploys_restarts_live_and_refuses_a_viewer(
             step_names = steps.evaluate_all("els => els.map(e => e.dataset.step)")
             assert step_names, step_names
             assert page.evaluate("document.body.dataset.loadedOnce") == "yes"
+            # The card itself catches up at its next refresh.
+            expect(page.locator("#card-operations .opstate").first).to_have_text(
+                "succeeded", timeout=SEEN_TIMEOUT_MS)
             expect(page.locator("#card-operations")).to_contain_text(operation_id)
+            expect(page.locator("#replicas tbody tr")).to_have_count(1)
             page.screenshot(path=str(shots / "deployment-card.png"), full_page=True)
             page.goto(f"{api}/ui/operations/{operation_id}")
             expect(page.locator(".oplive .opstate")).to_have_text("succeeded")
-            for name in ("fleet", "nodes", "operations", "events"):
+            for name in ("fleet", "nodes", "operations"):
                 page.goto(f"{api}/ui" + ("" if name == "fleet" else f"/{name}"))
-                page.screenshot(path=str(shots / f"{name}.png"), full_page=name != "events")
+                page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
+
+            # The event stream: an entry recorded now appears on the open page.
+            page.goto(f"{api}/ui/events")
+            expect(page.locator("#stream-state")).to_have_text("live")
+            page.evaluate("document.body.dataset.loadedOnce = 'yes'")
+            [node] = httpx.get(f"{api}/nodes", headers=stack.operator(), timeout=10).json()
+            labelled = httpx.patch(f"{api}/nodes/{node['node_id']}", timeout=10,
+                                   headers=stack.operator(), json={"labels": {"rack": "r1"}})
+            assert labelled.status_code == 200, labelled.text
+            expect(page.locator("#event-rows tr.fresh").first).to_contain_text(
+                "'rack': 'r1'", timeout=SEEN_TIMEOUT_MS)
+            assert page.evaluate("document.body.dataset.loadedOnce") == "yes"
+            page.screenshot(path=str(shots / "events.png"))
 
             # A viewer: no button acts, and the request a button would send is a 403.
             viewer = browser.new_context(viewport={"width": 1280, "height": 800})
@@ -165,5 +195,5 @@ def test_the_console_deploys_restarts_live_and_refuses_a_viewer(
             browser.close()
     operations = httpx.get(f"{api}/operations", headers=stack.operator(), timeout=10).json()
     assert [o["operation_id"] for o in operations] == [operation_id]  # the viewer's: none
-    print(f"\nseen {seen_before} then serving; restart steps: {step_names}; "
-          f"{time.strftime('%H:%M:%S')}")
+    print(f"\nthe deployments page showed {' -> '.join(statuses)}; restart steps: "
+          f"{step_names}")

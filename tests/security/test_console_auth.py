@@ -71,12 +71,12 @@ async def console(local_temporal_env: WorkflowEnvironment,
 
 def console_calls(app: FastAPI, module: str) -> list[tuple[str, str]]:
     """(method, path) of each console route of ``module``, path parameters as ``n1``."""
-    calls = []
+    calls: list[tuple[str, str]] = []
     for route in api_routes(app.routes):
         if route.endpoint.__module__ != module or not isinstance(route, APIRoute):
             continue
         path = route.path_format.format(**{name: "n1" for name in route.param_convertors})
-        calls.extend((method, path) for method in sorted(route.methods))
+        calls.extend((method, path) for method in sorted(route.methods or ()))
     return calls
 
 
@@ -116,7 +116,8 @@ async def test_without_a_session_pages_send_to_the_login_and_actions_are_refused
 async def test_a_viewer_reads_every_page_and_every_action_is_refused_with_403(
         console: Console) -> None:
     for method, path in console_calls(console.app, pages.__name__):
-        if method == "GET":
+        # Not the event stream, which never ends: the browser test follows it.
+        if method == "GET" and not path.endswith("/stream"):
             resp = await console.http.get(path, headers=as_(console.viewer))
             assert resp.status_code in (200, 404), (path, resp.text)
     card = await console.http.get("/ui/nodes", headers=as_(console.viewer))

@@ -23,4 +23,50 @@
       lost(false);
     }
   });
+
+  // The events page: each entry the stream sends goes on top of the table, built as text
+  // (never as HTML: an entry's message is whatever a deployment or node was named).
+  function cell(row, text, className) {
+    var td = document.createElement("td");
+    td.textContent = text;
+    if (className) { td.className = className; }
+    row.appendChild(td);
+    return td;
+  }
+  function follow() {
+    var rows = document.getElementById("event-rows");
+    var state = document.getElementById("stream-state");
+    if (!rows || !rows.dataset.stream || !window.EventSource) { return; }
+    var limit = parseInt(rows.dataset.limit || "100", 10);
+    var source = new EventSource(rows.dataset.stream);
+    source.onopen = function () { state.textContent = "live"; lost(false); };
+    source.onerror = function () { state.textContent = "reconnecting…"; };
+    source.onmessage = function (message) {
+      var entry = JSON.parse(message.data);
+      var none = document.getElementById("no-events");
+      if (none) { none.remove(); }
+      var row = document.createElement("tr");
+      row.className = "fresh";
+      row.dataset.event = String(entry.event_id);
+      cell(row, String(entry.event_id), "small");
+      cell(row, String(entry.at || "").substring(11, 19), "small");
+      var kind = document.createElement("span");
+      kind.className = "kind";
+      kind.textContent = entry.kind;
+      cell(row, "", "").appendChild(kind);
+      var what = cell(row, entry.message, "");
+      if (entry.deployment_id) {
+        var link = document.createElement("a");
+        link.className = "small";
+        link.href = "/ui/deployments/" + encodeURIComponent(entry.deployment_id);
+        link.textContent = entry.deployment_id;
+        what.appendChild(document.createTextNode(" "));
+        what.appendChild(link);
+      }
+      cell(row, entry.actor || "", "small");
+      rows.insertBefore(row, rows.firstChild);
+      while (rows.children.length > limit) { rows.removeChild(rows.lastChild); }
+    };
+  }
+  document.addEventListener("DOMContentLoaded", follow);
 })();
