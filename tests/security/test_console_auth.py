@@ -187,3 +187,17 @@ async def test_pages_load_nothing_from_another_site(console: Console) -> None:
     assert hashlib.sha256(htmx.content).hexdigest() == HTMX_SHA256
     shipped = files("api.console") / "static" / HTMX_FILE
     assert hashlib.sha256(shipped.read_bytes()).hexdigest() == HTMX_SHA256
+
+
+async def test_with_auth_off_the_console_needs_no_login_but_still_checks_the_origin(
+        api: httpx.AsyncClient) -> None:
+    """``api_auth`` off (the ``api`` fixture): everyone is the admin, as on the API; a
+    change still needs this origin and the (then public) CSRF token."""
+    page = await api.get("/ui/nodes")
+    assert page.status_code == 200 and "admin" in page.text
+    cordon = "/ui/nodes/n9/cordon"
+    resp = await api.post(cordon, headers={"Origin": "http://evil.example",
+                                           CSRF_HEADER: csrf_token("")})
+    assert resp.status_code == 403
+    resp = await api.post(cordon, headers={"Origin": ORIGIN, CSRF_HEADER: csrf_token("")})
+    assert resp.status_code == 404 and "not registered" in resp.text, resp.text
