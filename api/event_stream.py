@@ -3,8 +3,8 @@
 Each message is one entry of the ``events`` table::
 
     id: 1234
-    event: replica.ready
-    data: {"kind": "replica.ready", "message": "...", "event_id": 1234, ...}
+    event: deployment.serving
+    data: {"kind": "deployment.serving", "message": "...", "event_id": 1234, ...}
 
 ``data`` is the entry as :class:`~modelkeeper.domain.events.Event` (GET /events answers
 the same JSON). A client that reconnects sends ``Last-Event-ID`` (a browser's EventSource
@@ -319,6 +319,17 @@ async def _deployment_id(store: Store, ref: str) -> DeploymentId:
         "msg": f"no deployment has the id or model id {ref!r} (deployed models: {known})"}])
 
 
+async def event_filter(store: Store, *, deployment: str | None, node: str | None,
+                       kind: str | None) -> EventFilter:
+    """The filter the query names: a deployment by id or model id, a node by id or name
+    (a 422 naming the one that names nothing), a kind or a kind prefix."""
+    return EventFilter(
+        deployment_id=None if deployment is None else await _deployment_id(store, deployment),
+        node_id=None if node is None else (await resolve_node_ids(
+            store, [node], loc=("query", "node")))[0],
+        kind=kind)
+
+
 # Not in the OpenAPI spec, as /metrics: a response that never ends is no JSON a generated
 # client or a fuzzer could read (schemathesis would wait out its timeout on each case).
 # docs/operations.md documents it.
@@ -339,11 +350,7 @@ async def stream_events(
 ) -> StreamingResponse:
     """The audit log live, as server-sent events; filters combine (all must hold)."""
     start = _after(after, last_event_id)
-    only = EventFilter(
-        deployment_id=None if deployment is None else await _deployment_id(store, deployment),
-        node_id=None if node is None else (await resolve_node_ids(
-            store, [node], loc=("query", "node")))[0],
-        kind=kind)
+    only = await event_filter(store, deployment=deployment, node=node, kind=kind)
     hub: EventHub = request.app.state.event_hub
     try:
         subscription = await hub.subscribe(only)

@@ -26,6 +26,7 @@ from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.domain.watchdog import LEVEL_RANK
 from modelkeeper.names import CONTROL_TASK_QUEUE
 
+from . import event_stream
 from .deps import SettingsDep, StoreDep, TemporalDep
 from .quotas import QuotaView, quota_views
 
@@ -78,9 +79,19 @@ async def metrics(store: StoreDep) -> Response:
 async def list_events(
     store: StoreDep, deployment_id: str | None = None,
     limit: int = Query(default=100, ge=1, le=MAX_EVENTS_LIMIT),
+    deployment: str | None = Query(
+        default=None, description="only this deployment's entries: its id or model id"),
+    node: str | None = Query(default=None, description="only this node's: its id or name"),
+    kind: str | None = Query(
+        default=None, min_length=1, max_length=64,
+        description="only this kind, or kinds starting with it when it ends in '.'"),
 ) -> list[Event]:
-    """The audit log, newest ``limit`` entries (1 to 10,000), oldest first."""
-    return await store.events.list_events(deployment_id=deployment_id, limit=limit)
+    """The audit log, newest ``limit`` entries (1 to 10,000), oldest first; filtered as
+    GET /events/stream filters (``deployment_id``: an id only, as before)."""
+    only = await event_stream.event_filter(store, deployment=deployment, node=node,
+                                           kind=kind)
+    return await store.events.list_events(deployment_id=deployment_id, only=only,
+                                          limit=limit)
 
 
 def deployment_metrics(deployments: list[DeploymentView]) -> bytes:

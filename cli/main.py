@@ -21,6 +21,7 @@ from modelkeeper.infra.files import private_files
 from modelkeeper.settings import Settings, config_table_markdown
 
 from .bench import add_bench_flags, run_bench
+from .follow import FollowUp, WaitFailed
 from .operator_cli import (
     OPERATOR_COMMANDS,
     ApiError,
@@ -429,7 +430,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         if args.command in OPERATOR_COMMANDS:
             client = load_settings(args)
             return run_operator_command(args, client.api_url, out=print,
-                                        token=operator_token(client))
+                                        token=operator_token(client), afterwards=FollowUp())
         settings = load_settings(args)
         commands: dict[str, Callable[[Settings], int]] = {
             "up": lambda s: _cmd_up(s, demo=not args.no_demo),
@@ -442,7 +443,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             "tokens": lambda s: _cmd_tokens(s, args),
         }
         return commands[args.command](settings)
-    except (UsageError, ApiError) as exc:
+    except (UsageError, ApiError, WaitFailed) as exc:
         print(f"modelkeeper {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code
 

@@ -33,7 +33,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -63,6 +63,13 @@ SOURCE_HELP = ("an absolute .gguf path under an allowed local root, an https URL
                "allowed host, a Hugging Face repo id (org/name, read from the node's "
                "cache), 'smollm2' for the packaged SmolLM2, or, for the sim engine, any "
                "label (letters, digits, '.', '_', '-')")
+
+#: ``events --follow`` shows this many past entries first (the newest), unless --limit.
+EVENTS_FOLLOW_HISTORY = 10
+#: The most past entries ``events`` asks for (GET /events' own bound).
+MAX_EVENTS_SHOWN = 10_000
+#: How long ``--wait`` waits by default: a deploy that downloads a few GB of weights.
+DEFAULT_WAIT_TIMEOUT_S = 600.0
 
 # A deploy waits while the API starts the deployment's workflow on Temporal; 30 s covers a
 # Temporal server slow to answer, and still ends a call to an API that hangs.
@@ -687,6 +694,17 @@ def _engine_args(items: Sequence[str], *, flag: str = "--engine-arg") -> dict[st
     return parsed
 
 
+def _events_request(args: argparse.Namespace) -> Request:
+    if args.follow and args.limit is None:
+        args.limit = EVENTS_FOLLOW_HISTORY
+    if args.limit is not None and not 1 <= args.limit <= MAX_EVENTS_SHOWN:
+        raise UsageError(f"--limit {args.limit}: must be 1 to {MAX_EVENTS_SHOWN:,} (the "
+                         "newest entries shown)")
+    params = {name: str(value) for name in ("deployment", "node", "kind", "limit")
+              if (value := getattr(args, name)) is not None}
+    return Request("GET", "/events", params=params or None)
+
+
 # ----------------------------------------------------------------------------------------
 # The renderers: text for a person (``--json`` prints the answer as it is)
 
@@ -727,6 +745,23 @@ def _reason(deployment: dict[str, Any]) -> str:
             return f"{reason} (since {since})" if since else reason
         case _:
             return str(last or "")
+
+
+def event_line(event: dict[str, Any]) -> str:
+    """One audit entry for a person: time (UTC), kind, deployment/node/replica, message."""
+    at = str(event["at"]).replace("T", " ")[:19] + "Z"
+    where = "/".join(x for x in (event.get("deployment_id"), event.get("node_id"),
+                                 event.get("replica_id")) if x) or "-"
+    return f"{at}  {event['kind']:<24} {where:<20} {event['message']}"
+
+
+def _events_text(args: argparse.Namespace, result: Any) -> str:
+    return "\n".join(event_line(e) for e in result) if result else "(no events)"
+
+
+def _events_json(args: argparse.Namespace, result: Any) -> str:
+    """JSON lines, one entry each, as ``--follow`` goes on printing them."""
+    return "\n".join(json.dumps(e, default=str) for e in result)
 
 
 def _deploy_text(args: argparse.Namespace, result: Any) -> str:
@@ -1248,6 +1283,39 @@ def _drain_flags(parser: argparse.ArgumentParser) -> None:
                         help="cancelling the drain uncordons the node too")
 
 
+def _events_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--follow", "-f", action="store_true",
+                        help="after the past entries, print new ones as they come, until "
+                             "Ctrl-C")
+    parser.add_argument("--deployment", help="only this deployment's: its id or model id")
+    parser.add_argument("--node", help="only this node's: its id or name")
+    parser.add_argument("--kind", help="only this kind, or kinds starting with it when it "
+                                       "ends in '.' (replica.)")
+    parser.add_argument("--limit", type=int, metavar="N",
+                        help=f"the newest N past entries (default 100; {EVENTS_FOLLOW_HISTORY} "
+                             "with --follow)")
+
+
+def _wait_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--wait", action="store_true",
+                        help="wait until the work ends, printing its events; exit 1 when it "
+                             "fails, rolls back, is parked, cannot be placed or times out")
+    parser.add_argument("--timeout", type=_wait_timeout, default=DEFAULT_WAIT_TIMEOUT_S,
+                        metavar="DURATION",
+                        help="with --wait: give up after this long (90s, 10m; default "
+                             f"{format_duration(DEFAULT_WAIT_TIMEOUT_S)})")
+
+
+def _wait_timeout(raw: str) -> float:
+    try:
+        value = parse_duration(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"--timeout {raw}: must be above 0")
+    return value
+
+
 def _operations_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", nargs="?", choices=["ls", "show", "cancel"], default="ls")
     parser.add_argument("operation_id", nargs="?", metavar="ID")
@@ -1346,10 +1414,15 @@ class Command:
     text: Callable[[argparse.Namespace, Any], str]
     #: Other names it answers to: a rename keeps the old name working for scripts.
     aliases: tuple[str, ...] = ()
+    #: Whether its work goes on after the answer: it takes ``--wait`` and ``--timeout``.
+    waits: bool = False
+    #: ``--json``'s rendering, where it is not the answer as one JSON document.
+    json: Callable[[argparse.Namespace, Any], str] | None = None
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command("deploy", "keep a model served", _deploy_flags, _deploy_request, _deploy_text),
+    Command("deploy", "keep a model served", _deploy_flags, _deploy_request, _deploy_text,
+            waits=True),
     Command("ls", "list deployments", _no_flags, _ls_request, _ls_text),
     Command("status", "the fleet at a glance: capacity used and free, free whole nodes, "
             "what cannot be placed, what nobody asked for lately", _no_flags,
@@ -1357,7 +1430,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("headroom", "how many more replicas of a model fit, and by stopping which",
             _headroom_flags, _headroom_request, _headroom_text),
     Command("rm", "delete a deployment (by id or model id)", _rm_flags, _rm_request,
-            _rm_text),
+            _rm_text,
+            waits=True),
     Command("nodes", "list nodes, or remove one (nodes rm NODE [--force])", _nodes_flags,
             _nodes_request, _nodes_text),
     Command("explain", "dry-run placement of one replica of a model", _explain_flags,
@@ -1367,25 +1441,33 @@ COMMANDS: tuple[Command, ...] = (
     Command("size", "how many replicas a target rate needs, by the model's measured "
             "capacity, against the room there is", _size_flags, _size_request, _size_text),
     Command("scale", "set a deployment's replica count, or its scaling policy", _scale_flags,
-            _scale_request, _scale_text),
+            _scale_request, _scale_text,
+            waits=True),
     Command("sleep", "put a deployment's replicas to sleep (vLLM, SGLang, sim)", _sleep_flags,
-            _sleep_request, _sleep_text),
+            _sleep_request, _sleep_text,
+            waits=True),
     Command("wake", "wake a deployment's sleeping replicas", _sleep_flags, _sleep_request,
-            _sleep_text),
+            _sleep_text,
+            waits=True),
     Command("retry", "un-park a parked deployment", _deployment_flags, _retry_request,
-            _retry_text),
+            _retry_text,
+            waits=True),
     Command("restart", "replace each replica of a deployment in turn", _deployment_flags,
-            _restart_request, _started_text),
+            _restart_request, _started_text,
+            waits=True),
     Command("switch", "serve another model under a deployment's name, with rollback",
-            _switch_flags, _switch_request, _started_text),
+            _switch_flags, _switch_request, _started_text,
+            waits=True),
     Command("reconfigure", "change a deployment's engine arguments, with rollback",
-            _reconfigure_flags, _reconfigure_request, _started_text),
+            _reconfigure_flags, _reconfigure_request, _started_text,
+            waits=True),
     Command("cordon", "place nothing new on a node", _cordon_flags, _cordon_request,
             _cordon_text),
     Command("uncordon", "let placement use a node again", _node_flags, _uncordon_request,
             _cordon_text),
     Command("drain", "cordon a node and move its replicas elsewhere", _drain_flags,
-            _drain_request, _started_text),
+            _drain_request, _started_text,
+            waits=True),
     Command("hold", "keep a node for a capacity class or an owner scope", _hold_flags,
             _hold_request, _hold_text),
     Command("unhold", "release a node's hold", _node_flags, _unhold_request, _hold_text),
@@ -1402,6 +1484,9 @@ COMMANDS: tuple[Command, ...] = (
             "org/team/project)", _owner_flags, _owner_request, _owner_text),
     Command("power-cap", "list the power caps, or set or remove a PDU's (or the "
             "facility's)", _power_cap_flags, _power_cap_request, _power_cap_text),
+    Command("events", "the audit log: the newest entries, and with --follow new ones as "
+            "they come (by deployment, node, kind)", _events_flags, _events_request,
+            _events_text, json=_events_json),
 )
 
 OPERATOR_COMMANDS: Mapping[str, Command] = {c.name: c for c in COMMANDS}
@@ -1418,30 +1503,57 @@ def add_operator_commands(sub: Any, common: Callable[[argparse.ArgumentParser], 
         parser.add_argument("--json", action="store_true", help="machine-readable output")
         common(parser)
         command.flags(parser)
+        if command.waits:
+            _wait_flags(parser)
 
 
 def render(args: argparse.Namespace, result: Any) -> str:
     """``result`` as ``--json`` asked, or as the command's text."""
+    command = OPERATOR_COMMANDS[args.command]
     if args.json:
-        return json.dumps(result, indent=2, default=str)
-    return OPERATOR_COMMANDS[args.command].text(args, result)
+        return (json.dumps(result, indent=2, default=str) if command.json is None
+                else command.json(args, result))
+    return command.text(args, result)
+
+
+class Afterwards(Protocol):
+    """What runs once a command's answer is printed: cli.follow's ``--wait`` and
+    ``events --follow`` (``main`` passes it; this module does not import it)."""
+
+    def wanted(self, args: argparse.Namespace) -> bool:
+        """Whether ``args`` ask for more than the answer."""
+
+    def mark(self, args: argparse.Namespace, http: httpx.Client) -> int | None:
+        """Read before the command is sent: the newest event id, where it matters."""
+
+    def run(self, args: argparse.Namespace, result: Any, *, base_url: str,
+            headers: dict[str, str], mark: int | None, out: Out) -> int:
+        """The rest of the command; its exit code."""
 
 
 def run_operator_command(args: argparse.Namespace, api_url: str, out: Out, *,
                          token: str | None = None,
-                         transport: httpx.BaseTransport | None = None) -> int:
+                         transport: httpx.BaseTransport | None = None,
+                         afterwards: Afterwards | None = None) -> int:
     """Run one operator command against the API at ``api_url`` (``--api-url`` wins),
-    presenting ``token`` as the operator (none: the API answers 401 saying what it needs).
+    presenting ``token`` as the operator (none: the API answers 401 saying what it needs),
+    then, when the arguments ask for it, ``afterwards`` (``--wait``, ``--follow``).
 
     Raises ``UsageError`` for a user mistake, ``ApiError`` when the API fails; the request
     is built before any connection, so a malformed argument never reaches the API.
     """
     request = OPERATOR_COMMANDS[args.command].request(args)
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    with httpx.Client(base_url=args.api_url or api_url, timeout=API_TIMEOUT_S,
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    base_url = args.api_url or api_url
+    more = afterwards is not None and afterwards.wanted(args)
+    with httpx.Client(base_url=base_url, timeout=API_TIMEOUT_S,
                       headers=headers, transport=transport) as http:
+        mark = afterwards.mark(args, http) if more and afterwards is not None else None
         result = execute(request, http)
     out(render(args, result))
+    if more and afterwards is not None:
+        return afterwards.run(args, result, base_url=base_url, headers=headers, mark=mark,
+                              out=out)
     return 0
 
 

@@ -52,20 +52,27 @@ class EventStore:
         return Event(**record(stored))
 
     async def list_events(self, *, deployment_id: str | None = None,
-                          limit: int = 100) -> list[Event]:
-        """The newest ``limit`` audit entries, oldest first, optionally for one deployment."""
+                          only: EventFilter | None = None, limit: int = 100) -> list[Event]:
+        """The newest ``limit`` audit entries, oldest first, optionally for one deployment
+        (``deployment_id``) or as ``only`` filters them (both: both must hold)."""
+        only = only or EventFilter()
+        prefix = only.kind_prefix
         rows = await self._pool.fetch(
-            """
+            f"""
             SELECT * FROM (
-                SELECT event_id, at, kind, message, deployment_id, node_id, replica_id, data,
-                       actor
+                SELECT {_COLUMNS}
                 FROM events
-                WHERE $1::text IS NULL OR deployment_id = $1
+                WHERE ($1::text IS NULL OR deployment_id = $1)
+                  AND ($2::text IS NULL OR deployment_id = $2)
+                  AND ($3::text IS NULL OR node_id = $3)
+                  AND ($4::text IS NULL OR kind = $4)
+                  AND ($5::text IS NULL OR starts_with(kind, $5))
                 ORDER BY event_id DESC
-                LIMIT $2
+                LIMIT $6
             ) newest ORDER BY event_id
             """,
-            deployment_id, limit,
+            deployment_id, only.deployment_id, only.node_id,
+            only.kind if prefix is None else None, prefix, limit,
         )
         return [Event(**record(row)) for row in rows]
 

@@ -222,8 +222,12 @@ async def test_the_route_streams_to_a_viewer_by_names_resumes_and_is_capped(
     await store.nodes.register_node(AgentRegistration(
         node_id=NodeId("n-box"), name="box",
         inventory=Inventory(memory_total_bytes=1 << 30, cpu_count=2)))
+    await store.events.record_event(_entry("replica.ready", node="n-box"))
     first = await store.events.record_event(_entry("node.cordoned", node="n-box"))
     async with httpx.AsyncClient(base_url=url, headers=viewer, timeout=10) as http:
+        # GET /events filters as the stream does, names included.
+        listed = await http.get("/events", params={"node": "box", "kind": "node."})
+        assert [e["event_id"] for e in listed.json()] == [first.event_id], listed.text
         unknown = await http.get("/events/stream", params={"deployment": "nope"})
         assert unknown.status_code == 422 and "nope" in unknown.text
         no_token = await http.get("/events/stream", headers={"Authorization": ""})

@@ -2,20 +2,22 @@
 is run line by line against a real `modelkeeper up --no-demo`, in order, as a newcomer
 would type it (the `modelkeeper` on PATH, as after `. .venv/bin/activate`).
 
-Between two commands it waits, as a person reading the output would, until no operation
-is running and no deployment is still placing or starting: the commands answer at once
-and their work goes on (a second operation on a deployment while one runs is a 409)."""
+One command follows the other at once, as when a block is pasted whole: the README's
+commands that start work say ``--wait``, so each ends before the next begins (without it,
+a restart followed by a reconfigure was a 409). Meanwhile `modelkeeper events --follow`
+runs beside them, as in a second terminal: it must print the deploy's events live, and
+end at Ctrl-C with exit 0. Last, a switch to a model that cannot start: ``--wait`` exits 1
+with the rollback's reason."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import deque
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -27,14 +29,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(420)]
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 MARK = "readme-test"
-#: A command answers in seconds; the operation it starts (a restart, a switch, a drain
-#: with its grace) runs on for up to a minute on two loaded cores.
-COMMAND_TIMEOUT_S = 60.0
-SETTLE_TIMEOUT_S = 120.0
+#: A command answers in seconds; with --wait it lasts as long as the work it started (a
+#: restart, a switch, a drain with its grace): up to a minute on two loaded cores.
+COMMAND_TIMEOUT_S = 90.0
 #: Lines of up's output kept for a failure: its restarts and give-ups, one line each.
 UP_OUTPUT_LINES = 200
-#: Statuses a deployment rests in; any other is work still under way.
-RESTING = {"serving", "cant_place", "stopped", "parked", "degraded"}
 
 
 def readme_commands() -> list[str]:
@@ -80,43 +79,92 @@ class NoDemoUp(Up):
                 + "".join(list(self.recent)) + self.logs())
 
 
-def _settle(api: str, up: NoDemoUp) -> None:
-    deadline = time.monotonic() + SETTLE_TIMEOUT_S
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            running = httpx.get(f"{api}/operations", params={"state": "running"},
-                                headers=up.operator(), timeout=10).json()
-            deployments = httpx.get(f"{api}/deployments", headers=up.operator(),
-                                    timeout=10).json()
-        except httpx.HTTPError as exc:
-            raise AssertionError(f"the API stopped answering between two README commands: "
-                                 f"{exc!r}{up.explain()}") from exc
-        busy = [d["deployment_id"] for d in deployments if d["status"] not in RESTING]
-        if not running and not busy:
-            return
-        last = (running, busy)
-        time.sleep(0.5)
-    raise AssertionError(f"still busy after {SETTLE_TIMEOUT_S:.0f}s: {last}{up.explain()}")
-
-
 def test_the_readme_examples_run_as_written(tmp_path: Path) -> None:
     up = NoDemoUp(tmp_path / "data")
+    follower: subprocess.Popen[str] | None = None
     try:
         up.start()
         api = f"http://127.0.0.1:{up.ports['api']}"
         env = {**os.environ, "MODELKEEPER_API_URL": api,
                "MODELKEEPER_DATA_DIR": str(up.data_dir),
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+        follower = subprocess.Popen(["modelkeeper", "events", "--follow"], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True)
+        followed = _Lines(follower)
         for command in readme_commands():
-            done = subprocess.run(["bash", "-c", command], env=env, capture_output=True,
-                                  text=True, timeout=COMMAND_TIMEOUT_S, check=False)
-            assert done.returncode == 0, (
-                f"README command failed ({done.returncode}): {command}\n"
-                f"{done.stdout}\n{done.stderr}{up.explain()}")
-            _settle(api, up)
-        # The last command removed the deployment: nothing of it is left.
+            _run(command, env, up)
+        # The last command removed the deployment, and --wait saw it gone: nothing is left.
         deployments = httpx.get(f"{api}/deployments", headers=up.operator(), timeout=10)
         assert deployments.json() == []
+        _no_operation_runs(api, up)
+
+        # The follower printed the deploy's events as they came, and ends at Ctrl-C.
+        followed.wait_for("deployment.deleted", FOLLOW_TIMEOUT_S)
+        for kind in ("deployment.created", "replica.placed", "deployment.serving",
+                     "operation.started"):
+            assert any(kind in line for line in followed.lines), (kind, followed.lines)
+        os.killpg(follower.pid, signal.SIGINT)
+        assert follower.wait(timeout=COMMAND_TIMEOUT_S) == 0, followed.lines
+        assert not any("Traceback" in line for line in followed.lines), followed.lines
+
+        # A switch to a model that cannot start rolls back: --wait exits 1, saying so.
+        _run(f"modelkeeper models add sim-bad {BAD_MODEL}", env, up)
+        _run("modelkeeper deploy sim-1g --replicas 1 --wait", env, up)
+        failed = subprocess.run(["modelkeeper", "switch", "sim-1g", "sim-bad", "--wait"],
+                                env=env, capture_output=True, text=True,
+                                timeout=COMMAND_TIMEOUT_S, check=False)
+        assert failed.returncode == 1, f"{failed.stdout}\n{failed.stderr}{up.explain()}"
+        [reason] = failed.stderr.strip().splitlines()
+        assert reason.startswith("modelkeeper switch: switch/") and "rolled_back" in reason, \
+            reason
+        assert "replica.start_failed" in failed.stdout, failed.stdout
     finally:
+        if follower is not None and follower.poll() is None:
+            os.killpg(follower.pid, signal.SIGKILL)
         up.kill_everything()
+
+
+#: The sim model a switch cannot start: its engine exits 1 once loading ends.
+BAD_MODEL = ("--engine sim --source sim --memory 1GiB --engine-arg memory_bytes=67108864 "
+             "--engine-arg fail_at_start=true")
+#: From the last README command to its events at the follower: a stream delivers in
+#: milliseconds; generous for two loaded cores.
+FOLLOW_TIMEOUT_S = 30.0
+
+
+def _run(command: str, env: dict[str, str], up: NoDemoUp) -> None:
+    done = subprocess.run(["bash", "-c", command], env=env, capture_output=True,
+                          text=True, timeout=COMMAND_TIMEOUT_S, check=False)
+    assert done.returncode == 0, (
+        f"README command failed ({done.returncode}): {command}\n"
+        f"{done.stdout}\n{done.stderr}{up.explain()}")
+
+
+def _no_operation_runs(api: str, up: NoDemoUp) -> None:
+    running = httpx.get(f"{api}/operations", params={"state": "running"},
+                        headers=up.operator(), timeout=10).json()
+    assert running == [], f"{running}{up.explain()}"
+
+
+class _Lines:
+    """What a background command prints, read on a thread (a full pipe would stall it)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self._proc = proc
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+
+    def wait_for(self, text: str, timeout_s: float) -> None:
+        with self._changed:
+            found = self._changed.wait_for(
+                lambda: any(text in line for line in self.lines), timeout_s)
+        assert found, (text, self.lines)

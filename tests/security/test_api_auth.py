@@ -40,6 +40,9 @@ OPEN_MODULES = frozenset({"api.agents", "api.liveness", "api.console.pages",
 OPEN_PATHS = frozenset({"/healthz"})
 #: Fewer operator routes than this means the enumeration broke, not that the API shrank.
 MIN_OPERATOR_CALLS = 20
+#: Reads that never end (server-sent events), which the in-process client would wait out:
+#: asked for a deployment that does not exist, so a 422 answers once the token passed.
+STREAM_PATHS = frozenset({"/events/stream"})
 
 GIB = 1 << 30
 SIM = {"model_id": "sim-a", "engine": "sim", "source": "sim", "memory_bytes": GIB}
@@ -73,7 +76,8 @@ async def send(http: httpx.AsyncClient, method: str, path: str, token: str | Non
     """One request as an attacker sends it: a body of ``{}`` on writes."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     body = None if method in READ_METHODS else {}
-    return await http.request(method, path, json=body, headers=headers)
+    params = {"deployment": "no-such-deployment"} if path in STREAM_PATHS else None
+    return await http.request(method, path, json=body, headers=headers, params=params)
 
 
 @dataclass
