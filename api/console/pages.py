@@ -206,9 +206,17 @@ async def events(who: Viewer, store: StoreDep, part: Part = None,
                  deployment: str | None = None,
                  limit: int = Query(default=EVENTS_SHOWN, ge=1,
                                     le=MAX_EVENTS_LIMIT)) -> Response:
-    """The audit log, newest first, optionally one deployment's; the page then follows
-    it live (:func:`events_stream`)."""
-    found: list[Event] = await store.events.list_events(deployment_id=deployment or None,
+    """The audit log, newest first, optionally one deployment's (by id or model id, as
+    GET /events/stream takes it); the page then follows it live (:func:`events_stream`)."""
+    try:
+        only = await event_stream.event_filter(store, deployment=deployment or None,
+                                               node=None, kind=None)
+    except HTTPException as refused:
+        detail = refused.detail
+        what = (detail[0].get("msg", str(detail)) if isinstance(detail, list) and detail
+                and isinstance(detail[0], dict) else str(detail))
+        return page("missing.html", session=who, part=part, status_code=404, what=what)
+    found: list[Event] = await store.events.list_events(deployment_id=only.deployment_id,
                                                         limit=limit)
     return page("events.html", session=who, part=part, events=list(reversed(found)),
                 deployment=deployment or "", limit=limit,

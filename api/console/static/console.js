@@ -40,7 +40,11 @@
     var limit = parseInt(rows.dataset.limit || "100", 10);
     var source = new EventSource(rows.dataset.stream);
     source.onopen = function () { state.textContent = "live"; lost(false); };
-    source.onerror = function () { state.textContent = "reconnecting…"; };
+    source.onerror = function () {
+      // CLOSED: the API refused the stream (it does not reconnect); else it reconnects.
+      state.textContent = source.readyState === EventSource.CLOSED
+        ? "not following: reload the page" : "reconnecting…";
+    };
     source.onmessage = function (message) {
       var entry = JSON.parse(message.data);
       var none = document.getElementById("no-events");
