@@ -14,7 +14,7 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
 
-from modelkeeper.domain.events import Event
+from modelkeeper.domain.events import Event, EventFilter
 from modelkeeper.domain.nodes import NodeState
 from modelkeeper.domain.operations import OperationState
 
@@ -209,8 +209,13 @@ async def events(who: Viewer, store: StoreDep, part: Part = None,
     """The audit log, newest first, optionally one deployment's (by id or model id, as
     GET /events/stream takes it); the page then follows it live (:func:`events_stream`)."""
     try:
-        only = await event_stream.event_filter(store, deployment=deployment or None,
-                                               node=None, kind=None)
+        # A deployment's own id (the card's link) is looked up alone; a model id or a
+        # deleted deployment's id as the stream resolves them (it reads every deployment).
+        found_id = (None if not deployment
+                    else await store.deployments.get_deployment(deployment))
+        only = (EventFilter(deployment_id=found_id.deployment_id) if found_id is not None
+                else await event_stream.event_filter(store, deployment=deployment or None,
+                                                     node=None, kind=None))
     except HTTPException as refused:
         detail = refused.detail
         what = (detail[0].get("msg", str(detail)) if isinstance(detail, list) and detail
