@@ -39,6 +39,7 @@ from . import (
     measured,
     monitoring,
     nodes,
+    notify,
     operations,
     quotas,
     room,
@@ -74,7 +75,7 @@ def create_app(settings: Settings) -> FastAPI:
                # x/capacity as model ids.
                (room.router, True), (measured.router, True), (deployments.router, True),
                (operations.router, True), (windows.router, True), (quotas.router, True),
-               (event_stream.router, True)]
+               (notify.router, True), (event_stream.router, True)]
     for router, operators in routers:
         if operators:
             app.include_router(router, dependencies=guarded, responses=auth.AUTH_RESPONSES)

@@ -322,7 +322,9 @@ async def _deployment_id(store: Store, ref: str) -> DeploymentId:
 async def event_filter(store: Store, *, deployment: str | None, node: str | None,
                        kind: str | None) -> EventFilter:
     """The filter the query names: a deployment by id or model id, a node by id or name
-    (a 422 naming the one that names nothing), a kind or a kind prefix."""
+    (a 422 naming the one that names nothing), a kind or a kind prefix. An empty value
+    (a form's blank field) filters nothing."""
+    deployment, node = deployment or None, node or None
     return EventFilter(
         deployment_id=None if deployment is None else await _deployment_id(store, deployment),
         node_id=None if node is None else (await resolve_node_ids(

@@ -47,6 +47,9 @@ POLL_S = 1.0
 #: A live stream that drops (the API restarting) is opened again after this long, resuming
 #: after the last event it printed.
 RECONNECT_S = 1.0
+#: A stream silent this long is taken as dropped and opened again: three of the API's
+#: 15 s heartbeats missed (an API gone without closing the connection sends nothing).
+STREAM_READ_TIMEOUT_S = 45.0
 #: Exit code of a wait stopped by Ctrl-C (128 + SIGINT), as a shell reports it.
 INTERRUPTED = 130
 
@@ -101,8 +104,9 @@ async def stream_events(http: httpx.AsyncClient, params: dict[str, str], *,
     """The entries of GET /events/stream, each as GET /events has it, for as long as the
     stream lasts. A refusal (401, 422, 503) is an ``ApiError`` with the API's sentence."""
     headers = {} if after is None else {"Last-Event-ID": str(after)}
+    timeout = httpx.Timeout(API_TIMEOUT_S, read=STREAM_READ_TIMEOUT_S)
     async with http.stream("GET", "/events/stream", params=params, headers=headers,
-                           timeout=httpx.Timeout(API_TIMEOUT_S, read=None)) as resp:
+                           timeout=timeout) as resp:
         if resp.status_code != 200:
             await resp.aread()
             raise ApiError(f"GET /events/stream answered {resp.status_code}: "
@@ -355,20 +359,25 @@ async def wait(connection: Connection, target: Target, progress: Progress, *,
         async with connection.client() as http, asyncio.timeout(timeout_s):
             while True:
                 poke.clear()
-                outcome: Outcome | None
-                if target.operation_id is not None:
-                    operation = await _read(http, f"/operations/{target.operation_id}")
-                    if operation is None:
-                        return Outcome(False, f"{target.operation_id} is not known to "
-                                              "the API")
-                    status = operation_line(operation)
-                    outcome = judge_operation(operation)
-                else:
-                    deployment = await _read(http, f"/deployments/{target.deployment_id}")
-                    if deployment is not None:
-                        waiting = waiting.seen(deployment["status"])
-                    status = deployment_line(deployment)
-                    outcome = judge_deployment(waiting, deployment, now=clock())
+                outcome: Outcome | None = None
+                try:
+                    if target.operation_id is not None:
+                        operation = await _read(http, f"/operations/{target.operation_id}")
+                        if operation is None:
+                            return Outcome(False, f"{target.operation_id} is not known to "
+                                                  "the API")
+                        status = operation_line(operation)
+                        outcome = judge_operation(operation)
+                    else:
+                        deployment = await _read(http,
+                                                 f"/deployments/{target.deployment_id}")
+                        if deployment is not None:
+                            waiting = waiting.seen(deployment["status"])
+                        status = deployment_line(deployment)
+                        outcome = judge_deployment(waiting, deployment, now=clock())
+                except ApiError as exc:
+                    # An API restarting is no end of the work: read again until the timeout.
+                    progress.note(f"(no answer from the API: {exc}; retrying)")
                 progress.status(status)
                 if outcome is not None:
                     return outcome

@@ -54,6 +54,10 @@ CHECK_EXCEPTIONS: list[dict[str, Any]] = [
      "checks": {"positive_data_acceptance": {"enabled": False}}},
     {"include-path": "/placement/explain",
      "checks": {"positive_data_acceptance": {"enabled": False}}},
+    # GET /events' deployment and node filters must name one, by id or name (a deployment
+    # gone but in the log by its id too): schema-valid, still a 422 naming the filter.
+    {"include-path": "/events", "include-method": "GET",
+     "checks": {"positive_data_acceptance": {"enabled": False}}},
 ]
 #: Operation ids hold slashes (restart/d-1/3): values learned from responses are filtered
 #: out as path parameters, which Hypothesis reports as a failed health check.

@@ -243,3 +243,23 @@ def test_a_failed_wait_exits_1_with_one_line(monkeypatch: pytest.MonkeyPatch,
     assert err.strip() == ("modelkeeper switch: switch/d-1/1: switch/d-1/1 rolled_back: "
                            "r-2 exit 1")
     assert "Traceback" not in out + err
+
+
+async def test_a_wait_reads_again_when_the_api_does_not_answer_for_a_while(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An API restarting mid-wait (a 502 from a proxy, then the answer) is no outcome."""
+    monkeypatch.setattr("cli.follow.POLL_S", 0.01)
+    answers = iter([httpx.Response(502, text="bad gateway"),
+                    httpx.Response(200, json=_operation("succeeded"))])
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/events/stream":
+            return httpx.Response(503, json={"detail": "too many streams"})
+        return next(answers)
+
+    lines: list[str] = []
+    got = await wait(Connection("http://api.test", {}, transport=httpx.MockTransport(handle)),
+                     _target(), PlainProgress(lines.append), after=0, timeout_s=5)
+    assert got == Outcome(True, "switch/d-1/1 succeeded")
+    assert lines[0].startswith("(no answer from the API: GET /operations/switch/d-1/1 "
+                               "answered 502"), lines
