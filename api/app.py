@@ -31,6 +31,7 @@ from modelkeeper.store import Store
 from . import (
     agents,
     auth,
+    console,
     deployments,
     event_stream,
     limits,
@@ -62,6 +63,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     swagger.install(app)
     spec.install(app)
+    # The web console (/ui): its own login, by cookie, over the same tokens (api/console).
+    console.install(app)
     if not settings.api_auth:
         log.warning("api_auth is off: anyone who reaches this API may deploy, delete and "
                     "cordon without a token")
