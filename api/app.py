@@ -43,6 +43,7 @@ from . import (
     swagger,
     windows,
 )
+from . import tracing as api_tracing
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(auth.HostAllowlist, allowed=auth.allowed_hosts(settings),
                        own_addresses=auth.OwnAddresses() if is_wildcard(settings.bind_host)
                        else None)
+    # Outside everything: a request refused at the door is traced too (when tracing is on).
+    api_tracing.install(app)
     return app
 
 
