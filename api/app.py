@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 def create_app(settings: Settings) -> FastAPI:
     """The API application, bound to the store and Temporal named by ``settings``."""
     app = FastAPI(title="modelkeeper", version=__version__, lifespan=_lifespan,
+                  # A span per request while tracing is on (api.tracing); off, none.
+                  telemetry=api_tracing.telemetry(),
                   # FastAPI's pages load their scripts from a CDN: swagger serves its own.
                   docs_url=None, redoc_url=None,
                   # Every string a route reads refused with a 422 if the store cannot
@@ -85,8 +87,6 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(auth.HostAllowlist, allowed=auth.allowed_hosts(settings),
                        own_addresses=auth.OwnAddresses() if is_wildcard(settings.bind_host)
                        else None)
-    # Outside everything: a request refused at the door is traced too (when tracing is on).
-    api_tracing.install(app)
     return app
 
 

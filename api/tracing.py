@@ -1,72 +1,45 @@
-"""A span per API request, while tracing is on (:mod:`modelkeeper.infra.tracing`).
+"""The API's request spans: FastAPI's own OpenTelemetry support, handed this process's
+tracer provider while tracing is on (:mod:`modelkeeper.infra.tracing`), and off otherwise.
 
-Outermost of the API's middleware, so the span covers the Host and token checks too. It
-continues a caller's W3C ``traceparent`` when one is sent, and is the current span while
-the route runs: a workflow the route starts (``POST /deployments``) continues the trace
-through the Temporal client's interceptor. Named by method and route template
-(``POST /deployments``, ``GET /deployments/{deployment_id}``), never by the raw path,
-whose ids would make a name per deployment.
+FastAPI makes one SERVER span per request around its whole middleware stack (so a
+request refused for its Host or token is traced too), named by method and route template
+(``POST /deployments``, ``GET /deployments/{deployment_id}``; the method alone when no
+route matched), continuing a caller's W3C ``traceparent``, with child spans for
+dependencies and the endpoint. The request span is current while the route runs, so a
+workflow the route starts continues the trace through the Temporal client's interceptor.
 
-Not installed at all while tracing is off (:func:`install`).
+Not traced: the agents' heartbeats and liveness streams, a request per node every few
+seconds and a stream per node for hours, and the ``/healthz`` and ``/metrics`` probes:
+machine traffic on a timer, which would bury the operators' requests. FastAPI's metrics
+and log events stay off: the API's metrics are Prometheus's (``/metrics``), its logs
+Python's.
 """
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from typing import Any
 
-from fastapi import FastAPI
-from opentelemetry.trace import SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from fastapi.telemetry import TelemetryConfig
 
 from modelkeeper.infra import tracing
 
-#: The request headers a caller's trace comes in (W3C Trace Context).
-TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
-
-_PROPAGATOR = TraceContextTextMapPropagator()
-
-
-class RequestSpans:
-    """ASGI middleware: one SERVER span per HTTP request."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-        self._tracer = tracing.tracer("modelkeeper.api")
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        carrier = {name.decode("latin-1"): value.decode("latin-1")
-                   for name, value in scope["headers"] if name in TRACE_HEADERS}
-        method: str = scope["method"]
-        attributes: dict[str, Any] = {"http.request.method": method,
-                                      "url.path": scope["path"]}
-        with self._tracer.start_as_current_span(
-                method, context=_PROPAGATOR.extract(carrier), kind=SpanKind.SERVER,
-                attributes=attributes) as span:
-
-            async def send_noting_status(message: Message) -> None:
-                if message["type"] == "http.response.start":
-                    status: int = message["status"]
-                    span.set_attribute("http.response.status_code", status)
-                    if status >= 500:
-                        span.set_status(Status(StatusCode.ERROR))
-                await send(message)
-
-            try:
-                await self.app(scope, receive, send_noting_status)
-            finally:
-                # Set by the router once it matched (FastAPI's and Starlette's routes).
-                route = scope.get("route")
-                template = getattr(route, "path", None)
-                if isinstance(template, str):
-                    span.update_name(f"{method} {template}")
-                    span.set_attribute("http.route", template)
+#: The paths of the probes, traced by no one.
+PROBE_PATHS = frozenset({"/healthz", "/metrics"})
+#: The last part of the agents' per-node routes on a timer (api.agents, api.liveness).
+TIMER_ROUTES = ("/heartbeat", "/liveness")
 
 
-def install(app: FastAPI) -> None:
-    """Trace the app's requests, when this process traces; otherwise add nothing."""
-    if tracing.ON:
-        app.add_middleware(RequestSpans)
+def untraced(scope: MutableMapping[str, Any]) -> bool:
+    """Whether a request is machine traffic on a timer, left out of the traces."""
+    path: str = scope.get("path", "")
+    return path in PROBE_PATHS or (path.startswith("/nodes/") and path.endswith(TIMER_ROUTES))
+
+
+def telemetry() -> TelemetryConfig:
+    """FastAPI's ``telemetry`` argument: this process's provider while tracing is on; all
+    off otherwise, whatever global provider a library may have set."""
+    if not tracing.ON:
+        return {"tracing": False, "metrics": False, "logs": False, "auto_configure": False}
+    return {"tracer_provider": tracing.provider(), "tracing": True, "metrics": False,
+            "logs": False, "auto_configure": False, "exclude": untraced}

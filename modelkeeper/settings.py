@@ -170,11 +170,12 @@ class Settings(BaseSettings, KeeperTunables, ControlTunables, LivenessTunables, 
         "and every log.",
     )
     log_level: str = Field(default="INFO", description="Python logging level.")
-    otlp_endpoint: str = Field(
-        default="",
+    otlp_endpoint: str | None = Field(
+        default=None,
         description="OpenTelemetry traces: the base URL of an OTLP/HTTP collector (for "
         "example http://127.0.0.1:4318); the API, worker, gateway and agent post their spans "
-        "to <url>/v1/traces. Empty: no tracing, at no cost (docs/operations.md, Traces).",
+        "to <url>/v1/traces. Unset or empty: no tracing, at no cost (docs/operations.md, "
+        "Traces).",
     )
 
     agent_temporal_address: str | None = Field(
@@ -246,11 +247,12 @@ class Settings(BaseSettings, KeeperTunables, ControlTunables, LivenessTunables, 
 
     @field_validator("otlp_endpoint")
     @classmethod
-    def _check_otlp_endpoint(cls, value: str) -> str:
-        """Empty, or an http(s) URL with a host: the collector's base, without /v1/traces."""
-        value = value.strip()
+    def _check_otlp_endpoint(cls, value: str | None) -> str | None:
+        """Unset (or empty), or an http(s) URL with a host: the collector's base, without
+        /v1/traces."""
+        value = (value or "").strip()
         if not value:
-            return value
+            return None
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"{value!r} is not an http:// or https:// URL: give the OTLP/HTTP "

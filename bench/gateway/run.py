@@ -14,6 +14,11 @@ same lean load generator (:mod:`bench.gateway.loadgen`):
 * throughput: many connections: requests per second, and the server's CPU per request;
 * streaming: 64-token streams, one at a time: what the proxy adds per chunk.
 
+``--traces`` measures instead the cost of tracing: the gateway (one worker) with tracing
+off and on (``MODELKEEPER_OTLP_ENDPOINT`` pointing at a stand-in collector,
+:mod:`bench.gateway.otlp_sink`), alternately, ``--rounds`` times each, and writes its own
+table (bench/results/traces.md).
+
 ``--stacks`` also measures raw-ASGI passthroughs on different servers and clients (how
 the gateway's stack was chosen; the granian row only where ``granian`` is installed, e.g.
 ``pip install granian==2.8.9``, which the project does not depend on); ``--litellm PYTHON``
@@ -200,11 +205,13 @@ async def add_route(url: str, engine_url: str) -> None:
         await conn.close()
 
 
-def gateway_target(name: str, workers: int, db_url: str, key: str, logs: Path) -> Target:
+def gateway_target(name: str, workers: int, db_url: str, key: str, logs: Path, *,
+                   otlp_endpoint: str = "") -> Target:
     port = free_port()
     env = {"MODELKEEPER_DATABASE_URL": db_url, "MODELKEEPER_ENGINE_KEY_SECRET": SECRET,
            "MODELKEEPER_GATEWAY_PORT": str(port), "MODELKEEPER_BIND_HOST": HOST,
-           "MODELKEEPER_GATEWAY_WORKERS": str(workers), "MODELKEEPER_LOG_LEVEL": "WARNING"}
+           "MODELKEEPER_GATEWAY_WORKERS": str(workers), "MODELKEEPER_LOG_LEVEL": "WARNING",
+           "MODELKEEPER_OTLP_ENDPOINT": otlp_endpoint}
     proc = start(name.replace(" ", "-"), [sys.executable, "-m", "modelkeeper", "gateway"],
                  env, logs)
     headers = {"Authorization": f"Bearer {key}"}
@@ -324,6 +331,8 @@ async def run(args: argparse.Namespace) -> str:
             await add_route(db_url, engine_url)
 
             direct = Target("direct to the sim engine", sim_port, direct_headers, [sim])
+            if args.traces:
+                return await _traces(args, direct, db_url, key, logs, started, command)
             builders: list[Callable[[], Target]] = [
                 lambda: gateway_target("modelkeeper gateway (1 worker)", 1, db_url, key, logs),
                 lambda: uvicorn_target(
@@ -373,6 +382,82 @@ async def run(args: argparse.Namespace) -> str:
                 proc.stop()
 
 
+def _sink_count(url: str) -> int:
+    count: int = httpx.get(url + "/count", timeout=60).json()["spans"]
+    return count
+
+
+async def _traces(args: argparse.Namespace, direct: Target, db_url: str, key: str,
+                  logs: Path, started: list[ManagedProcess], command: str) -> str:
+    """The gateway with tracing off and on, alternately, ``args.rounds`` times each."""
+    sink_port = free_port()
+    sink = start("otlp-sink", [sys.executable, "-m", "bench.gateway.otlp_sink", "--host",
+                               HOST, "--port", str(sink_port)], {}, logs)
+    started.append(sink)
+    sink_url = f"http://{HOST}:{sink_port}"
+    sink.wait_until(lambda: _sink_count(sink_url) == 0, 30, interval=0.2)
+    await measure(direct, args.duration, args.concurrency)
+    print(f"{direct.name}: {direct.results}", flush=True)
+    rows: list[tuple[int, Target, int]] = []
+    for round_ in range(1, args.rounds + 1):
+        for on in (False, True):
+            name = f"gateway, tracing {'on' if on else 'off'}"
+            before = _sink_count(sink_url)
+            target = gateway_target(name, 1, db_url, key, logs,
+                                    otlp_endpoint=sink_url if on else "")
+            try:
+                await measure(target, args.duration, args.concurrency)
+            finally:
+                for proc in target.processes:
+                    proc.stop()  # SIGTERM: the gateway exports what it still holds
+            spans = _sink_count(sink_url) - before
+            print(f"round {round_} {name}: {target.results} ({spans} spans)", flush=True)
+            rows.append((round_, target, spans))
+    return render_traces(rows, direct, command, args.duration)
+
+
+def render_traces(rows: list[tuple[int, Target, int]], direct: Target, command: str,
+                  duration: float) -> str:
+    """The traces benchmark as markdown: each run, then on against off."""
+    lines = [
+        "# Traces: what tracing costs the gateway",
+        "",
+        f"Made with `{command}` on {time.strftime('%Y-%m-%d')}: {psutil.cpu_count()} cores, "
+        f"Python {platform.python_version()}, {duration:.0f} s per measurement, the gateway "
+        "(one worker) with tracing off and on alternately, against a zero-latency sim engine "
+        f"({direct.results['rate_max']:,.0f} req/s direct). On, every request is traced "
+        "(five spans a streamed request, four a whole one) and exported to a stand-in "
+        "OTLP/HTTP collector on the same machine (bench/gateway/otlp_sink.py, which parses "
+        "nothing until the end). The load generator, the engine, the collector and the "
+        "gateway share the cores.",
+        "",
+        "| round | tracing | max req/s (conns) | gateway CPU per request | p50 | added p50 "
+        "| stream first byte | spans exported |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    d = direct.results
+    for round_, t, spans in rows:
+        r = t.results
+        lines.append(
+            f"| {round_} | {t.name.rsplit(' ', 1)[-1]} | {r['rate_max']:,.0f} "
+            f"({r['rate_max_c']:.0f}) | {r['cpu_us_per_req']:,.0f} µs | {r['p50_ms']:.3f} ms | "
+            f"{r['p50_ms'] - d['p50_ms']:+.3f} ms | {r['stream_ttfb_ms']:.2f} ms | {spans:,} |")
+    off = [t.results for _, t, _ in rows if t.name.endswith("off")]
+    on = [t.results for _, t, _ in rows if t.name.endswith("on")]
+
+    def mean(results: list[dict[str, float]], key: str) -> float:
+        return statistics.fmean(r[key] for r in results)
+
+    rate = mean(on, "rate_max") / mean(off, "rate_max") - 1
+    cpu = mean(on, "cpu_us_per_req") / mean(off, "cpu_us_per_req") - 1
+    lines += [
+        "",
+        f"On against off, means of the rounds: throughput {rate:+.1%}, gateway CPU per "
+        f"request {cpu:+.1%}, p50 {mean(on, 'p50_ms') - mean(off, 'p50_ms'):+.3f} ms.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _installed(module: str) -> bool:
     import importlib.util
 
@@ -392,6 +477,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also measure raw passthroughs on other server/client stacks")
     parser.add_argument("--litellm", metavar="PYTHON",
                         help="the python of a venv with litellm[proxy], to measure it too")
+    parser.add_argument("--traces", action="store_true",
+                        help="measure the gateway with tracing off and on instead")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds of off and on with --traces (default 2)")
     parser.add_argument("--out", type=Path, help="write the markdown table here")
     args = parser.parse_args(argv)
     markdown = uvloop.run(run(args))

@@ -77,6 +77,14 @@ def tracer(name: str) -> Tracer:
     return _provider.get_tracer(name, __version__)
 
 
+def provider() -> TracerProvider:
+    """This process's tracer provider; only while :data:`ON` (for libraries that take
+    one: FastAPI's own telemetry, in the API)."""
+    if _provider is None:
+        raise RuntimeError("tracing is off: check modelkeeper.infra.tracing.ON first")
+    return _provider
+
+
 def shutdown() -> None:
     """Export what is buffered and turn tracing off (a process's exit does the export by
     itself; tests that turned tracing on call this)."""
