@@ -111,7 +111,8 @@ def uvicorn_config(app: Gateway, settings: Settings) -> uvicorn.Config:
     request would cost more than the gateway's own work)."""
     return uvicorn.Config(
         # While tracing is on, a span around each completion (gateway.tracing).
-        traced_app(app) if tracing.ON else app, loop="uvloop",
+        traced_app(app, ratio=settings.gateway_trace_ratio) if tracing.ON else app,
+        loop="uvloop",
         http=gateway_protocol(settings), lifespan="on", access_log=False,
         log_config=None, log_level=settings.log_level.lower(),
         # OpenAI clients keep connections open between requests; closing them after 5 s

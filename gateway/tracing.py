@@ -10,15 +10,26 @@ client's W3C ``traceparent`` when it sends one), with these children:
   ``traceparent`` naming this span, so an engine that traces continues the trace;
 * ``first token``: from the attempt's send to the first event of a streamed answer.
 
+**Sampled.** Tracing every request costs the gateway about twice its CPU per request
+(five spans made, batched, encoded and posted: bench/results/traces.md), so a request
+that comes without a ``traceparent`` is traced with the chance ``gateway_trace_ratio``
+(1 % by default), decided before any span is made; one whose client sent a sampled
+``traceparent`` is always traced, and one sent unsampled never. The parts below check
+whether the current span records (a context lookup) and otherwise run untraced: an
+untraced request costs a look at its headers, one random number and three lookups, and
+sends the engine no ``traceparent``.
+
 Off, none of this runs: the app, the router and the forwarder bind their plain methods
 when they are built (checking :data:`modelkeeper.infra.tracing.ON` once), and a stream
 checks the flag once, at its first event. No span object, context or header is made.
 Requests refused before a completion is admitted (the Host, the key, the content type)
-and the other routes (``/v1/models``, ``/metrics``, ``/healthz``) are not traced.
+are traced as the request span alone; the other routes (``/v1/models``, ``/metrics``,
+``/healthz``) are not traced.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -59,9 +70,16 @@ def _epoch_ns(perf_counter_s: float) -> int:
     return time.time_ns() - int((time.perf_counter() - perf_counter_s) * 1e9)
 
 
-def traced_app(app: App) -> App:
-    """``app`` with a SERVER span around each completion request."""
+def _recording() -> bool:
+    """Whether the request being served is traced (a span of it is current and records)."""
+    return trace.get_current_span().is_recording()
+
+
+def traced_app(app: App, *, ratio: float) -> App:
+    """``app`` with a SERVER span around each completion request that is traced: one in
+    ``ratio`` of those without a ``traceparent``, and those whose client sent one."""
     tracer = _tracer()
+    draw = random.random
 
     async def traced(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] not in COMPLETION_PATHS:
@@ -69,6 +87,9 @@ def traced_app(app: App) -> App:
             return
         carrier = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in scope["headers"] if name in TRACE_HEADERS}
+        if not carrier and draw() >= ratio:
+            await app(scope, receive, send)
+            return
         path: str = scope["path"]
         with tracer.start_as_current_span(
                 f"{scope['method']} {path}", context=_PROPAGATOR.extract(carrier),
@@ -95,6 +116,8 @@ def traced_route(route: Route) -> Route:
 
     async def traced(path: str, body: bytes, entry: ModelRoute, send: Send,
                      started: float) -> int:
+        if not _recording():
+            return await route(path, body, entry, send, started)
         model = entry.route.model_id
         tracer.start_span("admission", start_time=_epoch_ns(started),
                           attributes={"gen_ai.request.model": model}).end()
@@ -114,6 +137,8 @@ def traced_attempt(attempt: Attempt) -> Attempt:
 
     async def traced(endpoint: Endpoint, path: str, body: bytes, *, send: Send,
                      started: float) -> Outcome:
+        if not _recording():
+            return await attempt(endpoint, path, body, send=send, started=started)
         with tracer.start_as_current_span(
                 "upstream", kind=SpanKind.CLIENT,
                 attributes={"modelkeeper.replica_id": endpoint.replica_id,
@@ -137,6 +162,8 @@ def posting_traceparent(post: Post) -> Post:
 
     def traced(url: str, body: bytes,
                headers: dict[str, str]) -> Awaitable[aiohttp.ClientResponse]:
+        if not _recording():
+            return post(url, body, headers)
         carrier: dict[str, str] = {}
         _PROPAGATOR.inject(carrier)
         return post(url, body, {**headers, **carrier} if carrier else headers)
@@ -148,6 +175,8 @@ def first_token() -> None:
     """The first event of a streamed answer arrived: a ``first token`` span from the
     current (``upstream``) span's start until now."""
     parent = trace.get_current_span()
+    if not parent.is_recording():
+        return
     start: Any = getattr(parent, "start_time", None)
     _tracer().start_span("first token", start_time=start if isinstance(start, int) else None,
                          context=otel_context.get_current()).end()

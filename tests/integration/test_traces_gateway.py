@@ -134,10 +134,11 @@ async def test_a_streamed_request_is_traced_through_to_the_engine(
     assert sent["Authorization"].startswith("Bearer ")
 
 
-async def test_a_request_without_a_traceparent_starts_a_trace(
+async def test_a_request_without_a_traceparent_starts_a_trace_when_drawn(
         receiver: OtlpReceiver, database_url: str, db: asyncpg.Connection) -> None:
     deployment = await add_deployment(db, MODEL)
-    async with engine() as fake, running_gateway(database_url) as server, \
+    async with engine() as fake, running_gateway(database_url,
+                                                 gateway_trace_ratio=1.0) as server, \
             httpx.AsyncClient(timeout=20) as http:
         await add_replica(db, deployment, "r-t", fake.url)
         await until(lambda: ready_replicas(server, MODEL) == ["r-t"], what="routed")
@@ -156,6 +157,33 @@ async def test_a_request_without_a_traceparent_starts_a_trace(
     [sent] = fake.headers
     # Sampled (01), and with the SDK's own trace id the W3C "random" flag (02) too.
     assert sent["traceparent"] == f"00-{request.trace_id}-{one(spans, 'upstream').span_id}-03"
+
+
+async def test_undrawn_requests_make_no_span_but_a_clients_sampled_trace_is_kept(
+        receiver: OtlpReceiver, database_url: str, db: asyncpg.Connection) -> None:
+    deployment = await add_deployment(db, MODEL)
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    async with engine() as fake, running_gateway(database_url,
+                                                 gateway_trace_ratio=0.0) as server, \
+            httpx.AsyncClient(timeout=20) as http:
+        await add_replica(db, deployment, "r-t", fake.url)
+        await until(lambda: ready_replicas(server, MODEL) == ["r-t"], what="routed")
+        for _ in range(3):
+            assert (await http.post(server.url + "/v1/chat/completions",
+                                    json=body)).status_code == 200
+        # A client that traces sent it unsampled: its choice holds, nothing is recorded.
+        unsampled = await http.post(server.url + "/v1/chat/completions", json=body, headers={
+            "traceparent": f"00-{'5' * 32}-{CLIENT_SPAN}-00"})
+        assert unsampled.status_code == 200
+        sampled = await http.post(server.url + "/v1/chat/completions", json=body,
+                                  headers={"traceparent": TRACEPARENT})
+        assert sampled.status_code == 200
+    tracing.shutdown()
+    spans = receiver.received()
+    assert {s.trace_id for s in spans} == {CLIENT_TRACE}
+    assert len(spans) == 4  # the request, admission, routing, upstream
+    # Only the traced request took a traceparent to the engine.
+    assert ["traceparent" in sent for sent in fake.headers] == [False] * 4 + [True]
 
 
 async def test_off_the_gateway_binds_its_plain_methods_and_sends_no_trace(
