@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from temporalio.client import WorkflowHistory
+from temporalio.contrib.opentelemetry import TracingInterceptor
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
@@ -42,10 +43,10 @@ def _workflow_id(path: Path) -> str:
 async def test_every_history_replays_with_the_tracing_interceptor(
         receiver: OtlpReceiver) -> None:
     assert len(HISTORIES) >= 30
-    interceptors = temporal._tracing_interceptors()
-    assert interceptors, "tracing is on, so the worker would carry the interceptor"
+    [carried] = temporal._tracing_interceptors()  # what a worker's client carries now
+    assert isinstance(carried, TracingInterceptor)
     replayer = Replayer(workflows=ALL_WORKFLOWS, data_converter=pydantic_data_converter,
-                        interceptors=interceptors)
+                        interceptors=[carried])
     failures = {}
     for path in HISTORIES:
         history = WorkflowHistory.from_json(_workflow_id(path), path.read_text())
