@@ -18,6 +18,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from gateway.app import Gateway
 from gateway.forwarding import Forwarder
 from modelkeeper.infra import tracing
 from modelkeeper.infra.processes import free_port
@@ -193,6 +194,8 @@ async def test_off_the_gateway_binds_its_plain_methods_and_sends_no_trace(
     async with engine() as fake, running_gateway(database_url) as server, \
             httpx.AsyncClient(timeout=20) as http:
         gateway = server.gateway
+        # uvicorn serves the gateway itself, with no wrapper around it.
+        assert isinstance(server._server.config.app, Gateway)
         assert gateway._route == gateway.router.route
         assert gateway.router._attempt == gateway.forwarder.attempt
         assert gateway.forwarder._post == gateway.forwarder._session_post
