@@ -208,3 +208,24 @@ async def test_off_the_gateway_binds_its_plain_methods_and_sends_no_trace(
         assert resp.status_code == 200, resp.text
     [sent] = fake.headers
     assert "traceparent" not in {name.lower() for name in sent}
+
+
+async def test_a_collector_that_is_down_costs_spans_not_requests(
+        database_url: str, db: asyncpg.Connection) -> None:
+    nobody = f"http://{HOST}:{free_port()}"  # nothing listens there
+    tracing.setup(Settings(otlp_endpoint=nobody), service="modelkeeper-gateway")
+    try:
+        deployment = await add_deployment(db, MODEL)
+        async with engine() as fake, running_gateway(database_url) as server, \
+                httpx.AsyncClient(timeout=20) as http:
+            await add_replica(db, deployment, "r-t", fake.url)
+            await until(lambda: ready_replicas(server, MODEL) == ["r-t"], what="routed")
+            for _ in range(3):
+                resp = await http.post(server.url + "/v1/chat/completions",
+                                       headers={"traceparent": TRACEPARENT}, json={
+                    "model": MODEL, "max_tokens": 2, "stream": True,
+                    "messages": [{"role": "user", "content": "hi"}]})
+                assert resp.status_code == 200 and "[DONE]" in resp.text, resp.text
+        assert len(fake.headers) == 3
+    finally:
+        tracing.shutdown()
