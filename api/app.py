@@ -48,6 +48,7 @@ from . import (
     swagger,
     windows,
 )
+from . import tracing as api_tracing
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ log = logging.getLogger(__name__)
 def create_app(settings: Settings) -> FastAPI:
     """The API application, bound to the store and Temporal named by ``settings``."""
     app = FastAPI(title="modelkeeper", version=__version__, lifespan=_lifespan,
+                  # A span per request while tracing is on (api.tracing); off, none.
+                  telemetry=api_tracing.telemetry(),
                   # FastAPI's pages load their scripts from a CDN: swagger serves its own.
                   docs_url=None, redoc_url=None,
                   # Every string a route reads refused with a 422 if the store cannot

@@ -241,6 +241,13 @@ def _configure_logging(settings: Settings) -> None:
     configure_logging(settings.log_level)
 
 
+def _start_tracing(settings: Settings, component: str) -> None:
+    """Spans of this component to the OTLP collector, when ``otlp_endpoint`` names one."""
+    from modelkeeper.infra import tracing
+
+    tracing.setup(settings, service=f"modelkeeper-{component}")
+
+
 async def _until_signalled(run: Callable[[asyncio.Event], Any]) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -275,6 +282,7 @@ def _cmd_worker(settings: Settings) -> int:
 
     _check_temporal_security(settings)
     _configure_logging(settings)
+    _start_tracing(settings, "worker")
     asyncio.run(_until_signalled(lambda stop: run_worker(settings, stop)))
     return 0
 
@@ -287,6 +295,7 @@ def _cmd_api(settings: Settings) -> int:
 
     _check_temporal_security(settings)
     _configure_logging(settings)
+    _start_tracing(settings, "api")
     server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
     asyncio.run(server.serve())
     return 0 if server.started else 1
@@ -297,6 +306,7 @@ def _cmd_agent(settings: Settings) -> int:
 
     _check_temporal_security(settings)
     _configure_logging(settings)
+    _start_tracing(settings, "agent")
     try:
         # What the agent writes (its credential, shard records, weights, engine logs) and
         # what its engines write are this user's alone (modelkeeper.infra.files).
@@ -451,6 +461,10 @@ def run(argv: Sequence[str] | None = None) -> int:
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Entry point of the `modelkeeper` console script."""
     code = run(argv)
+    from modelkeeper.infra import tracing
+
+    # os._exit below skips the atexit hook that would export the last spans.
+    tracing.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     # Exit without interpreter finalization: temporalio's runtime can abort at teardown

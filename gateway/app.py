@@ -31,6 +31,7 @@ import time
 
 import asyncpg
 
+from modelkeeper.infra import tracing
 from modelkeeper.infra.secrets import read_metrics_token
 from modelkeeper.settings import Settings
 from modelkeeper.store.routing import ChangeListener, RoutingStore
@@ -67,6 +68,7 @@ from .responses import ErrorReply
 from .routing import Router, model_list
 from .table import RoutingTable
 from .table_listener import KEY_REFRESH_S, TableListener
+from .tracing import traced_route
 from .usage import UsageTracker
 
 #: ``GET /v1/models/{id}``: one model.
@@ -102,7 +104,8 @@ class Gateway:
         # Bound once: the hot path pays no lookup through the parts.
         self._admit = self.admission.refusal
         self._bounded = self.admission.bounded
-        self._route = self.router.route
+        self._route = (traced_route(self.router.route) if tracing.ON
+                       else self.router.route)
         self.routes: RoutingStore | None = None
         self._changes: TableListener | None = None
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
 
 from modelkeeper.domain.engine_keys import replica_engine_key
+from modelkeeper.infra import tracing
 from modelkeeper.infra.secrets import read_previous_engine_key_secret
 from modelkeeper.settings import Settings
 from modelkeeper.store.routing import DeploymentRoute, ReplicaRoute
@@ -128,6 +129,14 @@ class Forwarder:
         #: Called when the last request of an endpoint out of routing ends.
         self._on_left = on_left
         self._session: aiohttp.ClientSession | None = None
+        #: Sends one request to an engine: with the current span's traceparent while
+        #: tracing is on, decided once here rather than per request.
+        self._post: Callable[[str, bytes, dict[str, str]],
+                             Awaitable[aiohttp.ClientResponse]] = self._session_post
+        if tracing.ON:
+            from .tracing import posting_traceparent  # it imports this module
+
+            self._post = posting_traceparent(self._session_post)
         #: For the one send again after a stale pooled connection: a connection of its
         #: own, never one from the pool, closed after its response.
         self._fresh: aiohttp.ClientSession | None = None
@@ -217,7 +226,7 @@ class Forwarder:
         derived from the previous secret) gets the request once more with that key, which
         the endpoint keeps from then on. A 401 means the engine did not run the request,
         so sending it again is safe."""
-        response = await self._session_post(endpoint.url + path, body, endpoint.headers)
+        response = await self._post(endpoint.url + path, body, endpoint.headers)
         if response.status != ENGINE_KEY_REFUSED:
             return response
         fallback = self._keys.take_fallback(endpoint.replica_id)
@@ -227,7 +236,7 @@ class Forwarder:
         log.info("replica %s refused the current engine key; using the previous secret's "
                  "(it started before the rotation)", endpoint.replica_id)
         endpoint.headers = fallback
-        return await self._session_post(endpoint.url + path, body, endpoint.headers)
+        return await self._post(endpoint.url + path, body, endpoint.headers)
 
     def _finish_attempt(self, endpoint: Endpoint, verdict: bool | None) -> None:
         endpoint.in_flight -= 1

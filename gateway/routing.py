@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from modelkeeper.infra import tracing
 from modelkeeper.settings import Settings
 
 from .asgi import Send, send_reply
@@ -24,6 +25,7 @@ from .metrics import GatewayMetrics
 from .responses import ErrorReply
 from .streaming import describe
 from .table import Endpoint, ModelRoute, RoutingTable
+from .tracing import traced_attempt
 
 
 def model_list(table: RoutingTable) -> dict[str, Any]:
@@ -63,8 +65,10 @@ class Router:
                  forwarder: Forwarder, on_demand: DemandHandler) -> None:
         self.table = table
         self.metrics = metrics
-        # Bound once: the hot path pays no lookup through the forwarder.
-        self._attempt = forwarder.attempt
+        # Bound once: the hot path pays no lookup through the forwarder, and no check
+        # of whether it traces.
+        self._attempt = (traced_attempt(forwarder.attempt) if tracing.ON
+                         else forwarder.attempt)
         self._on_demand = on_demand
         self._policy = HoldPolicy(wait_s=settings.gateway_wait_for_replica_s,
                                   retries=settings.gateway_retries,

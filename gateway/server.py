@@ -25,6 +25,7 @@ from types import FrameType
 
 import uvicorn
 
+from modelkeeper.infra import tracing
 from modelkeeper.infra.http_server import TimedHttpProtocol, timed_protocol
 from modelkeeper.infra.processes import port_is_free
 from modelkeeper.infra.secrets import read_engine_key_secret, read_metrics_token
@@ -32,6 +33,7 @@ from modelkeeper.settings import Settings
 
 from .app import Gateway
 from .responses import JSON_CONTENT_TYPE, error_json
+from .tracing import traced_app
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +110,10 @@ def uvicorn_config(app: Gateway, settings: Settings) -> uvicorn.Config:
     time and header size by :class:`GatewayHttpProtocol`), no access log (a log line per
     request would cost more than the gateway's own work)."""
     return uvicorn.Config(
-        app, loop="uvloop", http=gateway_protocol(settings), lifespan="on", access_log=False,
+        # While tracing is on, a span around each completion (gateway.tracing).
+        traced_app(app, ratio=settings.gateway_trace_ratio) if tracing.ON else app,
+        loop="uvloop",
+        http=gateway_protocol(settings), lifespan="on", access_log=False,
         log_config=None, log_level=settings.log_level.lower(),
         # OpenAI clients keep connections open between requests; closing them after 5 s
         # idle (uvicorn's default) would make them reconnect all the time.
@@ -136,6 +141,8 @@ def _build_gateway(settings: Settings, secret: bytes, worker: int) -> Gateway:
 
 def _serve_one(settings: Settings, secret: bytes, worker: int, *, reuse_port: bool) -> int:
     """Run one worker until SIGINT/SIGTERM; the exit code."""
+    # Here, in each worker: a spawned worker starts with a fresh interpreter.
+    tracing.setup(settings, service="modelkeeper-gateway")
     gateway = _build_gateway(settings, secret, worker)
     sock = bind_socket(settings.bind_host, settings.gateway_port, reuse_port=reuse_port)
     server = uvicorn.Server(uvicorn_config(gateway, settings))

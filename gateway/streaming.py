@@ -15,6 +15,8 @@ import time
 
 import aiohttp
 
+from modelkeeper.infra import tracing
+
 from . import responses
 from .asgi import Send, send_reply
 from .metrics import GatewayMetrics
@@ -75,6 +77,12 @@ async def _read_reply(response: aiohttp.ClientResponse) -> bytes | None:
             return None
         parts.append(part)
     return b"".join(parts)
+
+
+def _first_token() -> None:
+    from .tracing import first_token  # it imports this module, through forwarding
+
+    first_token()
 
 
 class AnswerRelay:
@@ -152,6 +160,8 @@ class AnswerRelay:
                     first = False
                     self.metrics.ttft.labels(endpoint.model).observe(
                         time.perf_counter() - started)
+                    if tracing.ON:
+                        _first_token()
                 if pending:
                     chunk = pending + chunk
                     pending = b""

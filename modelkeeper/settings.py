@@ -11,6 +11,7 @@ import ipaddress
 import os
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -170,6 +171,13 @@ class Settings(BaseSettings, KeeperTunables, ControlTunables, LivenessTunables, 
         "and every log.",
     )
     log_level: str = Field(default="INFO", description="Python logging level.")
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description="OpenTelemetry traces: the base URL of an OTLP/HTTP collector (for "
+        "example http://127.0.0.1:4318); the API, worker, gateway and agent post their spans "
+        "to <url>/v1/traces. Unset or empty: no tracing, at no cost (docs/operations.md, "
+        "Traces).",
+    )
 
     agent_temporal_address: str | None = Field(
         default=None,
@@ -258,6 +266,24 @@ class Settings(BaseSettings, KeeperTunables, ControlTunables, LivenessTunables, 
                                  "proxies' addresses, comma-separated (e.g. "
                                  "10.0.0.5,192.168.1.0/24); '*' is not accepted") from None
         return proxies
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _check_otlp_endpoint(cls, value: str | None) -> str | None:
+        """Unset (or empty), or an http(s) URL with a host: the collector's base, without
+        /v1/traces."""
+        value = (value or "").strip()
+        if not value:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{value!r} is not an http:// or https:// URL: give the OTLP/HTTP "
+                             "collector's base URL (e.g. http://127.0.0.1:4318), or leave it "
+                             "empty for no tracing")
+        if parts.path.rstrip("/").endswith("/v1/traces"):
+            raise ValueError(f"{value!r} ends with /v1/traces: give the collector's base URL "
+                             "(e.g. http://127.0.0.1:4318); /v1/traces is added")
+        return value.rstrip("/")
 
     @field_validator("notify_webhook_urls", "notify_slack_urls", mode="before")
     @classmethod

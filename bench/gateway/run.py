@@ -14,6 +14,12 @@ same lean load generator (:mod:`bench.gateway.loadgen`):
 * throughput: many connections: requests per second, and the server's CPU per request;
 * streaming: 64-token streams, one at a time: what the proxy adds per chunk.
 
+``--traces`` measures instead the cost of tracing: the gateway (one worker) with tracing
+off, on as it comes (``MODELKEEPER_OTLP_ENDPOINT`` pointing at a stand-in collector,
+:mod:`bench.gateway.otlp_sink`; one request in a hundred traced), and on tracing every
+request, in turn, ``--rounds`` times each, and writes its own table
+(bench/results/traces.md).
+
 ``--stacks`` also measures raw-ASGI passthroughs on different servers and clients (how
 the gateway's stack was chosen; the granian row only where ``granian`` is installed, e.g.
 ``pip install granian==2.8.9``, which the project does not depend on); ``--litellm PYTHON``
@@ -53,7 +59,7 @@ from modelkeeper.domain.engine_keys import replica_engine_key
 from modelkeeper.infra.processes import ManagedProcess, free_port
 from modelkeeper.store.routing import RoutingStore
 
-from . import loadgen
+from . import loadgen, trace_cost
 
 HOST = "127.0.0.1"
 MODEL = "bench-model"
@@ -200,11 +206,15 @@ async def add_route(url: str, engine_url: str) -> None:
         await conn.close()
 
 
-def gateway_target(name: str, workers: int, db_url: str, key: str, logs: Path) -> Target:
+def gateway_target(name: str, workers: int, db_url: str, key: str, logs: Path, *,
+                   otlp_endpoint: str = "", trace_ratio: float | None = None) -> Target:
     port = free_port()
     env = {"MODELKEEPER_DATABASE_URL": db_url, "MODELKEEPER_ENGINE_KEY_SECRET": SECRET,
            "MODELKEEPER_GATEWAY_PORT": str(port), "MODELKEEPER_BIND_HOST": HOST,
-           "MODELKEEPER_GATEWAY_WORKERS": str(workers), "MODELKEEPER_LOG_LEVEL": "WARNING"}
+           "MODELKEEPER_GATEWAY_WORKERS": str(workers), "MODELKEEPER_LOG_LEVEL": "WARNING",
+           "MODELKEEPER_OTLP_ENDPOINT": otlp_endpoint}
+    if trace_ratio is not None:
+        env["MODELKEEPER_GATEWAY_TRACE_RATIO"] = str(trace_ratio)
     proc = start(name.replace(" ", "-"), [sys.executable, "-m", "modelkeeper", "gateway"],
                  env, logs)
     headers = {"Authorization": f"Bearer {key}"}
@@ -324,6 +334,8 @@ async def run(args: argparse.Namespace) -> str:
             await add_route(db_url, engine_url)
 
             direct = Target("direct to the sim engine", sim_port, direct_headers, [sim])
+            if args.traces:
+                return await _traces(args, direct, db_url, key, logs, started, command)
             builders: list[Callable[[], Target]] = [
                 lambda: gateway_target("modelkeeper gateway (1 worker)", 1, db_url, key, logs),
                 lambda: uvicorn_target(
@@ -373,6 +385,105 @@ async def run(args: argparse.Namespace) -> str:
                 proc.stop()
 
 
+TRACING_OFF = "off"
+TRACING_ON = "on (default: 1 in 100)"
+TRACING_ALL = "on, every request"
+
+
+def _sink_count(url: str) -> int:
+    count: int = httpx.get(url + "/count", timeout=60).json()["spans"]
+    return count
+
+
+async def _traces(args: argparse.Namespace, direct: Target, db_url: str, key: str,
+                  logs: Path, started: list[ManagedProcess], command: str) -> str:
+    """The gateway with tracing off and on, alternately, ``args.rounds`` times each."""
+    sink_port = free_port()
+    sink = start("otlp-sink", [sys.executable, "-m", "bench.gateway.otlp_sink", "--host",
+                               HOST, "--port", str(sink_port)], {}, logs)
+    started.append(sink)
+    sink_url = f"http://{HOST}:{sink_port}"
+    def ready() -> bool:
+        try:
+            return _sink_count(sink_url) == 0
+        except httpx.HTTPError:
+            return False
+
+    sink.wait_until(ready, 30, interval=0.2)
+    await measure(direct, args.duration, args.concurrency)
+    print(f"{direct.name}: {direct.results}", flush=True)
+    rows: list[tuple[int, Target, int]] = []
+    variants: list[tuple[str, str, float | None]] = [
+        (TRACING_OFF, "", None), (TRACING_ON, sink_url, None), (TRACING_ALL, sink_url, 1.0)]
+    for round_ in range(1, args.rounds + 1):
+        for variant, endpoint, ratio in variants:
+            name = f"gateway, tracing {variant}"
+            before = _sink_count(sink_url)
+            target = gateway_target(name, 1, db_url, key, logs, otlp_endpoint=endpoint,
+                                    trace_ratio=ratio)
+            try:
+                await measure(target, args.duration, args.concurrency)
+            finally:
+                for proc in target.processes:
+                    proc.stop()  # SIGTERM: the gateway exports what it still holds
+            spans = _sink_count(sink_url) - before
+            print(f"round {round_} {name}: {target.results} ({spans} spans)", flush=True)
+            rows.append((round_, target, spans))
+    # Then tracing's own CPU per request, in this process, away from the HTTP noise.
+    costs = await trace_cost.measure(sink_url)
+    gateway_cpu_us = statistics.fmean(t.results["cpu_us_per_req"] for _, t, _ in rows
+                                      if t.name.endswith(TRACING_OFF))
+    return (render_traces(rows, direct, command, args.duration) + "\n"
+            + trace_cost.render(costs, gateway_cpu_us=gateway_cpu_us))
+
+
+def render_traces(rows: list[tuple[int, Target, int]], direct: Target, command: str,
+                  duration: float) -> str:
+    """The traces benchmark as markdown: each run, then on against off."""
+    lines = [
+        "# Traces: what tracing costs the gateway",
+        "",
+        f"Made with `{command}` on {time.strftime('%Y-%m-%d')}: {psutil.cpu_count()} cores, "
+        f"Python {platform.python_version()}, {duration:.0f} s per measurement, the gateway "
+        "(one worker) with tracing off, on as it comes (gateway_trace_ratio 0.01: one request "
+        "in a hundred without a traceparent is traced), and on for every request "
+        "(gateway_trace_ratio 1), in turn, against a zero-latency sim engine "
+        f"({direct.results['rate_max']:,.0f} req/s direct). A traced request makes five "
+        "spans when streamed, four when whole, exported to a stand-in OTLP/HTTP collector "
+        "on the same machine (bench/gateway/otlp_sink.py, which parses nothing until the "
+        "end). The load generator, the engine, the collector and the gateway share the "
+        "cores.",
+        "",
+        "| round | tracing | max req/s (conns) | gateway CPU per request | p50 | added p50 "
+        "| stream first byte | spans exported |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    d = direct.results
+    for round_, t, spans in rows:
+        r = t.results
+        lines.append(
+            f"| {round_} | {t.name.split('tracing ', 1)[1]} | {r['rate_max']:,.0f} "
+            f"({r['rate_max_c']:.0f}) | {r['cpu_us_per_req']:,.0f} µs | {r['p50_ms']:.3f} ms | "
+            f"{r['p50_ms'] - d['p50_ms']:+.3f} ms | {r['stream_ttfb_ms']:.2f} ms | {spans:,} |")
+    def of(variant: str) -> list[dict[str, float]]:
+        return [t.results for _, t, _ in rows if t.name.endswith(variant)]
+
+    def mean(results: list[dict[str, float]], key: str) -> float:
+        return statistics.fmean(r[key] for r in results)
+
+    off = of(TRACING_OFF)
+    lines.append("")
+    for variant in (TRACING_ON, TRACING_ALL):
+        on = of(variant)
+        rate = mean(on, "rate_max") / mean(off, "rate_max") - 1
+        cpu = mean(on, "cpu_us_per_req") / mean(off, "cpu_us_per_req") - 1
+        lines.append(
+            f"- {variant} against off, means of the rounds: throughput {rate:+.1%}, gateway "
+            f"CPU per request {cpu:+.1%}, p50 "
+            f"{mean(on, 'p50_ms') - mean(off, 'p50_ms'):+.3f} ms.")
+    return "\n".join(lines) + "\n"
+
+
 def _installed(module: str) -> bool:
     import importlib.util
 
@@ -392,6 +503,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also measure raw passthroughs on other server/client stacks")
     parser.add_argument("--litellm", metavar="PYTHON",
                         help="the python of a venv with litellm[proxy], to measure it too")
+    parser.add_argument("--traces", action="store_true",
+                        help="measure the gateway with tracing off and on instead")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds of off and on with --traces (default 2)")
     parser.add_argument("--out", type=Path, help="write the markdown table here")
     args = parser.parse_args(argv)
     markdown = uvloop.run(run(args))

@@ -300,6 +300,14 @@ class GatewayTunables(Tolerant):
         description="How long an open breaker keeps a replica out before one trial request "
         "(doubling, up to 60 s, while trials fail).",
     )
+    gateway_trace_ratio: float = Field(
+        default=0.01, ge=0, le=1,
+        description="While tracing is on (otlp_endpoint), the share of completion requests "
+        "the gateway traces when the client sent no traceparent; a request whose client "
+        "sent a sampled traceparent is always traced. Tracing every request costs the "
+        "gateway about twice the CPU per request (bench/results/traces.md); one in a "
+        "hundred keeps the cost within the noise and still traces dozens a second at load.",
+    )
     usage_flush_interval_s: float = Field(
         default=1.0, gt=0,
         description="How often each gateway worker writes per-replica usage (in-flight, "

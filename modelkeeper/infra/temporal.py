@@ -10,7 +10,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar, overload
 
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, Interceptor, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, TLSConfig
 from temporalio.workflow import UpdateMethodMultiParam
@@ -18,6 +18,7 @@ from temporalio.workflow import UpdateMethodMultiParam
 from ..domain.ids import DeploymentId
 from ..names import SIGNAL_NODES_CHANGED, deployment_workflow_id
 from ..settings import Settings, env_var_names
+from . import tracing
 
 _W = TypeVar("_W")
 _A = TypeVar("_A")
@@ -155,8 +156,14 @@ async def connect(address: str, namespace: str, *, security: TemporalSecurity,
 
     ``wait`` retries a refused connection for that many seconds: under ``up`` and in
     compose the server may still be starting when a component starts.
+
+    With tracing on (:mod:`modelkeeper.infra.tracing`), the client carries the SDK's
+    OpenTelemetry interceptor, and so does every worker built on it: a workflow started
+    inside a span (an API request's) continues its trace, through its activities, on
+    whichever worker runs them.
     """
     deadline = time.monotonic() + wait
+    interceptors = _tracing_interceptors()
     while True:
         try:
             return await Client.connect(
@@ -166,11 +173,28 @@ async def connect(address: str, namespace: str, *, security: TemporalSecurity,
                 # False, not None: with no TLS configured the SDK must not decide on its own.
                 tls=security.tls if security.tls is not None else False,
                 api_key=security.api_key,
+                interceptors=interceptors,
             )
         except (RPCError, RuntimeError, OSError):
             if time.monotonic() >= deadline:
                 raise
             await asyncio.sleep(0.2)
+
+
+def _tracing_interceptors() -> list[Interceptor]:
+    """The SDK's OpenTelemetry interceptor while this process traces; none otherwise.
+
+    The interceptor (not the newer, experimental ``OpenTelemetryPlugin``): a deployment's
+    workflow runs for as long as the deployment lives, and the plugin reports a workflow's
+    spans only once it completes. The interceptor's workflow spans are instants, made
+    outside the sandbox (through its extern function) and never on replay, so they change
+    no command and need no passthrough. A workflow started outside any span (with the
+    ``temporal`` CLI, say) makes none."""
+    if not tracing.ON:
+        return []
+    from temporalio.contrib.opentelemetry import TracingInterceptor
+
+    return [TracingInterceptor(tracing.tracer("temporalio"))]
 
 
 async def signal_unplaceable(client: Client, deployment_ids: list[str]) -> int:
