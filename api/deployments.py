@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Query, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from temporalio.api.errordetails.v1 import NotFoundFailure
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
@@ -25,11 +25,16 @@ from modelkeeper.domain.catalog import (
     CatalogModel,
     DeploymentRequest,
     DeploymentView,
+    ModelPatch,
     ModelSpec,
+    PatchRefused,
     ReplicaView,
     ScaleRequest,
+    engine_source_problem,
     estimate_memory_bytes,
+    patched_spec,
     scaling_summary,
+    spec_changes,
 )
 from modelkeeper.domain.demand import ScalingPolicy, SetPolicyRequest, SleepRequest, WakeRequest
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
@@ -43,7 +48,7 @@ from modelkeeper.domain.sources import SourceKind, SourcePolicy, SourceRefused, 
 from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.domain.watchdog import CalibrationView, calibration_view, with_calibration
 from modelkeeper.infra import schedules
-from modelkeeper.infra.model_files import resolve_model_path, source_policy
+from modelkeeper.infra.model_files import NO_SUCH_FILE, resolve_model_path, source_policy
 from modelkeeper.infra.temporal import execute_update
 from modelkeeper.names import (
     CONTROL_TASK_QUEUE,
@@ -168,6 +173,16 @@ def catalog_entry(spec: ModelSpec, policy: SourcePolicy) -> CatalogModel:
         except EngineConfigError as exc:
             raise field_error(f"profiles[{i}].engine_args", profile.engine_args,
                               str(exc)) from None
+    # Its form, for each engine that would read it (the model's and each profile's): a
+    # source an engine cannot read is refused now, not after its starts failed and were
+    # retried.
+    for field, engine in (("engine", spec.engine),
+                          *((f"profiles[{i}].engine", p.engine)
+                            for i, p in enumerate(spec.profiles))):
+        problem = engine_source_problem(engine, spec.source)
+        if problem is not None:
+            raise field_error("source", spec.source,
+                              problem if field == "engine" else f"{field}: {problem}")
     if spec.memory_bytes is not None:
         return CatalogModel(**spec.model_dump())
     if spec.engine is not EngineKind.LLAMACPP:
@@ -177,6 +192,13 @@ def catalog_entry(spec: ModelSpec, policy: SourcePolicy) -> CatalogModel:
     try:
         path = resolve_model_path(spec.source, policy=policy)
     except EngineConfigError as exc:
+        if exc.field == "source" and exc.reason == NO_SUCH_FILE:
+            # The one local file the API reads: to estimate its memory. Any other path is
+            # the nodes' to check (they may hold files this machine does not).
+            raise field_error("source", spec.source,
+                              f"{NO_SUCH_FILE} on the API's machine, which reads it to "
+                              "estimate memory_bytes; declare memory_bytes when the file "
+                              "is on the nodes only") from None
         raise field_error("memory_bytes", None,
                           f"cannot be estimated ({exc}); declare it") from None
     return CatalogModel(**{**spec.model_dump(),
@@ -224,15 +246,72 @@ async def get_model(model_id: str, store: StoreDep, settings: SettingsDep) -> Mo
     return ModelView.model_validate(fields)
 
 
+class ModelChanged(Frozen):
+    """PATCH /models/{id}: the entry as it is now, what changed, and the deployments that
+    serve it: their replicas run the old spec (outdated) until restarted."""
+
+    model: CatalogModel
+    changes: list[str]
+    deployments: list[str]
+    #: How many deployments serve it (``deployments`` lists at most MAX_NAMED_DEPLOYMENTS).
+    deployment_count: int
+
+
+#: Deployments named in an answer about a model (a change, a refused removal): enough to
+#: act on, bounded however many serve it.
+MAX_NAMED_DEPLOYMENTS = 20
+
+
+@router.patch("/models/{model_id:path}", response_model=ModelChanged,
+              responses=problems(404))
+async def change_model(model_id: str, patch: ModelPatch, store: StoreDep,
+                       operator: OperatorDep, *, settings: SettingsDep) -> ModelChanged:
+    """Change a model's memory, engine arguments or source while it may be deployed; the
+    result is judged as ``POST /models`` judges a new entry (422 naming the field).
+    Replicas running keep the old spec and show as outdated: a restart
+    (``POST /deployments/{id}/restart``) rolls the change out."""
+    model = await store.catalog.get_model(model_id)
+    if model is None:
+        raise HTTPException(404, f"model {model_id!r} is not in the catalog")
+    try:
+        fields = patched_spec(model, patch)
+    except PatchRefused as exc:
+        raise field_error(exc.field, exc.value, str(exc)) from None
+    try:
+        spec = ModelSpec.model_validate(fields)
+    except ValidationError as exc:
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) \
+            from None
+    entry = catalog_entry(spec, source_policy(settings))
+    changes = spec_changes(model, entry)
+    if changes:
+        updated = await store.catalog.update_spec(entry)
+        if updated is None:
+            raise HTTPException(404, f"model {model_id!r} is not in the catalog")
+        await store.events.record_event(change(
+            operator, "model.changed", f"model {model_id} changed: {'; '.join(changes)}",
+            data={"changes": changes}))
+        model = updated
+    named, count = await store.catalog.deployments_of(model_id, limit=MAX_NAMED_DEPLOYMENTS)
+    return ModelChanged(model=model, changes=changes, deployments=named,
+                        deployment_count=count)
+
+
 @router.delete("/models/{model_id:path}", status_code=204, responses=problems(404, 409))
 async def delete_model(model_id: str, store: StoreDep, operator: OperatorDep) -> None:
-    """Remove a model; 409 while it is deployed."""
+    """Remove a model; 409 while it is deployed, naming the deployments that serve it."""
     try:
         if not await store.catalog.delete_model(model_id):
             raise HTTPException(404, f"model {model_id!r} is not in the catalog")
     except ModelInUseError:
-        raise HTTPException(409, f"model {model_id!r} has a deployment; delete it first") \
-            from None
+        named, count = await store.catalog.deployments_of(model_id,
+                                                          limit=MAX_NAMED_DEPLOYMENTS)
+        more = f" and {count - len(named)} more" if count > len(named) else ""
+        which = (f"deployment(s) {', '.join(named)}{more} serve it" if named
+                 else "a deployment serves it")
+        raise HTTPException(409, f"model {model_id!r} is in use: {which}; delete them "
+                                 "first (modelkeeper rm DEPLOYMENT)") from None
     await store.events.record_event(change(operator, "model.removed", f"model {model_id} removed"))
 
 

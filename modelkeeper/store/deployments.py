@@ -358,9 +358,14 @@ def _policy_json(policy: ScalingPolicy | None) -> dict[str, Any] | None:
 
 _REPLICA_SELECT = """
     SELECT r.replica_id, r.deployment_id, d.model_id, r.state, r.endpoint, r.started_at,
-           r.ready_at, r.generation, r.runs_model_id, r.generation < d.generation AS outdated,
+           r.ready_at, r.generation, r.runs_model_id,
+           -- Outdated: placed on an older generation, or before its model's spec changed
+           -- (PATCH /models/{id}): placement reads the catalog when it inserts the row.
+           (r.generation < d.generation
+            OR COALESCE(r.created_at < m.spec_changed_at, false)) AS outdated,
            r.profile, r.shards_ready, r.relaunch_note,
            COALESCE((SELECT array_agg(a.node_id ORDER BY a.rank) FROM allocations a
                      WHERE a.replica_id = r.replica_id), '{}') AS nodes
     FROM replicas r JOIN deployments d USING (deployment_id)
+    LEFT JOIN models m ON m.model_id = COALESCE(r.runs_model_id, d.model_id)
 """

@@ -1,0 +1,5 @@
+-- 0028: the catalog changes live (PATCH /models/{id}, docs/operations.md "Changing a
+-- model"). When the model's spec (memory, engine arguments, source) last changed; NULL:
+-- never since it was added. A replica placed before it runs the old spec and shows as
+-- outdated until a restart replaces it.
+ALTER TABLE models ADD COLUMN spec_changed_at timestamptz;
