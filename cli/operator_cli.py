@@ -482,6 +482,11 @@ def _models_request(args: argparse.Namespace) -> Request:
                        then=partial(_removed, args.model_id))
     if args.action == "show":
         return Request("GET", f"/models/{args.model_id}")
+    if args.action == "edit":
+        return _model_edit_request(args)
+    if args.apply:
+        raise UsageError(f"--apply goes with models edit (it restarts the deployments of "
+                         f"the changed model), not models {args.action}")
     if not args.engine:
         raise UsageError(f"models add {args.model_id!r}: --engine is required, one of "
                          f"{', '.join(EngineKind)}")
@@ -504,6 +509,73 @@ def _models_request(args: argparse.Namespace) -> Request:
     if getattr(args, "profiles", None):
         model["profiles"] = _profiles_file(args.profiles)
     return Request("POST", "/models", body=model)
+
+
+def _model_edit_request(args: argparse.Namespace) -> Request:
+    """``models edit``: PATCH /models/ID with the parts given (engine arguments laid over
+    the model's, which it reads first), then, with ``--apply``, a restart of each
+    deployment serving it (:func:`_apply_change`)."""
+    for flag in ("engine", "profiles", "weights", "default_max_tokens", "max_tokens_limit",
+                 "gpus", "min_nodes", "engine_version"):
+        if getattr(args, flag, None) not in (None, [], False):
+            raise UsageError(f"models edit: --{flag.replace('_', '-')} cannot change: a "
+                             "model's memory (--memory), engine arguments (--engine-arg, "
+                             "--unset-engine-arg), source (--source) and sha256 (--sha256) "
+                             "can; for anything else add a new model and switch to it")
+    patch: dict[str, Any] = {}
+    if args.memory:
+        try:
+            patch["memory_bytes"] = parse_bytes(args.memory)
+        except ValueError as exc:
+            raise UsageError(f"--memory: {exc}") from exc
+    if args.source:
+        patch["source"] = args.source
+    if args.sha256 is not None:
+        patch["sha256"] = None if args.sha256 == "none" else args.sha256
+    given = _engine_args(args.engine_args)
+    unset = list(args.unset_engine_args)
+    if not patch and not given and not unset:
+        raise UsageError(f"models edit {args.model_id!r}: give what changes: --memory, "
+                         "--engine-arg KEY=VALUE, --unset-engine-arg KEY, --source or "
+                         "--sha256")
+    path = f"/models/{args.model_id}"
+
+    def send(engine_args: dict[str, Any] | None) -> Request:
+        body = patch if engine_args is None else {**patch, "engine_args": engine_args}
+        return Request("PATCH", path, body=body,
+                       then=_apply_change if args.apply else None)
+
+    if not given and not unset:
+        return send(None)
+
+    def merged(model: dict[str, Any]) -> Request:
+        current = dict(model.get("engine_args") or {})
+        missing = [k for k in unset if k not in current]
+        if missing:
+            raise UsageError(f"--unset-engine-arg {missing[0]}: model {args.model_id!r} has "
+                             f"no such engine argument (it has: "
+                             f"{', '.join(sorted(current)) or 'none'})")
+        for key in unset:
+            del current[key]
+        return send({**current, **given})
+    return Request("GET", path, then=merged)
+
+
+def _apply_change(answer: dict[str, Any]) -> Request | dict[str, Any]:
+    """After a change: a restart of each deployment serving the model, one after the
+    other, each answer kept in ``operations``; the change itself when none serves it."""
+    answer = {**answer, "operations": []}
+    return _next_restart(answer, list(answer["deployments"]), None)
+
+
+def _next_restart(answer: dict[str, Any], todo: list[str],
+                  started: dict[str, Any] | None) -> Request | dict[str, Any]:
+    if started is not None:
+        answer["operations"].append(started)
+    if not todo:
+        return answer
+    return Request("POST", f"/deployments/{todo[0]}/restart",
+                   then=partial(_next_restart, answer, todo[1:]))
 
 
 def _profiles_file(path: str) -> Any:
@@ -850,8 +922,34 @@ def _models_text(args: argparse.Namespace, result: Any) -> str:
             return f"model {result['model_id']} removed"
         case "show":
             return _model_text(result)
+        case "edit":
+            return _model_changed_text(args, result)
         case _:
             return f"model {result['model_id']} added ({_mem(result['memory_bytes'])})"
+
+
+def _model_changed_text(args: argparse.Namespace, result: dict[str, Any]) -> str:
+    """``models edit``: what changed, which deployments run the old spec, and the
+    restarts ``--apply`` started."""
+    model = result["model"]["model_id"]
+    if not result["changes"]:
+        return f"model {model}: nothing changed (it already has these values)"
+    lines = [f"model {model} changed: {'; '.join(result['changes'])}"]
+    named, count = result["deployments"], result["deployment_count"]
+    more = f" and {count - len(named)} more" if count > len(named) else ""
+    operations = result.get("operations")
+    if not named:
+        lines.append("no deployment serves it: new replicas run the new spec")
+    elif operations is None:
+        lines.append(f"deployments serving it: {', '.join(named)}{more}; their replicas run "
+                     f"the old spec (outdated in ls) until restarted: modelkeeper restart "
+                     f"DEPLOYMENT, or models edit {model} ... --apply")
+    else:
+        lines.append("rolling it out: a restart of each deployment serving it"
+                     + (f" ({count - len(named)} more not restarted: restart them by name)"
+                        if more else ""))
+        lines += [_started_text(args, o) for o in operations]
+    return "\n".join(lines)
 
 
 def measured_line(m: dict[str, Any]) -> str:
@@ -1302,7 +1400,7 @@ def _size_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _models_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", nargs="?", choices=["ls", "show", "add", "rm"],
+    parser.add_argument("action", nargs="?", choices=["ls", "show", "add", "edit", "rm"],
                         default="ls")
     parser.add_argument("model_id", nargs="?")
     parser.add_argument("--engine", choices=[e.value for e in EngineKind])
@@ -1329,6 +1427,15 @@ def _models_flags(parser: argparse.ArgumentParser) -> None:
                              "gpus, cpu_cores, engine_args, engine_version, priority}), "
                              "tried in priority "
                              "order where a replica is placed (docs/capacity.md)")
+    parser.add_argument("--unset-engine-arg", dest="unset_engine_args", action="append",
+                        default=[], metavar="KEY",
+                        help="edit: remove this engine argument; repeatable")
+    parser.add_argument("--sha256", metavar="HEX",
+                        help="edit: the SHA-256 of the new source's file ('none': check "
+                             "nothing); a model with one needs it with a new --source")
+    parser.add_argument("--apply", action="store_true",
+                        help="edit: roll the change out now, restarting each deployment "
+                             "that serves the model (a saga each, with rollback)")
 
 
 # ----------------------------------------------------------------------------------------
@@ -1362,8 +1469,9 @@ COMMANDS: tuple[Command, ...] = (
             _nodes_request, _nodes_text),
     Command("explain", "dry-run placement of one replica of a model", _explain_flags,
             _explain_request, _explain_text),
-    Command("models", "list the model catalog, show one (with its measured capacity), or "
-            "add/remove a model", _models_flags, _models_request, _models_text),
+    Command("models", "list the model catalog, show one (with its measured capacity), "
+            "add, edit (memory, engine arguments, source; --apply restarts its deployments) "
+            "or remove a model", _models_flags, _models_request, _models_text),
     Command("size", "how many replicas a target rate needs, by the model's measured "
             "capacity, against the room there is", _size_flags, _size_request, _size_text),
     Command("scale", "set a deployment's replica count, or its scaling policy", _scale_flags,
