@@ -64,7 +64,8 @@ def test_the_api_url_follows_the_bind_host() -> None:
     assert Settings(api_port=8500, api_url="http://x:1").api_url == "http://x:1"
 
 
-def test_the_banner_prints_the_export_a_second_shell_needs(tmp_path: Path) -> None:
+def test_the_banner_prints_the_export_a_second_shell_needs(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     default = stack.banner(Settings())
     assert "export" not in default
     moved = stack.banner(Settings(api_port=8500, data_dir=tmp_path))
@@ -73,9 +74,11 @@ def test_the_banner_prints_the_export_a_second_shell_needs(tmp_path: Path) -> No
         f"  CLI            export MODELKEEPER_API_URL=http://127.0.0.1:8500 "
         f"MODELKEEPER_TOKEN_FILE={tmp_path / 'operator-token'}")
     # Exported, that line is what the CLI then uses.
-    words = dict(w.split("=", 1) for w in line.split("export ")[1].split("   (")[0].split())
-    assert Settings(**{k.removeprefix("MODELKEEPER_").lower(): v
-                       for k, v in words.items()}).api_url == "http://127.0.0.1:8500"
+    for word in line.split("export ")[1].split("   (")[0].split():
+        monkeypatch.setenv(*word.split("=", 1))
+    shell = Settings()
+    assert shell.api_url == "http://127.0.0.1:8500"
+    assert shell.token_file == tmp_path / "operator-token"
 
 
 # -- 6. a second agent on this machine ---------------------------------------------------
@@ -105,9 +108,8 @@ def test_gateway_auth_asked_for_in_the_environment_reaches_the_gateway(
     settings = load_settings(build_parser().parse_args(["up", "--data-dir", str(tmp_path)]))
     env = stack.env_for("gateway", stack.component_env(settings, "postgresql://x"))
     # What the gateway process reads, from exactly the environment `up` gives it.
-    gateway = {k.removeprefix("MODELKEEPER_").lower(): v for k, v in env.items()
-               if k == "MODELKEEPER_GATEWAY_AUTH"}
-    assert Settings(**gateway).gateway_auth is True
+    monkeypatch.setattr(os, "environ", env)
+    assert Settings().gateway_auth is True
     assert "AUTH OFF" not in stack.banner(settings)
 
 
