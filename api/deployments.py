@@ -41,7 +41,7 @@ from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_n
 from modelkeeper.domain.ids import DeploymentId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec
 from modelkeeper.domain.operators import Operator, scope_refusal
-from modelkeeper.domain.placement import PlacementRequest, explain
+from modelkeeper.domain.placement import explain
 from modelkeeper.domain.profiles import ProfilePlacement, place_profiles, profile_candidates
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.sources import SourceKind, SourcePolicy, SourceRefused, check_source
@@ -121,6 +121,9 @@ class Explanation(BaseModel):
     """GET /placement/explain: where a replica would go, or why it can't go anywhere."""
 
     model_id: str
+    #: The deployment whose next replica it places (its labels, nodes and class apply);
+    #: None: the model is not deployed, and only its own needs apply.
+    deployment_id: str | None = None
     fits: bool
     nodes_chosen: list[str]
     summary: str | None
@@ -734,13 +737,33 @@ async def list_replicas(store: StoreDep) -> list[ReplicaView]:
 
 @router.get("/placement/explain", response_model=Explanation, responses=problems(404))
 async def explain_placement(
-    store: StoreDep, settings: SettingsDep, model_id: str, *,
+    store: StoreDep, settings: SettingsDep, model_id: str | None = None, *,
+    deployment_id: str | None = None,
     node_ids: list[str] | None = Query(default=None),  # noqa: B008 - FastAPI's idiom
     min_nodes: int = Query(default=1, ge=1, le=64),
 ) -> Explanation:
     """Dry run: where one replica would go now, or every node and why it was rejected.
-    When the model is deployed, its replicas' nodes count as placement counts them: a node
-    without one is preferred, and the note says when the replica would have to share."""
+    Of a deployment (``deployment_id``), or of the deployment of ``model_id`` when it has
+    one, it asks as that deployment's workflow would: the model it runs, its labels,
+    nodes, minimum of nodes, class and owner; its replicas' nodes count as placement
+    counts them (a node without one is preferred; the note says when the replica would
+    have to share). ``node_ids`` narrows the nodes further."""
+    deployment = None
+    if deployment_id is not None:
+        deployment = await store.deployments.get_deployment(deployment_id)
+        if deployment is None:
+            raise HTTPException(404, f"deployment {deployment_id!r} does not exist")
+        if model_id is not None and model_id not in (deployment.model_id,
+                                                     deployment.runs_model_id):
+            raise HTTPException(422, f"model_id {model_id!r} is not what deployment "
+                                     f"{deployment_id} runs ({_runs_of(deployment)}): "
+                                     "give one of them")
+        model_id = _runs_of(deployment)
+    elif model_id is None:
+        raise HTTPException(422, "give model_id or deployment_id: the model or the "
+                                 "deployment whose next replica to place")
+    else:
+        deployment = await store.deployments.get_deployment_by_model(model_id)
     model = await store.catalog.get_model(model_id)
     if model is None:
         raise HTTPException(404, f"model {model_id!r} is not in the catalog")
@@ -749,16 +772,18 @@ async def explain_placement(
         model.memory_bytes, calibration, margin=settings.oom_calibration_margin)
     # Placement claims the calibrated memory (activities.store): so does its dry run.
     model = with_calibration(model, calibration, margin=settings.oom_calibration_margin)
-    deployment = await store.deployments.get_deployment_by_model(model_id)
-    request = PlacementRequest(
-        model_id=model.model_id, memory_bytes=model.memory_bytes, cpu_cores=model.cpu_cores,
-        gpus=model.gpus, min_nodes=max(min_nodes, model.min_nodes),
-        engine=model.engine, engine_version=model.engine_version,
-        node_ids=await resolve_node_ids(store, node_ids, loc=("query", "node_ids"))
-        if node_ids else None,
-        deployment_id=None if deployment is None else deployment.deployment_id,
-        sibling_node_ids=[] if deployment is None else
-        sorted({n for r in deployment.replicas for n in r.nodes}))
+    asked = await resolve_node_ids(store, node_ids, loc=("query", "node_ids")) \
+        if node_ids else None
+    if deployment is not None and deployment.node_ids:
+        # Its own nodes, narrowed to those asked about.
+        asked = [n for n in deployment.node_ids if asked is None or n in asked]
+    request = room.placement_request(
+        model, min_nodes=max(min_nodes, 1 if deployment is None else deployment.min_nodes),
+        node_ids=asked, labels={} if deployment is None else deployment.labels,
+        deployment=deployment)
+    if deployment is not None:
+        request = request.model_copy(update={"capacity_class": deployment.runs_as,
+                                             "owner": deployment.owner})
     views = await store.placement.list_node_views(
         datetime.now(UTC), unreachable_after_s=settings.node_unreachable_after_s,
         lost_after_s=settings.node_lost_after_s)
@@ -772,7 +797,9 @@ async def explain_placement(
         chosen, summary, note = [], result.summary, None
     decisions = explain(judged.request, views)
     return Explanation(
-        model_id=model_id, fits=bool(chosen), nodes_chosen=chosen, summary=summary, note=note,
+        model_id=model_id,
+        deployment_id=None if deployment is None else deployment.deployment_id,
+        fits=bool(chosen), nodes_chosen=chosen, summary=summary, note=note,
         profile=judged.name,
         calibration=shown,
         nodes=[NodeVerdict(node_id=d.node_id, name=d.node_name, fits=d.fits,
@@ -808,6 +835,11 @@ async def _existing(store: Store, deployment_id: str) -> DeploymentView:
     if view is None:
         raise HTTPException(404, f"deployment {deployment_id!r} does not exist")
     return view
+
+
+def _runs_of(deployment: DeploymentView) -> str:
+    """The catalog model a deployment's new replicas run (after a switch, not its name)."""
+    return deployment.runs_model_id or deployment.model_id
 
 
 def _summary(request: DeploymentRequest) -> str:

@@ -469,7 +469,18 @@ def _size_request(args: argparse.Namespace) -> Request:
 
 
 def _explain_request(args: argparse.Namespace) -> Request:
-    return Request("GET", "/placement/explain", params={"model_id": args.model_id})
+    """Of a model, or (``--deployment``, by id or model id) of a deployment's next
+    replica: its labels, nodes and class apply."""
+    if args.deployment is None:
+        if args.model_id is None:
+            raise UsageError("explain needs a MODEL or --deployment DEPLOYMENT, and neither "
+                             "was given")
+        return Request("GET", "/placement/explain", params={"model_id": args.model_id})
+    extra = {} if args.model_id is None else {"model_id": args.model_id}
+    return Request("GET", "/deployments", then=partial(
+        _deployment_request, args.command, args.deployment,
+        lambda d: Request("GET", "/placement/explain",
+                          params={"deployment_id": d, **extra})))
 
 
 def _models_request(args: argparse.Namespace) -> Request:
@@ -899,9 +910,10 @@ def _explain_text(args: argparse.Namespace, result: Any) -> str:
     names = {n.get("node_id"): n["name"] for n in result["nodes"]}
     chosen = ", ".join(names.get(i, i) for i in result["nodes_chosen"])
     profile = f" (profile {result['profile']})" if result.get("profile") else ""
-    head = (f"{result['model_id']}: fits on {chosen}{profile}"
-            if result["fits"] else f"{result['model_id']}: cannot be placed: "
-                                   f"{result['summary']}")
+    what = result["model_id"] + (f" (deployment {result['deployment_id']})"
+                                 if result.get("deployment_id") else "")
+    head = (f"{what}: fits on {chosen}{profile}"
+            if result["fits"] else f"{what}: cannot be placed: {result['summary']}")
     if result.get("note"):
         head += f"\n{result['note']}"
     if result.get("calibration"):
@@ -1268,7 +1280,11 @@ def _rm_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _explain_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_id")
+    parser.add_argument("model_id", nargs="?", metavar="MODEL",
+                        help="a catalog model (when it is deployed, as its deployment asks)")
+    parser.add_argument("--deployment", metavar="DEPLOYMENT",
+                        help="a deployment's next replica, by id or model id: its labels, "
+                             "nodes, minimum of nodes and class apply")
 
 
 def _deployment_flags(parser: argparse.ArgumentParser) -> None:
@@ -1467,7 +1483,8 @@ COMMANDS: tuple[Command, ...] = (
             _rm_text),
     Command("nodes", "list nodes, or remove one (nodes rm NODE [--force])", _nodes_flags,
             _nodes_request, _nodes_text),
-    Command("explain", "dry-run placement of one replica of a model", _explain_flags,
+    Command("explain", "dry-run placement of one replica of a model, or of a deployment "
+            "(--deployment: its labels and nodes apply)", _explain_flags,
             _explain_request, _explain_text),
     Command("models", "list the model catalog, show one (with its measured capacity), "
             "add, edit (memory, engine arguments, source; --apply restarts its deployments) "

@@ -116,3 +116,30 @@ def test_edit_that_changed_nothing_says_so() -> None:
         "model m: nothing changed (it already has these values)")
     assert json.loads(render(parse("models", "edit", "m", "--memory", "1GiB", "--json"),
                              unchanged)) == unchanged
+
+
+# --- explain --deployment --------------------------------------------------------------
+
+DEPLOYMENTS = [{"deployment_id": "d-1", "model_id": "chat"}]
+EXPLAINED = {"model_id": "chat", "deployment_id": "d-1", "fits": False, "nodes_chosen": [],
+             "summary": "no node has label gpu=a100",
+             "nodes": [{"node_id": "n-vm", "name": "vm", "fits": False,
+                        "message": "lacks label gpu=a100"}]}
+
+
+def test_explain_of_a_deployment_by_name_asks_for_its_next_replica() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/deployments":
+            return httpx.Response(200, json=DEPLOYMENTS)
+        return httpx.Response(200, json=EXPLAINED)
+
+    lines, sent = run(["explain", "--deployment", "chat"], handler)
+    assert sent == ["GET /deployments", "GET /placement/explain?deployment_id=d-1"]
+    assert lines[0].splitlines()[0] == (
+        "chat (deployment d-1): cannot be placed: no node has label gpu=a100")
+    with pytest.raises(UsageError, match="explain needs a MODEL or --deployment"):
+        run_operator_command(parse("explain"), API, print,
+                             transport=httpx.MockTransport(handler))
+    with pytest.raises(UsageError, match="no deployment has that id or model id"):
+        run_operator_command(parse("explain", "--deployment", "nope"), API, print,
+                             transport=httpx.MockTransport(handler))
