@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import re
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -51,6 +52,7 @@ from modelkeeper.domain.demand import MAX_LOAD_WAIT_S, MAX_PERIOD_S, ScalingPoli
 from modelkeeper.domain.no_room import MAX_PLAN_NUMBER, IfNoRoom
 from modelkeeper.domain.operators import OperatorRole, name_problem
 from modelkeeper.domain.shards import EngineKind
+from modelkeeper.domain.status import failure_is_current
 from modelkeeper.domain.topology import FACILITY_CAP_KEY
 from modelkeeper.domain.units import format_duration, format_gib, parse_bytes, parse_duration
 from modelkeeper.settings import Settings
@@ -784,6 +786,30 @@ def table(rows: list[list[str]], headers: list[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+#: The narrowest and widest a long free-text cell of a table (an operation's summary or
+#: error) is cut to: a sentence of a summary stays whole even on a narrow terminal, and
+#: one of 600 characters is one line on a wide one.
+MIN_CELL_CHARS = 60
+MAX_CELL_CHARS = 120
+#: The ellipsis a cut cell ends with.
+ELLIPSIS = "…"
+
+
+def clip(text: str, width: int) -> str:
+    """``text`` on one line of at most ``width`` characters: newlines become spaces, and
+    a longer one is cut, ending with an ellipsis."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[:max(width - 1, 0)].rstrip() + ELLIPSIS
+
+
+def cell_width() -> int:
+    """How wide a long cell may be: half the terminal (the rest of its row beside it),
+    within MIN_CELL_CHARS and MAX_CELL_CHARS; the widest when not a terminal (a file or a
+    pipe has no width, and a line of 600 characters is still cut)."""
+    columns = shutil.get_terminal_size((2 * MAX_CELL_CHARS, 24)).columns
+    return max(MIN_CELL_CHARS, min(MAX_CELL_CHARS, columns // 2))
+
+
 def _mem(value: int | None) -> str:
     return "-" if value is None else format_gib(value)
 
@@ -802,7 +828,11 @@ def _reason(deployment: dict[str, Any]) -> str:
                 reason += f"; its replacement cannot be placed: {deployment['placement_error']}"
             return reason
         case "serving" | "stopped" | "idle" | "sleeping":
-            return f"(last failure: {last})" if last else ""
+            # Only while it belongs to what runs now: a restart (or switch, reconfigure)
+            # since has replaced what failed.
+            current = failure_is_current(deployment.get("last_failure_generation"),
+                                         deployment.get("generation", 0))
+            return f"(last failure: {last})" if last and current else ""
         case "loading":
             # Who asked and since when (the keeper's reason, e.g. "3 request(s) waiting").
             since = deployment.get("loading_since")
@@ -1035,8 +1065,12 @@ def _cordon_text(args: argparse.Namespace, result: Any) -> str:
 def _operations_text(args: argparse.Namespace, result: Any) -> str:
     match args.action:
         case "ls":
+            # One line each: a summary or error of hundreds of characters is cut (ops
+            # show ID, and --json, give it whole).
+            width = cell_width()
             return table([[o["operation_id"], o["state"], o["updated_at"] or "",
-                           o["summary"], o["error"] or ""] for o in result],
+                           clip(o["summary"], width), clip(o["error"] or "", width)]
+                          for o in result],
                          ["id", "state", "updated", "summary", "error"])
         case "show":
             return _operation_text(result)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import PurePosixPath
 from typing import Annotated, Any, Self
@@ -442,6 +443,9 @@ class DeploymentView(Frozen):
     consecutive_failures: int
     last_failure: str | None
     min_nodes: int
+    #: The generation ``last_failure`` happened on; None: none, or unknown (recorded
+    #: before 0028). Older than ``generation``: over (status.failure_is_current).
+    last_failure_generation: int | None = None
     node_ids: list[NodeId] | None
     labels: dict[str, str]
     replicas: list[ReplicaView]
@@ -469,6 +473,30 @@ class DeploymentView(Frozen):
     #: The class it runs as (modelkeeper.domain.capacity.effective_class).
     runs_as: CapacityClass = CapacityClass.STANDARD
     owner: str | None = None
+
+
+def current_placement_note(note: str | None, replicas: Sequence[ReplicaView]) -> str | None:
+    """The keeper's placement note (``"<replica> shares node n1 with another replica
+    ...; <replica> ..."``) without the parts of replicas that no longer share a node with
+    another live one of the deployment: once the replica it shared with is gone (the old
+    one a restart replaced), "shares node vm with another replica" of a 1/1 deployment
+    is not true any more. A part that names no replica of ``replicas`` is kept as it is."""
+    if not note:
+        return note
+    ids = {r.replica_id for r in replicas}
+    groups: list[tuple[str | None, list[str]]] = []
+    for part in note.split("; "):
+        first = part.split(" ", 1)[0]
+        if first in ids or not groups:
+            groups.append((first if first in ids else None, [part]))
+        else:
+            groups[-1][1].append(part)  # a "; " inside one replica's note
+    live = [r for r in replicas if r.state is not ReplicaState.STOPPING]
+    sharing = {r.replica_id for r in live
+               if any(set(r.nodes) & set(o.nodes) for o in live if o is not r)}
+    kept = ["; ".join(parts) for replica_id, parts in groups
+            if replica_id is None or replica_id in sharing]
+    return "; ".join(kept) or None
 
 
 def scaling_summary(policy: ScalingPolicy | None) -> str:

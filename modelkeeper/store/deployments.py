@@ -20,6 +20,7 @@ from ..domain.catalog import (
     DeploymentView,
     ReplicaStateUpdate,
     ReplicaView,
+    current_placement_note,
 )
 from ..domain.demand import ScalingPolicy
 from ..domain.events import Event, NewEvent
@@ -148,6 +149,12 @@ class DeploymentStore:
             UPDATE deployments SET
                 status = CASE WHEN status = 'deleting' THEN status ELSE $2 END,
                 placement_error = $3, consecutive_failures = $4, last_failure = $5,
+                -- The generation a failure was first written on (a failure written again
+                -- keeps it): one older than the deployment's is over.
+                last_failure_generation = CASE
+                    WHEN $5::text IS NULL THEN NULL
+                    WHEN last_failure IS DISTINCT FROM $5::text THEN $7
+                    ELSE last_failure_generation END,
                 replicas = $6, generation = $7, runs_model_id = $8, placement_note = $9,
                 scaling = $10, loading_since = $11, loading_reason = $12,
                 demand_note = $13, updated_at = now()
@@ -213,11 +220,14 @@ class DeploymentStore:
                 desired_replicas=row["replicas"],
                 ready_replicas=sum(1 for r in reps if r.state is ReplicaState.READY),
                 consecutive_failures=row["consecutive_failures"],
-                last_failure=row["last_failure"], min_nodes=row["min_nodes"],
+                last_failure=row["last_failure"],
+                last_failure_generation=row["last_failure_generation"],
+                min_nodes=row["min_nodes"],
                 node_ids=row["node_ids"], labels=row["labels"], replicas=reps,
                 workflow_id=row["workflow_id"], created_at=row["created_at"],
                 updated_at=row["updated_at"], generation=row["generation"],
-                runs_model_id=row["runs_model_id"], placement_note=row["placement_note"],
+                runs_model_id=row["runs_model_id"],
+                placement_note=current_placement_note(row["placement_note"], reps),
                 scaling=row["scaling"], loading_since=row["loading_since"],
                 loading_reason=row["loading_reason"], demand_note=row["demand_note"],
                 capacity_class=row["capacity_class"], owner=row["owner"],

@@ -3,7 +3,9 @@
 * ``GET /placement/explain`` of a deployment (or of a deployed model) applies its labels:
   it never says "fits on vm" for a deployment that needs a label no node has;
 * ``GET /operations?deployment=&node=`` take names as everywhere else (a model id, a node
-  name), and still ids that name nothing now (a deleted deployment's operations stay).
+  name), and still ids that name nothing now (a deleted deployment's operations stay);
+* a deployment's last failure keeps the generation it happened on, so that `ls` stops
+  showing it once a restart has replaced what failed.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from modelkeeper.domain.catalog import DeploymentStatusUpdate
 from modelkeeper.domain.ids import DeploymentId, NodeId
 from modelkeeper.domain.nodes import AgentRegistration, Inventory
 from modelkeeper.domain.operations import OperationKind
+from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.store import Store
 
 pytestmark = pytest.mark.timeout(60)
@@ -79,3 +83,24 @@ async def test_operations_are_listed_by_deployment_and_node_names(
     assert await listed(node="vm") == await listed(node="n-vm") == [drain.operation_id]
     assert await listed(deployment="d-deleted") == [gone.operation_id]
     assert await listed(deployment="nothing-at-all") == []
+
+
+async def test_a_failure_keeps_the_generation_it_happened_on(
+        api: httpx.AsyncClient, store: Store) -> None:
+    deployment_id = await _vm_and_a_deployment_needing_a_label(api, store)
+
+    async def written(last_failure: str | None, generation: int) -> tuple[object, ...]:
+        await store.deployments.record_deployment_status(DeploymentStatusUpdate(
+            deployment_id=DeploymentId(deployment_id), status=DeploymentStatus.SERVING,
+            placement_error=None, consecutive_failures=0, last_failure=last_failure,
+            desired_replicas=1, generation=generation))
+        view = await store.deployments.get_deployment(deployment_id)
+        assert view is not None
+        return view.last_failure, view.last_failure_generation, view.generation
+
+    oom = "d-r1: engine exited (oom)"
+    assert await written(oom, 4) == (oom, 4, 4)
+    # Written again by a restart's status writes (generation 5): it stays generation 4's.
+    assert await written(oom, 5) == (oom, 4, 5)
+    assert await written("d-r2: start failed", 5) == ("d-r2: start failed", 5, 5)
+    assert await written(None, 6) == (None, None, 6)
