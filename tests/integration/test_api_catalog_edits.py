@@ -168,3 +168,13 @@ async def test_a_missing_local_file_the_api_reads_is_refused_naming_the_source(
     [error] = resp.json()["detail"]
     assert (error["loc"], error["input"]) == (["body", "source"], missing)
     assert error["msg"].startswith("no such file on the API's machine"), error
+
+
+async def test_a_change_breaking_a_rule_across_fields_is_a_422(
+        api: httpx.AsyncClient) -> None:
+    body = {**SIM, "memory_bytes": 4 * GIB, "weights_bytes": 3 * GIB}
+    assert (await api.post("/models", json=body)).status_code == 201
+    resp = await api.patch("/models/sim-a", json={"memory_bytes": 2 * GIB})
+    assert resp.status_code == 422, resp.text
+    [error] = resp.json()["detail"]
+    assert "weights_bytes" in error["msg"] and "memory_bytes" in error["msg"], error
