@@ -1399,8 +1399,9 @@ def _drain_flags(parser: argparse.ArgumentParser) -> None:
 def _operations_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", nargs="?", choices=["ls", "show", "cancel"], default="ls")
     parser.add_argument("operation_id", nargs="?", metavar="ID")
-    parser.add_argument("--deployment", help="ls: only this deployment's")
-    parser.add_argument("--node", help="ls: only this node's")
+    parser.add_argument("--deployment",
+                        help="ls: only this deployment's (by id or model id)")
+    parser.add_argument("--node", help="ls: only this node's (by id or name)")
     parser.add_argument("--state", help="ls: only in this state (running, failed, ...)")
     parser.add_argument("--limit", type=int, help="ls: at most this many (default 50)")
 
