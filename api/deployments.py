@@ -13,6 +13,7 @@ from fastapi import APIRouter, HTTPException, Query, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
+from starlette.convertors import PathConvertor, register_url_convertor
 from temporalio.api.errordetails.v1 import NotFoundFailure
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
@@ -265,7 +266,18 @@ class ModelChanged(Frozen):
 MAX_NAMED_DEPLOYMENTS = 20
 
 
-@router.patch("/models/{model_id:path}", response_model=ModelChanged,
+class CatalogPathConvertor(PathConvertor):
+    """A model id in a path that may hold '/' (``org/name``), but never ends in one of the
+    catalog's sub-resources: a PATCH of ``/models/x/capacity`` (which has no PATCH) is then
+    a 405 naming the methods it has, not a 422 from this route's body."""
+
+    regex = r".+(?<!/capacity)(?<!/headroom)(?<!/size)"
+
+
+register_url_convertor("catalog_path", CatalogPathConvertor())
+
+
+@router.patch("/models/{model_id:catalog_path}", response_model=ModelChanged,
               responses=problems(404))
 async def change_model(model_id: str, patch: ModelPatch, store: StoreDep,
                        operator: OperatorDep, *, settings: SettingsDep) -> ModelChanged:
@@ -755,13 +767,16 @@ async def explain_placement(
             raise HTTPException(404, f"deployment {deployment_id!r} does not exist")
         if model_id is not None and model_id not in (deployment.model_id,
                                                      deployment.runs_model_id):
-            raise HTTPException(422, f"model_id {model_id!r} is not what deployment "
-                                     f"{deployment_id} runs ({_runs_of(deployment)}): "
-                                     "give one of them")
+            raise RequestValidationError([{
+                "type": "value_error", "loc": ("query", "model_id"), "input": model_id,
+                "msg": f"deployment {deployment_id} runs {_runs_of(deployment)}, not this "
+                       "model: give that, or no model_id"}])
         model_id = _runs_of(deployment)
     elif model_id is None:
-        raise HTTPException(422, "give model_id or deployment_id: the model or the "
-                                 "deployment whose next replica to place")
+        raise RequestValidationError([{
+            "type": "missing", "loc": ("query", "model_id"), "input": None,
+            "msg": "give model_id or deployment_id: the model or the deployment whose next "
+                   "replica to place"}])
     else:
         deployment = await store.deployments.get_deployment_by_model(model_id)
     model = await store.catalog.get_model(model_id)

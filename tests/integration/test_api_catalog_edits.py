@@ -178,3 +178,13 @@ async def test_a_change_breaking_a_rule_across_fields_is_a_422(
     assert resp.status_code == 422, resp.text
     [error] = resp.json()["detail"]
     assert "weights_bytes" in error["msg"] and "memory_bytes" in error["msg"], error
+
+
+async def test_a_patch_of_a_catalog_sub_resource_is_a_405(api: httpx.AsyncClient) -> None:
+    assert (await api.post("/models", json={**SIM, "model_id": "org/m"})).status_code == 201
+    # A model id may hold '/': PATCH reaches it.
+    changed = await api.patch("/models/org/m", json={"memory_bytes": 2 * GIB})
+    assert changed.status_code == 200, changed.text
+    for sub in ("capacity", "headroom", "size"):
+        resp = await api.patch(f"/models/org/m/{sub}", json={"memory_bytes": GIB})
+        assert resp.status_code == 405, (sub, resp.text)

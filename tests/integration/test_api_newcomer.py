@@ -59,7 +59,9 @@ async def test_explain_of_a_deployment_applies_its_labels(
                           params={"deployment_id": "d-nope"})).status_code == 404
     mismatch = await api.get("/placement/explain", params={"deployment_id": deployment_id,
                                                            "model_id": "sim-free"})
-    assert mismatch.status_code == 422 and "sim-a" in mismatch.json()["detail"]
+    assert mismatch.status_code == 422
+    [error] = mismatch.json()["detail"]
+    assert error["loc"] == ["query", "model_id"] and "runs sim-a" in error["msg"]
 
 
 async def test_operations_are_listed_by_deployment_and_node_names(
