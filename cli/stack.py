@@ -265,7 +265,9 @@ def lock_data_dir(settings: Settings) -> IO[str]:
     data dir and the running stack's ports) when another `up` holds it."""
     make_private_dir(settings.data_dir, traverse_gid=postgres.system_gid())
     path = settings.data_dir / UP_LOCK_FILE
-    lock = path.open("a+", encoding="utf-8")
+    # Private as the rest of the data dir (its pid and ports are no secret, but nothing
+    # there is anyone else's to read).
+    lock = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "r+", encoding="utf-8")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

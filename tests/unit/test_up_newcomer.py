@@ -136,6 +136,7 @@ def test_a_second_up_on_the_data_dir_is_one_line_naming_it_and_the_ports(
         held.close()
     # Released with its holder: the next up takes it.
     stack.lock_data_dir(first).close()
+    assert (tmp_path / stack.UP_LOCK_FILE).stat().st_mode & 0o077 == 0
 
 
 def test_the_lock_goes_with_the_process_however_it_ends(tmp_path: Path) -> None:
