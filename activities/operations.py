@@ -14,6 +14,7 @@ calls ``begin_operation`` first and ``record_operation`` at each step.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from temporalio import activity
@@ -21,12 +22,15 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
 from modelkeeper.domain.nodes import NodeUpdate
+from modelkeeper.domain.notify import rollback_notice
 from modelkeeper.domain.operations import (
     NodeDeploymentsInput,
     NodeReplica,
     OperationRecord,
+    OperationState,
     SetCordonInput,
 )
+from modelkeeper.infra.notify import start_notice
 from modelkeeper.infra.temporal import signal_unplaceable
 from modelkeeper.names import (
     ACTIVITY_BEGIN_OPERATION,
@@ -35,6 +39,7 @@ from modelkeeper.names import (
     ACTIVITY_SET_CORDON,
     ERROR_OPERATION_CONFLICT,
 )
+from modelkeeper.settings import Settings
 from modelkeeper.store import OperationConflictError, Store
 
 from .saga_stubs import OperationsActivityStubs
@@ -43,10 +48,12 @@ from .saga_stubs import OperationsActivityStubs
 class OperationsActivities(OperationsActivityStubs):
     """The operations' activities, bound to one store and one Temporal client."""
 
-    def __init__(self, store: Store, client: Client) -> None:
+    def __init__(self, store: Store, client: Client, settings: Settings | None = None) -> None:
         self._store = store
         self._operations = store.operations
         self._client = client
+        #: None: no notifications (tests that need none).
+        self._settings = settings
 
     @activity.defn(name=ACTIVITY_BEGIN_OPERATION)
     async def begin_operation(self, record: OperationRecord) -> OperationRecord:
@@ -74,6 +81,13 @@ class OperationsActivities(OperationsActivityStubs):
             await self._operations.save(record)
         except OperationConflictError as exc:
             raise _conflict(exc) from exc
+        if record.state is OperationState.ROLLBACK_INCOMPLETE and self._settings is not None:
+            # A saga may record its end more than once (a retry): the notice is
+            # de-duplicated per hour by its id.
+            await start_notice(self._client, rollback_notice(
+                record.operation_id, record.kind.value, record.error,
+                deployment_id=record.deployment_id, node_id=record.node_id,
+                now=datetime.now(UTC)), self._settings)
 
     @activity.defn(name=ACTIVITY_SET_CORDON)
     async def set_cordon(self, request: SetCordonInput) -> bool:

@@ -28,6 +28,7 @@ from modelkeeper.domain.eviction import NoVictim, VictimKind
 from modelkeeper.domain.ids import NodeId
 from modelkeeper.domain.keeper import DeploymentSpec
 from modelkeeper.domain.nodes import NodeState
+from modelkeeper.domain.notify import parked_notice
 from modelkeeper.domain.placement import CantPlace, Placement, PlacementRequest
 from modelkeeper.domain.settling import SettlingWindow
 from modelkeeper.domain.status import DeploymentStatus
@@ -47,6 +48,7 @@ from modelkeeper.domain.store_activities import (
     WatchForRoomInput,
 )
 from modelkeeper.domain.watchdog import with_calibration
+from modelkeeper.infra.notify import start_cant_place_watch, start_notice
 from modelkeeper.infra.temporal import signal_unplaceable
 from modelkeeper.names import (
     ACTIVITY_DELETE_DEPLOYMENT,
@@ -364,6 +366,25 @@ class StoreActivities:
             kind=f"deployment.{update.status.value}", deployment_id=update.deployment_id,
             message=update.status.value + (f": {reason}" if reason else ""),
             data=update.model_dump(mode="json")))
+        await self._notify(update)
+
+    async def _notify(self, update: DeploymentStatusUpdate) -> None:
+        """A parked deployment is notified at once; an unplaceable one is watched, and
+        notified only if it stays so (workflows/notify.py). After the event, so a notice
+        never precedes its audit entry; an error here retries the whole activity, whose
+        writes are idempotent, so the notice is not lost to a Temporal blip."""
+        if self._client is None:
+            return
+        match update.status:
+            case DeploymentStatus.PARKED:
+                await start_notice(self._client, parked_notice(
+                    update.deployment_id, update.last_failure, update.consecutive_failures,
+                    now=datetime.now(UTC)), self._settings)
+            case DeploymentStatus.CANT_PLACE:
+                await start_cant_place_watch(self._client, update.deployment_id,
+                                             self._settings)
+            case _:
+                pass
 
     @activity.defn(name=ACTIVITY_DELETE_DEPLOYMENT)
     async def delete_deployment(self, request: DeleteDeploymentInput) -> None:

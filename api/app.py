@@ -36,6 +36,7 @@ from . import (
     measured,
     monitoring,
     nodes,
+    notify,
     operations,
     quotas,
     room,
@@ -68,7 +69,8 @@ def create_app(settings: Settings) -> FastAPI:
                # Before deployments: its /models/{model_id:path} would take x/headroom and
                # x/capacity as model ids.
                (room.router, True), (measured.router, True), (deployments.router, True),
-               (operations.router, True), (windows.router, True), (quotas.router, True)]
+               (operations.router, True), (windows.router, True), (quotas.router, True),
+               (notify.router, True)]
     for router, operators in routers:
         if operators:
             app.include_router(router, dependencies=guarded, responses=auth.AUTH_RESPONSES)

@@ -65,6 +65,7 @@ from modelkeeper.store import (
 from workflows.deployment import (
     MODEL_ID_KEY,
     STATUS_KEY,
+    DeleteRequest,
     DeploymentInput,
     DeploymentWorkflow,
 )
@@ -400,9 +401,12 @@ async def _create(request: DeploymentRequest, model_min_nodes: int, *, store: St
             DeploymentWorkflow.run, DeploymentInput(spec=spec, tunables=settings.tunables()),
             id=workflow_id,
             task_queue=CONTROL_TASK_QUEUE,
-            # The web UI's one-line summary of the run; the workflow keeps its current
-            # details (status, replicas, nodes) up to date itself.
-            static_summary=_summary(request),
+            # The web UI's one-line summary of the run, set once: only what never changes
+            # (a scale or a switch would make "2 replicas" or a model name a lie). The
+            # workflow keeps its current details (status, replicas, nodes, the model it
+            # runs now) true itself.
+            static_summary=static_summary(deployment_id, request.model_id,
+                                          operator.name),
             search_attributes=TypedSearchAttributes([
                 SearchAttributePair(MODEL_ID_KEY, request.model_id),
                 SearchAttributePair(STATUS_KEY, request.first_status.value)]))
@@ -454,7 +458,8 @@ async def delete_deployment(deployment_id: str, store: StoreDep, temporal: Tempo
     view = await _existing(store, deployment_id)
     try:
         await temporal.get_workflow_handle_for(
-            DeploymentWorkflow.run, view.workflow_id).signal(DeploymentWorkflow.delete)
+            DeploymentWorkflow.run, view.workflow_id).signal(
+                DeploymentWorkflow.delete, DeleteRequest(requested_by=operator.name))
     except RPCError as exc:
         if not _workflow_not_found(exc):
             raise HTTPException(
@@ -855,6 +860,13 @@ async def _existing(store: Store, deployment_id: str) -> DeploymentView:
 def _runs_of(deployment: DeploymentView) -> str:
     """The catalog model a deployment's new replicas run (after a switch, not its name)."""
     return deployment.runs_model_id or deployment.model_id
+
+
+def static_summary(deployment_id: DeploymentId, model_id: str, created_by: str) -> str:
+    """The run's static summary: what is true for as long as it runs (who created it, for
+    which catalog model); what changes is in its current details."""
+    return (f"Deployment {deployment_id}, created for model {model_id} by {created_by}; "
+            "its current details say how it stands now")
 
 
 def _summary(request: DeploymentRequest) -> str:

@@ -59,8 +59,11 @@ from modelkeeper.domain.liveness import (
     step,
 )
 from modelkeeper.domain.nodes import NodeSilentInput
+from modelkeeper.domain.notify import silent_notice
+from modelkeeper.infra import notify
 from modelkeeper.infra.http_server import release_body_deadline
 from modelkeeper.names import deployment_workflow_id
+from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 from workflows.deployment import DeploymentWorkflow
 
@@ -224,7 +227,8 @@ async def liveness_stream(node_id: NodeId, request: Request, store: StoreDep, *,
 
     async def act(verdict: Verdict | None) -> None:
         try:
-            await carry_out(verdict, node_id, store=store, temporal=temporal)
+            await carry_out(verdict, node_id, store=store, temporal=temporal,
+                            settings=request.app.state.settings)
         except Exception:  # the stream must outlive a verdict that failed
             # The database or Temporal is away. The stream lives on (the node is still
             # followed); a silence not told is backed up by the watches' heartbeat timeout.
@@ -304,11 +308,12 @@ async def _follow(chunks: AsyncIterator[bytes], node_id: NodeId, stream: int,
 
 
 async def carry_out(verdict: Verdict | None, node_id: NodeId, *, store: Store,
-                    temporal: Client) -> None:
+                    temporal: Client, settings: Settings | None = None) -> None:
     """Do what a liveness verdict asks."""
     match verdict:
         case WentSilent(reason=reason):
-            await on_silent(node_id, reason, store=store, temporal=temporal)
+            await on_silent(node_id, reason, store=store, temporal=temporal,
+                            settings=settings)
         case CameBack(silent_for_s=silent_for_s):
             if await store.nodes.mark_node_alive(node_id, at=datetime.now(UTC)):
                 log.info("node %s is alive again after %.1fs silent", node_id, silent_for_s)
@@ -317,9 +322,11 @@ async def carry_out(verdict: Verdict | None, node_id: NodeId, *, store: Store,
             pass
 
 
-async def on_silent(node_id: NodeId, reason: str, *, store: Store, temporal: Client) -> int:
+async def on_silent(node_id: NodeId, reason: str, *, store: Store, temporal: Client,
+                    settings: Settings | None = None) -> int:
     """A node went silent: keep placement off it, and tell each deployment with a replica
-    there which of its replicas. Returns how many deployments were told."""
+    there which of its replicas; then notify (with ``settings``; docs/operations.md,
+    "Notifications"). Returns how many deployments were told."""
     if not await store.nodes.mark_node_silent(node_id, since=datetime.now(UTC)):
         return 0  # unregistered meanwhile (a fresh database): nothing claims on it
     affected = await store.nodes.replicas_on_node(node_id)
@@ -329,6 +336,10 @@ async def on_silent(node_id: NodeId, reason: str, *, store: Store, temporal: Cli
         kind="node.silent", node_id=node_id,
         message=f"node {node_id} went silent: {reason}; told {told} deployment(s)",
         data={"reason": reason, "replicas": affected}))
+    if settings is not None:
+        await notify.notice_or_log(temporal, silent_notice(
+            node_id, reason, {str(d): [str(r) for r in rs] for d, rs in affected.items()},
+            now=datetime.now(UTC)), settings)
     return told
 
 

@@ -6,6 +6,7 @@ call it without a token. Metrics and the audit log need a viewer (``router``).""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime
 
 from fastapi import APIRouter, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
@@ -21,7 +22,7 @@ from temporalio.service import RPCError
 from modelkeeper import __version__
 from modelkeeper.domain.catalog import DeploymentView
 from modelkeeper.domain.events import Event
-from modelkeeper.domain.nodes import NodeRecord
+from modelkeeper.domain.nodes import NodeRecord, NodeState, node_state
 from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.domain.watchdog import LEVEL_RANK
 from modelkeeper.names import CONTROL_TASK_QUEUE
@@ -65,12 +66,16 @@ async def healthz(response: Response, store: StoreDep, temporal: TemporalDep, *,
 
 
 @router.get("/metrics", include_in_schema=False)
-async def metrics(store: StoreDep) -> Response:
+async def metrics(store: StoreDep, settings: SettingsDep) -> Response:
     """Prometheus gauges per deployment, per quota's scope and per node, read from the
-    store at scrape time."""
+    store at scrape time (deploy/prometheus/alerts.yml alerts on them)."""
+    nodes = await store.nodes.list_nodes()
     return Response(deployment_metrics(await store.deployments.list_deployments())
                     + quota_metrics(await quota_views(store))
-                    + node_memory_metrics(await store.nodes.list_nodes()),
+                    + node_memory_metrics(nodes)
+                    + node_metrics(nodes, now=datetime.now(UTC),
+                                   unreachable_after_s=settings.node_unreachable_after_s,
+                                   lost_after_s=settings.node_lost_after_s),
                     media_type=CONTENT_TYPE_LATEST)
 
 
@@ -83,38 +88,51 @@ async def list_events(
     return await store.events.list_events(deployment_id=deployment_id, limit=limit)
 
 
-def deployment_metrics(deployments: list[DeploymentView]) -> bytes:
-    """The deployment gauges in Prometheus' text format.
+class _DeploymentCollector(Collector):
+    """The deployment gauges, from the deployments' views.
 
     Every deployment has every series, zeros included: an alert on "ready == 0 while
     desired > 0" must be able to fire, which it cannot on a series that vanishes. So
     ``modelkeeper_deployment_status`` has one series per status in ``DeploymentStatus``
-    (1 for the current one, 0 for the rest), a status added there included.
+    (1 for the current one, 0 for the rest), a status added there included. Metric
+    families rather than labelled gauges: a scrape runs on the API's event loop, and
+    families take a third of the time (300 deployments: 12 series each).
     """
+
+    def __init__(self, deployments: list[DeploymentView]) -> None:
+        self._deployments = deployments
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["deployment_id", "model_id"]
+        desired = GaugeMetricFamily("modelkeeper_deployment_desired_replicas",
+                                    "Replicas asked for.", labels=labels)
+        ready = GaugeMetricFamily("modelkeeper_deployment_ready_replicas",
+                                  "Replicas ready to serve.", labels=labels)
+        parked = GaugeMetricFamily("modelkeeper_deployment_parked",
+                                   "1 when parked after failed starts.", labels=labels)
+        cant_place = GaugeMetricFamily("modelkeeper_deployment_cant_place",
+                                       "1 when nothing fits.", labels=labels)
+        failures = GaugeMetricFamily("modelkeeper_deployment_consecutive_failures",
+                                     "Failed starts in a row.", labels=labels)
+        status = GaugeMetricFamily("modelkeeper_deployment_status",
+                                   "1 for the deployment's current status, 0 for every other.",
+                                   labels=[*labels, "status"])
+        for d in self._deployments:
+            key = [d.deployment_id, d.model_id]
+            desired.add_metric(key, d.desired_replicas)
+            ready.add_metric(key, d.ready_replicas)
+            parked.add_metric(key, int(d.status is DeploymentStatus.PARKED))
+            cant_place.add_metric(key, int(d.status is DeploymentStatus.CANT_PLACE))
+            failures.add_metric(key, d.consecutive_failures)
+            for each in DeploymentStatus:
+                status.add_metric([*key, each.value], int(d.status is each))
+        yield from (desired, ready, parked, cant_place, failures, status)
+
+
+def deployment_metrics(deployments: list[DeploymentView]) -> bytes:
+    """The deployment gauges (:class:`_DeploymentCollector`) in Prometheus' text format."""
     registry = CollectorRegistry()
-    labels = ["deployment_id", "model_id"]
-    desired = Gauge("modelkeeper_deployment_desired_replicas", "Replicas asked for.",
-                    labels, registry=registry)
-    ready = Gauge("modelkeeper_deployment_ready_replicas", "Replicas ready to serve.",
-                  labels, registry=registry)
-    parked = Gauge("modelkeeper_deployment_parked", "1 when parked after failed starts.",
-                   labels, registry=registry)
-    cant_place = Gauge("modelkeeper_deployment_cant_place", "1 when nothing fits.",
-                       labels, registry=registry)
-    failures = Gauge("modelkeeper_deployment_consecutive_failures",
-                     "Failed starts in a row.", labels, registry=registry)
-    status = Gauge("modelkeeper_deployment_status",
-                   "1 for the deployment's current status, 0 for every other.",
-                   [*labels, "status"], registry=registry)
-    for d in deployments:
-        key = (d.deployment_id, d.model_id)
-        desired.labels(*key).set(d.desired_replicas)
-        ready.labels(*key).set(d.ready_replicas)
-        parked.labels(*key).set(int(d.status is DeploymentStatus.PARKED))
-        cant_place.labels(*key).set(int(d.status is DeploymentStatus.CANT_PLACE))
-        failures.labels(*key).set(d.consecutive_failures)
-        for each in DeploymentStatus:
-            status.labels(*key, each.value).set(int(d.status is each))
+    registry.register(_DeploymentCollector(deployments))
     return generate_latest(registry)
 
 
@@ -183,6 +201,67 @@ def node_memory_metrics(nodes: list[NodeRecord]) -> bytes:
     """The per-node memory series in Prometheus' text format."""
     registry = CollectorRegistry()
     registry.register(_NodeMemoryCollector(nodes))
+    return generate_latest(registry)
+
+
+class _NodeCollector(Collector):
+    """Each node's liveness and memory, from the nodes' rows, judged at ``now``.
+
+    ``modelkeeper_node_state`` has one series per state in ``NodeState`` (1 for the
+    node's state, judged as ``GET /nodes`` judges it, 0 for the rest), so the
+    ``ModelkeeperNodeSilent`` alert has a series to fire on, and a state added there is
+    exported too. ``modelkeeper_node_last_seen_timestamp_seconds`` is its last heartbeat
+    (Unix time). Memory: the total and what its replicas claim, and what its agent last
+    measured available (absent while unknown, rather than a 0 that reads as full).
+    Metric families rather than labelled gauges: a third of the time at 300 nodes.
+    """
+
+    def __init__(self, nodes: list[NodeRecord], *, now: datetime, unreachable_after_s: float,
+                 lost_after_s: float) -> None:
+        self._nodes = nodes
+        self._now = now
+        self._unreachable_after_s = unreachable_after_s
+        self._lost_after_s = lost_after_s
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["node_id", "node"]
+        state = GaugeMetricFamily("modelkeeper_node_state",
+                                  "1 for the node's current state, 0 for every other.",
+                                  labels=[*labels, "state"])
+        last_seen = GaugeMetricFamily("modelkeeper_node_last_seen_timestamp_seconds",
+                                      "When the node's agent last sent a heartbeat (Unix "
+                                      "time).", labels=labels)
+        total = GaugeMetricFamily("modelkeeper_node_memory_total_bytes",
+                                  "The node's memory, as its agent reports it.", labels=labels)
+        claimed = GaugeMetricFamily("modelkeeper_node_memory_claimed_bytes",
+                                    "What the replicas placed on the node claim.",
+                                    labels=labels)
+        available = GaugeMetricFamily("modelkeeper_node_memory_available_bytes",
+                                      "What the node's agent last measured available.",
+                                      labels=labels)
+        for node in self._nodes:
+            key = [node.node_id, node.name]
+            now_state = node_state(node, self._now,
+                                   unreachable_after_s=self._unreachable_after_s,
+                                   lost_after_s=self._lost_after_s)
+            for each in NodeState:
+                state.add_metric([*key, each.value], int(now_state is each))
+            last_seen.add_metric(key, node.last_seen.timestamp())
+            claimed.add_metric(key, node.memory_claimed_bytes)
+            if node.memory_total_bytes is not None:
+                total.add_metric(key, node.memory_total_bytes)
+            if node.memory_available_bytes is not None:
+                available.add_metric(key, node.memory_available_bytes)
+        yield from (state, last_seen, total, claimed, available)
+
+
+def node_metrics(nodes: list[NodeRecord], *, now: datetime, unreachable_after_s: float,
+                 lost_after_s: float) -> bytes:
+    """Each node's liveness and memory (:class:`_NodeCollector`) in Prometheus' text
+    format."""
+    registry = CollectorRegistry()
+    registry.register(_NodeCollector(nodes, now=now, unreachable_after_s=unreachable_after_s,
+                                     lost_after_s=lost_after_s))
     return generate_latest(registry)
 
 

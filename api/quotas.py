@@ -15,6 +15,7 @@ scope holds now) and a body that names the numbers::
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Request
@@ -40,6 +41,8 @@ from modelkeeper.domain.capacity import (
 )
 from modelkeeper.domain.catalog import CatalogModel
 from modelkeeper.domain.ids import DeploymentId
+from modelkeeper.domain.notify import quota_notice
+from modelkeeper.infra import notify
 from modelkeeper.store import Store
 
 from .auth import OperatorDep, change
@@ -141,8 +144,14 @@ class QuotaExceeded(Exception):
 
 
 async def quota_exceeded(request: Request, exc: Exception) -> JSONResponse:
-    """The app's handler of :class:`QuotaExceeded` (``create_app`` installs it)."""
+    """The app's handler of :class:`QuotaExceeded` (``create_app`` installs it); it also
+    notifies (docs/operations.md, "Notifications"), at most once an hour per scope and
+    part."""
     assert isinstance(exc, QuotaExceeded)
+    breach = exc.breach
+    await notify.notice_or_log(request.app.state.temporal, quota_notice(
+        breach.scope, breach.part, breach.message, breach.model_dump(mode="json"),
+        now=datetime.now(UTC)), request.app.state.settings)
     return JSONResponse(LimitProblem(detail=exc.breach.message, quota=exc.breach)
                         .model_dump(mode="json"), status_code=409)
 

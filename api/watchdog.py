@@ -25,6 +25,7 @@ from modelkeeper.domain.capacity import PreemptRequest
 from modelkeeper.domain.events import NewEvent
 from modelkeeper.domain.ids import NodeId
 from modelkeeper.domain.nodes import AgentHeartbeat
+from modelkeeper.domain.notify import watchdog_notice
 from modelkeeper.domain.units import format_gib
 from modelkeeper.domain.watchdog import (
     MemoryLevel,
@@ -34,6 +35,7 @@ from modelkeeper.domain.watchdog import (
     choose_victim,
     protect_reason,
 )
+from modelkeeper.infra import notify
 from modelkeeper.names import deployment_workflow_id
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
@@ -75,6 +77,12 @@ async def watch_memory(node_id: NodeId, beat: AgentHeartbeat, *, store: Store,
                   "engines_rss_bytes": report.engines_rss_bytes,
                   "gpu_free_bytes": report.gpu_free_bytes,
                   "auto_protect": settings.watchdog_auto_protect}))
+    if previous is not None and report.level is MemoryLevel.CRITICAL:
+        # On the change only: a node that stays critical is notified once, not at every
+        # heartbeat (and at most once an hour, by the notice's id).
+        await notify.notice_or_log(temporal, watchdog_notice(
+            node_id, report.reason, report.available_bytes, report.margin_bytes,
+            auto_protect=settings.watchdog_auto_protect, now=now), settings)
     if report.level is MemoryLevel.CRITICAL and settings.watchdog_auto_protect:
         await _protect(node_id, report, store=store, temporal=temporal, settings=settings,
                        now=now)

@@ -1303,6 +1303,35 @@ def _no_flags(parser: argparse.ArgumentParser) -> None:
     pass
 
 
+def _notify_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["test"],
+                        help="test: send a test notification to each configured target now "
+                        "and report what each answered (exit 1 if any failed)")
+
+
+def _notify_request(args: argparse.Namespace) -> Request:
+    return Request("POST", "/notify/test", then=_notify_checked)
+
+
+def _notify_line(result: dict[str, Any]) -> str:
+    said = "delivered" if result["delivered"] else "FAILED"
+    return f"{result['target']} ({result['format']}): {said}: {result['detail']}"
+
+
+def _notify_checked(answer: Any) -> Any:
+    """Each target's answer; a target that failed makes the command fail (exit 1),
+    naming every answer: a test that exits 0 on a dead webhook would fool a script."""
+    failed = [r for r in answer["results"] if not r["delivered"]]
+    if failed:
+        raise ApiError(f"{len(failed)} of {len(answer['results'])} notification target(s) "
+                       "failed: " + "; ".join(_notify_line(r) for r in answer["results"]))
+    return answer
+
+
+def _notify_text(args: argparse.Namespace, result: Any) -> str:
+    return "\n".join(_notify_line(r) for r in result["results"])
+
+
 def _headroom_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", metavar="MODEL_OR_DEPLOYMENT",
                         help="a deployment (by id or model id), or a catalog model not "
@@ -1562,6 +1591,9 @@ COMMANDS: tuple[Command, ...] = (
             "org/team/project)", _owner_flags, _owner_request, _owner_text),
     Command("power-cap", "list the power caps, or set or remove a PDU's (or the "
             "facility's)", _power_cap_flags, _power_cap_request, _power_cap_text),
+    Command("notify", "notifications: `notify test` sends a test to each configured "
+            "webhook and Slack target and reports each answer", _notify_flags,
+            _notify_request, _notify_text),
 )
 
 OPERATOR_COMMANDS: Mapping[str, Command] = {c.name: c for c in COMMANDS}

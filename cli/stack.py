@@ -78,7 +78,7 @@ from modelkeeper.settings import (
 )
 from modelkeeper.store.tokens import TokensStore
 
-from . import postgres, temporal_server
+from . import binaries, postgres, temporal_server
 from .ports import PORTS, PortUse
 
 log = logging.getLogger(__name__)
@@ -334,6 +334,11 @@ SECRET_READERS: dict[str, frozenset[str]] = {
     "gateway_database_url": frozenset({"gateway"}),
     "join_token": frozenset({"api", AGENT}),
     "join_token_file": frozenset({"api", AGENT}),
+    # Notification targets (a Slack URL is its own secret) and the signing secret's file:
+    # the worker delivers, the API starts some notices and answers `notify test`.
+    "notify_webhook_urls": frozenset({"api", "worker"}),
+    "notify_slack_urls": frozenset({"api", "worker"}),
+    "notify_secret_file": frozenset({"api", "worker"}),
     # The CLI's operator token: no child calls the API as an operator.
     "token": frozenset(),
     "token_file": frozenset(),
@@ -1033,7 +1038,10 @@ def banner(settings: Settings, demo_status: str = "", *,
         f"{settings.temporal_ui_port}   (log in with the operator token below; this "
         "machine only)",
         f"  Temporal       {t}:{settings.temporal_port}   "
-        f"(temporal workflow list --address {t}:{settings.temporal_port}); "
+        # The CLI as it can be pasted: the binary is in modelkeeper's environment, not on
+        # PATH, and its own default address is 7233 whatever port this stack took.
+        f"(TEMPORAL_ADDRESS={t}:{settings.temporal_port} {binaries.temporal_cli()} "
+        "workflow list); "
         + ("OPEN TO THE NETWORK, see the warning below" if exposure else
            "this machine only" + ("; agents on other machines use the mTLS front below"
                                   if temporal_mtls_front(settings) else "")),

@@ -19,7 +19,7 @@ import hashlib
 import json
 import math
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from modelkeeper.domain.output_bounds import OutputRefusal, bound_output
 from modelkeeper.settings import Settings
@@ -33,6 +33,18 @@ from .responses import ErrorReply
 MAX_BODY_BYTES = 32 * 1024 * 1024
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATHS = frozenset({CHAT_PATH, "/v1/completions"})
+#: Sent to the engine as completions are, but with no output to bound: an embedding's
+#: size is the model's, not the request's. llama.cpp serves it when started with
+#: ``--embeddings``, and says so in a 501 otherwise, which the client gets as it is.
+EMBEDDINGS_PATH = "/v1/embeddings"
+#: Routes engines serve that the gateway does not pass on, each with why: a client gets a
+#: 404 that names the route and what to use, not "no route" (issue 27). Their streamed
+#: answers end without chat completions' ``data: [DONE]``, which the relay reads as a
+#: stream cut midway, and their length fields are not bounded yet.
+UNROUTED_PATHS = {
+    "/v1/responses": "the Responses API",
+    "/v1/messages": "Anthropic's Messages API",
+}
 #: Retry-After (seconds) of the 503 for keys too stale to trust: the gateway re-reads
 #: them every few seconds, so a client may try again soon.
 STALE_KEYS_RETRY_AFTER_S = 5
@@ -91,10 +103,26 @@ def parse_completion(body: bytes) -> dict[str, Any] | ErrorReply:
     return payload
 
 
+#: The response header that says how the gateway set a request's length, when it did: a
+#: client that sent no ``max_tokens`` (or more than the model's limit) otherwise gets a
+#: shorter answer than it expected with no word why (issue 27: aiperf counted a 14.7 %
+#: output-length mismatch against the demo model). Value, e.g.
+#: ``max_tokens=256; the model's default, the request named none``.
+OUTPUT_LIMIT_HEADER = b"x-modelkeeper-output-limit"
+
+
+class Bounded(NamedTuple):
+    """The body to send, and the :data:`OUTPUT_LIMIT_HEADER` value when the gateway set
+    a length (None: the body went as it came, as far as lengths go)."""
+
+    body: bytes
+    output_limit: bytes | None = None
+
+
 def bound_max_tokens(payload: dict[str, Any], body: bytes, bound: int | None, *,
                      model_default: int | None = None,
                      model_limit: int | None = None,
-                     max_choices: int = 1) -> bytes | ErrorReply:
+                     max_choices: int = 1) -> Bounded | ErrorReply:
     """The body to send under the bounds on output per request
     (:func:`modelkeeper.domain.output_bounds.bound_output` decides, rule by rule): the
     gateway's ``bound`` (``gateway_max_tokens``, for every key), the model's own (its
@@ -111,11 +139,22 @@ def bound_max_tokens(payload: dict[str, Any], body: bytes, bound: int | None, *,
     if isinstance(decided, OutputRefusal):
         return responses.bad_request(decided.message, decided.code, param=decided.field)
     if not decided:
-        return body
+        return Bounded(body)
     end = body.rstrip().rindex(b"}")
     added = b"".join(b',"' + name.encode() + b'":' + str(value).encode()
                      for name, value in decided.items())
-    return body[:end] + added + body[end:]
+    return Bounded(body[:end] + added + body[end:], _output_limit(payload, decided))
+
+
+def _output_limit(payload: dict[str, Any], decided: dict[str, int]) -> bytes:
+    """The header value for the lengths ``decided`` set: each with why."""
+    said = []
+    for name, value in decided.items():
+        asked = payload.get(name)
+        why = ("the default for a request that names no length" if asked is None
+               else f"lowered from {asked}, the most this model allows per request")
+        said.append(f"{name}={value}; {why}")
+    return ", ".join(said).encode("ascii", errors="replace")
 
 
 def request_problem(path: str, payload: dict[str, Any]) -> ErrorReply | None:
@@ -123,6 +162,13 @@ def request_problem(path: str, payload: dict[str, Any]) -> ErrorReply | None:
     answer, which an engine takes as leave to generate from nothing until its limit (an
     empty ``messages`` kept a demo replica busy for 22 s). None when there is no problem.
     The rest of the body is the engine's to judge."""
+    if path == EMBEDDINGS_PATH:
+        given = payload.get("input")
+        if given is None or given == "" or given == []:
+            return responses.bad_request(
+                f"`input` is {given!r}: an embedding needs an input that is not empty",
+                "invalid_input", param="input")
+        return None
     if path == CHAT_PATH:
         messages = payload.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -223,12 +269,14 @@ class Admission:
         return None
 
     def bounded(self, path: str, payload: dict[str, Any], body: bytes,
-                route: DeploymentRoute | None) -> bytes | ErrorReply:
+                route: DeploymentRoute | None) -> Bounded | ErrorReply:
         """The body to send for a parsed request to ``route``'s model (None: a model not
         known), or the 400 for the request's own problem (rule 4)."""
         problem = request_problem(path, payload)
         if problem is not None:
             return problem
+        if path == EMBEDDINGS_PATH:
+            return Bounded(body)
         return bound_max_tokens(
             payload, body, self._max_tokens,
             model_default=None if route is None else route.default_max_tokens,

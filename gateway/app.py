@@ -38,6 +38,9 @@ from modelkeeper.store.routing import ChangeListener, RoutingStore
 from . import responses
 from .admission import (
     COMPLETION_PATHS,
+    EMBEDDINGS_PATH,
+    OUTPUT_LIMIT_HEADER,
+    UNROUTED_PATHS,
     Admission,
     ClientGone,
     TooLarge,
@@ -54,6 +57,7 @@ from .asgi import (
     send_json,
     send_reply,
     send_response,
+    with_header,
 )
 from .edge import HostCheck, MetricsGuard, json_body_refusal
 from .engine_queue import EngineQueues
@@ -64,6 +68,9 @@ from .routing import Router, model_list
 from .table import RoutingTable
 from .table_listener import KEY_REFRESH_S, TableListener
 from .usage import UsageTracker
+
+#: ``GET /v1/models/{id}``: one model.
+MODEL_PATH_PREFIX = "/v1/models/"
 
 log = logging.getLogger(__name__)
 
@@ -188,14 +195,27 @@ class Gateway:
                 await self._refuse(send, refusal)
             else:
                 await self._completion(path, receive, send)
-        elif path == "/v1/models":
+        elif path == "/v1/models" or path.startswith(MODEL_PATH_PREFIX):
             if method != "GET":
                 await send_reply(send, ErrorReply(405, "use GET", "invalid_request_error",
                                                   "method_not_allowed"))
             elif (refusal := self._admit(authorization)) is not None:
                 await self._refuse(send, refusal)
-            else:
+            elif path == "/v1/models":
                 await send_json(send, 200, responses.dumps(model_list(self.table)))
+            else:
+                await self._one_model(send, path[len(MODEL_PATH_PREFIX):])
+        elif path == EMBEDDINGS_PATH:
+            if method != "POST":
+                await send_reply(send, ErrorReply(405, "use POST", "invalid_request_error",
+                                                  "method_not_allowed"))
+            elif (refusal := (self._admit(authorization)
+                              or json_body_refusal(content_type))) is not None:
+                await self._refuse(send, refusal)
+            else:
+                await self._completion(path, receive, send)
+        elif path in UNROUTED_PATHS:
+            await self._refuse(send, responses.unrouted(path, UNROUTED_PATHS[path]))
         elif path == "/metrics":
             if (refusal := self._metrics_guard.refusal(authorization)) is not None:
                 await self._refuse(send, refusal)
@@ -217,6 +237,15 @@ class Gateway:
         else:
             await send_reply(send, ErrorReply(404, f"no route for {path}",
                                               "invalid_request_error", "not_found"))
+
+    async def _one_model(self, send: Send, model_id: str) -> None:
+        """``GET /v1/models/{id}``: the model as ``/v1/models`` lists it, or a 404 naming
+        the known ones (OpenAI's SDK calls it for ``client.models.retrieve``)."""
+        for model in model_list(self.table)["data"]:
+            if model["id"] == model_id:
+                await send_json(send, 200, responses.dumps(model))
+                return
+        await self._refuse(send, responses.unknown_model(model_id, self.table.models))
 
     async def _refuse(self, send: Send, reply: ErrorReply) -> None:
         self.metrics.answered(UNKNOWN_MODEL, reply.status, 0.0)
@@ -244,6 +273,8 @@ class Gateway:
         if isinstance(bounded, ErrorReply):
             await self._finish_error(send, UNKNOWN_MODEL, started, bounded)
             return
+        if bounded.output_limit is not None:
+            send = with_header(send, OUTPUT_LIMIT_HEADER, bounded.output_limit)
         if entry is None:
             await self._finish_error(send, UNKNOWN_MODEL, started,
                                      responses.unknown_model(model, self.table.models))
@@ -252,7 +283,7 @@ class Gateway:
         watch = ClientWatch(receive)
         code = CLIENT_CLOSED
         try:
-            code = await self._route(path, bounded, entry, send, started)
+            code = await self._route(path, bounded.body, entry, send, started)
         except asyncio.CancelledError:
             if not watch.gone:
                 raise

@@ -39,6 +39,18 @@ async def send_json(send: Send, status: int, body: bytes) -> None:
     await send_response(send, status, body, JSON_HEADERS)
 
 
+def with_header(send: Send, name: bytes, value: bytes) -> Send:
+    """``send``, with the header ``name: value`` added to the response's start, whoever
+    writes it (the engine's relayed answer, or an error of the gateway's)."""
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", ()), (name, value)]
+        await send(message)
+
+    return sending
+
+
 class ClientWatch:
     """Watches for the client going away while its request is being served.
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -39,6 +39,14 @@ ENGINE_KEY_REFUSED = 401
 #: never saw the request (refused), or dropped the connection before answering.
 RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
              aiohttp.ClientOSError)
+#: How a pooled connection fails that the engine closed while it sat idle. llama.cpp's
+#: server closes the connection after each streamed response without a ``Connection:
+#: close``; reusing it at once failed 6 of 12 back-to-back requests sent to it directly
+#: (issue 27). The request never reached the engine, so it goes again at once on a new
+#: connection, and it is no failure of the engine's: not counted, logged or held against
+#: its breaker. A refused connect (``ClientConnectorError``, itself a ``ClientOSError``)
+#: was a new connection already, and is not one of these.
+STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 #: Of those, the failure to connect at all: nothing listens there, so the request does not
 #: go back to that replica at once (rule 3 of :mod:`gateway.dispatch`), while a dropped
 #: connection (perhaps a kept-alive one the engine had closed) may be tried once more.
@@ -120,6 +128,9 @@ class Forwarder:
         #: Called when the last request of an endpoint out of routing ends.
         self._on_left = on_left
         self._session: aiohttp.ClientSession | None = None
+        #: For the one send again after a stale pooled connection: a connection of its
+        #: own, never one from the pool, closed after its response.
+        self._fresh: aiohttp.ClientSession | None = None
 
     def open(self) -> None:
         """Open the connection pool to the engines (inside the running event loop)."""
@@ -137,11 +148,16 @@ class Forwarder:
             # Nothing of the gateway's own: engines see the client's body, the engine key
             # and a content type, no User-Agent or Accept-Encoding added on the way.
             skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        self._fresh = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True, ttl_dns_cache=300),
+            cookie_jar=aiohttp.DummyCookieJar(), timeout=timeout, auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"))
 
     async def close(self) -> None:
-        """Close the connection pool."""
-        if self._session is not None:
-            await self._session.close()
+        """Close the connection pools."""
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
 
     async def attempt(self, endpoint: Endpoint, path: str, body: bytes, *, send: Send,
                       started: float) -> Outcome:
@@ -180,10 +196,19 @@ class Forwarder:
         finally:
             self._finish_attempt(endpoint, verdict)
 
-    def _session_post(self, url: str, body: bytes,
-                      headers: dict[str, str]) -> Awaitable[aiohttp.ClientResponse]:
-        assert self._session is not None
-        return self._session.post(url, data=body, headers=headers)
+    async def _session_post(self, url: str, body: bytes,
+                            headers: dict[str, str]) -> aiohttp.ClientResponse:
+        """Send on a pooled connection; when that connection turns out to have been
+        closed by the engine, once more on a new one (see ``STALE_CONNECTION``). A failure
+        of the new connection is the engine's, and goes to the caller."""
+        assert self._session is not None and self._fresh is not None
+        try:
+            return await self._session.post(url, data=body, headers=headers)
+        except aiohttp.ClientConnectorError:
+            raise
+        except STALE_CONNECTION:
+            self.metrics.stale_connections.inc()
+            return await self._fresh.post(url, data=body, headers=headers)
 
     async def _post_with_key_fallback(self, endpoint: Endpoint, path: str,
                                       body: bytes) -> aiohttp.ClientResponse:

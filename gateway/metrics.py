@@ -79,6 +79,11 @@ class GatewayMetrics:
             "Requests sent again after a replica failed them before answering (at once, or "
             "after being held for a replica to retry on), by model.",
             ["model"], registry=r)
+        self.stale_connections = Counter(
+            "modelkeeper_gateway_stale_connections",
+            "Requests sent again on a new connection because the pooled one had been closed "
+            "by the engine while idle (llama.cpp closes after each streamed response); no "
+            "failure of the engine's.", registry=r)
         self.breaker_state = Gauge(
             "modelkeeper_gateway_breaker_state",
             "Each replica's circuit breaker: 0 closed, 1 open, 2 half-open.",

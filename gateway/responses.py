@@ -12,6 +12,7 @@ put the fields at the top level, a FastAPI server answers ``{"detail": ...}``).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +81,13 @@ def unknown_model(model: str, known: Iterable[str]) -> ErrorReply:
                       param="model")
 
 
+def unrouted(path: str, what: str) -> ErrorReply:
+    """404 for a route an engine may serve that the gateway does not pass on."""
+    return ErrorReply(404, f"This gateway does not route {path} ({what}) to its engines; "
+                      "use /v1/chat/completions or /v1/completions.",
+                      "invalid_request_error", "unsupported_route")
+
+
 def upstream_failed(model: str, why: str, status: int = 502, *,
                     waited_s: float | None = None) -> ErrorReply:
     """502/504: the engines were there but failed this request. ``waited_s``: the request
@@ -135,7 +143,34 @@ def engine_error(status: int, data: bytes) -> ErrorReply:
         message = shown or f"the engine answered HTTP {status} with no message"
     kind = _text(found.get("type")) or _ENGINE_ERROR_TYPES.get(status, "upstream_error")
     code = _text(found.get("code")) or _ENGINE_ERROR_CODES.get(status, ENGINE_ERROR_CODE)
-    return ErrorReply(status, message, kind, code, param=_text(found.get("param")))
+    return ErrorReply(status, message, kind, code, param=_text(found.get("param")),
+                      extra=_engine_details(found))
+
+
+#: Fields of an engine's error object besides OpenAI's four that the client gets too:
+#: llama.cpp's context overflow names the prompt's tokens and the context
+#: (``n_prompt_tokens``, ``n_ctx``), which a client needs to shorten its prompt (issue
+#: 27: they were dropped). Numbers and short words only, and a few of them: the body is
+#: an engine's, and the one shape must stay small.
+_DETAIL_FIELDS = 8
+_DETAIL_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
+_DETAIL_TEXT_CHARS = 64
+
+
+def _engine_details(found: dict[str, Any]) -> dict[str, Any]:
+    details: dict[str, Any] = {}
+    for name, value in found.items():
+        if len(details) == _DETAIL_FIELDS:
+            break
+        if name in ("message", "type", "code", "param", "object") or not isinstance(name, str) \
+                or not _DETAIL_NAME.fullmatch(name):
+            continue
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int | float) or (
+                isinstance(value, str) and len(value) <= _DETAIL_TEXT_CHARS):
+            details[name] = value
+    return details
 
 
 def _text(value: object) -> str | None:

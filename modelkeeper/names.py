@@ -40,6 +40,13 @@ SEARCH_ATTRIBUTES: dict[str, str] = {
 }
 
 
+#: The Temporal web UI's saved view of the deployments (docs/keeper.md, "The web UI's
+#: list"): this query, with the search attributes above as its columns, in this order.
+DEPLOYMENTS_VIEW_QUERY = "WorkflowType = 'DeploymentWorkflow' AND ExecutionStatus = 'Running'"
+DEPLOYMENTS_VIEW_COLUMNS = ("ModelId", "DeploymentStatus", "ReadyReplicas", "DesiredReplicas",
+                            "NodeIds")
+
+
 def node_task_queue(node_id: NodeId) -> str:
     """The task queue a node's agent polls."""
     return f"{NODE_TASK_QUEUE_PREFIX}{node_id}"
@@ -126,6 +133,16 @@ PATCH_MULTI_NODE = "multi-node-shards"
 #: 0.3: an engine that exits after ready is relaunched in place first
 #: (modelkeeper.domain.relaunch).
 PATCH_RELAUNCH = "relaunch-in-place"
+#: 0.3: a drain judges what is left by the node, not by the replica ids it listed first: a
+#: replica another saga replaced meanwhile has left the node (issue 24; workflows/drain.py).
+PATCH_DRAIN_BY_NODE = "drain-judges-by-node"
+#: 0.3: a saga whose failure was handled as designed (rolled back, nothing changed, or
+#: compensated) completes with its record; only rollback_incomplete, an undo that failed,
+#: and errors it did not expect fail the workflow (issue 24; workflows/saga.py).
+PATCH_SAGA_OUTCOME = "saga-outcome-completes"
+#: 0.3: the ModelId search attribute follows the model a deployment runs (its committed
+#: generation's) after a switch, where it kept the model it was created for (issue 24).
+PATCH_MODEL_ID_FOLLOWS_SWITCH = "model-id-follows-switch"
 QUERY_STATUS = "status"
 #: A deployment as a saga sees it (modelkeeper.domain.moves.DeploymentBrief).
 QUERY_BRIEF = "brief"
@@ -204,8 +221,10 @@ WORKFLOW_DRAIN = "DrainSaga"
 WORKFLOW_SWITCH = "SwitchSaga"
 #: The query every saga answers with its OperationRecord.
 QUERY_OPERATION = "operation"
-#: A saga that ends failed, rolled back or rollback_incomplete fails its workflow with this
-#: error type, the record's error as its message and the record as its detail.
+#: A saga that ends rollback_incomplete, with a failed undo or on an error it did not expect
+#: fails its workflow with this error type, the record's error as its message and the
+#: record as its detail (one that failed or rolled back as designed completes:
+#: PATCH_SAGA_OUTCOME).
 ERROR_OPERATION_FAILED = "OperationFailed"
 
 
@@ -230,3 +249,22 @@ def window_schedule_id(deployment_id: DeploymentId, name: str, edge: str) -> str
     """The id of the schedule that opens (``edge`` "open") or closes a window, and of the
     workflows it starts (Temporal adds each run's time): ``window/<deployment>/<name>/open``."""
     return f"{window_schedules_prefix(deployment_id)}{name}/{edge}"
+
+
+#: The notification workflows (workflows/notify.py), started by name from below the
+#: workflows (modelkeeper.infra.notify): one delivers a notice to every target; one waits
+#: out a deployment's unplaceable stretch before it sends one.
+WORKFLOW_NOTIFY = "Notify"
+WORKFLOW_CANT_PLACE_WATCH = "CantPlaceWatch"
+#: Their activities (activities/notify.py). Recorded in their histories: keep the names.
+ACTIVITY_NOTIFY_TARGETS = "notify_targets"
+ACTIVITY_DELIVER_NOTICE = "deliver_notice"
+ACTIVITY_CANT_PLACE_SINCE = "cant_place_since"
+ACTIVITY_SEND_NOTICE = "send_notice"
+#: A delivery the receiver refused for good (a 4xx other than 408, 425 and 429).
+ERROR_NOTICE_REFUSED = "NoticeRefused"
+
+
+def cant_place_watch_id(deployment_id: str) -> str:
+    """The one watch of a deployment's unplaceable stretch; a second start joins it."""
+    return f"notify-watch/deployment.cant_place/{deployment_id}"

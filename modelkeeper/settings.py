@@ -22,6 +22,7 @@ from .domain.tunables import (
     GatewayTunables,
     KeeperTunables,
     LivenessTunables,
+    NotifyTunables,
     Tunables,
     WatchdogTunables,
 )
@@ -62,7 +63,7 @@ def default_data_dir() -> Path:
 
 
 class Settings(BaseSettings, KeeperTunables, ControlTunables, LivenessTunables, AgentTunables,
-               GatewayTunables, WatchdogTunables):
+               GatewayTunables, WatchdogTunables, NotifyTunables):
     """Process settings, read from the environment (and flags, which override them).
 
     The timings and limits are the tunables' fields (modelkeeper.domain.tunables),
@@ -235,6 +236,27 @@ class Settings(BaseSettings, KeeperTunables, ControlTunables, LivenessTunables, 
         "<data_dir>/operator-token, where `up` writes an admin token, when it exists.",
     )
 
+    # -- notifications (docs/operations.md, "Notifications") ----------------------------------
+    notify_webhook_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="URLs that receive each notification as signed JSON (HMAC-SHA256 with "
+        "notify_secret_file's secret), comma-separated. Named webhook-1, webhook-2... in "
+        "this order.",
+    )
+    notify_slack_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Slack (or Mattermost) incoming-webhook URLs that receive each "
+        "notification as {\"text\": ...}, comma-separated; named slack-1, slack-2... Such a "
+        "URL is itself a secret: set it in the service's environment file, not on a "
+        "command line.",
+    )
+    notify_secret_file: Path | None = Field(
+        default=None,
+        description="File holding the shared secret that signs webhook notifications "
+        "(required with notify_webhook_urls). A file, so the secret stays out of the "
+        "environment and every log.",
+    )
+
     @field_validator("api_trusted_proxies", mode="before")
     @classmethod
     def _split_proxies(cls, value: object) -> object:
@@ -253,6 +275,21 @@ class Settings(BaseSettings, KeeperTunables, ControlTunables, LivenessTunables, 
                                  "proxies' addresses, comma-separated (e.g. "
                                  "10.0.0.5,192.168.1.0/24); '*' is not accepted") from None
         return proxies
+
+    @field_validator("notify_webhook_urls", "notify_slack_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: object) -> object:
+        """Comma-separated in the environment; each an http(s) URL."""
+        urls = ([u.strip() for u in value.split(",") if u.strip()] if isinstance(value, str)
+                else value)
+        if not isinstance(urls, list):
+            return urls  # pydantic names the type it wanted
+        for url in urls:
+            if isinstance(url, str) and not url.startswith(("https://", "http://")):
+                # The value itself may hold a token (a Slack hook): name only its start.
+                raise ValueError(f"{url[:12]!r}... is not an http(s) URL: give whole URLs, "
+                                 "comma-separated (e.g. https://hooks.example.com/mk)")
+        return urls
 
     @field_validator("api_allowed_hosts", "gateway_allowed_hosts", mode="before")
     @classmethod

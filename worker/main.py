@@ -11,11 +11,13 @@ from temporalio.worker import Worker
 
 from activities.demand import DemandActivities, DemandFeed
 from activities.moves import MoveActivities
+from activities.notify import NotifyActivities
 from activities.operations import OperationsActivities
 from activities.routing import RoutingActivities
 from activities.store import StoreActivities
 from activities.windows import WindowActivities
 from modelkeeper.infra import temporal as temporal_client
+from modelkeeper.infra.notify import NotifyConfigError, read_notify_secret
 from modelkeeper.names import CONTROL_TASK_QUEUE, ROOM_WATCH_TASK_QUEUE
 from modelkeeper.settings import Settings
 from modelkeeper.store import Store
@@ -42,6 +44,10 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
         raise SystemExit("modelkeeper worker: set MODELKEEPER_DATABASE_URL")
     # Before the store: a missing certificate is a one-line error, not a half-started worker.
     security = temporal_client.security_from_settings(settings)
+    try:
+        read_notify_secret(settings)
+    except NotifyConfigError as err:
+        raise SystemExit(f"modelkeeper worker: {err}") from None
     store = await Store.connect(settings.database_url)
     try:
         client = await temporal_client.connect(
@@ -62,8 +68,9 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
                 task_queue=CONTROL_TASK_QUEUE,
                 workflows=ALL_WORKFLOWS,
                 activities=[*store_activities.all(), *routing_activities.all(),
-                            *OperationsActivities(store, client).all(),
+                            *OperationsActivities(store, client, settings).all(),
                             *MoveActivities(client).all(),
+                            *NotifyActivities(settings, store, client).all(),
                             *WindowActivities(client).all()],
                 activity_executor=executor,
             )

@@ -132,10 +132,13 @@ from .deployment_state import (
     NODES_KEY,
     READY_KEY,
     STATUS_KEY,
+    DeleteRequest,
     DeploymentInput,
     DeploymentWorkflowState,
     NodesChangedInput,
     WorkflowStatus,
+    deleted_result,
+    deletion,
 )
 from .deployment_writer import StoreWriter, publish_search_attributes, show_details
 
@@ -203,9 +206,18 @@ class DeploymentWorkflow:
         self._inbox.append(Retry())
 
     @workflow.signal(name=SIGNAL_DELETE)
-    def delete(self) -> None:
-        """Stop every replica this deployment placed, then end."""
+    def delete(self, request: DeleteRequest | None = None) -> None:
+        """Stop every replica this deployment placed, then end, with a result that says
+        who deleted it (``request``: an older API sends none)."""
+        self._note_deletion(request.requested_by if request is not None else "")
         self._inbox.append(Delete())
+
+    def _note_deletion(self, requested_by: str) -> None:
+        """Keep the first delete's who, when and what it stops, for the run's result (no
+        command: replay is unaffected)."""
+        if self.state.deletion is None:
+            self.state = self.state.model_copy(update={"deletion": deletion(
+                self.state.keeper, requested_by=requested_by, now=workflow.now())})
 
     @workflow.update(name=UPDATE_SCALE)
     async def scale(self, request: ScaleRequest) -> int:
@@ -394,7 +406,7 @@ class DeploymentWorkflow:
     # -- the loop ------------------------------------------------------------------------
 
     @workflow.run
-    async def run(self, request: DeploymentInput) -> None:
+    async def run(self, request: DeploymentInput) -> str:
         """Loop: decide, act, write what changed, wait for the next observation or timer.
 
         ``request`` is unused: ``__init__`` built the state from it (``@workflow.init``
@@ -429,9 +441,13 @@ class DeploymentWorkflow:
         try:
             await self._loop()
         except asyncio.CancelledError:
+            self._note_deletion("a workflow cancel")
             self._inbox.append(Delete())
             await self._loop()
             raise
+        # Deleted: the result says by whom and what it stopped (the web UI shows it; the
+        # completion command is the same as when it returned None, so replay holds).
+        return deleted_result(self.state.keeper, self.state.deletion)
 
     async def _loop(self) -> None:
         """Until the deployment is deleted and nothing is in flight (or it continues as
@@ -759,4 +775,5 @@ class DeploymentWorkflow:
 
 
 __all__ = ["DESIRED_KEY", "MODEL_ID_KEY", "NODES_KEY", "READY_KEY", "STATUS_KEY",
-           "DeploymentInput", "DeploymentWorkflow", "DeploymentWorkflowState", "WorkflowStatus"]
+           "DeleteRequest", "DeploymentInput", "DeploymentWorkflow", "DeploymentWorkflowState",
+           "WorkflowStatus"]

@@ -7,6 +7,7 @@ through continue-as-new; its shape is part of what running workflows must decode
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from temporalio import workflow
@@ -44,6 +45,21 @@ NODES_KEY = SearchAttributeKey.for_keyword_list("NodeIds")
 FINAL_STATUS = "deleted"
 
 
+class DeleteRequest(Tolerant):
+    """Signal payload of `delete`: who asked. An API of an older version sends none."""
+
+    requested_by: str = ""
+
+
+class Deletion(Tolerant):
+    """The delete as the workflow received it: who asked, when, and how many replicas held
+    a place then (each is stopped before the run ends)."""
+
+    requested_by: str = ""
+    at: datetime
+    replicas: int = 0
+
+
 class DeploymentWorkflowState(Tolerant):
     """Everything the workflow knows; continue-as-new passes exactly this.
 
@@ -63,6 +79,8 @@ class DeploymentWorkflowState(Tolerant):
     #: When false, no search attributes are upserted (the time-skipping test server
     #: has none registered).
     search_attributes: bool = True
+    #: The delete, once asked: the run's result is made of it (:func:`deleted_result`).
+    deletion: Deletion | None = None
 
     @field_validator("written_status", mode="before")
     @classmethod
@@ -149,3 +167,23 @@ def search_attributes(keeper: KeeperState) -> list[SearchAttributeUpdate[Any]]:
 def normalised(value: Any) -> Any:
     """A search attribute's value for comparison: a keyword list as a plain list."""
     return list(value) if isinstance(value, list | tuple) else value
+
+
+def deletion(keeper: KeeperState, *, requested_by: str, now: datetime) -> Deletion:
+    """The delete asked now: the replicas that hold a place are the ones it stops."""
+    return Deletion(requested_by=requested_by, at=now,
+                    replicas=sum(1 for r in keeper.replicas if r.nodes))
+
+
+def deleted_result(keeper: KeeperState, asked: Deletion | None) -> str:
+    """The run's result once it has deleted the deployment, for the web UI and
+    ``temporal workflow result``: what was deleted, by whom, when, and what it stopped."""
+    spec = keeper.spec
+    text = f"Deployment {spec.deployment_id} ({spec.model_id}) deleted"
+    if asked is None:
+        return text
+    if asked.requested_by:
+        text += f" by {asked.requested_by}"
+    n = asked.replicas
+    return (f"{text} at {asked.at:%Y-%m-%d %H:%M:%S} UTC: "
+            f"{n} {'replica' if n == 1 else 'replicas'} stopped")

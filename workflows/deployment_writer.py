@@ -17,10 +17,12 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from modelkeeper.domain.catalog import DeploymentStatusUpdate, ReplicaStateUpdate
     from modelkeeper.domain.events import NewEvent
-    from modelkeeper.domain.keeper import details
+    from modelkeeper.domain.keeper import current_generation, details
+    from modelkeeper.names import PATCH_MODEL_ID_FOLLOWS_SWITCH
 
 from . import deployment_hops as hops
 from .deployment_state import (
+    MODEL_ID_KEY,
     DeploymentWorkflowState,
     normalised,
     search_attributes,
@@ -148,5 +150,11 @@ def publish_search_attributes(state: DeploymentWorkflowState) -> None:
     current = workflow.info().typed_search_attributes
     changed = [u for u in search_attributes(state.keeper)
                if normalised(current.get(u.key)) != normalised(u.value)]
+    # ModelId (set at start by the API) follows a switch: the list of runs shows the model
+    # the deployment runs now. Patched where it differs, the only case whose commands
+    # change; the condition reads the replayed search attributes, so it is deterministic.
+    model = current_generation(state.keeper).model_id
+    if current.get(MODEL_ID_KEY) != model and workflow.patched(PATCH_MODEL_ID_FOLLOWS_SWITCH):
+        changed.append(MODEL_ID_KEY.value_set(model))
     if changed:
         workflow.upsert_search_attributes(changed)

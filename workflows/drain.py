@@ -16,6 +16,14 @@ Steps, each visible in the OperationRecord (workflows/saga.py says how they are 
    outage for want of room is bounded by the grace period, and stated. Refused again: it
    is left there, and the drain ends failed naming it. A replica whose deployment was
    deleted meanwhile goes with it.
+6. What is left is judged by the node, not by the replica ids listed at step 3: after the
+   first pass, at the deadline, and again before the drain ends failed, it lists what the
+   node holds now (``node_deployments``). A replica tried before and no longer there has
+   left it by another operation (a restart or switch replaced it meanwhile: the drain was
+   refused while that saga's move held it, and its id is gone now); one there that was
+   never tried (placed by such a move before the cordon took hold) is replaced too.
+   (Patched, PATCH_DRAIN_BY_NODE: before, a replica refused twice was "still there"
+   even when another saga had moved it off.)
 
 A replacement that is still loading when the deadline passes is awaited: its old replica
 serves meanwhile, and stopping that one would be the outage a drain exists to avoid.
@@ -24,9 +32,10 @@ Cancelling the drain (``temporal workflow cancel``) cancels every move not yet e
 (``cancel_move``: a replacement not yet ready is retired, its old replica kept), uncordons
 the node only if the input asked for it, and ends the saga cancelled.
 
-Workflow ids come from the starter: ``drain/<node>/<n>``. A brand-new workflow type:
-nothing to patch yet. Any change to the order of its commands from here on goes behind
-``workflow.patched`` (tests/histories/saga_drain_*.json replay it).
+Workflow ids come from the starter: ``drain/<node>/<n>``. Patched since it was new:
+PATCH_DRAIN_BY_NODE (step 6) and PATCH_SAGA_OUTCOME (saga.py, "How a saga ends"). Any
+change to the order of its commands goes behind ``workflow.patched``
+(tests/histories/saga_drain_*.json replay it).
 """
 
 from __future__ import annotations
@@ -51,7 +60,12 @@ with workflow.unsafe.imports_passed_through():
         SetCordonInput,
         StepState,
     )
-    from modelkeeper.names import ERROR_NO_DEPLOYMENT, QUERY_OPERATION, WORKFLOW_DRAIN
+    from modelkeeper.names import (
+        ERROR_NO_DEPLOYMENT,
+        PATCH_DRAIN_BY_NODE,
+        QUERY_OPERATION,
+        WORKFLOW_DRAIN,
+    )
 
 # Not passed through: the sandbox re-imports it with each workflow, and checks it.
 from .saga import (
@@ -89,6 +103,10 @@ class DrainSaga:
         self._left: dict[ReplicaId, str] = {}
         #: Replicas whose deployment was deleted meanwhile: they stop with it.
         self._gone: list[ReplicaId] = []
+        #: Replicas that left the node by another operation (PATCH_DRAIN_BY_NODE).
+        self._elsewhere: list[ReplicaId] = []
+        #: Whether this run judges by the node (PATCH_DRAIN_BY_NODE), once it has asked.
+        self._by_node = False
 
     @workflow.query(name=QUERY_OPERATION)
     def operation(self) -> OperationRecord:
@@ -117,13 +135,15 @@ class DrainSaga:
         if error is not None:
             await saga.finish(OperationState.FAILED, error=error,
                               summary=self._summary("failed"))
-            raise saga.failure()
+            return saga.outcome()
+        if self._left and self._by_node:
+            await self._recheck_left()
         if self._left:
             await saga.finish(
                 OperationState.FAILED, summary=self._summary("failed"),
                 error=f"still on {request.node_id}: " + "; ".join(
                     f"{r}: {why}" for r, why in self._left.items()))
-            raise saga.failure()
+            return saga.outcome()
         return await saga.finish(OperationState.SUCCEEDED, summary=self._summary("done"))
 
     async def _drain(self) -> str | None:
@@ -157,6 +177,21 @@ class DrainSaga:
             move = await self._replace(replica, at_deadline=False)
             if move is not None:
                 later.append(replica)
+        tried = {r.replica_id for r in replicas}
+        # Read once, here, for the rest of the run: a run replaying an older history keeps
+        # the old path to its end.
+        self._by_node = workflow.patched(PATCH_DRAIN_BY_NODE)
+        if self._by_node:
+            # Placed there before the cordon took hold, by another saga's move: moved too.
+            newcomers = [r for rid, r in (await self._on_node()).items() if rid not in tried]
+            if newcomers:
+                check = saga.step(f"check what {node} holds now")
+                saga.end_step(check, StepState.DONE, _node_check([], newcomers))
+            for replica in newcomers:
+                tried.add(replica.replica_id)
+                move = await self._replace(replica, at_deadline=False)
+                if move is not None:
+                    later.append(replica)
         if not later:
             return None
         wait = (deadline - workflow.now()).total_seconds()
@@ -165,6 +200,8 @@ class DrainSaga:
                              ", ".join(r.replica_id for r in later))
             await workflow.sleep(wait)
             saga.end_step(step, StepState.DONE)
+        if self._by_node:
+            later = await self._by_the_node(later, tried=tried)
         for replica in later:
             move = await self._replace(replica, at_deadline=True)
             if move is not None:
@@ -205,6 +242,42 @@ class DrainSaga:
             # until the deadline.
             await saga.uninterrupted(saga.cancel(move))
         return move
+
+    async def _on_node(self) -> dict[ReplicaId, NodeReplica]:
+        """The replicas holding a claim on the node now."""
+        claims = await self._saga.call(OperationsActivityStubs.node_deployments,
+                                       NodeDeploymentsInput(node_id=self._input.node_id))
+        return {c.replica_id: c for c in claims}
+
+    async def _by_the_node(self, later: list[NodeReplica], *,
+                           tried: set[ReplicaId]) -> list[NodeReplica]:
+        """What the deadline's pass should try: of ``later``, the replicas still on the
+        node, and any there that was never tried (placed by another saga's move before the
+        cordon). A replica of ``later`` gone from the node left it by another operation."""
+        saga = self._saga
+        node = self._input.node_id
+        step = saga.step(f"check what {node} holds now")
+        on_node = await self._on_node()
+        left = [r for r in later if r.replica_id in on_node]
+        for replica in later:
+            if replica.replica_id not in on_node:
+                self._elsewhere.append(replica.replica_id)
+        newcomers = [r for rid, r in on_node.items() if rid not in tried]
+        saga.end_step(step, StepState.DONE, _node_check(self._elsewhere, newcomers))
+        saga.update(summary=self._summary("running"))
+        return left + newcomers
+
+    async def _recheck_left(self) -> None:
+        """Before ending failed: a replica named as left that the node no longer holds
+        left it by another operation meanwhile (a saga's move that held it ended)."""
+        saga = self._saga
+        step = saga.step(f"check what {self._input.node_id} still holds")
+        on_node = await self._on_node()
+        gone = [rid for rid in self._left if rid not in on_node]
+        for rid in gone:
+            del self._left[rid]
+            self._elsewhere.append(rid)
+        saga.end_step(step, StepState.DONE, _node_check(gone, []))
 
     async def _retire(self, replica: NodeReplica, replacement: AskedMove) -> None:
         """Stop a replica that has nowhere else to go, saying why."""
@@ -252,8 +325,21 @@ class DrainSaga:
         if self._retired:
             text += (f", {len(self._retired)} stopped with nowhere to go ("
                      + "; ".join(f"{r}: {why}" for r, why in self._retired.items()) + ")")
+        if self._elsewhere:
+            text += f", {len(self._elsewhere)} moved off by another operation"
         if self._gone:
             text += f", {len(self._gone)} deleted with their deployment"
         if self._left:
             text += f", {len(self._left)} still there"
         return text
+
+
+def _node_check(elsewhere: list[ReplicaId], newcomers: list[NodeReplica]) -> str:
+    """A node check's step detail: what left the node meanwhile, and what came."""
+    parts = []
+    if elsewhere:
+        parts.append(f"moved off by another operation: {', '.join(elsewhere)}")
+    if newcomers:
+        parts.append("placed there meanwhile, to be replaced too: "
+                     + ", ".join(f"{r.replica_id} ({r.deployment_id})" for r in newcomers))
+    return "; ".join(parts) or "as listed"

@@ -12,14 +12,16 @@ Steps, each visible in the OperationRecord (workflows/saga.py says how they are 
 4. ``set_generation``: the deployment runs the next generation from now on.
 
 A replace that fails for any other reason is compensated by ``cancel_move`` (the new copy is
-retired, the old one keeps serving), and the restart ends failed with the reason. Replicas
+retired, the old one keeps serving), and the restart ends failed with the reason: its
+workflow completes with that record (saga.py, "How a saga ends"), unless the compensation
+failed. Replicas
 already restarted stay as they are: the same model and arguments. A cancel cancels the move
 in flight the same way and ends the saga cancelled.
 
 Workflow ids come from the starter: ``restart/<deployment>/<n>``
-(:func:`modelkeeper.names.operation_workflow_id`). A brand-new workflow type: nothing to
-patch yet. Any change to the order of its commands from here on goes behind
-``workflow.patched`` (tests/histories/saga_restart_*.json replay it).
+(:func:`modelkeeper.names.operation_workflow_id`). Patched since it was new:
+PATCH_SAGA_OUTCOME (saga.py, "How a saga ends"). Any change to the order of its commands
+goes behind ``workflow.patched`` (tests/histories/saga_restart_*.json replay it).
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class RestartSaga:
         if error is not None:
             await saga.finish(OperationState.FAILED, error=error,
                               summary=self._summary("failed"))
-            raise saga.failure()
+            return saga.outcome()
         return await saga.finish(OperationState.SUCCEEDED, summary=self._summary("done"))
 
     async def _restart(self) -> str | None:

@@ -16,6 +16,13 @@ background writer (``record_operation``), which writes whatever is current when 
 write ends. So writes never overtake each other, a slow database never delays the saga, and
 :meth:`Saga.flush` waits for the last one before the saga ends.
 
+**How a saga ends.** Its outcome is the record (the store's, which the API and the CLI
+read), and the workflow's status follows it: succeeded, failed as designed (nothing
+changed, or compensated) and rolled back complete with the record as their result
+(:meth:`Saga.outcome`); cancelled ends cancelled; rollback_incomplete, a failed compensation
+and an error the saga did not expect (a store activity failing for good, another saga on
+its subject) fail the workflow, since someone must look.
+
 **Cancels.** Temporal delivers a workflow cancel once, to the main task, at whatever it
 awaits. Two kinds of await must not be cut short:
 
@@ -84,6 +91,7 @@ with workflow.unsafe.imports_passed_through():
         ERROR_NO_DEPLOYMENT,
         ERROR_OPERATION_CONFLICT,
         ERROR_OPERATION_FAILED,
+        PATCH_SAGA_OUTCOME,
     )
 
 _T = TypeVar("_T")
@@ -321,8 +329,30 @@ class Saga:
         await self.uninterrupted(self.flush())
         return self.record
 
+    def needs_repair(self) -> bool:
+        """Whether the saga left something half-done for an operator to repair: the
+        rollback was incomplete, or a compensation failed."""
+        return (self.record.state is OperationState.ROLLBACK_INCOMPLETE
+                or any(s.state is StepState.UNDO_FAILED for s in self.record.steps))
+
+    def outcome(self) -> OperationRecord:
+        """How the workflow ends once :meth:`finish` recorded a failed (or rolled back)
+        state that the saga handled as designed: it completes with the record as its
+        result, so the web UI shows the outcome, not a failure with a Python stack trace.
+        Raises :meth:`failure` when the saga needs repair (:meth:`needs_repair`), and in
+        a run begun before PATCH_SAGA_OUTCOME, where every failed state failed the
+        workflow. The store's record says failed or rolled back either way: the API, the
+        CLI and ``--wait`` read that, never the workflow's status.
+
+        The patch is read only here, where the completion command differs (complete, not
+        fail); the condition before it reads only the record, so it is deterministic."""
+        if not self.needs_repair() and workflow.patched(PATCH_SAGA_OUTCOME):
+            return self.record
+        raise self.failure()
+
     def failure(self) -> ApplicationError:
-        """What the workflow fails with once :meth:`finish` recorded a failed state."""
+        """What the workflow fails with once :meth:`finish` recorded a failed state that
+        needs repair, or an error the saga did not expect."""
         return ApplicationError(self.record.error or self.record.state.value,
                                 self.record.model_dump(mode="json"),
                                 type=ERROR_OPERATION_FAILED, non_retryable=True)

@@ -28,9 +28,10 @@ else needs restoring. The saga ends ``rolled_back`` with ``<B> failed: <why>``
 be restored. A cancel during the rollback does not interrupt it.
 
 Workflow ids come from the starter: ``switch/<deployment>/<n>`` or
-``reconfigure/<deployment>/<n>``. A brand-new workflow type: nothing to patch yet. Any
-change to the order of its commands from here on goes behind ``workflow.patched``
-(tests/histories/saga_switch_*.json replay it).
+``reconfigure/<deployment>/<n>``. Patched since it was new: PATCH_SAGA_OUTCOME (saga.py,
+"How a saga ends": rolled back completes, rollback_incomplete fails). Any change to the
+order of its commands goes behind ``workflow.patched`` (tests/histories/saga_switch_*.json
+replay it).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class SwitchSaga:
             # Nothing was changed: nothing to roll back.
             await saga.finish(OperationState.FAILED, error=why,
                               summary=self._summary("failed"))
-            raise saga.failure()
+            return saga.outcome()
         lost = await saga.uninterrupted(self._roll_back(move))
         error = f"{self._label()} failed: {why}"
         if lost:
@@ -138,7 +139,8 @@ class SwitchSaga:
         else:
             await saga.finish(OperationState.ROLLED_BACK, error=error,
                               summary=self._summary("rolled back"))
-        raise saga.failure()
+        # Rolled back as designed: it completes with the record; incomplete: it fails.
+        return saga.outcome()
 
     async def _switch(self) -> tuple[AskedMove | None, str] | None:
         """The forward steps. Returns the move that failed (None when nothing of it needs

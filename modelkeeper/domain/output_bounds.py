@@ -19,7 +19,9 @@ The rules, in order (each refusal names the field, its value and the limit):
    gateway must judge the number the engine will use.
 2. **Length fields** (``max_tokens``, ``max_completion_tokens``, llama.cpp's
    ``n_predict``) are whole numbers of at least 1 while any bound applies; over the
-   gateway's bound they are refused, over the model's limit lowered to it.
+   gateway's bound they are refused, over the model's limit lowered to it. -1, which
+   llama.cpp reads as "as many as the context allows" and benchmark clients send, is
+   lowered to the most that applies (issue 27: it was a 400).
 3. **Minimum fields** (vLLM's and SGLang's ``min_tokens``) are at most the bound that
    applies: no engine can honour both, and some generate the minimum anyway.
 4. **A request naming no OpenAI length field gets** ``max_tokens``: the model's default,
@@ -139,6 +141,9 @@ def bound_output(payload: Mapping[str, Any], *, bound: int | None = None,
             case OutputField.LENGTH:
                 named = named or name in OPENAI_LENGTH_FIELDS
                 if not bounded:
+                    continue
+                if value == -1 and _is_count(value) and most is not None:
+                    lowered[name] = most
                     continue
                 if not _is_count(value) or value < 1:
                     allowed = f"from 1 to {most}" if most is not None else "of at least 1"

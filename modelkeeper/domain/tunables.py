@@ -395,3 +395,16 @@ class WatchdogTunables(Tolerant):
         "resident memory times this: the peak is what it reached when killed, not what "
         "it would have reached, so 20 % more.",
     )
+
+
+class NotifyTunables(Tolerant):
+    """When notifications are sent (Settings reads these; docs/operations.md,
+    "Notifications")."""
+
+    notify_cant_place_after_s: float = Field(
+        default=600.0, gt=0,
+        description="A deployment unplaceable this long without a break is notified "
+        "(deployment.cant_place). 10 min: longer than a node's restart and the room "
+        "watch's first retries, so a notice means the fleet lacks room, not that a node is "
+        "rebooting.",
+    )

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncpg
 
 from ..domain.events import Event, NewEvent
+from ..domain.notify import CantPlaceSeen
+from ..domain.status import DeploymentStatus
 from .pool import record
 
 
@@ -64,3 +66,26 @@ class EventStore:
             deployment_id, limit,
         )
         return [Event(**record(row)) for row in rows]
+
+    async def cant_place_since(self, deployment_id: str) -> CantPlaceSeen:
+        """When the deployment's current unplaceable stretch began: the first
+        ``deployment.cant_place`` entry after its latest entry of another status (or its
+        deletion); None when its latest status entry is not cant_place. Read from the
+        audit log, which the keeper writes at every status it records, so no column
+        tracks it; the index by deployment keeps it to the deployment's own entries."""
+        cant_place = f"deployment.{DeploymentStatus.CANT_PLACE.value}"
+        others = [f"deployment.{s.value}" for s in DeploymentStatus
+                  if s is not DeploymentStatus.CANT_PLACE]
+        row = await self._pool.fetchrow(
+            """
+            SELECT now() AS now,
+                   (SELECT min(at) FROM events
+                    WHERE deployment_id = $1 AND kind = $2 AND event_id > COALESCE(
+                        (SELECT max(event_id) FROM events
+                         WHERE deployment_id = $1 AND kind = ANY($3::text[])), 0)) AS since,
+                   (SELECT placement_error FROM deployments
+                    WHERE deployment_id = $1) AS reason
+            """,
+            deployment_id, cant_place, [*others, "deployment.deleted", "deployment.swept"])
+        assert row is not None
+        return CantPlaceSeen(since=row["since"], now=row["now"], reason=row["reason"])

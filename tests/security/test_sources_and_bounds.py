@@ -493,10 +493,11 @@ async def test_deeply_nested_json_is_a_400(database_url: str) -> None:
 
 def test_max_tokens_bound() -> None:
     body = b'{"model": "m", "messages": []}\n'
-    assert bound_max_tokens(json.loads(body), body, 64) == (
-        b'{"model": "m", "messages": [],"max_tokens":64}\n')
+    bounded = bound_max_tokens(json.loads(body), body, 64)
+    assert not isinstance(bounded, ErrorReply)
+    assert bounded.body == b'{"model": "m", "messages": [],"max_tokens":64}\n'
     asked = b'{"model": "m", "max_tokens": 10}'
-    assert bound_max_tokens(json.loads(asked), asked, 64) == asked
+    assert bound_max_tokens(json.loads(asked), asked, 64) == (asked, None)
     for field, value in [("max_tokens", 65), ("max_completion_tokens", 10**9),
                          ("max_tokens", "64"), ("max_tokens", True)]:
         over = json.dumps({"model": "m", field: value}).encode()

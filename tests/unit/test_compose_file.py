@@ -72,6 +72,8 @@ IMAGE_LISTEN_PORTS = {
     "temporalio/auto-setup": 7233,
     "temporalio/ui": 8080,
     "nginx": 7233,
+    "prom/prometheus": 9090,
+    "grafana/grafana": 3000,
 }
 #: Services of Temporal's, and the profile each one that may publish a port needs: by
 #: default nothing of Temporal's is reachable from outside Compose's network (issue 19).
@@ -232,8 +234,9 @@ def test_every_image_has_a_pinned_tag(services: dict[str, Any]) -> None:
         _, tag = _image_name_and_tag(service["image"])
         assert tag is not None, f"{name}: image {service['image']!r} has no tag"
         assert tag != "latest", f"{name}: image must not float on :latest"
-        # postgres's exact versions are MAJOR.MINOR (16.4); the rest use MAJOR.MINOR.PATCH.
-        assert re.match(r"^\d+\.\d+(\.\d+)?(-[\w.-]+)?$", tag), f"{name}: {tag!r} floats"
+        # postgres's exact versions are MAJOR.MINOR (16.4); the rest use MAJOR.MINOR.PATCH,
+        # Prometheus' with a v (v2.53.3).
+        assert re.match(r"^v?\d+\.\d+(\.\d+)?(-[\w.-]+)?$", tag), f"{name}: {tag!r} floats"
 
 
 def test_temporal_images_agree_on_the_server_version(services: dict[str, Any]) -> None:
@@ -650,3 +653,92 @@ def test_the_mtls_profile_requires_a_client_certificate(
     source, target, _ = volume.split(":")
     assert source.startswith("./secrets/"), "keys stay in secrets/, out of version control"
     assert files == {f"{target}/server.pem", f"{target}/server.key", f"{target}/ca.pem"}
+
+
+# --- the monitoring profile ----------------------------------------------------------------
+
+MONITORING = {"prometheus": "prom/prometheus", "grafana": "grafana/grafana"}
+PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
+
+
+def _mounts(service: Mapping[str, Any]) -> dict[str, str]:
+    """Container path -> host path (relative as written) of each bind mount."""
+    result = {}
+    for entry in service.get("volumes", []):
+        source, target, *_ = str(entry).split(":")
+        if source.startswith("./"):
+            result[target] = source
+    return result
+
+
+def _host_path_of(service: Mapping[str, Any], container_path: str) -> str:
+    """The host path behind ``container_path``, through the mount that holds it."""
+    for target, source in sorted(_mounts(service).items(), key=lambda m: -len(m[0])):
+        if container_path == target or container_path.startswith(target + "/"):
+            return source + container_path[len(target):]
+    raise AssertionError(f"{container_path} is on no bind mount")
+
+
+def test_monitoring_runs_only_in_its_profile_and_on_loopback(
+        services: dict[str, Any]) -> None:
+    for name, image in MONITORING.items():
+        service = services[name]
+        assert service["profiles"] == ["monitoring"], name
+        assert _image_name_and_tag(service["image"])[0] == image
+        # Prometheus has no login, Grafana one password: the Docker host's loopback only.
+        assert _published_on(service) == {
+            _listen_port(services, name): ("127.0.0.1", _listen_port(services, name))}
+
+
+def test_prometheus_loads_the_shipped_config_and_rules(services: dict[str, Any]) -> None:
+    prometheus = services["prometheus"]
+    flags = dict(arg.removeprefix("--").split("=", 1) for arg in prometheus["command"])
+    config = _host_path_of(prometheus, flags["config.file"])
+    assert (REPO / config).resolve() == PROMETHEUS_CONFIG
+    for rule_file in yaml.safe_load(PROMETHEUS_CONFIG.read_text())["rule_files"]:
+        assert (PROMETHEUS_CONFIG.parent / rule_file).is_file(), rule_file
+
+
+def test_prometheus_scrapes_the_api_and_the_gateway_by_names_they_answer(
+        services: dict[str, Any]) -> None:
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    for job_name, service_name, hosts_field in (
+            ("modelkeeper-api", "modelkeeper-api", "api_allowed_hosts"),
+            ("modelkeeper-gateway", "modelkeeper-gateway", "gateway_allowed_hosts")):
+        [target] = jobs[job_name]["static_configs"][0]["targets"]
+        host, _, port = target.rpartition(":")
+        assert host == service_name and int(port) == _listen_port(services, service_name)
+        # The Host header is the target's name: the process must allow it, or it is a 400.
+        env = _environment(services[service_name])
+        [var] = [v for v in env_var_names(hosts_field) if v in env]
+        assert host in env[var].split(","), f"{service_name} does not answer Host {host}"
+        assert jobs[job_name]["authorization"]["type"] == "Bearer"
+
+
+def test_prometheus_sends_the_gateway_the_token_it_reads(services: dict[str, Any]) -> None:
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    files = {job["job_name"]: job["authorization"]["credentials_file"]
+             for job in config["scrape_configs"]}
+    prometheus, gateway = services["prometheus"], services["modelkeeper-gateway"]
+    sent = _host_path_of(prometheus, files["modelkeeper-gateway"])
+    read = _environment(gateway)["MODELKEEPER_GATEWAY_METRICS_TOKEN_FILE"]
+    assert _host_path_of(gateway, read) == sent
+    for path in files.values():
+        host = _host_path_of(prometheus, path)
+        assert host.startswith("./secrets/monitoring/"), "tokens stay out of the repository"
+        assert f"> {host.removeprefix('./')}" in COMPOSE_FILE.read_text(), \
+            f"the header must say how to make {host}"
+
+
+def test_grafana_is_provisioned_and_its_password_comes_from_a_file(
+        services: dict[str, Any]) -> None:
+    grafana = services["grafana"]
+    env = _environment(grafana)
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env
+    password = _host_path_of(grafana, env["GF_SECURITY_ADMIN_PASSWORD__FILE"])
+    assert password.startswith("./secrets/monitoring/")
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    for source in _mounts(grafana).values():
+        if not source.startswith("./secrets/"):
+            assert (REPO / source).exists(), source

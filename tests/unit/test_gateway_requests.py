@@ -21,12 +21,12 @@ def sent(payload: dict[str, Any], bound: int | None = None, **model: int | None)
     repeated member wins, as with every JSON parser the engines use)."""
     body = json.dumps(payload).encode()
     result = bound_max_tokens(payload, body, bound, **model)
-    return result if isinstance(result, ErrorReply) else json.loads(result)
+    return result if isinstance(result, ErrorReply) else json.loads(result.body)
 
 
 def test_no_bound_leaves_the_body_as_it_came() -> None:
     body = b'{"model": "m", "prompt": "x"}'
-    assert bound_max_tokens(json.loads(body), body, None) is body
+    assert bound_max_tokens(json.loads(body), body, None) == (body, None)
 
 
 def test_the_models_default_is_sent_when_the_request_names_none() -> None:
@@ -45,7 +45,7 @@ def test_asking_for_more_than_the_models_limit_is_lowered_to_it(field: str) -> N
         == 1024
     # Within it: as asked.
     body = json.dumps({"model": "m", field: 1000}).encode()
-    assert bound_max_tokens(json.loads(body), body, None, model_limit=1024) is body
+    assert bound_max_tokens(json.loads(body), body, None, model_limit=1024) == (body, None)
 
 
 def test_the_gateways_bound_still_refuses_what_is_over_it() -> None:
@@ -55,6 +55,27 @@ def test_the_gateways_bound_still_refuses_what_is_over_it() -> None:
     assert "900" in reply.message and "800" in reply.message
     # Under the gateway's bound, over the model's limit: lowered, not refused.
     assert sent({"model": "m", "max_tokens": 900}, 2000, model_limit=600)["max_tokens"] == 600
+
+
+def test_a_length_of_minus_one_asks_for_the_most_and_gets_it() -> None:
+    # llama.cpp reads -1 as "as many as the context allows"; benchmark clients send it.
+    assert sent({"model": "m", "max_tokens": -1}, model_default=256,
+                model_limit=512)["max_tokens"] == 512
+    assert sent({"model": "m", "max_tokens": -1}, 100, model_limit=512)["max_tokens"] == 100
+    # No bound at all: the engine's to judge, as sent.
+    assert sent({"model": "m", "max_tokens": -1}) == {"model": "m", "max_tokens": -1}
+
+
+def test_the_gateway_says_which_length_it_set_and_why() -> None:
+    body = b'{"model": "m", "prompt": "x"}'
+    filled = bound_max_tokens(json.loads(body), body, None, model_default=256)
+    assert not isinstance(filled, ErrorReply) and filled.output_limit is not None
+    assert filled.output_limit.startswith(b"max_tokens=256; the default")
+    body = b'{"model": "m", "max_tokens": 2000}'
+    lowered = bound_max_tokens(json.loads(body), body, None, model_limit=512)
+    assert not isinstance(lowered, ErrorReply)
+    assert lowered.output_limit == (
+        b"max_tokens=512; lowered from 2000, the most this model allows per request")
 
 
 @pytest.mark.parametrize("value", ["64", True, 0, -3, 2.5])
@@ -107,6 +128,13 @@ def _shape(body: bytes) -> dict[str, Any]:
           b'"invalid_request_error"}}',
      {"message": "bad grammar", "type": "invalid_request_error", "param": None,
       "code": "invalid_request"}),
+    # llama.cpp's context overflow: its token counts are kept, for the client to act on.
+    (400, b'{"error": {"code": 400, "message": "the request exceeds the available context '
+          b'size, try increasing it", "type": "exceed_context_size_error", '
+          b'"n_prompt_tokens": 1210, "n_ctx": 512, "trace": [' + b'1,' * 50 + b'1]}}',
+     {"message": "the request exceeds the available context size, try increasing it",
+      "type": "exceed_context_size_error", "param": None, "code": "invalid_request",
+      "n_prompt_tokens": 1210, "n_ctx": 512}),
     # Older vLLM and SGLang: the fields at the top level.
     (400, b'{"object": "error", "message": "max_tokens too large", "type": '
           b'"BadRequestError", "param": "max_tokens", "code": 400}',

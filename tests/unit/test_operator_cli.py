@@ -76,7 +76,7 @@ POSITIONALS: dict[str, list[str]] = {
     "restart": ["x"], "switch": ["x", "m"], "reconfigure": ["x", "k=v"], "cordon": ["n"],
     "uncordon": ["n"], "drain": ["n"], "hold": ["n"], "unhold": ["n"],
     "schedule": ["ls", "x"], "headroom": ["x"],
-    "owner": ["x", "acme"], "size": ["x", "--rps", "1"]}
+    "owner": ["x", "acme"], "size": ["x", "--rps", "1"], "notify": ["test"]}
 
 
 # --- The table ---------------------------------------------------------------------------
@@ -87,7 +87,7 @@ def test_the_table_holds_every_command_in_help_order() -> None:
         "deploy", "ls", "status", "headroom", "rm", "nodes", "explain", "models", "size",
         "scale", "sleep", "wake", "retry", "restart", "switch", "reconfigure", "cordon",
         "uncordon", "drain", "hold", "unhold", "operations", "schedule", "quota", "owner",
-        "power-cap"]
+        "power-cap", "notify"]
     assert set(OPERATOR_COMMANDS) == {c.name for c in COMMANDS}
     for command in COMMANDS:  # each is registered with the common flags
         args = parse(command.name, *POSITIONALS.get(command.name, []), "--json",

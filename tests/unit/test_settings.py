@@ -16,6 +16,7 @@ from modelkeeper.domain.tunables import (
     GatewayTunables,
     KeeperTunables,
     LivenessTunables,
+    NotifyTunables,
     Tunables,
     WatchdogTunables,
 )
@@ -120,7 +121,7 @@ def test_each_tunable_default_lives_once() -> None:
     API runs with exactly what the API would send (Settings.tunables), and the keeper's
     own config defaults are the tunables'."""
     groups = (KeeperTunables, ControlTunables, LivenessTunables, AgentTunables, GatewayTunables,
-              WatchdogTunables)
+              WatchdogTunables, NotifyTunables)
     settings = Settings.model_construct()  # the defaults, whatever the environment says
     for group in groups:
         for name, field in group.model_fields.items():

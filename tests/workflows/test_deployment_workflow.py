@@ -25,7 +25,11 @@ from temporalio.client import (
     WorkflowHistory,
     WorkflowUpdateFailedError,
 )
-from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.common import (
+    SearchAttributePair,
+    TypedSearchAttributes,
+    WorkflowIDConflictPolicy,
+)
 from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
@@ -86,6 +90,7 @@ from modelkeeper.domain.store_activities import (
 from modelkeeper.domain.tunables import Tunables
 from modelkeeper.names import (
     CONTROL_TASK_QUEUE,
+    DEPLOYMENTS_VIEW_QUERY,
     ERROR_MOVE_REFUSED,
     QUERY_BRIEF,
     ROOM_WATCH_TASK_QUEUE,
@@ -100,9 +105,11 @@ from modelkeeper.settings import Settings
 from modelkeeper.store import Store
 from workflows.deployment import (
     DESIRED_KEY,
+    MODEL_ID_KEY,
     NODES_KEY,
     READY_KEY,
     STATUS_KEY,
+    DeleteRequest,
     DeploymentInput,
     DeploymentWorkflow,
     DeploymentWorkflowState,
@@ -356,7 +363,7 @@ QUERY_DEADLINE = timedelta(seconds=2)
 class Running:
     env: WorkflowEnvironment
     cluster: FakeCluster
-    handle: WorkflowHandle[DeploymentWorkflow, None]
+    handle: WorkflowHandle[DeploymentWorkflow, str]
 
     async def view(self) -> WorkflowStatus:
         # By workflow id alone, so the query follows continue-as-new to the latest run:
@@ -491,6 +498,26 @@ async def test_deploys_serves_replaces_a_crashed_engine_and_deletes(
         assert cluster.deleted == ["d1"]
         await record_history(run.handle, "deploy_crash_replace_delete")
         assert [s.status for s in cluster.statuses][-1] is DeploymentStatus.DELETING
+
+
+async def test_a_deleted_deployment_ends_with_a_human_result(
+    time_skipping_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """Issue 24: the run's result (the web UI's, ``temporal workflow result``) says who
+    deleted it, when, and what it stopped; not an empty result."""
+    async with _run(time_skipping_env, cluster, replicas=2) as run:
+        view = await run.until(DeploymentStatus.SERVING)
+        await asyncio.wait_for(_until(lambda: len(cluster.started) == 2), 20)
+        asked = await time_skipping_env.get_current_time()
+        await run.handle.signal(DeploymentWorkflow.delete, DeleteRequest(requested_by="alice"))
+        result = await asyncio.wait_for(run.handle.result(), 20)
+        await record_history(run.handle, "deleted_result")
+    spec = view.keeper.spec
+    prefix = f"Deployment {spec.deployment_id} ({spec.model_id}) deleted by alice at "
+    assert result.startswith(prefix) and result.endswith(" UTC: 2 replicas stopped"), result
+    at = datetime.strptime(result[len(prefix):len(prefix) + 19], "%Y-%m-%d %H:%M:%S")
+    assert abs((at.replace(tzinfo=UTC) - asked).total_seconds()) < 60
+    assert sorted(cluster.stopped) == sorted(r.replica_id for r in view.keeper.replicas)
 
 
 async def _until(check: object) -> None:
@@ -950,6 +977,84 @@ async def test_search_attributes_move_on_while_the_store_is_down(
         # The one recorded history with search attributes on (the time-skipping server
         # has none registered).
         await record_history(run.handle, "search_attributes_store_down")
+
+
+async def test_the_web_uis_saved_view_lists_model_status_and_ready_over_desired(
+    local_temporal_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """Issue 24: the list of runs tells deployments apart. The saved view that
+    docs/keeper.md ("The web UI's list") documents is a visibility query plus columns of
+    the search attributes; this runs its query on the dev server, and each row carries the
+    columns it shows: ModelId, DeploymentStatus, ReadyReplicas and DesiredReplicas."""
+    client = local_temporal_env.client
+    async with _workers(local_temporal_env, cluster):
+        handles = []
+        for deployment_id, model_id, replicas in (("d1", "m", 2), ("d2", "m2", 1)):
+            spec = DeploymentSpec(deployment_id=DeploymentId(deployment_id),
+                                  model_id=ModelId(model_id), replicas=replicas)
+            handles.append(await client.start_workflow(
+                DeploymentWorkflow.run,
+                DeploymentInput(spec=spec, tunables=_tunables(), search_attributes=True),
+                id=f"deployment/{deployment_id}-{uuid.uuid4().hex[:6]}",
+                task_queue=CONTROL_TASK_QUEUE,
+                # As the API starts one: the model and the first status at start.
+                search_attributes=TypedSearchAttributes([
+                    SearchAttributePair(MODEL_ID_KEY, model_id),
+                    SearchAttributePair(STATUS_KEY, "placing")])))
+        ids = {h.id for h in handles}
+
+        async def rows() -> dict[str, tuple[object, ...]]:
+            found: dict[str, tuple[object, ...]] = {}
+            async for execution in client.list_workflows(DEPLOYMENTS_VIEW_QUERY):
+                if execution.id in ids:
+                    sa = execution.typed_search_attributes
+                    found[execution.id] = (sa.get(MODEL_ID_KEY), sa.get(STATUS_KEY),
+                                           sa.get(READY_KEY), sa.get(DESIRED_KEY))
+            return found
+
+        want = {handles[0].id: ("m", "serving", 2, 2), handles[1].id: ("m2", "serving", 1, 1)}
+
+        async def listed() -> None:
+            while await rows() != want:
+                await asyncio.sleep(0.2)
+
+        await asyncio.wait_for(listed(), 30)
+        # A filter on a column: one model's deployments.
+        only_m2 = [e.id async for e in client.list_workflows(
+            f"{DEPLOYMENTS_VIEW_QUERY} AND ModelId = 'm2'") if e.id in ids]
+        assert only_m2 == [handles[1].id]
+        for handle in handles:
+            await handle.signal(DeploymentWorkflow.delete)
+        for handle in handles:
+            await asyncio.wait_for(handle.result(), 30)
+
+
+async def test_the_model_id_column_follows_a_switch(
+    local_temporal_env: WorkflowEnvironment, cluster: FakeCluster,
+) -> None:
+    """Issue 24: after a switch commits another model, the list's ModelId says the model
+    the deployment runs now, not the one it was created for."""
+    client = local_temporal_env.client
+    async with _workers(local_temporal_env, cluster):
+        handle = await client.start_workflow(
+            DeploymentWorkflow.run, _input(search_attributes=True),
+            id=f"deployment/{uuid.uuid4()}", task_queue=CONTROL_TASK_QUEUE,
+            search_attributes=TypedSearchAttributes([SearchAttributePair(MODEL_ID_KEY, "m"),
+                                                     SearchAttributePair(STATUS_KEY, "placing")]))
+        run = Running(local_temporal_env, cluster, handle)
+        await run.until(DeploymentStatus.SERVING)
+        await run.handle.execute_update(UPDATE_SET_GENERATION, SetGenerationRequest(
+            move_id=MoveId("switch/d1/1:commit"),
+            generation=Generation(number=1, model_id=ModelId("m2"))))
+
+        async def model_id() -> None:
+            while (await handle.describe()).typed_search_attributes.get(MODEL_ID_KEY) != "m2":
+                await asyncio.sleep(0.1)
+
+        await asyncio.wait_for(model_id(), 20)
+        await handle.signal(DeploymentWorkflow.delete)
+        await asyncio.wait_for(handle.result(), 30)
+        await record_history(handle, "model_id_follows_switch")
 
 
 async def test_a_store_outage_delays_status_writes_not_the_replacement_of_a_lost_replica(

@@ -37,7 +37,7 @@ async def _start(env: WorkflowEnvironment, cluster: FakeCluster, deployment_id: 
                  capacity_class: CapacityClass) -> Running:
     spec = DeploymentSpec(deployment_id=deployment_id, model_id=ModelId(f"m-{deployment_id}"),
                           replicas=1, capacity_class=capacity_class)
-    handle: WorkflowHandle[DeploymentWorkflow, None] = await env.client.start_workflow(
+    handle: WorkflowHandle[DeploymentWorkflow, str] = await env.client.start_workflow(
         DeploymentWorkflow.run,
         DeploymentInput(spec=spec, tunables=_tunables(), search_attributes=False),
         id=deployment_workflow_id(deployment_id), task_queue=CONTROL_TASK_QUEUE)

@@ -4,7 +4,10 @@ would break a saga in flight fails here (it must be versioned with workflow.patc
 Recorded by tests/workflows/test_sagas.py with MODELKEEPER_RECORD_HISTORIES=1: per saga a
 happy path and a compensation (restart: a replacement that fails and is cancelled; drain:
 no room elsewhere, retired at the deadline, and a cancel that uncordons; switch: B crashing
-at start, rolled back, and a cancel that rolls back a completed replace)."""
+at start, rolled back, and a cancel that rolls back a completed replace). Issue 24's patches
+(docs/keeper.md, "Patches in 0.3"): ``*_completes`` a failed restart and a rolled-back
+switch completing with their record, ``saga_drain_beside_restart`` a drain judging by its
+node; the histories recorded before them replay the old paths."""
 
 from __future__ import annotations
 

@@ -132,6 +132,13 @@ class FakeDeployment:
     refuse_cancel: set[str] = field(default_factory=set)
     #: Move requests refused (by the move's step), with the refusal.
     refuse: dict[str, str] = field(default_factory=dict)
+    #: Moves (by step) carried out only at :meth:`open_gate`; meanwhile their replica is
+    #: leased to them, and another saga's move of it is refused, as the keeper does.
+    gated: set[str] = field(default_factory=set)
+    gated_requests: dict[MoveId, MoveRequest] = field(default_factory=dict)
+    #: Moves (by step) whose new replica lands on this node, whatever the move avoids
+    #: (another saga's placement that came before the cordon).
+    place_on: dict[str, NodeId] = field(default_factory=dict)
     #: A failed stop-first frees its slot and the deployment places a replica of its
     #: current generation at once (the real keeper does; False tests the saga's surge).
     refills: bool = False
@@ -168,16 +175,32 @@ class FakeDeployment:
             raise ApplicationError(f"replica {request.replica_id!r} is not one of "
                                    f"{self.deployment_id}'s", type=ERROR_MOVE_REFUSED,
                                    non_retryable=True)
+        lease = next((m for m in self.gated_requests.values()
+                      if m.replica_id == request.replica_id and m.move_id not in self.ends),
+                     None)
+        if lease is not None:
+            raise ApplicationError(f"replica_id: {request.replica_id} is leased to move "
+                                   f"{lease.move_id}", type=ERROR_MOVE_REFUSED,
+                                   non_retryable=True)
         running = MoveOutcome(move_id=request.move_id, kind=request.kind, state=MoveState.RUNNING,
                             retired=request.replica_id, started_at=STOP_FIRST_AT)
         self.moves[request.move_id] = running
         step = _step(request.move_id)
+        if step in self.gated:
+            self.gated_requests[request.move_id] = request  # carried out once the gate opens
+            return running
         if step in self.hold:
             if request.stop_first and request.replica_id is not None:
                 self.replicas.pop(request.replica_id)  # A stops first, B is still loading
             return running
         self.ends[request.move_id] = self._carry_out(request, running)
         return running
+
+    def open_gate(self) -> None:
+        """Carry out the gated moves: each ends as it would have at once."""
+        for move_id, request in self.gated_requests.items():
+            if move_id not in self.ends:
+                self.ends[move_id] = self._carry_out(request, self.moves[move_id])
 
     def _carry_out(self, request: MoveRequest, running: MoveOutcome) -> MoveOutcome:
         step = _step(request.move_id)
@@ -195,6 +218,8 @@ class FakeDeployment:
             self._refill(request)
             return running.model_copy(update={"state": MoveState.FAILED, "error": NO_ROOM})
         surged = self.new_replica(generation, request.avoid_nodes)
+        if step in self.place_on:
+            self.replicas[surged].node = self.place_on[step]
         crash = self.crash.get(step)
         if crash is None and generation.model_id in self.crash_models:
             crash = f"{surged} failed to start: {generation.model_id} exited with code 1"
@@ -252,6 +277,8 @@ class FakeFleet:
     deleted: set[DeploymentId] = field(default_factory=set)
     #: Set when a held move has been requested.
     held: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set when a drain's record shows it waiting for its deadline.
+    waiting: asyncio.Event = field(default_factory=asyncio.Event)
 
     def activities(self) -> list[Any]:
         @activity.defn(name=ACTIVITY_BEGIN_OPERATION)
@@ -267,6 +294,8 @@ class FakeFleet:
                 raise ApplicationError(self.record_conflict, type=ERROR_OPERATION_CONFLICT,
                                        non_retryable=True)
             self.records.append(record)
+            if any(s.name.startswith("wait until") for s in record.steps):
+                self.waiting.set()
 
         @activity.defn(name=ACTIVITY_SET_CORDON)
         async def set_cordon(request: SetCordonInput) -> bool:
@@ -291,7 +320,8 @@ class FakeFleet:
                 raise ApplicationError(f"deployment {call.deployment_id!r} has no running "
                                        f"workflow", type=ERROR_NO_DEPLOYMENT, non_retryable=True)
             outcome = self.deployments[call.deployment_id].request(call.request)
-            if _step(call.request.move_id) in self.deployments[call.deployment_id].hold:
+            deployment = self.deployments[call.deployment_id]
+            if _step(call.request.move_id) in deployment.hold | deployment.gated:
                 self.held.set()
             return outcome
 
@@ -450,8 +480,9 @@ async def test_a_failed_replacement_is_cancelled_and_the_restart_fails(
     crash = "d1-r4 failed to start: model-a exited with code 1"
     fleet = FakeFleet(deployments={D1: _deployment(crash={"replace-d1-r2": crash})})
     async with _restart(time_skipping_env, fleet) as run:
-        error = _operation_failed(await run.failure())
-        await run.record_history("restart_failed")
+        # Compensated as designed: the workflow completes with the failed record.
+        result = await run.handle.result()
+        await run.record_history("restart_failed_completes")
     assert fleet.asked() == ["replace replace-d1-r1", "replace replace-d1-r2"]
     assert fleet.cancels == ["restart/d1/1:replace-d1-r2"]
     assert fleet.deployments[D1].generations_set == []
@@ -460,9 +491,25 @@ async def test_a_failed_replacement_is_cancelled_and_the_restart_fails(
     record = fleet.record
     assert record.state is OperationState.FAILED
     assert record.error == f"replacing d1-r2 failed: {crash}"
-    assert error.message == record.error
+    assert result == record
     # The old replica keeps serving; the one restarted stays restarted.
     assert "d1-r2" in fleet.deployments[D1].replicas
+
+
+async def test_a_restart_whose_undo_fails_fails_its_workflow(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    """A compensation that failed leaves something half-done: the workflow fails (the web
+    UI shows it red), where a compensated failure completes with its record."""
+    crash = "d1-r4 failed to start: model-a exited with code 1"
+    fleet = FakeFleet(deployments={D1: _deployment(crash={"replace-d1-r2": crash},
+                                                   refuse_cancel={"replace-d1-r2"})})
+    async with _restart(time_skipping_env, fleet) as run:
+        error = _operation_failed(await run.failure())
+    record = fleet.record
+    assert record.state is OperationState.FAILED
+    assert fleet.steps()[1] == ("replace d1-r2", StepState.UNDO_FAILED)
+    assert "could not undo" in (record.error or "") and error.message == record.error
 
 
 async def test_a_second_saga_on_the_deployment_fails_naming_the_first(
@@ -550,6 +597,7 @@ async def test_a_replica_with_no_room_elsewhere_is_retired_at_the_deadline(
         ("cordon n1", DONE), ("replace d1-r1 (d1) off n1", DONE),
         ("replace d2-r1 (d2) off n1", FAILED),
         (next(s.name for s in result.steps if s.name.startswith("wait until")), DONE),
+        ("check what n1 holds now", DONE),
         ("replace d2-r1 (d2) off n1 at the deadline", FAILED),
         ("retire d2-r1 (d2)", DONE)]
     assert result.steps[-1].detail == reason
@@ -581,17 +629,66 @@ async def test_a_refused_replica_is_tried_at_the_deadline_then_named_as_left(
     fleet = _two_deployments(refuse={"replace-d2-r1": leased, "replace-d2-r1:retry": leased})
     fleet.deleted.add(D1)  # deleted meanwhile: its replica goes with it
     async with _drain(time_skipping_env, fleet) as run:
-        error = _operation_failed(await run.failure())
+        result = await run.handle.result()
     assert fleet.asked() == ["replace replace-d1-r1", "replace replace-d2-r1",
                              "replace replace-d2-r1:retry"]
     steps = fleet.steps()
     assert steps[1] == ("replace d1-r1 (d1) off n1", DONE)
     assert fleet.record.steps[1].detail.startswith("nothing to move: deployment 'd1'")
     assert steps[2] == ("replace d2-r1 (d2) off n1", FAILED)
-    assert steps[-1] == ("replace d2-r1 (d2) off n1 at the deadline", FAILED)
+    assert steps[-2] == ("replace d2-r1 (d2) off n1 at the deadline", FAILED)
+    # Judged by the node before it ends failed: d2-r1 is still there.
+    assert steps[-1] == ("check what n1 still holds", DONE)
     assert fleet.record.state is OperationState.FAILED
-    assert error.message == fleet.record.error == f"still on n1: d2-r1: {leased}"
+    assert result.error == fleet.record.error == f"still on n1: d2-r1: {leased}"
     assert "1 deleted with their deployment, 1 still there" in fleet.record.summary
+
+
+@pytest.mark.parametrize("lands_on_the_node", [False, True], ids=["elsewhere", "on-the-node"])
+async def test_a_drain_beside_a_restart_of_the_same_replicas_judges_by_the_node(
+    time_skipping_env: WorkflowEnvironment, lands_on_the_node: bool,
+) -> None:
+    """Issue 24: a drain refused a replica that a restart was replacing (leased to its
+    move), tried it again at the deadline, when the restart had replaced it elsewhere and
+    the replica id was gone, and ended failed "still there". What counts is whether the
+    node still holds the deployment's replicas."""
+    # on-the-node: the restart's new copy of d1-r1 lands on n1 (placed before the cordon
+    # took hold): the drain finds it there at the deadline and moves it too.
+    fleet = FakeFleet(deployments={D1: _deployment(
+        replicas={"r1": ("ready", N1), "r2": ("ready", N1)}, gated={"replace-d1-r1"},
+        place_on={"replace-d1-r1": N1} if lands_on_the_node else {})})
+    env = time_skipping_env
+    async with Worker(env.client, task_queue=CONTROL_TASK_QUEUE, workflows=SAGAS,
+                      activities=fleet.activities()):
+        restart = await env.client.start_workflow(
+            RestartSaga.run, RestartInput(deployment_id=D1, requested_by="alice"),
+            id=operation_workflow_id("restart", D1, 1), task_queue=CONTROL_TASK_QUEUE)
+        await asyncio.wait_for(fleet.held.wait(), 20)  # the restart holds d1-r1
+        drain = await env.client.start_workflow(
+            DrainSaga.run, DrainInput(node_id=N1, grace_s=60),
+            id=operation_workflow_id("drain", N1, 1), task_queue=CONTROL_TASK_QUEUE)
+        await asyncio.wait_for(fleet.waiting.wait(), 20)  # its first pass is over
+        fleet.deployments[D1].open_gate()
+        restarted = await restart.result()
+        result = await drain.result()
+        if not lands_on_the_node:
+            await Run(env, fleet, drain).record_history("drain_beside_restart")
+    assert restarted.state is OperationState.SUCCEEDED
+    drained = [r for r in fleet.asked() if "replace-d1-r" in r]
+    assert "replace replace-d1-r2" in drained
+    assert not any(r.node == N1 for r in fleet.deployments[D1].replicas.values())
+    assert result.state is OperationState.SUCCEEDED, result.error
+    assert result.error is None
+    assert "still there" not in result.summary
+    if lands_on_the_node:
+        newcomer = next(s for s in result.steps if s.name == "check what n1 holds now")
+        assert "moved off by another operation: d1-r1" in newcomer.detail
+        assert "placed there meanwhile, to be replaced too: d1-r4 (d1)" in newcomer.detail
+        assert ("replace d1-r4 (d1) off n1 at the deadline", DONE) in [
+            (s.name, s.state) for s in result.steps]
+        assert "2 replica(s) moved, 1 moved off by another operation" in result.summary
+    else:
+        assert "1 replica(s) moved, 1 moved off by another operation" in result.summary
 
 
 async def test_draining_an_unknown_node_fails_saying_so(
@@ -599,8 +696,9 @@ async def test_draining_an_unknown_node_fails_saying_so(
 ) -> None:
     fleet = _two_deployments()
     async with _drain(time_skipping_env, fleet, NodeId("n9")) as run:
-        error = _operation_failed(await run.failure())
-    assert error.message == "node_id: n9 is not a known node"
+        result = await run.handle.result()
+    assert result.state is OperationState.FAILED
+    assert result.error == "node_id: n9 is not a known node"
     assert fleet.steps() == [("cordon n9", FAILED)] and fleet.requests == []
 
 
@@ -693,8 +791,9 @@ async def test_b_crashing_at_start_is_cancelled_and_a_keeps_serving(
 ) -> None:
     fleet = FakeFleet(deployments={D1: _deployment(crash_models={B.model_id})})
     async with _switch(time_skipping_env, fleet, model_id=B.model_id) as run:
-        error = _operation_failed(await run.failure())
-        await run.record_history("switch_rolled_back")
+        # Rolled back as designed: the workflow completes with the record.
+        result = await run.handle.result()
+        await run.record_history("switch_rolled_back_completes")
     assert fleet.asked() == ["replace replace-d1-r1"]
     assert fleet.cancels == ["switch/d1/1:replace-d1-r1"]
     assert fleet.steps() == [("replace d1-r1 with model-b", UNDONE),
@@ -703,7 +802,7 @@ async def test_b_crashing_at_start_is_cancelled_and_a_keeps_serving(
     assert record.state is OperationState.ROLLED_BACK
     assert record.error == ("model-b failed: d1-r3 failed to start: model-b exited with "
                             "code 1")
-    assert error.message == record.error
+    assert result == record
     assert fleet.deployments[D1].generations_set == []
     assert sorted(fleet.deployments[D1].replicas) == ["d1-r1", "d1-r2"]
 
@@ -714,7 +813,7 @@ async def test_b_crashing_after_a_stopped_first_surges_a_back(
     fleet = FakeFleet(deployments={D1: _deployment(no_room={"replace-d1-r1"},
                                                    crash_models={B.model_id})})
     async with _switch(time_skipping_env, fleet, model_id=B.model_id) as run:
-        await run.failure()
+        await run.handle.result()  # rolled back as designed: it completes
     assert fleet.asked() == ["replace replace-d1-r1", "replace replace-d1-r1:stop-first",
                              "surge undo-surge-d1-r1"]
     assert fleet.requests[-1].generation == A
@@ -735,7 +834,7 @@ async def test_a_after_a_failed_stop_first_comes_back_from_the_deployment_itself
     fleet = FakeFleet(deployments={D1: _deployment(no_room={"replace-d1-r1"},
                                                    crash_models={B.model_id}, refills=True)})
     async with _switch(time_skipping_env, fleet, model_id=B.model_id) as run:
-        await run.failure()
+        await run.handle.result()  # rolled back as designed: it completes
     assert fleet.asked() == ["replace replace-d1-r1", "replace replace-d1-r1:stop-first"]
     assert [name for name, _ in fleet.steps()][-1] == "undo: restore d1-r1 on model-a"
     assert fleet.steps()[-1][1] is DONE
@@ -751,7 +850,7 @@ async def test_a_second_replica_crashing_undoes_the_first(
     crash = "d1-r4 failed to start: CUDA out of memory"
     fleet = FakeFleet(deployments={D1: _deployment(crash={"replace-d1-r2": crash})})
     async with _switch(time_skipping_env, fleet, model_id=B.model_id) as run:
-        await run.failure()
+        await run.handle.result()  # rolled back as designed: it completes
     assert fleet.asked() == ["replace replace-d1-r1", "replace replace-d1-r2",
                              "replace undo-replace-d1-r3"]
     undo = fleet.requests[-1]

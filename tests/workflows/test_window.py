@@ -67,7 +67,7 @@ async def _workers(env: WorkflowEnvironment, cluster: FakeCluster) -> AsyncItera
         yield
 
 
-async def _start(client: Client) -> WorkflowHandle[DeploymentWorkflow, None]:
+async def _start(client: Client) -> WorkflowHandle[DeploymentWorkflow, str]:
     # A policy of one replica (min = max = 1): what a window's close returns to. Without
     # follows_demand, so no usage watch runs (nothing here reports usage).
     spec = DeploymentSpec(deployment_id=D, model_id=ModelId("m"), replicas=1,
@@ -78,7 +78,7 @@ async def _start(client: Client) -> WorkflowHandle[DeploymentWorkflow, None]:
         id=deployment_workflow_id(D), task_queue=CONTROL_TASK_QUEUE)
 
 
-async def _until(handle: WorkflowHandle[DeploymentWorkflow, None],
+async def _until(handle: WorkflowHandle[DeploymentWorkflow, str],
                  check: Callable[[WorkflowStatus], bool]) -> WorkflowStatus:
     async def poll() -> WorkflowStatus:
         while not check(view := await handle.query(DeploymentWorkflow.status)):
