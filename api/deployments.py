@@ -12,7 +12,8 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Query, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
+from starlette.convertors import PathConvertor, register_url_convertor
 from temporalio.api.errordetails.v1 import NotFoundFailure
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
@@ -25,25 +26,30 @@ from modelkeeper.domain.catalog import (
     CatalogModel,
     DeploymentRequest,
     DeploymentView,
+    ModelPatch,
     ModelSpec,
+    PatchRefused,
     ReplicaView,
     ScaleRequest,
+    engine_source_problem,
     estimate_memory_bytes,
+    patched_spec,
     scaling_summary,
+    spec_changes,
 )
 from modelkeeper.domain.demand import ScalingPolicy, SetPolicyRequest, SleepRequest, WakeRequest
 from modelkeeper.domain.engine_args import EngineConfigError, check_engine_arg_names
 from modelkeeper.domain.ids import DeploymentId, ReplicaId
 from modelkeeper.domain.keeper import DeploymentSpec
 from modelkeeper.domain.operators import Operator, scope_refusal
-from modelkeeper.domain.placement import PlacementRequest, explain
+from modelkeeper.domain.placement import explain
 from modelkeeper.domain.profiles import ProfilePlacement, place_profiles, profile_candidates
 from modelkeeper.domain.shards import EngineKind
 from modelkeeper.domain.sources import SourceKind, SourcePolicy, SourceRefused, check_source
 from modelkeeper.domain.status import DeploymentStatus
 from modelkeeper.domain.watchdog import CalibrationView, calibration_view, with_calibration
 from modelkeeper.infra import schedules
-from modelkeeper.infra.model_files import resolve_model_path, source_policy
+from modelkeeper.infra.model_files import NO_SUCH_FILE, resolve_model_path, source_policy
 from modelkeeper.infra.temporal import execute_update
 from modelkeeper.names import (
     CONTROL_TASK_QUEUE,
@@ -118,6 +124,9 @@ class Explanation(BaseModel):
     """GET /placement/explain: where a replica would go, or why it can't go anywhere."""
 
     model_id: str
+    #: The deployment whose next replica it places (its labels, nodes and class apply);
+    #: None: the model is not deployed, and only its own needs apply.
+    deployment_id: str | None = None
     fits: bool
     nodes_chosen: list[str]
     summary: str | None
@@ -170,6 +179,16 @@ def catalog_entry(spec: ModelSpec, policy: SourcePolicy) -> CatalogModel:
         except EngineConfigError as exc:
             raise field_error(f"profiles[{i}].engine_args", profile.engine_args,
                               str(exc)) from None
+    # Its form, for each engine that would read it (the model's and each profile's): a
+    # source an engine cannot read is refused now, not after its starts failed and were
+    # retried.
+    for field, engine in (("engine", spec.engine),
+                          *((f"profiles[{i}].engine", p.engine)
+                            for i, p in enumerate(spec.profiles))):
+        problem = engine_source_problem(engine, spec.source)
+        if problem is not None:
+            raise field_error("source", spec.source,
+                              problem if field == "engine" else f"{field}: {problem}")
     if spec.memory_bytes is not None:
         return CatalogModel(**spec.model_dump())
     if spec.engine is not EngineKind.LLAMACPP:
@@ -179,6 +198,13 @@ def catalog_entry(spec: ModelSpec, policy: SourcePolicy) -> CatalogModel:
     try:
         path = resolve_model_path(spec.source, policy=policy)
     except EngineConfigError as exc:
+        if exc.field == "source" and exc.reason == NO_SUCH_FILE:
+            # The one local file the API reads: to estimate its memory. Any other path is
+            # the nodes' to check (they may hold files this machine does not).
+            raise field_error("source", spec.source,
+                              f"{NO_SUCH_FILE} on the API's machine, which reads it to "
+                              "estimate memory_bytes; declare memory_bytes when the file "
+                              "is on the nodes only") from None
         raise field_error("memory_bytes", None,
                           f"cannot be estimated ({exc}); declare it") from None
     return CatalogModel(**{**spec.model_dump(),
@@ -226,15 +252,83 @@ async def get_model(model_id: str, store: StoreDep, settings: SettingsDep) -> Mo
     return ModelView.model_validate(fields)
 
 
+class ModelChanged(Frozen):
+    """PATCH /models/{id}: the entry as it is now, what changed, and the deployments that
+    serve it: their replicas run the old spec (outdated) until restarted."""
+
+    model: CatalogModel
+    changes: list[str]
+    deployments: list[str]
+    #: How many deployments serve it (``deployments`` lists at most MAX_NAMED_DEPLOYMENTS).
+    deployment_count: int
+
+
+#: Deployments named in an answer about a model (a change, a refused removal): enough to
+#: act on, bounded however many serve it.
+MAX_NAMED_DEPLOYMENTS = 20
+
+
+class CatalogPathConvertor(PathConvertor):
+    """A model id in a path that may hold '/' (``org/name``), but never ends in one of the
+    catalog's sub-resources: a PATCH of ``/models/x/capacity`` (which has no PATCH) is then
+    a 405 naming the methods it has, not a 422 from this route's body."""
+
+    regex = r".+(?<!/capacity)(?<!/headroom)(?<!/size)"
+
+
+register_url_convertor("catalog_path", CatalogPathConvertor())
+
+
+@router.patch("/models/{model_id:catalog_path}", response_model=ModelChanged,
+              responses=problems(404))
+async def change_model(model_id: str, patch: ModelPatch, store: StoreDep,
+                       operator: OperatorDep, *, settings: SettingsDep) -> ModelChanged:
+    """Change a model's memory, engine arguments or source while it may be deployed; the
+    result is judged as ``POST /models`` judges a new entry (422 naming the field).
+    Replicas running keep the old spec and show as outdated: a restart
+    (``POST /deployments/{id}/restart``) rolls the change out."""
+    model = await store.catalog.get_model(model_id)
+    if model is None:
+        raise HTTPException(404, f"model {model_id!r} is not in the catalog")
+    try:
+        fields = patched_spec(model, patch)
+    except PatchRefused as exc:
+        raise field_error(exc.field, exc.value, str(exc)) from None
+    try:
+        spec = ModelSpec.model_validate(fields)
+    except ValidationError as exc:
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) \
+            from None
+    entry = catalog_entry(spec, source_policy(settings))
+    changes = spec_changes(model, entry)
+    if changes:
+        updated = await store.catalog.update_spec(entry)
+        if updated is None:
+            raise HTTPException(404, f"model {model_id!r} is not in the catalog")
+        await store.events.record_event(change(
+            operator, "model.changed", f"model {model_id} changed: {'; '.join(changes)}",
+            data={"changes": changes}))
+        model = updated
+    named, count = await store.catalog.deployments_of(model_id, limit=MAX_NAMED_DEPLOYMENTS)
+    return ModelChanged(model=model, changes=changes, deployments=named,
+                        deployment_count=count)
+
+
 @router.delete("/models/{model_id:path}", status_code=204, responses=problems(404, 409))
 async def delete_model(model_id: str, store: StoreDep, operator: OperatorDep) -> None:
-    """Remove a model; 409 while it is deployed."""
+    """Remove a model; 409 while it is deployed, naming the deployments that serve it."""
     try:
         if not await store.catalog.delete_model(model_id):
             raise HTTPException(404, f"model {model_id!r} is not in the catalog")
     except ModelInUseError:
-        raise HTTPException(409, f"model {model_id!r} has a deployment; delete it first") \
-            from None
+        named, count = await store.catalog.deployments_of(model_id,
+                                                          limit=MAX_NAMED_DEPLOYMENTS)
+        more = f" and {count - len(named)} more" if count > len(named) else ""
+        which = (f"deployment(s) {', '.join(named)}{more} serve it" if named
+                 else "a deployment serves it")
+        raise HTTPException(409, f"model {model_id!r} is in use: {which}; delete them "
+                                 "first (modelkeeper rm DEPLOYMENT)") from None
     await store.events.record_event(change(operator, "model.removed", f"model {model_id} removed"))
 
 
@@ -659,13 +753,36 @@ async def list_replicas(store: StoreDep) -> list[ReplicaView]:
 
 @router.get("/placement/explain", response_model=Explanation, responses=problems(404))
 async def explain_placement(
-    store: StoreDep, settings: SettingsDep, model_id: str, *,
+    store: StoreDep, settings: SettingsDep, model_id: str | None = None, *,
+    deployment_id: str | None = None,
     node_ids: list[str] | None = Query(default=None),  # noqa: B008 - FastAPI's idiom
     min_nodes: int = Query(default=1, ge=1, le=64),
 ) -> Explanation:
     """Dry run: where one replica would go now, or every node and why it was rejected.
-    When the model is deployed, its replicas' nodes count as placement counts them: a node
-    without one is preferred, and the note says when the replica would have to share."""
+    Of a deployment (``deployment_id``), or of the deployment of ``model_id`` when it has
+    one, it asks as that deployment's workflow would: the model it runs, its labels,
+    nodes, minimum of nodes, class and owner; its replicas' nodes count as placement
+    counts them (a node without one is preferred; the note says when the replica would
+    have to share). ``node_ids`` narrows the nodes further."""
+    deployment = None
+    if deployment_id is not None:
+        deployment = await store.deployments.get_deployment(deployment_id)
+        if deployment is None:
+            raise HTTPException(404, f"deployment {deployment_id!r} does not exist")
+        if model_id is not None and model_id not in (deployment.model_id,
+                                                     deployment.runs_model_id):
+            raise RequestValidationError([{
+                "type": "value_error", "loc": ("query", "model_id"), "input": model_id,
+                "msg": f"deployment {deployment_id} runs {_runs_of(deployment)}, not this "
+                       "model: give that, or no model_id"}])
+        model_id = _runs_of(deployment)
+    elif model_id is None:
+        raise RequestValidationError([{
+            "type": "missing", "loc": ("query", "model_id"), "input": None,
+            "msg": "give model_id or deployment_id: the model or the deployment whose next "
+                   "replica to place"}])
+    else:
+        deployment = await store.deployments.get_deployment_by_model(model_id)
     model = await store.catalog.get_model(model_id)
     if model is None:
         raise HTTPException(404, f"model {model_id!r} is not in the catalog")
@@ -674,16 +791,18 @@ async def explain_placement(
         model.memory_bytes, calibration, margin=settings.oom_calibration_margin)
     # Placement claims the calibrated memory (activities.store): so does its dry run.
     model = with_calibration(model, calibration, margin=settings.oom_calibration_margin)
-    deployment = await store.deployments.get_deployment_by_model(model_id)
-    request = PlacementRequest(
-        model_id=model.model_id, memory_bytes=model.memory_bytes, cpu_cores=model.cpu_cores,
-        gpus=model.gpus, min_nodes=max(min_nodes, model.min_nodes),
-        engine=model.engine, engine_version=model.engine_version,
-        node_ids=await resolve_node_ids(store, node_ids, loc=("query", "node_ids"))
-        if node_ids else None,
-        deployment_id=None if deployment is None else deployment.deployment_id,
-        sibling_node_ids=[] if deployment is None else
-        sorted({n for r in deployment.replicas for n in r.nodes}))
+    asked = await resolve_node_ids(store, node_ids, loc=("query", "node_ids")) \
+        if node_ids else None
+    if deployment is not None and deployment.node_ids:
+        # Its own nodes, narrowed to those asked about.
+        asked = [n for n in deployment.node_ids if asked is None or n in asked]
+    request = room.placement_request(
+        model, min_nodes=max(min_nodes, 1 if deployment is None else deployment.min_nodes),
+        node_ids=asked, labels={} if deployment is None else deployment.labels,
+        deployment=deployment)
+    if deployment is not None:
+        request = request.model_copy(update={"capacity_class": deployment.runs_as,
+                                             "owner": deployment.owner})
     views = await store.placement.list_node_views(
         datetime.now(UTC), unreachable_after_s=settings.node_unreachable_after_s,
         lost_after_s=settings.node_lost_after_s)
@@ -697,7 +816,9 @@ async def explain_placement(
         chosen, summary, note = [], result.summary, None
     decisions = explain(judged.request, views)
     return Explanation(
-        model_id=model_id, fits=bool(chosen), nodes_chosen=chosen, summary=summary, note=note,
+        model_id=model_id,
+        deployment_id=None if deployment is None else deployment.deployment_id,
+        fits=bool(chosen), nodes_chosen=chosen, summary=summary, note=note,
         profile=judged.name,
         calibration=shown,
         nodes=[NodeVerdict(node_id=d.node_id, name=d.node_name, fits=d.fits,
@@ -733,6 +854,11 @@ async def _existing(store: Store, deployment_id: str) -> DeploymentView:
     if view is None:
         raise HTTPException(404, f"deployment {deployment_id!r} does not exist")
     return view
+
+
+def _runs_of(deployment: DeploymentView) -> str:
+    """The catalog model a deployment's new replicas run (after a switch, not its name)."""
+    return deployment.runs_model_id or deployment.model_id
 
 
 def static_summary(deployment_id: DeploymentId, model_id: str, created_by: str) -> str:

@@ -297,13 +297,24 @@ async def _begin(operations: OperationsStore, temporal: Client, *, kind: Operati
 
 @router.get("/operations", response_model=list[OperationRecord])
 async def list_operations(
-    operations: OperationsDep, *, deployment: str | None = None, node: str | None = None,
-    state: OperationState | None = None,
+    operations: OperationsDep, store: StoreDep, *, deployment: str | None = None,
+    node: str | None = None, state: OperationState | None = None,
     limit: int = Query(default=50, ge=1, le=MAX_LIST_LIMIT),
 ) -> list[OperationRecord]:
-    """The newest operations first, optionally of one deployment, node or state."""
+    """The newest operations first, optionally of one deployment (by id or model id, as
+    everywhere else), node (by id or name) or state. A value that names nothing there is
+    now is taken as an id: a deleted deployment's or removed node's operations stay."""
+    if deployment is not None and await store.deployments.get_deployment(deployment) is None:
+        by_model = await store.deployments.get_deployment_by_model(deployment)
+        if by_model is not None:
+            deployment = by_model.deployment_id
+    if node is not None:
+        nodes = await store.nodes.list_nodes()
+        named = [n.node_id for n in nodes if n.name == node]
+        if node not in {n.node_id for n in nodes} and len(named) == 1:
+            node = named[0]
     return await operations.list_operations(deployment_id=deployment, node_id=node, state=state,
-                                     limit=limit)
+                                            limit=limit)
 
 
 @router.get("/operations/{operation_id:path}", response_model=OperationRecord,

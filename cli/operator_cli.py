@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import re
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from modelkeeper.domain.log_reads import DEFAULT_TAIL_LINES, FOLLOW_INTERVAL_S, 
 from modelkeeper.domain.no_room import MAX_PLAN_NUMBER, IfNoRoom
 from modelkeeper.domain.operators import OperatorRole, name_problem
 from modelkeeper.domain.shards import EngineKind
+from modelkeeper.domain.status import failure_is_current
 from modelkeeper.domain.topology import FACILITY_CAP_KEY
 from modelkeeper.domain.units import format_duration, format_gib, parse_bytes, parse_duration
 from modelkeeper.settings import Settings
@@ -479,7 +481,18 @@ def _size_request(args: argparse.Namespace) -> Request:
 
 
 def _explain_request(args: argparse.Namespace) -> Request:
-    return Request("GET", "/placement/explain", params={"model_id": args.model_id})
+    """Of a model, or (``--deployment``, by id or model id) of a deployment's next
+    replica: its labels, nodes and class apply."""
+    if args.deployment is None:
+        if args.model_id is None:
+            raise UsageError("explain needs a MODEL or --deployment DEPLOYMENT, and neither "
+                             "was given")
+        return Request("GET", "/placement/explain", params={"model_id": args.model_id})
+    extra = {} if args.model_id is None else {"model_id": args.model_id}
+    return Request("GET", "/deployments", then=partial(
+        _deployment_request, args.command, args.deployment,
+        lambda d: Request("GET", "/placement/explain",
+                          params={"deployment_id": d, **extra})))
 
 
 def _models_request(args: argparse.Namespace) -> Request:
@@ -492,6 +505,11 @@ def _models_request(args: argparse.Namespace) -> Request:
                        then=partial(_removed, args.model_id))
     if args.action == "show":
         return Request("GET", f"/models/{args.model_id}")
+    if args.action == "edit":
+        return _model_edit_request(args)
+    if args.apply:
+        raise UsageError(f"--apply goes with models edit (it restarts the deployments of "
+                         f"the changed model), not models {args.action}")
     if not args.engine:
         raise UsageError(f"models add {args.model_id!r}: --engine is required, one of "
                          f"{', '.join(EngineKind)}")
@@ -514,6 +532,73 @@ def _models_request(args: argparse.Namespace) -> Request:
     if getattr(args, "profiles", None):
         model["profiles"] = _profiles_file(args.profiles)
     return Request("POST", "/models", body=model)
+
+
+def _model_edit_request(args: argparse.Namespace) -> Request:
+    """``models edit``: PATCH /models/ID with the parts given (engine arguments laid over
+    the model's, which it reads first), then, with ``--apply``, a restart of each
+    deployment serving it (:func:`_apply_change`)."""
+    for flag in ("engine", "profiles", "weights", "default_max_tokens", "max_tokens_limit",
+                 "gpus", "min_nodes", "engine_version"):
+        if getattr(args, flag, None) not in (None, [], False):
+            raise UsageError(f"models edit: --{flag.replace('_', '-')} cannot change: a "
+                             "model's memory (--memory), engine arguments (--engine-arg, "
+                             "--unset-engine-arg), source (--source) and sha256 (--sha256) "
+                             "can; for anything else add a new model and switch to it")
+    patch: dict[str, Any] = {}
+    if args.memory:
+        try:
+            patch["memory_bytes"] = parse_bytes(args.memory)
+        except ValueError as exc:
+            raise UsageError(f"--memory: {exc}") from exc
+    if args.source:
+        patch["source"] = args.source
+    if args.sha256 is not None:
+        patch["sha256"] = None if args.sha256 == "none" else args.sha256
+    given = _engine_args(args.engine_args)
+    unset = list(args.unset_engine_args)
+    if not patch and not given and not unset:
+        raise UsageError(f"models edit {args.model_id!r}: give what changes: --memory, "
+                         "--engine-arg KEY=VALUE, --unset-engine-arg KEY, --source or "
+                         "--sha256")
+    path = f"/models/{args.model_id}"
+
+    def send(engine_args: dict[str, Any] | None) -> Request:
+        body = patch if engine_args is None else {**patch, "engine_args": engine_args}
+        return Request("PATCH", path, body=body,
+                       then=_apply_change if args.apply else None)
+
+    if not given and not unset:
+        return send(None)
+
+    def merged(model: dict[str, Any]) -> Request:
+        current = dict(model.get("engine_args") or {})
+        missing = [k for k in unset if k not in current]
+        if missing:
+            raise UsageError(f"--unset-engine-arg {missing[0]}: model {args.model_id!r} has "
+                             f"no such engine argument (it has: "
+                             f"{', '.join(sorted(current)) or 'none'})")
+        for key in unset:
+            del current[key]
+        return send({**current, **given})
+    return Request("GET", path, then=merged)
+
+
+def _apply_change(answer: dict[str, Any]) -> Request | dict[str, Any]:
+    """After a change: a restart of each deployment serving the model, one after the
+    other, each answer kept in ``operations``; the change itself when none serves it."""
+    answer = {**answer, "operations": []}
+    return _next_restart(answer, list(answer["deployments"]), None)
+
+
+def _next_restart(answer: dict[str, Any], todo: list[str],
+                  started: dict[str, Any] | None) -> Request | dict[str, Any]:
+    if started is not None:
+        answer["operations"].append(started)
+    if not todo:
+        return answer
+    return Request("POST", f"/deployments/{todo[0]}/restart",
+                   then=partial(_next_restart, answer, todo[1:]))
 
 
 def _profiles_file(path: str) -> Any:
@@ -722,6 +807,30 @@ def table(rows: list[list[str]], headers: list[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+#: The narrowest and widest a long free-text cell of a table (an operation's summary or
+#: error) is cut to: a sentence of a summary stays whole even on a narrow terminal, and
+#: one of 600 characters is one line on a wide one.
+MIN_CELL_CHARS = 60
+MAX_CELL_CHARS = 120
+#: The ellipsis a cut cell ends with.
+ELLIPSIS = "…"
+
+
+def clip(text: str, width: int) -> str:
+    """``text`` on one line of at most ``width`` characters: newlines become spaces, and
+    a longer one is cut, ending with an ellipsis."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[:max(width - 1, 0)].rstrip() + ELLIPSIS
+
+
+def cell_width() -> int:
+    """How wide a long cell may be: half the terminal (the rest of its row beside it),
+    within MIN_CELL_CHARS and MAX_CELL_CHARS; the widest when not a terminal (a file or a
+    pipe has no width, and a line of 600 characters is still cut)."""
+    columns = shutil.get_terminal_size((2 * MAX_CELL_CHARS, 24)).columns
+    return max(MIN_CELL_CHARS, min(MAX_CELL_CHARS, columns // 2))
+
+
 def _mem(value: int | None) -> str:
     return "-" if value is None else format_gib(value)
 
@@ -740,7 +849,11 @@ def _reason(deployment: dict[str, Any]) -> str:
                 reason += f"; its replacement cannot be placed: {deployment['placement_error']}"
             return reason
         case "serving" | "stopped" | "idle" | "sleeping":
-            return f"(last failure: {last})" if last else ""
+            # Only while it belongs to what runs now: a restart (or switch, reconfigure)
+            # since has replaced what failed.
+            current = failure_is_current(deployment.get("last_failure_generation"),
+                                         deployment.get("generation", 0))
+            return f"(last failure: {last})" if last and current else ""
         case "loading":
             # Who asked and since when (the keeper's reason, e.g. "3 request(s) waiting").
             since = deployment.get("loading_since")
@@ -871,9 +984,10 @@ def _explain_text(args: argparse.Namespace, result: Any) -> str:
     names = {n.get("node_id"): n["name"] for n in result["nodes"]}
     chosen = ", ".join(names.get(i, i) for i in result["nodes_chosen"])
     profile = f" (profile {result['profile']})" if result.get("profile") else ""
-    head = (f"{result['model_id']}: fits on {chosen}{profile}"
-            if result["fits"] else f"{result['model_id']}: cannot be placed: "
-                                   f"{result['summary']}")
+    what = result["model_id"] + (f" (deployment {result['deployment_id']})"
+                                 if result.get("deployment_id") else "")
+    head = (f"{what}: fits on {chosen}{profile}"
+            if result["fits"] else f"{what}: cannot be placed: {result['summary']}")
     if result.get("note"):
         head += f"\n{result['note']}"
     if result.get("calibration"):
@@ -894,8 +1008,34 @@ def _models_text(args: argparse.Namespace, result: Any) -> str:
             return f"model {result['model_id']} removed"
         case "show":
             return _model_text(result)
+        case "edit":
+            return _model_changed_text(args, result)
         case _:
             return f"model {result['model_id']} added ({_mem(result['memory_bytes'])})"
+
+
+def _model_changed_text(args: argparse.Namespace, result: dict[str, Any]) -> str:
+    """``models edit``: what changed, which deployments run the old spec, and the
+    restarts ``--apply`` started."""
+    model = result["model"]["model_id"]
+    if not result["changes"]:
+        return f"model {model}: nothing changed (it already has these values)"
+    lines = [f"model {model} changed: {'; '.join(result['changes'])}"]
+    named, count = result["deployments"], result["deployment_count"]
+    more = f" and {count - len(named)} more" if count > len(named) else ""
+    operations = result.get("operations")
+    if not named:
+        lines.append("no deployment serves it: new replicas run the new spec")
+    elif operations is None:
+        lines.append(f"deployments serving it: {', '.join(named)}{more}; their replicas run "
+                     f"the old spec (outdated in ls) until restarted: modelkeeper restart "
+                     f"DEPLOYMENT, or models edit {model} ... --apply")
+    else:
+        lines.append("rolling it out: a restart of each deployment serving it"
+                     + (f" ({count - len(named)} more not restarted: restart them by name)"
+                        if more else ""))
+        lines += [_started_text(args, o) for o in operations]
+    return "\n".join(lines)
 
 
 def measured_line(m: dict[str, Any]) -> str:
@@ -969,8 +1109,12 @@ def _cordon_text(args: argparse.Namespace, result: Any) -> str:
 def _operations_text(args: argparse.Namespace, result: Any) -> str:
     match args.action:
         case "ls":
+            # One line each: a summary or error of hundreds of characters is cut (ops
+            # show ID, and --json, give it whole).
+            width = cell_width()
             return table([[o["operation_id"], o["state"], o["updated_at"] or "",
-                           o["summary"], o["error"] or ""] for o in result],
+                           clip(o["summary"], width), clip(o["error"] or "", width)]
+                          for o in result],
                          ["id", "state", "updated", "summary", "error"])
         case "show":
             return _operation_text(result)
@@ -1243,7 +1387,11 @@ def _rm_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _explain_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_id")
+    parser.add_argument("model_id", nargs="?", metavar="MODEL",
+                        help="a catalog model (when it is deployed, as its deployment asks)")
+    parser.add_argument("--deployment", metavar="DEPLOYMENT",
+                        help="a deployment's next replica, by id or model id: its labels, "
+                             "nodes, minimum of nodes and class apply")
 
 
 def _deployment_flags(parser: argparse.ArgumentParser) -> None:
@@ -1357,8 +1505,9 @@ def _wait_timeout(raw: str) -> float:
 def _operations_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", nargs="?", choices=["ls", "show", "cancel"], default="ls")
     parser.add_argument("operation_id", nargs="?", metavar="ID")
-    parser.add_argument("--deployment", help="ls: only this deployment's")
-    parser.add_argument("--node", help="ls: only this node's")
+    parser.add_argument("--deployment",
+                        help="ls: only this deployment's (by id or model id)")
+    parser.add_argument("--node", help="ls: only this node's (by id or name)")
     parser.add_argument("--state", help="ls: only in this state (running, failed, ...)")
     parser.add_argument("--limit", type=int, help="ls: at most this many (default 50)")
 
@@ -1408,7 +1557,7 @@ def _size_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _models_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", nargs="?", choices=["ls", "show", "add", "rm"],
+    parser.add_argument("action", nargs="?", choices=["ls", "show", "add", "edit", "rm"],
                         default="ls")
     parser.add_argument("model_id", nargs="?")
     parser.add_argument("--engine", choices=[e.value for e in EngineKind])
@@ -1435,6 +1584,15 @@ def _models_flags(parser: argparse.ArgumentParser) -> None:
                              "gpus, cpu_cores, engine_args, engine_version, priority}), "
                              "tried in priority "
                              "order where a replica is placed (docs/capacity.md)")
+    parser.add_argument("--unset-engine-arg", dest="unset_engine_args", action="append",
+                        default=[], metavar="KEY",
+                        help="edit: remove this engine argument; repeatable")
+    parser.add_argument("--sha256", metavar="HEX",
+                        help="edit: the SHA-256 of the new source's file ('none': check "
+                             "nothing); a model with one needs it with a new --source")
+    parser.add_argument("--apply", action="store_true",
+                        help="edit: roll the change out now, restarting each deployment "
+                             "that serves the model (a saga each, with rollback)")
 
 
 # ----------------------------------------------------------------------------------------
@@ -1541,10 +1699,12 @@ COMMANDS: tuple[Command, ...] = (
             waits=True),
     Command("nodes", "list nodes, or remove one (nodes rm NODE [--force])", _nodes_flags,
             _nodes_request, _nodes_text),
-    Command("explain", "dry-run placement of one replica of a model", _explain_flags,
+    Command("explain", "dry-run placement of one replica of a model, or of a deployment "
+            "(--deployment: its labels and nodes apply)", _explain_flags,
             _explain_request, _explain_text),
-    Command("models", "list the model catalog, show one (with its measured capacity), or "
-            "add/remove a model", _models_flags, _models_request, _models_text),
+    Command("models", "list the model catalog, show one (with its measured capacity), "
+            "add, edit (memory, engine arguments, source; --apply restarts its deployments) "
+            "or remove a model", _models_flags, _models_request, _models_text),
     Command("size", "how many replicas a target rate needs, by the model's measured "
             "capacity, against the room there is", _size_flags, _size_request, _size_text),
     Command("scale", "set a deployment's replica count, or its scaling policy", _scale_flags,

@@ -29,7 +29,9 @@ leaves it. The API hands each agent a Temporal address it can reach (``api.agent
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import getpass
+import json
 import logging
 import os
 import secrets
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
+from typing import IO, Any
 
 import httpx
 import psutil
@@ -65,7 +68,14 @@ from modelkeeper.infra.processes import (
     tcp_accepts,
 )
 from modelkeeper.names import LOCAL_DATABASE_NAME, local_database_passfile
-from modelkeeper.settings import Settings, env_var_names
+from modelkeeper.settings import (
+    DEFAULT_API_PORT,
+    DEFAULT_BIND_HOST,
+    Settings,
+    default_data_dir,
+    env_var_names,
+    local_api_url,
+)
 from modelkeeper.store.tokens import TokensStore
 
 from . import binaries, postgres, temporal_server
@@ -206,6 +216,81 @@ def _port_check_host(bind_host: str) -> str:
     """Where to try a port for ``bind_host``: the IPv4 wildcard for either wildcard, since
     the check binds an IPv4 socket (it cannot bind ``::``)."""
     return "0.0.0.0" if bind_host.strip("[]") in WILDCARD_BINDS else bind_host
+
+
+#: The highest TCP port.
+MAX_PORT = 65535
+#: The file in the data dir a running `up` holds a lock on (flock: released when the
+#: process ends, however it ends), with its pid and ports, so that a second `up` on the
+#: same data dir says so in one line instead of PostgreSQL's log about postmaster.pid.
+UP_LOCK_FILE = "up.lock"
+
+
+def describe_running_stack(data_dir: Path, held: dict[str, Any] | None) -> str:
+    """The one line a second `up` on ``data_dir`` prints: who holds it, on which ports
+    (``held``: what the running `up` wrote in its lock file; None: unreadable)."""
+    held = held or {}
+    ports = held.get("ports") or {}
+    shown = ", ".join(f"{use.label} {ports[use.field]}" for use in PORTS
+                      if isinstance(ports.get(use.field), int))
+    who = f"pid {held['pid']}" if isinstance(held.get("pid"), int) else "another process"
+    api_port = ports.get("api_port")
+    reach = ("its API's URL" if not isinstance(api_port, int) else "MODELKEEPER_API_URL="
+             + local_api_url(str(held.get("bind_host") or "127.0.0.1"), api_port))
+    return (f"data dir {data_dir} is in use by a running modelkeeper up ({who}"
+            + (f"; {shown}" if shown else "") + f"): use that stack (the CLI reaches it "
+            f"with {reach}), stop it first (Ctrl-C where it runs), or give this one another "
+            "--data-dir")
+
+
+def leftover_postgres(pgdata: Path) -> str | None:
+    """The one line for a PostgreSQL still running on ``pgdata`` when no `up` holds its
+    data dir (one that did not stop cleanly left it); None when none runs there."""
+    try:
+        lines = (pgdata / "postmaster.pid").read_text().splitlines()
+        pid = int(lines[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if not psutil.pid_exists(pid):
+        return None  # a stale file: PostgreSQL itself starts past it
+    port = lines[3].strip() if len(lines) > 3 else "?"
+    return (f"PostgreSQL is still running on {pgdata} (pid {pid}, port {port}) though no "
+            "modelkeeper up holds its data dir: a stack that did not stop cleanly left it; "
+            f"stop it (kill {pid}) and run up again")
+
+
+def lock_data_dir(settings: Settings) -> IO[str]:
+    """Take the data dir for this `up`: a lock on its UP_LOCK_FILE, held while the file
+    stays open, with this process's pid and ports in it; StackError (one line naming the
+    data dir and the running stack's ports) when another `up` holds it."""
+    make_private_dir(settings.data_dir, traverse_gid=postgres.system_gid())
+    path = settings.data_dir / UP_LOCK_FILE
+    # Private as the rest of the data dir (its pid and ports are no secret, but nothing
+    # there is anyone else's to read).
+    lock = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "r+", encoding="utf-8")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        try:
+            held = json.loads(lock.read() or "null")
+        except ValueError:
+            held = None
+        lock.close()
+        raise StackError(describe_running_stack(settings.data_dir,
+                                                held if isinstance(held, dict) else None)
+                         ) from None
+    leftover = leftover_postgres(settings.postgres_dir)
+    if leftover is not None:
+        lock.close()
+        raise StackError(leftover)
+    lock.seek(0)
+    lock.truncate()
+    json.dump({"pid": os.getpid(), "bind_host": settings.bind_host,
+               "ports": {use.field: int(getattr(settings, use.field)) for use in PORTS}},
+              lock)
+    lock.flush()
+    return lock
 
 
 def check_ports(settings: Settings) -> None:
@@ -861,6 +946,38 @@ def reachable_at(settings: Settings) -> list[str]:
     return sorted(names, key=lambda n: (":" in n, not n[:1].isdigit()))
 
 
+#: Where the CLI sends its commands in a shell with no MODELKEEPER_ setting.
+DEFAULT_CLI_API_URL = local_api_url(DEFAULT_BIND_HOST, DEFAULT_API_PORT)
+
+
+def cli_api_url(settings: Settings) -> str:
+    """Where a CLI on this machine reaches this stack's API."""
+    return local_api_url(settings.bind_host, settings.api_port)
+
+
+def cli_exports(settings: Settings) -> str:
+    """What a shell must export for the CLI to reach this stack, as ``NAME=value`` words:
+    the API's URL when it is not the default one, and the operator token's file when the
+    data dir is not the default (the CLI reads the token from the default one); "" when
+    a plain shell reaches it."""
+    words = []
+    if cli_api_url(settings) != DEFAULT_CLI_API_URL:
+        words.append(f"{env_var_names('api_url')[0]}={cli_api_url(settings)}")
+    if settings.data_dir != default_data_dir():
+        words.append(f"{env_var_names('token_file')[0]}={settings.operator_token_file}")
+    return " ".join(words)
+
+
+def next_port_range(low: int, high: int) -> str:
+    """A range of engine ports as wide as ``low``-``high`` and apart from it: the one
+    above, or below when that would pass the last port; for a second agent on this
+    machine, whose engines must not take the first agent's ports."""
+    width = high - low
+    if high + 1 + width <= MAX_PORT:
+        return f"{high + 1}-{high + 1 + width}"
+    return f"{max(1, low - 1 - width)}-{low - 1}"
+
+
 def banner(settings: Settings, demo_status: str = "", *,
            join_token_file: Path | None = None) -> str:
     """Where to look once the stack is up, and how another machine joins it."""
@@ -898,9 +1015,13 @@ def banner(settings: Settings, demo_status: str = "", *,
                 f"  add a node     modelkeeper agent --api-url {api} --join-token-file FILE "
                 "--name NAME --memory 16GiB   (on the other machine: docs/second-machine.md)")
     else:
+        api_flag = ("" if cli_api_url(settings) == DEFAULT_CLI_API_URL
+                    else f" --api-url {cli_api_url(settings)}")
         add_node = [
-            "  add a node     modelkeeper agent --data-dir DIR --memory 16GiB   (this "
-            "machine; for another, run up --bind-host 0.0.0.0: docs/second-machine.md)"]
+            f"  add a node     modelkeeper agent --data-dir DIR --name NAME --memory 16GiB "
+            f"--engine-port-range {next_port_range(*settings.engine_ports)}{api_flag}   "
+            "(this machine, its engines on ports apart from up's own agent's; for another "
+            "machine, run up --bind-host 0.0.0.0: docs/second-machine.md)"]
     metrics_token_default = settings.data_dir / GATEWAY_METRICS_TOKEN_FILE
     lines = [
         "modelkeeper is up.",
@@ -934,6 +1055,10 @@ def banner(settings: Settings, demo_status: str = "", *,
         lines.append(demo_status)
     lines.append(f"  operator token {settings.operator_token_file}   (admin; the modelkeeper "
                  "CLI reads it from there)")
+    exports = cli_exports(settings)
+    if exports:
+        lines.append(f"  CLI            export {exports}   (in another shell: this stack is "
+                     "not where the CLI looks by default)")
     if exposure:
         lines.append(exposure)
     lines.append("Press Ctrl-C to stop everything.")
@@ -942,7 +1067,17 @@ def banner(settings: Settings, demo_status: str = "", *,
 
 def run_up(settings: Settings, out: Callable[[str], None], *, demo: bool = True) -> int:
     """Run the stack in the foreground until SIGINT/SIGTERM or a component is given up on."""
-    check_ports(settings)
+    # Before the ports: a stack already on this data dir would hold them, and the line
+    # should name it, not a port.
+    lock = lock_data_dir(settings)
+    try:
+        check_ports(settings)
+        return _run_locked(settings, out, demo=demo)
+    finally:
+        lock.close()
+
+
+def _run_locked(settings: Settings, out: Callable[[str], None], *, demo: bool) -> int:
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         # Raising lets a signal interrupt start-up waits as well as the supervision loop;

@@ -10,10 +10,10 @@ from __future__ import annotations
 import ipaddress
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .domain.sources import DEFAULT_MAX_DOWNLOAD_BYTES, HUGGING_FACE_HOSTS
@@ -41,7 +41,23 @@ _HTTPS: SourceScheme = "https"
 ROOT_DATA_DIR = Path("/var/lib/modelkeeper")
 
 
-def _default_data_dir() -> Path:
+#: The API's port, and the address `up`'s servers listen on, unless set.
+DEFAULT_API_PORT = 8400
+DEFAULT_BIND_HOST = "127.0.0.1"
+#: How this machine reaches a server bound to every interface.
+_LOOPBACK_OF_WILDCARD = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}
+
+
+def local_api_url(bind_host: str, port: int) -> str:
+    """The URL of an API on this machine that listens on ``bind_host``:``port``: loopback
+    for a wildcard bind, the address itself otherwise (IPv6 in brackets)."""
+    host = bind_host.strip("[]")
+    host = _LOOPBACK_OF_WILDCARD.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def default_data_dir() -> Path:
+    """The data dir unless set: per user, or /var/lib/modelkeeper under root."""
     if os.geteuid() == 0:
         return ROOT_DATA_DIR
     return Path.home() / ".local" / "share" / "modelkeeper"
@@ -58,7 +74,7 @@ class Settings(BaseSettings, KeeperTunables, ControlTunables, LivenessTunables, 
     model_config = SettingsConfigDict(env_prefix="MODELKEEPER_", extra="ignore", frozen=True)
 
     data_dir: Path = Field(
-        default_factory=_default_data_dir,
+        default_factory=default_data_dir,
         description="Where `up` keeps PostgreSQL's data, Temporal's SQLite file and logs. "
         "Under root, /var/lib/modelkeeper: PostgreSQL then runs as its own system user, "
         "which must reach its data, and `up` changes no folder above the data dir (an "
@@ -66,10 +82,11 @@ class Settings(BaseSettings, KeeperTunables, ControlTunables, LivenessTunables, 
         "here).",
     )
     bind_host: str = Field(
-        default="127.0.0.1",
+        default=DEFAULT_BIND_HOST,
         description="Address the API, gateway and local servers listen on.",
     )
-    api_port: Port = Field(default=8400, ge=1, le=65535, description="Port of the HTTP API.")
+    api_port: Port = Field(default=DEFAULT_API_PORT, ge=1, le=65535,
+                           description="Port of the HTTP API.")
     gateway_port: Port = Field(
         default=8401, ge=1, le=65535, description="Port of the OpenAI-compatible gateway."
     )
@@ -320,9 +337,27 @@ class Settings(BaseSettings, KeeperTunables, ControlTunables, LivenessTunables, 
 
     # -- agent -------------------------------------------------------------------------------
     api_url: str = Field(
-        default="http://127.0.0.1:8400",
-        description="Where an agent registers and heartbeats (the API's base URL).",
+        default=f"http://127.0.0.1:{DEFAULT_API_PORT}",
+        description="The API's base URL: where the CLI sends its commands, and where an "
+        "agent registers and heartbeats. Unset: this machine's API, on api_port "
+        "(MODELKEEPER_API_PORT) and bind_host (loopback for a wildcard), so a CLI beside "
+        "a stack on another port reaches that stack.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _api_url_from_port(cls, data: Any) -> Any:
+        """``api_url`` unset: this machine's API, on the port and host it is set to listen
+        on (the one home of that default). A port that is not a number is left for its
+        field to refuse."""
+        if not isinstance(data, dict) or data.get("api_url") is not None:
+            return data
+        try:
+            port = int(data.get("api_port", DEFAULT_API_PORT))
+        except (TypeError, ValueError):
+            return data
+        return {**data, "api_url": local_api_url(str(data.get("bind_host", DEFAULT_BIND_HOST)),
+                                                 port)}
     join_token: str | None = Field(
         default=None,
         description="Shared token an agent presents once, to join: it gets its own node "

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
+from pathlib import PurePosixPath
 from typing import Annotated, Any, Self
+from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
@@ -18,7 +21,7 @@ from .sources import SECRET_NAME_PATTERN, SHA256_PATTERN
 from .start_progress import QUEUED, ReplicaProgress
 from .status import DeploymentStatus, ReplicaState
 from .topology import MAX_WATTS, Spread
-from .units import format_duration
+from .units import format_duration, format_gib
 from .versions import normalise_requirement
 
 #: Model ids appear in URLs, workflow ids and OpenAI requests: keep them plain.
@@ -224,6 +227,110 @@ class CatalogModel(ModelSpec):
     memory_bytes: int = Field(gt=0, le=MAX_MEMORY_BYTES)
     memory_estimated: bool = False
     created_at: datetime | None = None
+    #: When its memory, engine arguments or source last changed (PATCH /models/{id});
+    #: None: never since it was added. Replicas placed before run the old spec (outdated).
+    spec_changed_at: datetime | None = None
+
+
+class ModelPatch(Frozen):
+    """PATCH /models/{id}: the parts of a model's spec that may change while it is
+    deployed. Each field given replaces the model's (``engine_args`` as a whole); the
+    result is judged as ``POST /models`` judges a new entry. Replicas running keep the old
+    spec, and show as outdated until a restart replaces them."""
+
+    memory_bytes: JsonInt | None = Field(
+        default=None, gt=0, le=MAX_MEMORY_BYTES,
+        description="declared working set per replica; unset: kept (re-estimated from the "
+                    "file when it was estimated and the source changes)")
+    engine_args: dict[str, Any] | None = Field(
+        default=None, description="the engine arguments, replacing the model's whole map "
+                                  "(the engine's allow-list applies)")
+    source: str | None = Field(default=None, min_length=1, max_length=1000,
+                               description="where the weights come from, as POST /models")
+    sha256: str | None = Field(
+        default=None, pattern=SHA256_PATTERN,
+        description="SHA-256 of the new source's file; a model with one must give it (or "
+                    "null, to check nothing) with a new source")
+
+    @model_validator(mode="after")
+    def _something(self) -> Self:
+        if not self.model_fields_set:
+            raise ValueError("give at least one of memory_bytes, engine_args, source, "
+                             "sha256: an empty change changes nothing")
+        return self
+
+
+class PatchRefused(ValueError):
+    """A patch that cannot apply to the model: ``field`` names the part, ``value`` what
+    was given, the message the rule."""
+
+    def __init__(self, field: str, value: Any, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.value = value
+
+
+def patched_spec(model: CatalogModel, patch: ModelPatch) -> dict[str, Any]:
+    """The fields of ``model`` with ``patch`` laid over them, as ``POST /models`` takes
+    them (to be judged as a new entry is). A memory estimated from the old source is
+    dropped with a new source, so that it is estimated again (or its absence refused).
+    :class:`PatchRefused` when the old sha256 would check the new source's file."""
+    given = patch.model_dump(include=patch.model_fields_set)
+    fields = model.model_dump(exclude={"memory_estimated", "created_at", "spec_changed_at"})
+    source_changes = "source" in given and given["source"] != model.source
+    if source_changes and model.sha256 is not None and "sha256" not in given:
+        raise PatchRefused("sha256", model.sha256,
+                           f"the model's sha256 checks the file of its source "
+                           f"{model.source!r}; give the new file's sha256 (or null, to check "
+                           "nothing) with the new source")
+    if "memory_bytes" not in given and model.memory_estimated and source_changes:
+        fields["memory_bytes"] = None
+    if "engine_args" in given and given["engine_args"] is None:
+        given["engine_args"] = {}
+    return {**fields, **given}
+
+
+def spec_changes(old: CatalogModel, new: CatalogModel) -> list[str]:
+    """What changed between two entries of one model, one phrase per part: for the audit
+    log and the CLI ("memory 1.0 GiB -> 2.0 GiB")."""
+    changes = []
+    if old.memory_bytes != new.memory_bytes:
+        changes.append(f"memory {format_gib(old.memory_bytes)} -> "
+                       f"{format_gib(new.memory_bytes)}"
+                       + (" (estimated)" if new.memory_estimated else ""))
+    if old.engine_args != new.engine_args:
+        changes.append(f"engine_args {old.engine_args} -> {new.engine_args}")
+    if old.source != new.source:
+        changes.append(f"source {old.source} -> {new.source}")
+    if old.sha256 != new.sha256:
+        changes.append(f"sha256 {old.sha256 or 'none'} -> {new.sha256 or 'none'}")
+    return changes
+
+
+#: The engines that read one .gguf file, and so cannot take a Hugging Face repo id (a
+#: folder of files): llama.cpp.
+GGUF_ENGINES = frozenset({EngineKind.LLAMACPP})
+#: The packaged SmolLM2 by name, which llama.cpp reads as its .gguf file.
+_PACKAGED_GGUF = frozenset({PACKAGED_SMOLLM2})
+
+
+def engine_source_problem(engine: EngineKind, source: str) -> str | None:
+    """Why ``engine`` cannot read ``source``, judged by its form alone, so that a model
+    that could never start is refused when it is added, not after its starts have failed:
+    llama.cpp reads one .gguf file, so it needs a path or URL ending in ``.gguf``, or
+    ``smollm2``; a Hugging Face repo id names a folder. None when the form will do (the
+    file itself is checked where it is read)."""
+    if engine not in GGUF_ENGINES or source in _PACKAGED_GGUF:
+        return None
+    path = urlsplit(source).path if "://" in source else source
+    if PurePosixPath(path).suffix == ".gguf":
+        return None
+    what = ("a Hugging Face repo id or another name" if "://" not in source
+            and not source.startswith(("/", "~")) else "not a .gguf file")
+    return (f"engine {engine.value!r} reads one .gguf file, and {source!r} is {what}: give "
+            f"an absolute path or an https URL of a .gguf file (for a Hugging Face repo, "
+            f"the URL of the file: https://huggingface.co/ORG/NAME/resolve/main/FILE.gguf), "
+            f"or {PACKAGED_SMOLLM2!r}")
 
 
 #: The replicas of a deployment created with neither ``replicas`` nor ``scaling``.
@@ -357,6 +464,9 @@ class DeploymentView(Frozen):
     consecutive_failures: int
     last_failure: str | None
     min_nodes: int
+    #: The generation ``last_failure`` happened on; None: none, or unknown (recorded
+    #: before 0030). Older than ``generation``: over (status.failure_is_current).
+    last_failure_generation: int | None = None
     node_ids: list[NodeId] | None
     labels: dict[str, str]
     replicas: list[ReplicaView]
@@ -403,6 +513,30 @@ class DeploymentView(Frozen):
                 w == QUEUED for w in waiting)
             data = {**data, "shown_status": QUEUED if queued else status}
         return data
+
+
+def current_placement_note(note: str | None, replicas: Sequence[ReplicaView]) -> str | None:
+    """The keeper's placement note (``"<replica> shares node n1 with another replica
+    ...; <replica> ..."``) without the parts of replicas that no longer share a node with
+    another live one of the deployment: once the replica it shared with is gone (the old
+    one a restart replaced), "shares node vm with another replica" of a 1/1 deployment
+    is not true any more. A part that names no replica of ``replicas`` is kept as it is."""
+    if not note:
+        return note
+    ids = {r.replica_id for r in replicas}
+    groups: list[tuple[str | None, list[str]]] = []
+    for part in note.split("; "):
+        first = part.split(" ", 1)[0]
+        if first in ids or not groups:
+            groups.append((first if first in ids else None, [part]))
+        else:
+            groups[-1][1].append(part)  # a "; " inside one replica's note
+    live = [r for r in replicas if r.state is not ReplicaState.STOPPING]
+    sharing = {r.replica_id for r in live
+               if any(set(r.nodes) & set(o.nodes) for o in live if o is not r)}
+    kept = ["; ".join(parts) for replica_id, parts in groups
+            if replica_id is None or replica_id in sharing]
+    return "; ".join(kept) or None
 
 
 def scaling_summary(policy: ScalingPolicy | None) -> str:

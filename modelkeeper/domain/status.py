@@ -42,3 +42,11 @@ ROUTABLE_STATES = frozenset({ReplicaState.READY})
 #: (an eviction) shows loading, and must hear when the victim's room is freed.
 WAITING_FOR_ROOM = frozenset({DeploymentStatus.CANT_PLACE, DeploymentStatus.DEGRADED,
                               DeploymentStatus.LOADING})
+
+
+def failure_is_current(failure_generation: int | None, generation: int) -> bool:
+    """Whether a deployment's last failure belongs to what it runs now: it happened on
+    its current generation. One from before a restart, switch or reconfigure (each takes
+    the next generation) is over, and is not shown as its history. None (a failure
+    recorded before the store kept its generation): current, as it was always shown."""
+    return failure_generation is None or failure_generation >= generation

@@ -62,6 +62,10 @@ def source_policy(settings: Settings) -> SourcePolicy:
         max_download_bytes=settings.source_max_download_bytes)
 
 
+#: Why a llama.cpp source cannot be read: the API tells it apart (catalog_entry).
+NO_SUCH_FILE = "no such file"
+
+
 def resolve_model_path(source: str, *, policy: SourcePolicy | None = None) -> Path:
     """The .gguf file a llama.cpp ``source`` names: "smollm2" or an absolute .gguf path.
 
@@ -89,5 +93,5 @@ def resolve_model_path(source: str, *, policy: SourcePolicy | None = None) -> Pa
             raise EngineConfigError("source", source,
                                     f"resolves to {resolved}, outside the allowed local roots")
     if not path.is_file():
-        raise EngineConfigError("source", source, "no such file")
+        raise EngineConfigError("source", source, NO_SUCH_FILE)
     return path

@@ -56,6 +56,32 @@ class CatalogStore:
         rows = await self._pool.fetch("SELECT * FROM models ORDER BY model_id")
         return [_model(row) for row in rows]
 
+    async def update_spec(self, model: CatalogModel) -> CatalogModel | None:
+        """Write a model's memory, engine arguments, source and sha256, and mark its spec
+        changed now (replicas placed before run the old one: outdated); None when the
+        model is gone."""
+        row = await self._pool.fetchrow(
+            """
+            UPDATE models SET memory_bytes = $2, memory_estimated = $3, engine_args = $4,
+                              source = $5, sha256 = $6, spec_changed_at = now()
+            WHERE model_id = $1
+            RETURNING *
+            """,
+            model.model_id, model.memory_bytes, model.memory_estimated, model.engine_args,
+            model.source, model.sha256)
+        return None if row is None else _model(row)
+
+    async def deployments_of(self, model_id: str, *, limit: int) -> tuple[list[str], int]:
+        """The deployments that serve ``model_id`` (by name, or behind a name after a
+        switch), by id: at most ``limit`` of them, and how many there are."""
+        rows = await self._pool.fetch(
+            """
+            SELECT deployment_id, count(*) OVER () AS total FROM deployments
+            WHERE model_id = $1 OR runs_model_id = $1
+            ORDER BY deployment_id LIMIT $2
+            """, model_id, limit)
+        return [row["deployment_id"] for row in rows], (rows[0]["total"] if rows else 0)
+
     async def delete_model(self, model_id: str) -> bool:
         """Remove a model; :class:`ModelInUseError` while it has a deployment."""
         try:

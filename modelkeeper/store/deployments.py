@@ -20,6 +20,7 @@ from ..domain.catalog import (
     DeploymentView,
     ReplicaStateUpdate,
     ReplicaView,
+    current_placement_note,
 )
 from ..domain.demand import ScalingPolicy
 from ..domain.events import Event, NewEvent
@@ -155,6 +156,12 @@ class DeploymentStore:
             UPDATE deployments SET
                 status = CASE WHEN status = 'deleting' THEN status ELSE $2 END,
                 placement_error = $3, consecutive_failures = $4, last_failure = $5,
+                -- The generation a failure was first written on (a failure written again
+                -- keeps it): one older than the deployment's is over.
+                last_failure_generation = CASE
+                    WHEN $5::text IS NULL THEN NULL
+                    WHEN last_failure IS DISTINCT FROM $5::text THEN $7
+                    ELSE last_failure_generation END,
                 replicas = $6, generation = $7, runs_model_id = $8, placement_note = $9,
                 scaling = $10, loading_since = $11, loading_reason = $12,
                 demand_note = $13, updated_at = now()
@@ -220,11 +227,14 @@ class DeploymentStore:
                 desired_replicas=row["replicas"],
                 ready_replicas=sum(1 for r in reps if r.state is ReplicaState.READY),
                 consecutive_failures=row["consecutive_failures"],
-                last_failure=row["last_failure"], min_nodes=row["min_nodes"],
+                last_failure=row["last_failure"],
+                last_failure_generation=row["last_failure_generation"],
+                min_nodes=row["min_nodes"],
                 node_ids=row["node_ids"], labels=row["labels"], replicas=reps,
                 workflow_id=row["workflow_id"], created_at=row["created_at"],
                 updated_at=row["updated_at"], generation=row["generation"],
-                runs_model_id=row["runs_model_id"], placement_note=row["placement_note"],
+                runs_model_id=row["runs_model_id"],
+                placement_note=current_placement_note(row["placement_note"], reps),
                 scaling=row["scaling"], loading_since=row["loading_since"],
                 loading_reason=row["loading_reason"], demand_note=row["demand_note"],
                 capacity_class=row["capacity_class"], owner=row["owner"],
@@ -420,7 +430,11 @@ def _policy_json(policy: ScalingPolicy | None) -> dict[str, Any] | None:
 
 _REPLICA_SELECT = f"""
     SELECT r.replica_id, r.deployment_id, d.model_id, r.state, r.endpoint, r.started_at,
-           r.ready_at, r.generation, r.runs_model_id, r.generation < d.generation AS outdated,
+           r.ready_at, r.generation, r.runs_model_id,
+           -- Outdated: placed on an older generation, or before its model's spec changed
+           -- (PATCH /models/{id}): placement reads the catalog when it inserts the row.
+           (r.generation < d.generation
+            OR COALESCE(r.created_at < m.spec_changed_at, false)) AS outdated,
            r.profile, r.shards_ready, r.relaunch_note,
            COALESCE((SELECT array_agg(a.node_id ORDER BY a.rank) FROM allocations a
                      WHERE a.replica_id = r.replica_id), '{{}}') AS nodes,
@@ -433,6 +447,7 @@ _REPLICA_SELECT = f"""
     LEFT JOIN replica_progress p
            ON p.replica_id = r.replica_id AND r.state = 'starting'
           AND p.updated_at > now() - make_interval(secs => {PROGRESS_FRESH_S})
+    LEFT JOIN models m ON m.model_id = COALESCE(r.runs_model_id, d.model_id)
 """
 
 

@@ -123,6 +123,24 @@ def test_up_serves_persists_and_stops_cleanly(up: Up) -> None:
                  up.data_dir / "secrets" / "modelkeeper.pgpass"):
         assert path.stat().st_mode & 0o077 == 0, path
     assert up.data_dir.stat().st_mode & 0o067 == 0
+
+    # Another shell: the CLI reaches this stack (not on the default port or data dir) with
+    # the export its banner prints, and nothing else of MODELKEEPER_ in its environment.
+    [export] = [line for line in banner.splitlines() if "export " in line]
+    shell = {k: v for k, v in os.environ.items() if not k.startswith("MODELKEEPER_")}
+    shell.update(w.split("=", 1) for w in export.split("export ")[1].split("   (")[0].split())
+    ls = subprocess.run([sys.executable, "-m", "modelkeeper", "ls"], env=shell,
+                        capture_output=True, text=True, timeout=60, check=False)
+    assert ls.returncode == 0 and "smollm2-135m" in ls.stdout, ls.stdout + ls.stderr
+    # A second up on the same data dir (on other ports): one line naming it and this
+    # stack's ports, exit 2, and this stack untouched.
+    second = subprocess.run(Up(up.data_dir).argv(), capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert second.returncode == 2, second.stdout + second.stderr
+    [line] = second.stderr.strip().splitlines()
+    assert f"data dir {up.data_dir} is in use by a running modelkeeper up" in line
+    assert f"the API {up.ports['api']}" in line and "Traceback" not in second.stdout
+    assert up.proc is not None and up.proc.poll() is None
     assert httpx.get(f"{api}/deployments", timeout=5).status_code == 401
     [demo] = httpx.get(f"{api}/deployments", timeout=5, headers=up.operator()).json()
     assert (demo["model_id"], demo["ready_replicas"]) == ("smollm2-135m", 1)
