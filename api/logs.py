@@ -33,11 +33,13 @@ from workflows.engine_log import AGENT_PICKUP, RUN_TIMEOUT, EngineLogWorkflow
 from .auth import OperatorDep
 from .deps import StoreDep, TemporalDep
 from .nodes import resolve_node_ids
+from .problems import problems
 
 router = APIRouter(tags=["logs"])
 
 
-@router.get("/replicas/{replica_id}/logs", response_model=EngineLogChunk)
+@router.get("/replicas/{replica_id}/logs", response_model=EngineLogChunk,
+            responses=problems(404, 502, 503, 504))
 async def replica_logs(
     replica_id: str, store: StoreDep, temporal: TemporalDep, operator: OperatorDep, *,
     tail: Annotated[int, Query(ge=0, le=MAX_TAIL_LINES, description=(
@@ -58,8 +60,11 @@ async def replica_logs(
                                  "reading an engine's log needs an admin token, since a log "
                                  "may hold prompts")
     if not valid_replica_id(replica_id):
-        raise HTTPException(422, f"replica_id {replica_id!r} is not a replica id (letters, "
-                                 "digits, '.', '_' and '-', at most 128)")
+        # The shape of FastAPI's own 422s, which the OpenAPI document promises.
+        raise HTTPException(422, [{
+            "loc": ["path", "replica_id"], "type": "value_error", "input": replica_id[:200],
+            "msg": f"replica_id {replica_id[:200]!r} is not a replica id (letters, digits, "
+                   "'.', '_' and '-', at most 128)"}])
     home = await store.deployments.replica_home(replica_id)
     if operator.scope is not None:
         owner = None
@@ -77,8 +82,10 @@ async def replica_logs(
                                  "placement event names it; give its node with ?node= "
                                  "(`modelkeeper logs REPLICA --node NODE`)")
     elif rank >= len(home[1]):
-        raise HTTPException(422, f"rank {rank}: replica {replica_id} has {len(home[1])} "
-                                 f"shard(s), ranks 0-{len(home[1]) - 1}")
+        raise HTTPException(422, [{
+            "loc": ["query", "rank"], "type": "value_error", "input": rank,
+            "msg": f"rank {rank}: replica {replica_id} has {len(home[1])} shard(s), "
+                   f"ranks 0-{len(home[1]) - 1}"}])
     else:
         node_id = home[1][rank]
     request = EngineLogInput(node_id=NodeId(node_id), read=EngineLogRequest(

@@ -25,6 +25,9 @@ _MEANINGS = {
          "running, already ended): the sentence says which.",
     503: "Temporal could not be reached or the workflow could not be started or signalled: "
          "nothing changed, and repeating the request is safe.",
+    502: "A node's agent answered with a failure: the sentence says which.",
+    504: "A node's agent did not answer in time (it is down, or busy): the sentence names "
+         "the node; repeating the request is safe.",
 }
 
 

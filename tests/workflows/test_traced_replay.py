@@ -17,7 +17,7 @@ from temporalio.worker import Replayer
 from modelkeeper.infra import temporal, tracing
 from modelkeeper.settings import Settings
 from tests.support.otlp_receiver import OtlpReceiver, otlp_receiver
-from workflows import ALL_WORKFLOWS
+from worker.main import ALL_WORKFLOWS
 
 pytestmark = pytest.mark.timeout(120)
 
